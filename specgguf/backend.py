@@ -1,0 +1,366 @@
+"""A small wrapper over llama-cpp-python's low-level API: models, contexts, batches.
+
+``LlamaModel`` owns a ``llama_model *`` and its vocabulary; ``LlamaContext`` owns a
+``llama_context *`` (and its KV cache) and one ``llama_batch``. Both free their native
+memory deterministically in ``close()`` (or on leaving a ``with`` block), as
+llama-cpp-python's ``_internals.py`` does with an ``ExitStack``. The high-level ``Llama``
+class is not used: it keeps n_ctx x n_vocab float32 logits when ``logits_all`` is on, which
+a verifier would need (151,936-token Qwen at n_ctx 2048: 1.2 GB). Here logits are requested
+only at the batch positions that need them, and read as a zero-copy NumPy view.
+
+The speculative loop only needs the :class:`specgguf.speculative.Evaluator` interface
+(``eval``, ``rollback``, ``n_past``, ``n_ctx``, ``n_batch``, ``n_vocab``), which
+``LlamaContext`` implements.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError
+from specgguf.runtime import llama, repack_policy
+
+_warned_repack = False
+
+
+def default_threads() -> int:
+    """Threads for generation: the physical core count (llama.cpp's common default)."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # pragma: no cover - psutil is a dependency
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+class LlamaModel:
+    """A GGUF model loaded by llama.cpp (weights and vocabulary).
+
+    Args:
+        path: the .gguf file (the first shard of a split model: llama.cpp finds the rest).
+        n_gpu_layers: layers to offload; -1 offloads all, 0 none (default: all when the
+            build can offload, which llama.cpp ignores on CPU-only builds).
+        use_extra_bufts: weight repacking; None asks :func:`specgguf.runtime.repack_policy`.
+        vocab_only: load only the vocabulary (no weights).
+
+    Raises:
+        ModelNotFoundError: ``path`` does not exist.
+        BackendError: llama.cpp could not load the file.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        n_gpu_layers: int = -1,
+        use_extra_bufts: bool | None = None,
+        vocab_only: bool = False,
+    ) -> None:
+        self._lc = lc = llama()
+        self.path = Path(path)
+        self._model: Any = None  # llama_model * (ctypes)
+        if not self.path.is_file():
+            raise ModelNotFoundError(f"model file not found: {self.path}", path=self.path)
+        if use_extra_bufts is None and not vocab_only:
+            policy = repack_policy()
+            use_extra_bufts = policy.use_extra_bufts
+            global _warned_repack
+            if policy.warning and not _warned_repack:
+                _warned_repack = True
+                print(f"specgguf: warning: {policy.warning}", file=sys.stderr)
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        params.use_extra_bufts = True if use_extra_bufts is None else use_extra_bufts
+        self.use_extra_bufts = bool(params.use_extra_bufts)
+        model = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        if not model:
+            raise BackendError(f"llama.cpp could not load {self.path} (run with -v to see its log)")
+        self._model = model
+        self._vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab: int = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train: int = lc.llama_model_n_ctx_train(model)
+        self.n_layer: int = lc.llama_model_n_layer(model)
+        self.n_embd: int = lc.llama_model_n_embd(model)
+        self.add_bos: bool = bool(lc.llama_vocab_get_add_bos(self._vocab))
+        self.bos: int = lc.llama_vocab_bos(self._vocab)
+        self.eos: int = lc.llama_vocab_eos(self._vocab)
+        self.eog_ids: frozenset[int] = frozenset(
+            i for i in range(self.n_vocab) if lc.llama_vocab_is_eog(self._vocab, i)
+        )
+        self._pieces: dict[int, bytes] = {}
+        self._contexts: weakref.WeakSet[LlamaContext] = weakref.WeakSet()
+
+    # -- vocabulary -------------------------------------------------------------------
+
+    def tokenize(
+        self, text: str | bytes, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids of ``text`` with this model's rules (BOS added when the model's
+        ``add_bos`` says so and ``add_special``; special-token texts parsed)."""
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        n_max = len(data) + 8
+        buf = (self._lc.llama_token * n_max)()
+        n = self._lc.llama_tokenize(
+            self._live_vocab(), data, len(data), buf, n_max, add_special, parse_special
+        )
+        if n < 0:
+            n_max = -n
+            buf = (self._lc.llama_token * n_max)()
+            n = self._lc.llama_tokenize(
+                self._live_vocab(), data, len(data), buf, n_max, add_special, parse_special
+            )
+        if n < 0:  # pragma: no cover - llama.cpp told us the size just before
+            raise BackendError(f"tokenization failed ({n})")
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes of one token as it appears in generated text (special tokens
+        rendered); possibly part of a UTF-8 character. Cached per id."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self._lc.llama_token_to_piece(self._live_vocab(), token, buf, 64, 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._lc.llama_token_to_piece(self._live_vocab(), token, buf, -n, 0, True)
+            piece = buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The concatenated pieces of ``tokens`` (no special-token removal)."""
+        return b"".join(self.token_to_piece(t) for t in tokens)
+
+    def chat_template(self) -> str | None:
+        """The GGUF's ``tokenizer.chat_template``, or None."""
+        raw = self._lc.llama_model_chat_template(self.handle, None)
+        return raw.decode("utf-8") if raw else None
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary's text of ``token`` (``tokenizer.ggml.tokens[token]``)."""
+        raw = self._lc.llama_vocab_get_text(self._live_vocab(), token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    # -- contexts and lifetime ----------------------------------------------------------
+
+    def new_context(
+        self,
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+    ) -> LlamaContext:
+        """A new context (KV cache of ``n_ctx`` positions) on this model."""
+        return LlamaContext(
+            self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+            n_threads_batch=n_threads_batch,
+        )  # fmt: skip
+
+    def _live_vocab(self) -> Any:
+        if self._model is None:
+            raise BackendError("the model was closed")
+        return self._vocab
+
+    @property
+    def handle(self) -> Any:
+        if self._model is None:
+            raise BackendError("the model was closed")
+        return self._model
+
+    def close(self) -> None:
+        """Free the model's native memory (and any context still open on it); idempotent."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        if self._model is not None:
+            self._lc.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_model", None) is not None:
+            self.close()
+
+
+class LlamaContext:
+    """A llama.cpp context: a KV cache of ``n_ctx`` positions for one sequence, a batch
+    of up to ``n_batch`` tokens, and timing of every evaluation.
+
+    ``n_past`` is the number of positions held in the KV cache; ``eval`` appends,
+    ``rollback`` truncates.
+
+    Raises:
+        BackendError: llama.cpp could not create the context.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+    ) -> None:
+        self._lc = lc = model._lc
+        self.model = model
+        self._ctx: Any = None  # llama_context * (ctypes)
+        self._batch: Any = None  # a llama_batch struct (ctypes)
+        threads = n_threads or default_threads()
+        params = lc.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = 1
+        params.n_threads = threads
+        params.n_threads_batch = n_threads_batch or threads
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(model.handle, params)
+        if not ctx:
+            raise BackendError(
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}) "
+                f"for {model.path.name}"
+            )
+        self._ctx = ctx
+        model._contexts.add(self)
+        self.n_ctx: int = lc.llama_n_ctx(ctx)
+        self.n_batch: int = lc.llama_n_batch(ctx)
+        self.n_vocab: int = model.n_vocab
+        self.n_past = 0
+        self.eval_seconds = 0.0  # wall time inside llama_decode and logits access
+        self.n_evals = 0
+        self._mem = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        self._nseq[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+
+    def eval(
+        self,
+        tokens: Sequence[int],
+        *,
+        logits: Literal["last", "all", "none"] = "last",
+    ) -> npt.NDArray[np.float32]:
+        """Append ``tokens`` at positions ``n_past ...`` and return the logits requested.
+
+        Tokens beyond ``n_batch`` are decoded in several batches. Returns a read-only
+        ``float32[n_out, n_vocab]`` view of llama.cpp's output buffer: ``n_out`` is 1 for
+        "last", ``len(tokens)`` for "all" (only allowed when it fits one batch), 0 for
+        "none". The view is valid until the next ``eval`` on this context.
+
+        Raises:
+            ContextOverflowError: the tokens do not fit the KV cache.
+            BackendError: llama_decode failed.
+        """
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(self.n_past + n, self.n_ctx)
+        if logits == "all" and n > self.n_batch:
+            raise ValueError(f"logits='all' needs at most n_batch={self.n_batch} tokens")
+        lc = self._lc
+        t0 = time.perf_counter()
+        n_out = 0
+        for start in range(0, n, self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            m = len(chunk)
+            self._tok[:m] = chunk
+            self._pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
+            is_last_chunk = start + m == n
+            if logits == "all":
+                self._out[:m] = 1
+                n_out = m
+            else:
+                self._out[:m] = 0
+                if logits == "last" and is_last_chunk:
+                    self._out[m - 1] = 1
+                    n_out = 1
+            self._batch.n_tokens = m
+            rc = lc.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                self.eval_seconds += time.perf_counter() - t0
+                # On failure llama.cpp restores the cache (or keeps processed ubatches):
+                # remove anything past what we know is committed.
+                lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+                raise BackendError(
+                    f"llama_decode failed with code {rc} on {self.model.path.name} "
+                    f"({m} tokens at position {self.n_past})"
+                )
+            self.n_past += m
+        if n_out:
+            ptr = lc.llama_get_logits(self._ctx)
+            out = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+        else:
+            out = np.empty((0, self.n_vocab), np.float32)
+        self.eval_seconds += time.perf_counter() - t0
+        self.n_evals += 1
+        out.flags.writeable = False
+        return out
+
+    def rollback(self, n_keep: int) -> None:
+        """Drop every KV-cache position from ``n_keep`` on, so that ``n_past == n_keep``.
+
+        Raises:
+            ValueError: ``n_keep`` is negative or beyond ``n_past``.
+            BackendError: the cache cannot be partially removed (recurrent models).
+        """
+        if not 0 <= n_keep <= self.n_past:
+            raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
+        if n_keep == self.n_past:
+            return
+        if not self._lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+            raise BackendError(
+                f"{self.model.path.name}: the KV cache cannot be partially rolled back"
+            )
+        self.n_past = n_keep
+
+    def close(self) -> None:
+        """Free the batch and the context's native memory; idempotent."""
+        if self._batch is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            self._lc.llama_free(self._ctx)
+            self._ctx = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_ctx", None) is not None:
+            self.close()

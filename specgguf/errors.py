@@ -1,0 +1,233 @@
+"""The error hierarchy of specgguf, and the exit code each error maps to.
+
+Every error a user can cause derives from :class:`SpecggufError`. Each class carries the
+fields that describe what went wrong (a path, a token id, expected and actual values) and
+an ``exit_code`` that the command-line entry point (``specgguf.cli.main``) returns. Where a
+builtin exception fits, it is a second parent, so ``except FileNotFoundError`` works too.
+
+Exit codes (also in the README):
+
+==== ==========================================================================
+0    success (``check``: the pair is compatible)
+1    unexpected internal error
+2    usage error: bad flags or arguments, malformed registry file
+3    model file problem: missing, unreadable, not GGUF, truncated, unknown alias
+4    incompatible vocabularies (``check``, ``run``)
+5    does not fit: memory, disk space, prompt longer than the context
+6    Hugging Face hub or mirror error: not found, network, offline and not cached
+7    access denied by the hub (gated or private repository, HTTP 401/403)
+8    integrity: a downloaded file failed its size or SHA-256 check
+9    llama.cpp backend error: a load or decode failed, an unsafe build
+130  interrupted (Ctrl-C)
+141  stdout closed early (a broken pipe, as in ``| head``)
+==== ==========================================================================
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_MODEL_FILE = 3
+EXIT_INCOMPATIBLE = 4
+EXIT_RESOURCES = 5
+EXIT_HUB = 6
+EXIT_ACCESS = 7
+EXIT_INTEGRITY = 8
+EXIT_BACKEND = 9
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+
+
+class SpecggufError(Exception):
+    """Base class of every error specgguf reports to a user.
+
+    ``str(error)`` is a one-line message a user can act on; ``hint`` an optional second
+    line saying what to do about it.
+    """
+
+    exit_code: int = EXIT_INTERNAL
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(SpecggufError, ValueError):
+    """A flag or argument that cannot be used as given."""
+
+    exit_code = EXIT_USAGE
+
+
+class RegistryError(SpecggufError, ValueError):
+    """A models.toml registry file that cannot be read (carries the file and line)."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, *, path: Path | None = None, line: int | None = None) -> None:
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message)
+        self.path = path
+        self.line = line
+
+
+class ModelFileError(SpecggufError):
+    """A model file that cannot be used: base of the file-level errors."""
+
+    exit_code = EXIT_MODEL_FILE
+
+    def __init__(self, message: str, *, path: Path | str | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.path = Path(path) if path is not None else None
+
+
+class ModelNotFoundError(ModelFileError, FileNotFoundError):
+    """A model path that does not exist, or an alias with no file in the cache."""
+
+
+class UnknownModelError(ModelNotFoundError):
+    """A name that is neither a file nor an alias of the registry (with close matches)."""
+
+    def __init__(self, name: str, *, suggestions: list[str]) -> None:
+        msg = f"{name!r} is neither a GGUF file nor a known model alias"
+        if suggestions:
+            msg += "; did you mean " + ", ".join(repr(s) for s in suggestions) + "?"
+        super().__init__(msg, hint="`specgguf list` shows the known aliases and pairs")
+        self.name = name
+        self.suggestions = suggestions
+
+
+class GGUFFormatError(ModelFileError, ValueError):
+    """A file that is not a readable GGUF file: wrong magic, version, truncated, corrupt.
+
+    ``offset`` is the byte offset in the file where reading failed, when known.
+    """
+
+    def __init__(self, path: Path | str, reason: str, *, offset: int | None = None) -> None:
+        where = f" (at byte {offset})" if offset is not None else ""
+        super().__init__(f"{path}: {reason}{where}", path=path)
+        self.reason = reason
+        self.offset = offset
+
+
+class IncompatibleVocabError(SpecggufError, ValueError):
+    """Target and draft vocabularies that cannot be used together for speculation.
+
+    ``reasons`` lists every blocking difference, the first one first.
+    """
+
+    exit_code = EXIT_INCOMPATIBLE
+
+    def __init__(self, reasons: list[str], *, target: Path, draft: Path) -> None:
+        first = reasons[0] if reasons else "unknown reason"
+        more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+        super().__init__(
+            f"draft {draft.name} is not compatible with target {target.name}: {first}{more}",
+            hint="`specgguf check TARGET DRAFT` gives the whole report; --no-check overrides",
+        )
+        self.reasons = reasons
+        self.target = target
+        self.draft = draft
+
+
+class ResourceError(SpecggufError):
+    """Something that does not fit: memory, disk, context length."""
+
+    exit_code = EXIT_RESOURCES
+
+
+class InsufficientMemoryError(ResourceError, MemoryError):
+    """The models and KV caches clearly do not fit the memory available (bytes)."""
+
+    def __init__(self, message: str, *, needed: int, available: int) -> None:
+        super().__init__(message, hint="--force loads anyway; a smaller -c/--ctx-size helps")
+        self.needed = needed
+        self.available = available
+
+
+class InsufficientDiskError(ResourceError, OSError):
+    """Not enough free disk space for a download (bytes)."""
+
+    def __init__(self, path: Path, *, needed: int, available: int) -> None:
+        super().__init__(
+            f"not enough free disk space in {path}: need {_gib(needed)}, "
+            f"{_gib(available)} available"
+        )
+        self.path = path
+        self.needed = needed
+        self.available = available
+
+
+class ContextOverflowError(ResourceError, ValueError):
+    """A prompt that does not fit the context: ``n_prompt`` tokens, ``n_ctx`` available."""
+
+    def __init__(self, n_prompt: int, n_ctx: int) -> None:
+        super().__init__(
+            f"the prompt is {n_prompt} tokens, which does not fit a context of {n_ctx} "
+            "tokens (at least one token must be left to generate)",
+            hint="raise -c/--ctx-size or shorten the prompt",
+        )
+        self.n_prompt = n_prompt
+        self.n_ctx = n_ctx
+
+
+class HubError(SpecggufError):
+    """A download that failed: repository or file not found, network, offline."""
+
+    exit_code = EXIT_HUB
+
+
+class HubAccessError(HubError, PermissionError):
+    """The hub refused access (HTTP 401/403): a gated or private repository."""
+
+    exit_code = EXIT_ACCESS
+
+
+class IntegrityError(SpecggufError):
+    """A file whose size or SHA-256 does not match what was pinned."""
+
+    exit_code = EXIT_INTEGRITY
+
+    def __init__(
+        self, path: Path, *, what: str, expected: str, actual: str, hint: str | None = None
+    ) -> None:
+        super().__init__(f"{path}: {what} mismatch: expected {expected}, got {actual}", hint=hint)
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+
+
+class BackendError(SpecggufError, RuntimeError):
+    """llama.cpp failed: a model or context could not be created, a decode failed."""
+
+    exit_code = EXIT_BACKEND
+
+
+class Interrupted(SpecggufError):
+    """The user pressed Ctrl-C (SIGINT)."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self) -> None:
+        super().__init__("interrupted")
+
+
+class OutputClosed(SpecggufError):
+    """stdout was closed by its reader (``| head``): nothing more to do, nothing to say."""
+
+    exit_code = EXIT_BROKEN_PIPE
+
+    def __init__(self) -> None:
+        super().__init__("stdout was closed")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,414 @@
+"""Read a GGUF file's header and metadata fast and safely, without touching tensor data.
+
+Layout (GGUF v2/v3, ggml/docs/gguf.md): magic ``GGUF``, uint32 version, uint64 tensor count,
+uint64 key-value count, then the key-value pairs, then the tensor infos (name, dims, type,
+offset), then aligned tensor data, which this module never reads.
+
+Why not gguf-py's ``GGUFReader``: it builds NumPy views for every array element, which
+takes about 10 s for the 151,936-token list of Qwen2.5 (measured on the 2-core machines of
+this project), and importing ``gguf`` alone costs 0.3 s. Here the file is memory-mapped;
+scalars are decoded, numeric arrays are kept as (offset, count) and decoded on request,
+and string arrays are walked once to find their element offsets. Every length and count is
+checked against the bytes left in the file before it is used, so a corrupt header cannot
+make the reader allocate more than the file holds.
+
+GGUF keys are spelled as in GGUF (``tokenizer.ggml.tokens``); the names are written out
+here rather than taken from gguf-py's ``Keys`` to keep that import off this fast path.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import mmap
+import re
+import struct
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from specgguf.errors import GGUFFormatError, ModelNotFoundError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+
+# GGUF value types (ggml/include/gguf.h, enum gguf_type).
+T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
+T_STRING, T_ARRAY, T_UINT64, T_INT64, T_FLOAT64 = range(8, 13)
+
+_SCALAR_FMT = {
+    T_UINT8: "B", T_INT8: "b", T_UINT16: "H", T_INT16: "h", T_UINT32: "I", T_INT32: "i",
+    T_FLOAT32: "f", T_BOOL: "?", T_UINT64: "Q", T_INT64: "q", T_FLOAT64: "d",
+}  # fmt: skip
+_ARRAY_CODE = {
+    T_UINT8: "B", T_INT8: "b", T_UINT16: "H", T_INT16: "h", T_UINT32: "I", T_INT32: "i",
+    T_FLOAT32: "f", T_BOOL: "b", T_UINT64: "Q", T_INT64: "q", T_FLOAT64: "d",
+}  # fmt: skip
+_TYPE_NAMES = {
+    T_UINT8: "uint8", T_INT8: "int8", T_UINT16: "uint16", T_INT16: "int16",
+    T_UINT32: "uint32", T_INT32: "int32", T_FLOAT32: "float32", T_BOOL: "bool",
+    T_STRING: "string", T_ARRAY: "array", T_UINT64: "uint64", T_INT64: "int64",
+    T_FLOAT64: "float64",
+}  # fmt: skip
+
+# llama.cpp's file types (include/llama.h, enum llama_ftype), named as quantizations are.
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
+    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
+    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
+    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+    37: "TQ2_0", 38: "MXFP4",
+}  # fmt: skip
+
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+# Smallest encoding of one element, used to bound counts by the bytes left in the file.
+_MIN_SIZE = {t: struct.calcsize("<" + f) for t, f in _SCALAR_FMT.items()} | {
+    T_STRING: 8,
+    T_ARRAY: 12,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRef:
+    """A GGUF array kept in the file: element type, count, and where it lies (bytes).
+
+    For string arrays ``offsets`` holds the offset of each element's uint64 length
+    prefix, plus one final entry at the end of the array.
+    """
+
+    elem_type: int
+    count: int
+    start: int
+    end: int
+    offsets: Sequence[int] | None = None
+
+    @property
+    def type_name(self) -> str:
+        return f"array[{_TYPE_NAMES.get(self.elem_type, '?')}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's name, shape (ggml order: ne[0] first), ggml type id, data offset."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class GGUFMetadata:
+    """The header and key-value metadata of one GGUF file (one shard of a split model).
+
+    Open with :meth:`open` (or as a context manager); values are read from a read-only
+    memory map, so nothing but the metadata pages is ever read from disk.
+
+    Raises (from :meth:`open`):
+        ModelNotFoundError: the path does not exist.
+        GGUFFormatError: the file is not a GGUF file this reader (and llama.cpp) can read,
+            with the reason and the byte offset where reading failed.
+    """
+
+    def __init__(self, path: Path, buf: mmap.mmap | bytes, file_size: int) -> None:
+        self.path = path
+        self._buf = buf
+        self.file_size = file_size
+        self.version = 0
+        self.n_tensors = 0
+        self.n_kv = 0
+        self.kv: dict[str, Any] = {}
+        self.kv_types: dict[str, str] = {}
+        self.kv_end = 0
+        self._tensors: list[TensorInfo] | None = None
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: Path | str) -> GGUFMetadata:
+        path = Path(path)
+        if not path.exists():
+            raise ModelNotFoundError(f"model file not found: {path}", path=path)
+        if path.is_dir():
+            raise GGUFFormatError(path, "is a directory, not a GGUF file")
+        try:
+            with path.open("rb") as f:
+                size = f.seek(0, 2)
+                if size == 0:
+                    raise GGUFFormatError(path, "the file is empty (0 bytes), not a GGUF file")
+                buf: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except PermissionError as e:
+            raise GGUFFormatError(path, f"cannot be read: {e.strerror}") from None
+        except OSError as e:
+            raise GGUFFormatError(path, f"cannot be read: {e.strerror or e}") from None
+        meta = cls(path, buf, size)
+        try:
+            meta._parse_header()
+        except BaseException:
+            meta.close()
+            raise
+        return meta
+
+    def close(self) -> None:
+        if isinstance(self._buf, mmap.mmap) and not self._buf.closed:
+            self._buf.close()
+
+    def __enter__(self) -> GGUFMetadata:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- parsing ------------------------------------------------------------------------
+
+    def _fail(self, reason: str, offset: int | None = None) -> GGUFFormatError:
+        return GGUFFormatError(self.path, reason, offset=offset)
+
+    def _parse_header(self) -> None:
+        buf, size = self._buf, self.file_size
+        head = bytes(buf[:64])
+        if head[:4] != GGUF_MAGIC:
+            raise self._fail(_not_gguf_reason(head, size))
+        if size < 24:
+            raise self._fail(f"the file is only {size} bytes: too short for a GGUF header")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        if version not in SUPPORTED_VERSIONS:
+            (big,) = struct.unpack_from(">I", buf, 4)
+            if big in SUPPORTED_VERSIONS:
+                raise self._fail(
+                    f"a big-endian GGUF file (version {big}); llama.cpp on this "
+                    f"{sys.byteorder}-endian machine cannot load it"
+                )
+            if version == 1:
+                raise self._fail(
+                    "GGUF version 1 is not supported (llama.cpp reads versions 2 and 3); "
+                    "convert the model again with a current llama.cpp"
+                )
+            raise self._fail(f"unknown GGUF version {version} (this reader knows 2 and 3)")
+        self.version = version
+        self.n_tensors, self.n_kv = struct.unpack_from("<QQ", buf, 8)
+        left = size - 24
+        if self.n_kv * 13 > left:  # key length (8) + 1 byte + type (4) at the very least
+            raise self._fail(
+                f"the header claims {self.n_kv:,} key-value pairs, more than a file of "
+                f"{size:,} bytes can hold",
+                8,
+            )
+        if self.n_tensors * 28 > left:  # name length + n_dims + type + offset at least
+            raise self._fail(
+                f"the header claims {self.n_tensors:,} tensors, more than a file of "
+                f"{size:,} bytes can hold",
+                16,
+            )
+        off = 24
+        try:
+            for _ in range(self.n_kv):
+                key, off = self._read_str(off)
+                (vtype,) = struct.unpack_from("<I", buf, off)
+                off += 4
+                value, off = self._read_value(vtype, off, key)
+                self.kv[key] = value
+                self.kv_types[key] = (
+                    value.type_name if isinstance(value, ArrayRef) else _TYPE_NAMES[vtype]
+                )
+        except struct.error:
+            raise self._fail("the file ends inside the metadata (truncated?)", off) from None
+        self.kv_end = off
+
+    def _read_str(self, off: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._buf, off)
+        end = off + 8 + n
+        if end > self.file_size:
+            raise self._fail(
+                f"a string claims {n:,} bytes, past the end of the file (truncated?)", off
+            )
+        raw = self._buf[off + 8 : end]
+        try:
+            return raw.decode("utf-8"), end
+        except UnicodeDecodeError:
+            raise self._fail("a metadata string is not valid UTF-8", off) from None
+
+    def _read_value(self, vtype: int, off: int, key: str) -> tuple[Any, int]:
+        fmt = _SCALAR_FMT.get(vtype)
+        if fmt is not None:
+            (v,) = struct.unpack_from("<" + fmt, self._buf, off)
+            return v, off + struct.calcsize("<" + fmt)
+        if vtype == T_STRING:
+            return self._read_str(off)
+        if vtype == T_ARRAY:
+            etype, count = struct.unpack_from("<IQ", self._buf, off)
+            start = off + 12
+            if etype not in _MIN_SIZE or etype == T_ARRAY:
+                raise self._fail(f"{key}: unsupported array element type {etype}", off)
+            if count * _MIN_SIZE[etype] > self.file_size - start:
+                raise self._fail(
+                    f"{key}: an array claims {count:,} elements, more than the "
+                    f"{self.file_size - start:,} bytes left in the file can hold",
+                    off,
+                )
+            if etype == T_STRING:
+                offsets, end = self._walk_strings(start, count, key)
+                return ArrayRef(etype, count, start, end, offsets), end
+            end = start + count * _MIN_SIZE[etype]
+            return ArrayRef(etype, count, start, end), end
+        raise self._fail(f"{key}: unknown value type {vtype}", off - 4)
+
+    def _walk_strings(self, off: int, count: int, key: str) -> tuple[array.array[int], int]:
+        """Offsets of ``count`` length-prefixed strings from ``off``, and where they end.
+
+        The hot loop of the reader (two 151,936-entry arrays per Qwen file): one
+        ``unpack_from`` per element; a length that runs past the end surfaces as a
+        ``struct.error`` at the next element or in the final bound check.
+        """
+        unpack = struct.Struct("<Q").unpack_from
+        buf = self._buf
+        offsets = array.array("q", bytes(8 * (count + 1)))
+        try:
+            for i in range(count):
+                offsets[i] = off
+                off += 8 + unpack(buf, off)[0]
+        except struct.error:
+            raise self._fail(
+                f"{key}: the file ends inside a string array (truncated?)", off
+            ) from None
+        if off > self.file_size:
+            raise self._fail(f"{key}: a string runs past the end of the file (truncated?)", off)
+        offsets[count] = off
+        return offsets, off
+
+    # -- access -------------------------------------------------------------------------
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A scalar value, or ``default``; arrays come back as :class:`ArrayRef`."""
+        return self.kv.get(key, default)
+
+    def string_at(self, ref: ArrayRef, i: int) -> bytes:
+        """Element ``i`` of a string array, as raw bytes.
+
+        Raises:
+            IndexError: ``i`` out of range.
+        """
+        if not 0 <= i < ref.count or ref.offsets is None:
+            raise IndexError(i)
+        o = ref.offsets[i]
+        return bytes(self._buf[o + 8 : ref.offsets[i + 1]])
+
+    def strings(self, ref: ArrayRef, lo: int = 0, hi: int | None = None) -> list[bytes]:
+        """Elements ``lo:hi`` of a string array, as raw bytes."""
+        assert ref.offsets is not None
+        hi = ref.count if hi is None else min(hi, ref.count)
+        offs, buf = ref.offsets, self._buf
+        return [buf[offs[i] + 8 : offs[i + 1]] for i in range(lo, hi)]
+
+    def span(self, ref: ArrayRef, lo: int = 0, hi: int | None = None) -> bytes:
+        """The raw encoded bytes of elements ``lo:hi`` (a whole array compares in one go)."""
+        hi = ref.count if hi is None else min(hi, ref.count)
+        if ref.offsets is not None:
+            return bytes(self._buf[ref.offsets[lo] : ref.offsets[hi]])
+        size = _MIN_SIZE[ref.elem_type]
+        return bytes(self._buf[ref.start + lo * size : ref.start + hi * size])
+
+    def numbers(self, ref: ArrayRef) -> array.array[Any]:
+        """A numeric array's values (an ``array.array``; bools as 0/1)."""
+        out = array.array(_ARRAY_CODE[ref.elem_type])
+        out.frombytes(self._buf[ref.start : ref.end])
+        if sys.byteorder == "big":  # pragma: no cover - GGUF here is little-endian
+            out.byteswap()
+        return out
+
+    def number_at(self, ref: ArrayRef, i: int) -> Any:
+        if not 0 <= i < ref.count:
+            raise IndexError(i)
+        fmt = "<" + _ARRAY_CODE[ref.elem_type]
+        return struct.unpack_from(fmt, self._buf, ref.start + i * _MIN_SIZE[ref.elem_type])[0]
+
+    def tensors(self) -> list[TensorInfo]:
+        """The tensor infos that follow the metadata (names, shapes, types; no data).
+
+        Raises:
+            GGUFFormatError: the tensor-info section is truncated or corrupt.
+        """
+        if self._tensors is not None:
+            return self._tensors
+        buf, off = self._buf, self.kv_end
+        out: list[TensorInfo] = []
+        try:
+            for _ in range(self.n_tensors):
+                name, off = self._read_str(off)
+                (n_dims,) = struct.unpack_from("<I", buf, off)
+                if n_dims > 8:
+                    raise self._fail(f"tensor {name!r} claims {n_dims} dimensions", off)
+                shape = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+                off += 4 + 8 * n_dims
+                ggml_type, offset = struct.unpack_from("<IQ", buf, off)
+                off += 12
+                out.append(TensorInfo(name, tuple(shape), ggml_type, offset))
+        except struct.error:
+            raise self._fail("the file ends inside the tensor infos (truncated?)", off) from None
+        self._tensors = out
+        return out
+
+    # -- convenient facts -----------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str | None:
+        a = self.get("general.architecture")
+        return a if isinstance(a, str) else None
+
+    def arch_key(self, suffix: str) -> Any:
+        """``{general.architecture}.{suffix}``, e.g. ``arch_key("context_length")``."""
+        return self.get(f"{self.architecture}.{suffix}")
+
+    @property
+    def split_count(self) -> int:
+        n = self.get("split.count")
+        return int(n) if isinstance(n, int) and n > 0 else 1
+
+    @property
+    def split_no(self) -> int:
+        n = self.get("split.no")
+        return int(n) if isinstance(n, int) else 0
+
+    def shard_paths(self) -> list[Path]:
+        """Every shard of a split model, named as llama.cpp names them
+        (``stem-00001-of-00003.gguf``); ``[path]`` for a single file."""
+        n = self.split_count
+        if n == 1:
+            return [self.path]
+        m = _SPLIT_RE.match(self.path.name)
+        if m is None:
+            return [self.path]
+        stem = m["stem"]
+        return [self.path.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.kv.items())
+
+
+def _not_gguf_reason(head: bytes, size: int) -> str:
+    """Name the common things found in place of a GGUF file."""
+    if size < 4:
+        return f"the file is only {size} bytes, not a GGUF file"
+    text = head.lstrip().lower()
+    if text.startswith(b"version https://git-lfs"):
+        return "a Git LFS pointer file, not the model itself (run `git lfs pull`)"
+    if text.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
+        return "an HTML page, not a GGUF file (a failed or redirected download?)"
+    if text.startswith((b"{", b"[")):
+        return "a JSON document, not a GGUF file (an error response from a server?)"
+    if head[:4] == b"FUGG":
+        return "byte-swapped GGUF magic: a big-endian file, which llama.cpp cannot load here"
+    if head[:4] in (b"ggml", b"ggmf", b"ggjt", b"lmgg", b"fmgg", b"tjgg"):
+        return "a legacy GGML file (before GGUF); convert it with llama.cpp"
+    if head[:2] == b"PK":
+        return "a zip archive, not a GGUF file"
+    return f"not a GGUF file (the first bytes are {head[:4]!r}, expected b'GGUF')"

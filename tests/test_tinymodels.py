@@ -1,0 +1,101 @@
+"""The tiny GGUF fixtures load in llama.cpp and generate, and each variant is what it claims."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgguf.backend import LlamaModel
+from specgguf.tinymodels import CHANGED_TOKEN_ID, fixture_specs, gpt2_vocab
+
+PROMPT = "def is_palindrome(text):"
+
+
+def greedy(path: Path, prompt: str, n: int) -> tuple[list[int], list[np.ndarray]]:
+    with LlamaModel(path) as model, model.new_context(n_ctx=256, n_batch=64) as ctx:
+        logits = ctx.eval(model.tokenize(prompt), logits="last")
+        out: list[int] = []
+        rows: list[np.ndarray] = []
+        for _ in range(n):
+            rows.append(logits[-1].copy())
+            tok = int(logits[-1].argmax())
+            out.append(tok)
+            logits = ctx.eval([tok], logits="last")
+    return out, rows
+
+
+@pytest.mark.parametrize("name", sorted(fixture_specs()))
+def test_every_fixture_loads_and_generates(tiny_models: dict[str, Path], name: str) -> None:
+    tokens, rows = greedy(tiny_models[name], PROMPT, 6)
+    assert len(tokens) == 6
+    with LlamaModel(tiny_models[name], vocab_only=True) as m:
+        n_vocab = m.n_vocab
+    assert all(0 <= t < n_vocab for t in tokens)
+    # Real, non-degenerate logits: finite and not all equal.
+    assert all(np.isfinite(r).all() and r.std() > 0.1 for r in rows)
+
+
+def test_identical_draft_produces_identical_logits(tiny_models: dict[str, Path]) -> None:
+    t_tokens, t_rows = greedy(tiny_models["target"], PROMPT, 8)
+    d_tokens, d_rows = greedy(tiny_models["draft-identical"], PROMPT, 8)
+    assert t_tokens == d_tokens
+    for a, b in zip(t_rows, d_rows, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_partial_draft_differs_from_target(tiny_models: dict[str, Path]) -> None:
+    # Teacher-forced along the target's greedy path: the partial draft's argmax agrees
+    # at some positions and not at others.
+    t_tokens, _ = greedy(tiny_models["target"], PROMPT, 24)
+    with LlamaModel(tiny_models["draft-partial"]) as m, m.new_context(n_ctx=256) as ctx:
+        logits = ctx.eval(m.tokenize(PROMPT), logits="last")
+        agree = 0
+        for tok in t_tokens:
+            agree += int(logits[-1].argmax()) == tok
+            logits = ctx.eval([tok], logits="last")
+    assert 0 < agree < len(t_tokens), agree
+
+
+def test_split_fixture_is_three_shards_and_matches_unsplit(tiny_models: dict[str, Path]) -> None:
+    first = tiny_models["split"]
+    assert first.name.endswith("-00001-of-00003.gguf")
+    shards = sorted(first.parent.glob("tiny-split-0000*-of-00003.gguf"))
+    assert len(shards) == 3
+    # Same weights as the target, so the same greedy continuation.
+    assert greedy(first, PROMPT, 5)[0] == greedy(tiny_models["target"], PROMPT, 5)[0]
+
+
+def test_vocab_variants_differ_where_they_say(tiny_models: dict[str, Path]) -> None:
+    with (
+        LlamaModel(tiny_models["target"], vocab_only=True) as t,
+        LlamaModel(tiny_models["draft-token-changed"], vocab_only=True) as changed,
+        LlamaModel(tiny_models["draft-pad128"], vocab_only=True) as pad128,
+        LlamaModel(tiny_models["draft-pad129"], vocab_only=True) as pad129,
+        LlamaModel(tiny_models["draft-bos-id"], vocab_only=True) as bos,
+        LlamaModel(tiny_models["draft-add-bos"], vocab_only=True) as add_bos,
+        LlamaModel(tiny_models["draft-spm"], vocab_only=True) as spm,
+    ):
+        assert t.token_text(CHANGED_TOKEN_ID) != changed.token_text(CHANGED_TOKEN_ID)
+        assert t.token_text(CHANGED_TOKEN_ID - 1) == changed.token_text(CHANGED_TOKEN_ID - 1)
+        assert pad128.n_vocab - t.n_vocab == 128
+        assert pad129.n_vocab - t.n_vocab == 129
+        assert (t.add_bos, add_bos.add_bos) == (False, True)
+        assert bos.add_bos and bos.bos != t.bos
+        assert spm.n_vocab != t.n_vocab
+        # The SPM model adds BOS (id 1) by itself; the byte-level BPE one does not.
+        assert spm.tokenize("hi")[0] == 1
+        assert t.tokenize("hi")[0] != t.bos
+
+
+def test_bpe_vocab_round_trips_text_including_a_4_byte_emoji(
+    tiny_models: dict[str, Path],
+) -> None:
+    text = "The fox \U0001f680 caf\u00e9 def add(a, b):"
+    with LlamaModel(tiny_models["target"], vocab_only=True) as m:
+        ids = m.tokenize(text, add_special=False)
+        assert m.detokenize(ids).decode("utf-8") == text
+        # Merges learned from the corpus are used: fewer tokens than bytes.
+        assert len(ids) < len(text.encode())
+    assert len(gpt2_vocab().tokens) == 512
