@@ -364,3 +364,41 @@ class LlamaContext:
     def __del__(self) -> None:
         if getattr(self, "_ctx", None) is not None:
             self.close()
+
+
+def batch_invariance(
+    model: LlamaModel,
+    prompt: Sequence[int],
+    sizes: Sequence[int],
+    *,
+    n_ctx: int = 512,
+    n_threads: int | None = None,
+) -> dict[int, float]:
+    """How far batched evaluation strays from one-token-at-a-time evaluation.
+
+    Greedy-decodes ``max(sizes)`` tokens after ``prompt`` one token per ``llama_decode``
+    (how a target alone generates), then re-evaluates them in one batch of each size (how
+    a verification step does) and returns, per size, the largest absolute logit
+    difference over the batch. 0.0 means bit-identical kernels: greedy speculative output
+    is then exactly the target's. llama.cpp's CPU kernels change algorithm with the batch
+    size (repacked GEMM from 4 rows, the FlashAttention split-KV path for single tokens
+    past 256 cached positions), so non-zero values of 0.1-0.7 are normal there.
+
+    Raises:
+        BackendError: a decode failed.
+    """
+    n = max(sizes)
+    with model.new_context(n_ctx=n_ctx, n_batch=max(n, 32), n_threads=n_threads) as ctx:
+        ctx.eval(prompt[:-1], logits="none")
+        seq = [prompt[-1]]
+        single = []
+        for _ in range(n):
+            row = ctx.eval([seq[-1]], logits="last")[-1].copy()
+            single.append(row)
+            seq.append(int(row.argmax()))
+        out: dict[int, float] = {}
+        for size in sizes:
+            ctx.rollback(len(prompt) - 1)
+            rows = ctx.eval(seq[:size], logits="all")
+            out[size] = max(float(np.abs(rows[i] - single[i]).max()) for i in range(size))
+    return out

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
@@ -98,13 +99,25 @@ def _stderr_console() -> Any:
 
 
 def _stdout_console() -> Any:
+    """Rich console for data on stdout: a terminal's width, or wide enough not to wrap
+    table cells when stdout is a pipe or file."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=False)
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def _size(n: int) -> str:
+    """Bytes in binary units: 163.6 KiB, 1.04 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 @app.command()
@@ -157,6 +170,137 @@ def doctor(
         print(f"specgguf: warning: {rep['warning']}", file=sys.stderr)
     if "smoke_test" in rep and not rep["smoke_test"]["ok"]:
         raise BackendError(f"smoke test failed: {rep['smoke_test']['detail']}")
+
+
+def _model_path(name: str) -> Path:
+    """A model argument as a path (aliases are resolved by :mod:`specgguf.registry`)."""
+    from specgguf.registry import resolve_model
+
+    return resolve_model(name)
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit} ({n:,})"
+    return f"{n:,}"
+
+
+def _num(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _tok(t: dict[str, Any] | None) -> str:
+    return "-" if t is None else f"{t['id']} {t['text']!r}"
+
+
+@app.command()
+@handled
+def info(
+    model: Annotated[str, typer.Argument(help="A .gguf file (first shard of a split model).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show what a GGUF model holds, from its metadata alone (no weights load).
+
+    Exits 3 when the file is missing or not a readable GGUF file.
+    """
+    from specgguf.modelinfo import read_model_info
+
+    mi = read_model_info(_model_path(model)).as_dict()
+    if json_out:
+        _print_json(mi)
+        return
+    from rich.table import Table
+
+    v = mi["vocab"]
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    shards = f"{mi['split_count']}"
+    if mi["missing_shards"]:
+        shards += f" ({len(mi['missing_shards'])} missing: {', '.join(mi['missing_shards'])})"
+    rows = [
+        ("file", mi["path"]),
+        ("name", mi["name"] or "-"),
+        ("architecture", mi["architecture"] or "-"),
+        ("size label", mi["size_label"] or "-"),
+        ("quantization", mi["quantization"] or "-"),
+        ("parameters", _count(mi["n_params"])),
+        ("context length", _num(mi["context_length"])),
+        ("blocks", _num(mi["block_count"])),
+        ("embedding length", _num(mi["embedding_length"])),
+        ("heads / KV heads", f"{mi['head_count'] or '-'} / {mi['head_count_kv'] or '-'}"),
+        ("tokenizer", f"{v['tokenizer_model']} ({v['vocab_type'].upper()}), "
+                      f"pre-tokenizer {v['pre_tokenizer'] or '-'}"),
+        ("tokens", f"{v['n_tokens']:,}" + (f", {v['n_merges']:,} merges" if v["n_merges"] else "")),
+        ("BOS", _tok(v["bos"]) + f" (add_bos {str(v['add_bos']).lower()})"),
+        ("EOS", _tok(v["eos"]) + f" (add_eos {str(v['add_eos']).lower()})"),
+        ("EOT", _tok(v["eot"])),
+        ("padding", _tok(v["padding"])),
+        ("end of generation", ", ".join(_tok(x) for x in v["eog"]) or "-"),
+        ("chat template", "yes" if mi["has_chat_template"] else "no"),
+        ("tensors", f"{mi['n_tensors']:,}"),
+        ("file size", f"{mi['file_size']:,} bytes ({_size(mi['file_size'])})"),
+        ("splits", shards),
+        ("GGUF version", str(mi["gguf_version"])),
+    ]  # fmt: skip
+    for k, val in rows:
+        t.add_row(k, val)
+    _stdout_console().print(t)
+
+
+@app.command()
+@handled
+def check(
+    target: Annotated[str, typer.Argument(help="The target model (.gguf).")],
+    draft: Annotated[str, typer.Argument(help="The draft model (.gguf).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Tell whether DRAFT can draft for TARGET, from their vocabularies (no weights load).
+
+    Exit codes: 0 compatible, 4 incompatible, 3 a file is missing or unreadable.
+    """
+    from specgguf.errors import EXIT_INCOMPATIBLE
+    from specgguf.vocab import check_compatibility
+
+    report = check_compatibility(_model_path(target), _model_path(draft))
+    if json_out:
+        _print_json(report.as_dict())
+    else:
+        _print_check(report)
+    if not report.compatible:
+        raise typer.Exit(EXIT_INCOMPATIBLE)
+
+
+def _print_check(report: Any) -> None:
+    from rich.table import Table
+
+    con = _stdout_console()
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    t.add_column("")
+    t.add_column("target", overflow="fold")
+    t.add_column("draft", overflow="fold")
+    tv, dv = report.target.as_dict(), report.draft.as_dict()
+    t.add_row("file", str(report.target.path), str(report.draft.path))
+    t.add_row("architecture", report.target.architecture or "-", report.draft.architecture or "-")
+    for label, key in (("tokenizer", "tokenizer_model"), ("pre-tokenizer", "pre_tokenizer")):
+        t.add_row(label, str(tv[key]), str(dv[key]))
+    t.add_row("tokens", f"{tv['n_tokens']:,}", f"{dv['n_tokens']:,}")
+    t.add_row("merges", f"{tv['n_merges']:,}", f"{dv['n_merges']:,}")
+    for label, key in (("BOS", "bos"), ("EOS", "eos"), ("EOT", "eot")):
+        t.add_row(label, _tok(tv[key]), _tok(dv[key]))
+    t.add_row("add_bos / add_eos", f"{tv['add_bos']} / {tv['add_eos']}".lower(),
+              f"{dv['add_bos']} / {dv['add_eos']}".lower())  # fmt: skip
+    con.print(t)
+    d = report.token_diff
+    if d.n_compared:
+        con.print(f"token texts: {d.n_different:,} of {d.n_compared:,} ids differ (ids 5.."
+                  f"{5 + d.n_compared - 1})", highlight=False, markup=False)  # fmt: skip
+    for f in report.findings:
+        con.print(f"{f.severity}: [{f.code}] {f.message}", highlight=False, markup=False)
+    con.print(report.verdict(), highlight=False, markup=False)
 
 
 def _report(err: SpecggufError) -> int:

@@ -252,7 +252,7 @@ class GGUFMetadata:
             if count * _MIN_SIZE[etype] > self.file_size - start:
                 raise self._fail(
                     f"{key}: an array claims {count:,} elements, more than the "
-                    f"{self.file_size - start:,} bytes left in the file can hold",
+                    f"{self.file_size - start:,} bytes left in the file can hold (truncated?)",
                     off,
                 )
             if etype == T_STRING:

@@ -1,0 +1,119 @@
+"""``specgguf info``: what a GGUF file holds, from its metadata alone (no weights load)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from specgguf.errors import GGUFFormatError
+from specgguf.gguf_metadata import FILE_TYPES, GGUFMetadata
+from specgguf.vocab import VocabInfo, read_vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Facts about one GGUF model (sizes in bytes; counts of parameters and tokens)."""
+
+    path: Path
+    architecture: str | None
+    name: str | None
+    size_label: str | None
+    quantization: str | None
+    n_params: int | None
+    context_length: int | None
+    block_count: int | None
+    embedding_length: int | None
+    head_count: int | None
+    head_count_kv: int | None
+    vocab: VocabInfo
+    has_chat_template: bool
+    n_tensors: int
+    file_size: int
+    split_count: int
+    shards: tuple[Path, ...]
+    missing_shards: tuple[Path, ...]
+    gguf_version: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "architecture": self.architecture,
+            "name": self.name,
+            "size_label": self.size_label,
+            "quantization": self.quantization,
+            "n_params": self.n_params,
+            "context_length": self.context_length,
+            "block_count": self.block_count,
+            "embedding_length": self.embedding_length,
+            "head_count": self.head_count,
+            "head_count_kv": self.head_count_kv,
+            "vocab": self.vocab.as_dict(),
+            "has_chat_template": self.has_chat_template,
+            "n_tensors": self.n_tensors,
+            "file_size": self.file_size,
+            "split_count": self.split_count,
+            "shards": [str(p) for p in self.shards],
+            "missing_shards": [str(p) for p in self.missing_shards],
+            "gguf_version": self.gguf_version,
+        }
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def read_model_info(path: Path | str) -> ModelInfo:
+    """Read :class:`ModelInfo` from ``path`` (for a split model, from its first shard; the
+    other shards add their tensor counts, sizes and parameters when present).
+
+    Raises:
+        ModelNotFoundError: ``path`` does not exist.
+        GGUFFormatError: ``path`` (or a present shard) is not a readable GGUF file.
+    """
+    with GGUFMetadata.open(path) as meta:
+        if meta.split_count > 1 and meta.split_no != 0:
+            raise GGUFFormatError(
+                meta.path,
+                f"shard {meta.split_no + 1} of {meta.split_count}; give the first shard "
+                "(-00001-of-...) instead",
+            )
+        vocab = read_vocab(meta)
+        shards = meta.shard_paths()
+        present = [p for p in shards if p.is_file()]
+        missing = tuple(p for p in shards if not p.is_file())
+        n_tensors = meta.n_tensors
+        n_params: int | None = sum(t.n_elements for t in meta.tensors())
+        file_size = meta.file_size
+        for shard in present:
+            if shard == meta.path:
+                continue
+            with GGUFMetadata.open(shard) as sm:
+                n_tensors += sm.n_tensors
+                file_size += sm.file_size
+                assert n_params is not None
+                n_params += sum(t.n_elements for t in sm.tensors())
+        if missing:
+            n_params = None
+        ft = _int(meta.get("general.file_type"))
+        return ModelInfo(
+            path=meta.path,
+            architecture=meta.architecture,
+            name=meta.get("general.name"),
+            size_label=meta.get("general.size_label"),
+            quantization=FILE_TYPES.get(ft, f"file_type {ft}") if ft is not None else None,
+            n_params=n_params,
+            context_length=_int(meta.arch_key("context_length")),
+            block_count=_int(meta.arch_key("block_count")),
+            embedding_length=_int(meta.arch_key("embedding_length")),
+            head_count=_int(meta.arch_key("attention.head_count")),
+            head_count_kv=_int(meta.arch_key("attention.head_count_kv")),
+            vocab=vocab,
+            has_chat_template=isinstance(meta.get("tokenizer.chat_template"), str),
+            n_tensors=n_tensors,
+            file_size=file_size,
+            split_count=meta.split_count,
+            shards=tuple(shards),
+            missing_shards=missing,
+            gguf_version=meta.version,
+        )

@@ -1,0 +1,463 @@
+"""Vocabulary compatibility of a target and a draft model, decided from GGUF metadata alone.
+
+The verify step compares token ids, so a draft is only useful when its ids mean the target's
+strings. :func:`check_compatibility` applies the rules llama.cpp applies after loading both
+models (``common_speculative_are_compatible`` in common/speculative.cpp, llama-cpp-python
+0.3.36) and more, in well under a second, before any weights load:
+
+llama.cpp's rules (errors)
+    same vocabulary type; ``add_bos`` equal, and BOS ids equal when it is set; the same for
+    EOS; token counts differ by at most 128 (``SPEC_VOCAB_MAX_SIZE_DIFFERENCE``); token texts
+    identical for every id from 5 (``SPEC_VOCAB_CHECK_START_TOKEN_ID``) up to the smaller
+    count.
+beyond llama.cpp
+    errors: an architecture whose cache cannot be partially rolled back (recurrent or hybrid:
+    mamba, rwkv, jamba, ...); an end-of-generation token of the target (EOS, EOT, EOM, and
+    the tokens llama.cpp treats as EOG by their text, such as ``<|im_end|>``) missing from
+    the draft or with another text there.
+    warnings: draft ids the target does not have (never proposed: their draft probability
+    is set to zero); the draft ending generation on other tokens; a different pre-tokenizer
+    or different BPE merges (ids still match, but the draft may split a prompt differently).
+
+Special-token ids and the ``add_bos``/``add_eos`` flags follow llama.cpp's defaults when a
+file lacks the key (src/llama-vocab.cpp, ``llama_vocab::impl::load``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import struct
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from specgguf.gguf_metadata import ArrayRef, GGUFMetadata
+
+#: llama.cpp's limits (common/speculative.cpp).
+SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
+SPEC_VOCAB_CHECK_START_TOKEN_ID = 5
+
+# tokenizer.ggml.model -> llama.cpp vocabulary type (enum llama_vocab_type).
+_VOCAB_TYPES = {
+    "no_vocab": "none", "none": "none", "llama": "spm", "gpt2": "bpe", "hybriddna": "bpe",
+    "whitespace": "bpe", "gemma4": "bpe", "bert": "wpm", "t5": "ugm", "rwkv": "rwkv",
+    "plamo2": "plamo2",
+}  # fmt: skip
+
+# Default (BOS, EOS) ids per tokenizer model when the keys are absent (None: no token).
+_DEFAULT_SPECIAL: dict[str, tuple[int | None, int | None]] = {
+    "llama": (1, 2), "bert": (101, None), "gpt2": (11, 11), "hybriddna": (11, 11),
+    "whitespace": (11, 11), "t5": (None, 1), "rwkv": (None, None), "plamo2": (1, 2),
+    "gemma4": (None, None),
+}  # fmt: skip
+
+# BPE pre-tokenizers for which llama.cpp defaults add_bos to true.
+_BPE_ADD_BOS_PRE = {
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+    "jina-v5-nano", "tekken", "chameleon", "gemma4",
+}  # fmt: skip
+_BPE_NO_BOS_PRE = {"chatglm-bpe", "glm4", "glm5"}
+
+# Token texts llama.cpp marks as end-of-generation wherever they appear (llama-vocab.cpp).
+EOG_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+    "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
+    "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+)  # fmt: skip
+
+# Architectures whose memory is (partly) a recurrent state (llama-arch.cpp,
+# llm_arch_is_recurrent / llm_arch_is_hybrid): a rejected draft cannot be rolled back.
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+HYBRID_ARCHS = frozenset({
+    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+    "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
+    "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
+})  # fmt: skip
+
+Severity = Literal["error", "warning", "info"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabInfo:
+    """The vocabulary facts of one GGUF file (ids are token ids, -1 never appears: absent
+    special tokens are None)."""
+
+    path: Path
+    architecture: str | None
+    tokenizer_model: str
+    vocab_type: str
+    pre: str | None
+    n_tokens: int
+    bos: int | None
+    eos: int | None
+    eot: int | None
+    eom: int | None
+    pad: int | None
+    add_bos: bool
+    add_eos: bool
+    eog_ids: tuple[int, ...]
+    n_merges: int
+    meta: GGUFMetadata = dataclasses.field(repr=False, compare=False)
+    tokens: ArrayRef | None = dataclasses.field(repr=False, compare=False, default=None)
+    #: Texts of the special tokens, read while the file was open.
+    special_texts: dict[int, str] = dataclasses.field(repr=False, default_factory=dict)
+
+    def text(self, token: int | None) -> str | None:
+        """The stored text of ``token`` (``tokenizer.ggml.tokens[token]``), or None.
+        Special tokens are always available; others only while the file is open."""
+        if token is None or self.tokens is None or not 0 <= token < self.n_tokens:
+            return None
+        if token in self.special_texts:
+            return self.special_texts[token]
+        return self.meta.string_at(self.tokens, token).decode("utf-8", errors="replace")
+
+    def as_dict(self) -> dict[str, Any]:
+        def tok(t: int | None) -> dict[str, Any] | None:
+            return None if t is None else {"id": t, "text": self.text(t)}
+
+        return {
+            "tokenizer_model": self.tokenizer_model,
+            "vocab_type": self.vocab_type,
+            "pre_tokenizer": self.pre,
+            "n_tokens": self.n_tokens,
+            "n_merges": self.n_merges,
+            "bos": tok(self.bos),
+            "eos": tok(self.eos),
+            "eot": tok(self.eot),
+            "eom": tok(self.eom),
+            "padding": tok(self.pad),
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "eog": [tok(t) for t in self.eog_ids],
+        }
+
+
+def read_vocab(meta: GGUFMetadata) -> VocabInfo:
+    """The vocabulary of an open GGUF file, with llama.cpp's defaults for absent keys.
+
+    A file with no tokenizer section gives ``tokenizer_model = "none"`` and no tokens.
+    """
+    model = str(meta.get("tokenizer.ggml.model", "none"))
+    pre = meta.get("tokenizer.ggml.pre")
+    pre = str(pre) if pre is not None else None
+    vtype = _VOCAB_TYPES.get(model, f"unknown ({model})")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    tokens = tokens if isinstance(tokens, ArrayRef) and tokens.offsets is not None else None
+    n = tokens.count if tokens is not None else int(meta.arch_key("vocab_size") or 0)
+
+    def special(key: str, default: int | None) -> int | None:
+        v = meta.get(f"tokenizer.ggml.{key}")
+        # llama.cpp keeps the default when the stored id is out of range.
+        if isinstance(v, int) and 0 <= v < max(n, 1) and not isinstance(v, bool):
+            return v
+        return default
+
+    d_bos, d_eos = _DEFAULT_SPECIAL.get(model, (None, None))
+    if vtype == "bpe" and pre in _BPE_NO_BOS_PRE:
+        d_bos = None
+    bos = special("bos_token_id", d_bos)
+    eos = special("eos_token_id", d_eos)
+    eot = special("eot_token_id", None)
+    eom = special("eom_token_id", None)
+    pad = special("padding_token_id", None)
+    add_bos_default = {"spm": True, "wpm": True}.get(
+        vtype, vtype == "bpe" and pre in _BPE_ADD_BOS_PRE
+    )
+    add_eos_default = vtype == "ugm"
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    add_eos = meta.get("tokenizer.ggml.add_eos_token")
+    add_bos = bool(add_bos) if isinstance(add_bos, bool) else add_bos_default
+    if pre == "gemma4":
+        add_bos = True
+    add_eos = bool(add_eos) if isinstance(add_eos, bool) else add_eos_default
+    eog = {t for t in (eos, eot, eom) if t is not None}
+    if tokens is not None:
+        eog |= _ids_with_texts(meta, tokens, EOG_TEXTS)
+    merges = meta.get("tokenizer.ggml.merges")
+    specials = {t for t in (bos, eos, eot, eom, pad, *eog) if t is not None}
+    texts = (
+        {t: meta.string_at(tokens, t).decode("utf-8", errors="replace") for t in specials}
+        if tokens is not None
+        else {}
+    )
+    return VocabInfo(
+        path=meta.path,
+        architecture=meta.architecture,
+        tokenizer_model=model,
+        vocab_type=vtype,
+        pre=pre,
+        n_tokens=n,
+        bos=bos,
+        eos=eos,
+        eot=eot,
+        eom=eom,
+        pad=pad,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        eog_ids=tuple(sorted(eog)),
+        n_merges=merges.count if isinstance(merges, ArrayRef) else 0,
+        meta=meta,
+        tokens=tokens,
+        special_texts=texts,
+    )
+
+
+def _ids_with_texts(meta: GGUFMetadata, tokens: ArrayRef, texts: tuple[str, ...]) -> set[int]:
+    """Ids whose text is exactly one of ``texts``: a byte search for each encoded element
+    (length prefix + text) in the raw array, kept only where it starts an element."""
+    assert tokens.offsets is not None
+    raw = meta.span(tokens)
+    base = tokens.offsets[0]
+    offsets = tokens.offsets
+    found: set[int] = set()
+    for text in texts:
+        b = text.encode()
+        needle = struct.pack("<Q", len(b)) + b
+        pos = raw.find(needle)
+        while pos != -1:
+            i = bisect.bisect_left(offsets, base + pos, 0, tokens.count)
+            if i < tokens.count and offsets[i] == base + pos:
+                found.add(i)
+            pos = raw.find(needle, pos + 1)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One result of the check: ``code`` names the rule, ``message`` says what differs."""
+
+    severity: Severity
+    code: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDiff:
+    """Token ids whose texts differ: how many among the ids compared, and the first one."""
+
+    n_compared: int
+    n_different: int
+    first_id: int | None
+    first_target: str | None
+    first_draft: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompatReport:
+    """The outcome of :func:`check_compatibility`.
+
+    ``compatible`` is False when any finding is an error; ``llama_cpp_compatible`` tells
+    what llama.cpp's own rules alone would have said. ``seconds`` is the check's wall time.
+    """
+
+    target: VocabInfo
+    draft: VocabInfo
+    findings: tuple[Finding, ...]
+    token_diff: TokenDiff
+    llama_cpp_compatible: bool
+    seconds: float
+
+    @property
+    def compatible(self) -> bool:
+        return not self.errors
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    def verdict(self) -> str:
+        """The one-line conclusion."""
+        t, d = self.target.path.name, self.draft.path.name
+        if self.compatible:
+            extra = f" ({len(self.warnings)} warning(s))" if self.warnings else ""
+            return f"compatible: {d} can draft for {t}{extra}"
+        return f"INCOMPATIBLE: {d} cannot draft for {t}: {self.errors[0].message}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "compatible": self.compatible,
+            "llama_cpp_compatible": self.llama_cpp_compatible,
+            "verdict": self.verdict(),
+            "target": {"path": str(self.target.path), **self.target.as_dict()},
+            "draft": {"path": str(self.draft.path), **self.draft.as_dict()},
+            "findings": [dataclasses.asdict(f) for f in self.findings],
+            "token_diff": dataclasses.asdict(self.token_diff),
+            "seconds": round(self.seconds, 4),
+        }
+
+
+def check_compatibility(target: Path | str, draft: Path | str) -> CompatReport:
+    """Can ``draft`` speculate for ``target``? Reads only the two files' metadata.
+
+    Raises:
+        ModelNotFoundError: a file does not exist.
+        GGUFFormatError: a file is not a readable GGUF file (the message says why).
+    """
+    t0 = time.perf_counter()
+    with GGUFMetadata.open(target) as tm, GGUFMetadata.open(draft) as dm:
+        report = compare_vocabs(read_vocab(tm), read_vocab(dm), started=t0)
+    return report
+
+
+def _show(text: str | None) -> str:
+    return "(none)" if text is None else repr(text)
+
+
+def compare_vocabs(t: VocabInfo, d: VocabInfo, *, started: float | None = None) -> CompatReport:
+    """Apply every rule to two vocabularies (whose files must still be open)."""
+    started = time.perf_counter() if started is None else started
+    out: list[Finding] = []
+
+    def add(sev: Severity, code: str, msg: str) -> None:
+        out.append(Finding(sev, code, msg))
+
+    for role, v in (("target", t), ("draft", d)):
+        arch = v.architecture or "unknown"
+        if arch in RECURRENT_ARCHS or arch in HYBRID_ARCHS:
+            kind = "recurrent" if arch in RECURRENT_ARCHS else "hybrid (attention + recurrent)"
+            add("error", "recurrent-architecture",
+                f"the {role}'s architecture {arch!r} is {kind}: its state cannot be rolled "
+                "back to drop rejected draft tokens, which speculative decoding needs")  # fmt: skip
+        if v.tokens is None:
+            add("error", "no-vocabulary", f"the {role} has no tokenizer.ggml.tokens list")
+
+    # -- llama.cpp's rules --------------------------------------------------------------
+    llama_ok = True
+    if t.vocab_type != d.vocab_type:
+        llama_ok = False
+        add("error", "vocab-type",
+            f"vocabulary types differ: target {t.vocab_type.upper()} ({t.tokenizer_model}), "
+            f"draft {d.vocab_type.upper()} ({d.tokenizer_model})")  # fmt: skip
+    for name, ta, da, ti, di in (
+        ("bos", t.add_bos, d.add_bos, t.bos, d.bos),
+        ("eos", t.add_eos, d.add_eos, t.eos, d.eos),
+    ):
+        flag = f"add_{name}"
+        if ta != da:
+            llama_ok = False
+            add("error", name,
+                f"{flag} differs: target {str(ta).lower()}, draft {str(da).lower()} "
+                f"(one would start prompts with {name.upper()}, the other not)")  # fmt: skip
+        elif ta and ti != di:
+            llama_ok = False
+            add("error", name,
+                f"{name.upper()} ids differ with {flag} set: target {ti} {_show(t.text(ti))}, "
+                f"draft {di} {_show(d.text(di))}")  # fmt: skip
+    size_diff = abs(t.n_tokens - d.n_tokens)
+    if size_diff > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+        llama_ok = False
+        add("error", "vocab-size",
+            f"token counts differ by {size_diff:,} (target {t.n_tokens:,}, draft "
+            f"{d.n_tokens:,}); llama.cpp allows at most "
+            f"{SPEC_VOCAB_MAX_SIZE_DIFFERENCE}")  # fmt: skip
+    diff = _token_diff(t, d)
+    if diff.n_different:
+        llama_ok = False
+        add("error", "token-text",
+            f"{diff.n_different:,} of {diff.n_compared:,} token ids compared have different "
+            f"texts; the first is id {diff.first_id}: target {_show(diff.first_target)}, "
+            f"draft {_show(diff.first_draft)}")  # fmt: skip
+
+    # -- beyond llama.cpp ---------------------------------------------------------------
+    if t.tokens is not None and d.tokens is not None:
+        for tok in t.eog_ids:
+            tt = t.text(tok)
+            if tok >= d.n_tokens:
+                add("error", "eog-missing",
+                    f"the target's end-of-generation token {tok} {_show(tt)} does not exist "
+                    f"in the draft ({d.n_tokens:,} tokens)")  # fmt: skip
+            elif d.text(tok) != tt:
+                add("error", "eog-text",
+                    f"the target's end-of-generation token {tok} {_show(tt)} is "
+                    f"{_show(d.text(tok))} in the draft")  # fmt: skip
+        missing = sorted(set(t.eog_ids) - set(d.eog_ids))
+        if missing and not any(f.code.startswith("eog") for f in out):
+            add("warning", "eog-ids",
+                "the draft does not end generation on the target's token(s) "
+                + ", ".join(f"{i} {_show(t.text(i))}" for i in missing)
+                + ": it may draft past the end of an answer (the target still stops)")  # fmt: skip
+        if d.n_tokens > t.n_tokens:
+            add("warning", "draft-extra-ids",
+                f"the draft has {d.n_tokens - t.n_tokens:,} token ids "
+                f"({t.n_tokens}..{d.n_tokens - 1}) the target does not have; specgguf never "
+                "proposes them (their draft probability is set to zero)")  # fmt: skip
+        elif t.n_tokens > d.n_tokens:
+            add("info", "target-extra-ids",
+                f"the target has {t.n_tokens - d.n_tokens:,} token ids "
+                f"({d.n_tokens}..{t.n_tokens - 1}) the draft cannot propose")  # fmt: skip
+        head = min(SPEC_VOCAB_CHECK_START_TOKEN_ID, t.n_tokens, d.n_tokens)
+        differing_head = [i for i in range(head) if t.text(i) != d.text(i)]
+        if differing_head:
+            add("info", "head-token-text",
+                f"ids below {SPEC_VOCAB_CHECK_START_TOKEN_ID} (not compared by llama.cpp) "
+                f"differ: {', '.join(map(str, differing_head))}")  # fmt: skip
+    same_ids = llama_ok and not any(f.code.startswith("eog") for f in out)
+    if same_ids and t.pre != d.pre:
+        add("warning", "pre-tokenizer",
+            f"pre-tokenizers differ: target {_show(t.pre)}, draft {_show(d.pre)}; ids still "
+            "match, but the draft may split text differently")  # fmt: skip
+    merge_msg = _merges_differ(t, d) if same_ids else None
+    if merge_msg:
+        add("warning", "merges", merge_msg)
+
+    # Errors first, in the order found.
+    order = {"error": 0, "warning": 1, "info": 2}
+    out.sort(key=lambda f: order[f.severity])
+    return CompatReport(
+        target=t,
+        draft=d,
+        findings=tuple(out),
+        token_diff=diff,
+        llama_cpp_compatible=llama_ok,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _token_diff(t: VocabInfo, d: VocabInfo) -> TokenDiff:
+    """Compare token texts from id 5 up to the smaller count (llama.cpp's range): one byte
+    comparison of the two raw spans when they are identical, element by element when not."""
+    lo = SPEC_VOCAB_CHECK_START_TOKEN_ID
+    hi = min(t.n_tokens, d.n_tokens)
+    if t.tokens is None or d.tokens is None or hi <= lo:
+        return TokenDiff(0, 0, None, None, None)
+    n = hi - lo
+    if t.meta.span(t.tokens, lo, hi) == d.meta.span(d.tokens, lo, hi):
+        return TokenDiff(n, 0, None, None, None)
+    a = t.meta.strings(t.tokens, lo, hi)
+    b = d.meta.strings(d.tokens, lo, hi)
+    different = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    first = different[0]
+    return TokenDiff(
+        n,
+        len(different),
+        lo + first,
+        bytes(a[first]).decode("utf-8", errors="replace"),
+        bytes(b[first]).decode("utf-8", errors="replace"),
+    )
+
+
+def _merges_differ(t: VocabInfo, d: VocabInfo) -> str | None:
+    if t.vocab_type != "bpe" or d.vocab_type != "bpe":
+        return None
+    tm, dm = t.meta.get("tokenizer.ggml.merges"), d.meta.get("tokenizer.ggml.merges")
+    if not isinstance(tm, ArrayRef) or not isinstance(dm, ArrayRef):
+        return None if tm is None and dm is None else "only one model has BPE merges"
+    if tm.count == dm.count and t.meta.span(tm) == d.meta.span(dm):
+        return None
+    a, b = t.meta.strings(tm), d.meta.strings(dm)
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    where = (
+        f"first difference at merge {first}"
+        if first is not None
+        else f"one list extends the other ({tm.count:,} vs {dm.count:,})"
+    )
+    return (
+        f"BPE merges differ (target {tm.count:,}, draft {dm.count:,}; {where}): ids match, "
+        "but the draft may split text differently"
+    )

@@ -1,0 +1,164 @@
+"""Sampling distributions and modified rejection sampling: the output follows p exactly."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgguf.backend import LlamaModel
+from specgguf.sampling import (
+    Distribution,
+    SamplerParams,
+    accept_or_resample,
+    accept_point_mass,
+    distribution,
+    sample,
+)
+from specgguf.speculative import GenerationParams, SpeculativeEngine
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """Upper quantile of chi-square(df) at the normal z (3.719: alpha = 1e-4), by the
+    Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_vs(counts: Counter[int], probs: dict[int, float], n: int) -> tuple[float, int]:
+    """Goodness of fit; bins with expected count < 5 are pooled."""
+    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
+    for t, p in probs.items():
+        e = n * p
+        if e < 5:
+            pool_e += e
+            pool_o += counts.get(t, 0)
+            continue
+        stat += (counts.get(t, 0) - e) ** 2 / e
+        df += 1
+    outside = n - sum(counts.get(t, 0) for t in probs)
+    assert outside == 0, f"{outside} draws outside p's support"
+    if pool_e >= 5:
+        stat += (pool_o - pool_e) ** 2 / pool_e
+        df += 1
+    return stat, df
+
+
+P = {0: 0.05, 1: 0.40, 2: 0.25, 3: 0.15, 4: 0.10, 5: 0.05}
+Q = {0: 0.45, 1: 0.05, 2: 0.05, 3: 0.05, 4: 0.10, 6: 0.30}  # q far from p, own support
+
+
+def dist(d: dict[int, float]) -> Distribution:
+    ids = np.array(sorted(d, key=lambda t: -d[t]), np.int64)
+    return Distribution(ids, np.array([d[int(t)] for t in ids], np.float64))
+
+
+def test_rejection_sampling_output_follows_p() -> None:
+    p, q = dist(P), dist(Q)
+    rng = np.random.default_rng(0)
+    n = 120_000
+    counts: Counter[int] = Counter()
+    accepted = 0
+    for _ in range(n):
+        x = sample(q, rng)
+        ok, y = accept_or_resample(p, q, x, rng)
+        accepted += ok
+        counts[y] += 1
+    stat, df = chi2_vs(counts, P, n)
+    assert stat < chi2_critical(df), (stat, df, counts)
+    # Acceptance probability is sum(min(p, q)) (Leviathan et al. 2023, section 3.1).
+    expected = sum(min(P.get(t, 0), Q.get(t, 0)) for t in set(P) | set(Q))
+    assert accepted / n == pytest.approx(expected, abs=0.01)
+    # Always accepting would give q, with 30% of draws at token 6, outside p's support:
+    # chi2_vs refuses such counts, so a wrong acceptance rule fails this test.
+
+
+def test_point_mass_draft_output_follows_p() -> None:
+    p = dist(P)
+    rng = np.random.default_rng(1)
+    n = 100_000
+    counts: Counter[int] = Counter()
+    for i in range(n):
+        x = (2, 5, 0)[i % 3]  # a deterministic drafter's guesses, right or wrong
+        counts[accept_point_mass(p, x, rng)[1]] += 1
+    stat, df = chi2_vs(counts, P, n)
+    assert stat < chi2_critical(df), (stat, df, counts)
+
+
+def test_distribution_follows_llama_cpp_chain_order() -> None:
+    logits = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0], np.float32)
+    # top-k 3 keeps the three largest.
+    d = distribution(logits, SamplerParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0))
+    assert list(d.ids) == [0, 1, 2]
+    e = np.exp([0.0, -1.0, -2.0])
+    np.testing.assert_allclose(d.probs, e / e.sum())
+    # top-p on temperature-1 probabilities: 0.5 keeps the first token whose cumulative
+    # probability reaches it (p0 = 0.634 of the full softmax).
+    d = distribution(logits, SamplerParams(temperature=2.0, top_k=0, top_p=0.5, min_p=0.0))
+    assert list(d.ids) == [0]
+    # min-p 0.3: p_i / p_max >= 0.3 -> e^-1 = 0.37 kept, e^-2 = 0.14 not.
+    d = distribution(logits, SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.3))
+    assert list(d.ids) == [0, 1]
+    # Temperature applies after truncation: at T=2 the kept pair is flatter.
+    d = distribution(logits, SamplerParams(temperature=2.0, top_k=0, top_p=1.0, min_p=0.3))
+    np.testing.assert_allclose(d.probs, np.array([1.0, math.exp(-0.5)]) / (1 + math.exp(-0.5)))
+    with pytest.raises(ValueError, match="greedy"):
+        distribution(logits, SamplerParams(temperature=0.0))
+
+
+def _first_two_exact(
+    target: Path, prompt: str, sampler: SamplerParams
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The exact distributions of the first and second generated token: p1 after the
+    prompt, and sum over x of p1(x) * p2(. | x)."""
+    with LlamaModel(target) as m, m.new_context(n_ctx=128) as ctx:
+        ids = m.tokenize(prompt)
+        p1 = distribution(ctx.eval(ids, logits="last")[-1].copy(), sampler)
+        second: dict[int, float] = {}
+        for x, px in zip(p1.ids.tolist(), p1.probs.tolist(), strict=True):
+            ctx.rollback(len(ids))
+            p2 = distribution(ctx.eval([x], logits="last")[-1].copy(), sampler)
+            for y, py in zip(p2.ids.tolist(), p2.probs.tolist(), strict=True):
+                second[y] = second.get(y, 0.0) + px * py
+    return dict(zip(p1.ids.tolist(), p1.probs.tolist(), strict=True)), second
+
+
+class _NoEog:
+    def __init__(self, model: LlamaModel) -> None:
+        self.n_vocab = model.n_vocab
+        self.eog_ids: frozenset[int] = frozenset()
+        self.token_to_piece = model.token_to_piece
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_end_to_end_sampled_tokens_follow_target(
+    tiny_models: dict[str, Path], drafter: str
+) -> None:
+    sampler = SamplerParams(temperature=2.5, top_k=12, top_p=1.0, min_p=0.0)
+    prompt = "The fox jumps over the fox jumps over the"
+    p1, p2 = _first_two_exact(tiny_models["target"], prompt, sampler)
+    n = 1500
+    c1: Counter[int] = Counter()
+    c2: Counter[int] = Counter()
+    with SpeculativeEngine(
+        tiny_models["target"], tiny_models["draft-partial"], drafter=drafter,  # type: ignore[arg-type]
+        n_ctx=128,
+    ) as e:  # fmt: skip
+        ids = e.tokenize(prompt)
+        # Count end-of-generation tokens like any other: the exact distributions include them.
+        e.decoder.vocab = _NoEog(e.target_model)
+        drafted = 0
+        for seed in range(n):
+            s = SamplerParams(**{**sampler.__dict__, "seed": seed})
+            res = e.generate(ids, GenerationParams(n_predict=4, draft_max=3, sampler=s)).run()
+            c1[res.tokens[0]] += 1
+            c2[res.tokens[1]] += 1
+            drafted += res.stats.drafted
+    assert drafted >= 2 * n  # speculation really happened, several tokens per draft
+    for counts, exact in ((c1, p1), (c2, p2)):
+        stat, df = chi2_vs(counts, exact, n)
+        assert df >= 3
+        assert stat < chi2_critical(df), (stat, df)

@@ -1,0 +1,222 @@
+"""The speculative loop's logic on a fake backend with exact integer logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from specgguf.drafters import ModelDrafter, NgramDrafter
+from specgguf.errors import ContextOverflowError, UsageError
+from specgguf.sampling import SamplerParams
+from specgguf.speculative import GenerationParams, SpeculativeDecoder
+
+from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
+
+V = 32
+EOS = 31
+GREEDY = SamplerParams(temperature=0.0)
+
+
+def target_next(prefix: Sequence[int]) -> int:
+    """The fake target: a fixed walk 1, 2, ..., 30, 1, 2, ... after the last token."""
+    return prefix[-1] % 30 + 1
+
+
+def make(
+    drafter: object | None = None, *, n_ctx: int = 256, n_batch: int = 64, eos: bool = True
+) -> tuple[SpeculativeDecoder, FakeContext]:
+    ctx = FakeContext(one_hot_rule(target_next, V), V, n_ctx=n_ctx, n_batch=n_batch)
+    vocab = FakeVocab(V, eog_ids=[EOS] if eos else [])
+    return SpeculativeDecoder(ctx, vocab, drafter), ctx  # type: ignore[arg-type]
+
+
+def truth(prompt: list[int], n: int) -> list[int]:
+    out, seq = [], list(prompt)
+    for _ in range(n):
+        seq.append(target_next(seq))
+        out.append(seq[-1])
+    return out
+
+
+def oracle_drafter(wrong_every: int = 0) -> ScriptedDrafter:
+    """Proposes the target's own continuation, with every ``wrong_every``-th draft
+    position replaced by a wrong token."""
+
+    def script(history: Sequence[int], k: int) -> list[int]:
+        out = truth(list(history), k)
+        if wrong_every:
+            for i in range(wrong_every - 1, k, wrong_every):
+                out[i] = (out[i] + 7) % 30 + 1
+        return out
+
+    return ScriptedDrafter(script)
+
+
+def run(dec: SpeculativeDecoder, prompt: list[int], **kw: object):  # type: ignore[no-untyped-def]
+    params = GenerationParams(sampler=GREEDY, **kw)  # type: ignore[arg-type]
+    return dec.generate(prompt, params).run()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 16])
+def test_output_equals_target_alone(k: int) -> None:
+    base = run(make(None)[0], [3, 4], n_predict=40)
+    for drafter in (oracle_drafter(), oracle_drafter(3), NgramDrafter(1, 4)):
+        res = run(make(drafter)[0], [3, 4], n_predict=40, draft_max=k)
+        assert res.tokens == base.tokens == truth([3, 4], 40)
+        assert res.text == base.text
+
+
+def test_oracle_drafter_accepts_everything_and_counts_steps() -> None:
+    res = run(make(oracle_drafter())[0], [1], n_predict=20, draft_max=4)
+    s = res.stats
+    # 4 accepted + 1 bonus per step; the last step is clamped to what n_predict leaves.
+    assert s.steps == 4 and s.drafted == 16 and s.accepted == 16
+    assert s.acceptance_rate == 1.0 and s.generated == 20
+
+
+def test_rejection_keeps_prefix_and_rolls_back_to_committed_length() -> None:
+    drafter = oracle_drafter(wrong_every=3)  # positions 3, 6, ... are wrong
+    dec, ctx = make(drafter)
+    res = run(dec, [1, 2], n_predict=9, draft_max=4)
+    assert res.tokens == truth([1, 2], 9)
+    # Step 1: verify [2, d1..d4] at positions 1..5; d1 d2 accepted, d3 wrong: commit
+    # d1 d2 + correction -> history length 5, target keeps 4 positions.
+    evals = [e for e in ctx.log if e[0] == "eval"]
+    assert evals[0] == ("eval", 0, [1], "none")  # the prompt minus its last token
+    assert evals[1][1] == 1 and len(evals[1][2]) == 5 and evals[1][3] == "all"
+    assert ctx.log[ctx.log.index(evals[1]) + 1] == ("rollback", 4)
+    # Drafts of 4, 4 and (clamped by n_predict) 2; two accepted in each.
+    assert (res.stats.steps, res.stats.drafted, res.stats.accepted) == (3, 10, 6)
+    assert res.stats.acceptance_rate == pytest.approx(0.6)
+
+
+def test_eos_accepted_mid_draft_truncates_output() -> None:
+    def to_eos(prefix: Sequence[int]) -> int:
+        return EOS if len(prefix) == 6 else prefix[-1] % 30 + 1
+
+    ctx = FakeContext(one_hot_rule(to_eos, V), V)
+
+    def script(history: Sequence[int], k: int) -> list[int]:
+        seq = list(history)
+        for _ in range(k):
+            seq.append(to_eos(seq))
+        return seq[len(history) :]
+
+    # The script follows the target's rule, so the draft holds EOS in the middle (followed
+    # by more tokens) and the target accepts it.
+    drafter = ScriptedDrafter(script)
+    vocab = FakeVocab(V, eog_ids=[EOS], pieces={EOS: b"<EOS>"})
+    dec = SpeculativeDecoder(ctx, vocab, drafter)  # type: ignore[arg-type]
+    res = dec.generate([1, 2, 3], GenerationParams(draft_max=8, sampler=GREEDY)).run()
+    assert res.finish_reason == "stop"
+    assert res.tokens == [4, 5, 6]  # the prefix reaches length 6 after these; next is EOS
+    assert "<EOS>" not in res.text and res.text == "efg"
+    assert res.stats.steps == 1 and res.stats.accepted >= 3
+
+
+def test_context_full_stops_with_length_and_never_overflows() -> None:
+    dec, ctx = make(oracle_drafter(), n_ctx=20)
+    res = run(dec, list(range(1, 11)), draft_max=8)
+    assert res.finish_reason == "length"
+    assert len(res.tokens) == 10  # prompt 10 + output 10 = n_ctx
+    assert res.tokens == truth(list(range(1, 11)), 10)
+    assert max(e[1] + len(e[2]) for e in ctx.log if e[0] == "eval") <= 20
+
+
+def test_k_clamped_to_batch_and_to_tokens_left() -> None:
+    drafter = oracle_drafter()
+    dec, ctx = make(drafter, n_batch=4)
+    res = run(dec, [1], n_predict=10, draft_max=16)
+    assert ctx.max_batch <= 4
+    assert max(drafter.ks) == 3  # K + 1 <= n_batch
+    assert drafter.ks[-1] <= 10 - 8 - 1  # the last step only drafts what n_predict leaves
+    assert len(res.tokens) == 10 and res.finish_reason == "length"
+
+
+def test_drafter_that_returns_nothing() -> None:
+    drafter = ScriptedDrafter(lambda h, k: [])
+    res = run(make(drafter)[0], [5], n_predict=12, draft_max=8)
+    assert res.tokens == truth([5], 12)
+    assert res.stats.drafted == 0 and res.stats.steps == 12
+
+
+def test_prompt_that_does_not_fit_is_refused_before_any_evaluation() -> None:
+    dec, ctx = make(None, n_ctx=8)
+    with pytest.raises(ContextOverflowError) as ei:
+        run(dec, list(range(1, 9)))
+    assert (ei.value.n_prompt, ei.value.n_ctx) == (8, 8)
+    assert [e for e in ctx.log if e[0] == "eval"] == []
+    with pytest.raises(UsageError, match="prompt is empty"):
+        run(make(None)[0], [])
+
+
+def test_small_draft_context_pauses_drafting_without_abort() -> None:
+    draft_ctx = FakeContext(one_hot_rule(target_next, V), V, n_ctx=12)
+    drafter = ModelDrafter(draft_ctx, V)  # type: ignore[arg-type]
+    dec, _ = make(drafter, n_ctx=64)
+    res = run(dec, [1, 2, 3], n_predict=30, draft_max=4)
+    assert res.tokens == truth([1, 2, 3], 30)
+    assert res.stats.accepted > 0  # drafted while the draft context had room
+    assert draft_ctx.n_past <= 12
+
+
+def test_model_drafter_does_not_reevaluate_what_it_holds() -> None:
+    draft_ctx = FakeContext(one_hot_rule(target_next, V), V)
+    drafter = ModelDrafter(draft_ctx, V)  # type: ignore[arg-type]
+    run(make(drafter)[0], [1, 2, 3], n_predict=15, draft_max=3)
+    evals = [e for e in draft_ctx.log if e[0] == "eval"]
+    # Each token is evaluated by the draft once: all accepted, so after the first step
+    # only the last draft token and the bonus token are new (2 per step).
+    assert evals[0][2] == [1, 2, 3]
+    new_per_step = [len(e[2]) for e in evals[1:] if len(e[2]) > 1]
+    assert len(new_per_step) >= 3 and all(n == 2 for n in new_per_step)
+    # Nothing was evaluated twice: every evaluated token is still in the cache.
+    assert sum(len(e[2]) for e in evals) == draft_ctx.n_past
+
+
+def test_draft_tokens_beyond_target_vocab_are_never_proposed() -> None:
+    big = V + 8
+
+    def rule(prefix: Sequence[int]) -> np.ndarray:
+        row = np.zeros(big, np.float32)
+        row[V + 3] = 100  # the draft's favourite is an id the target does not have
+        row[target_next(prefix)] = 10
+        return row
+
+    drafter = ModelDrafter(FakeContext(rule, big), V)  # type: ignore[arg-type]
+    res = run(make(drafter)[0], [1], n_predict=10, draft_max=4)
+    assert res.tokens == truth([1], 10)
+    assert res.stats.acceptance_rate == 1.0
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    params = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+
+    def go(seed: int, k: int) -> list[int]:
+        p = GenerationParams(n_predict=25, draft_max=k, sampler=params.__class__(
+            **{**params.__dict__, "seed": seed}))  # fmt: skip
+        return make(oracle_drafter(2))[0].generate([1], p).run().tokens
+
+    assert go(42, 4) == go(42, 4)
+    assert go(42, 4) != go(43, 4)
+
+
+def test_stop_string_ends_output_before_it() -> None:
+    res = run(make(oracle_drafter())[0], [1], n_predict=30, draft_max=4, stop=("fgh",))
+    assert res.finish_reason == "stop"
+    assert res.text == "cde"  # tokens 2, 3, 4 -> "cde"; then "fgh" is the stop string
+
+
+def test_drafters_start_afresh_for_each_generation() -> None:
+    draft_ctx = FakeContext(one_hot_rule(target_next, V), V)
+    model = ModelDrafter(draft_ctx, V)  # type: ignore[arg-type]
+    ngram = NgramDrafter(1, 3)
+    for drafter in (model, ngram):
+        dec, _ = make(drafter)
+        for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [20, 21], [1, 2, 3]):
+            res = run(dec, prompt, n_predict=12, draft_max=4)
+            assert res.tokens == truth(prompt, 12)
+            if drafter is model:  # the fake draft is the target: nothing is ever rejected
+                assert res.stats.acceptance_rate == 1.0

@@ -1,0 +1,94 @@
+"""Streaming text: only complete UTF-8 code points, across verify steps and rejections."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+from specgguf.sampling import SamplerParams
+from specgguf.speculative import GenerationParams, SpeculativeDecoder
+from specgguf.streaming import TextStream
+
+from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
+
+ROCKET = "\U0001f680".encode()  # 4 bytes: F0 9F 9A 80
+V = 16
+# Token 1 and 2 carry the two halves of the emoji; 3 is "A", 4 is "B", 5 is "é" (2 bytes).
+PIECES = {1: ROCKET[:2], 2: ROCKET[2:], 3: b"A", 4: b"B", 5: "é".encode(), 6: b"\xc3", 7: b"\xa9"}
+SEQUENCE = [3, 1, 2, 4, 1, 2, 6, 7, 3, 1, 2]  # what the target generates after the prompt
+EXPECTED = "A\U0001f680B\U0001f680éA\U0001f680".encode()
+
+
+def target_next(prefix: Sequence[int]) -> int:
+    i = len(prefix) - 1  # prompt is one token
+    return SEQUENCE[i] if i < len(SEQUENCE) else 15
+
+
+def test_text_stream_holds_partial_characters() -> None:
+    ts = TextStream()
+    assert ts.push(ROCKET[:2]) == ""
+    assert ts.push(ROCKET[2:3]) == ""
+    assert ts.push(ROCKET[3:] + b"x") == "\U0001f680x"
+    assert ts.push(b"\xc3") == ""
+    assert ts.finish() == "\ufffd"  # a character cut off at the very end
+    assert ts.text == "\U0001f680x\ufffd"
+
+
+def test_stop_string_prefix_is_held_back() -> None:
+    ts = TextStream(["END"])
+    assert ts.push(b"abcE") == "abc"
+    assert ts.push(b"N") == ""
+    assert ts.push(b"Dxyz") == ""
+    assert ts.stopped and ts.stop_string == "END" and ts.text == "abc"
+    ts2 = TextStream(["END"])
+    assert ts2.push(b"abcE") == "abc"
+    assert ts2.push(b"x") == "Ex"  # not a stop after all: released
+
+
+def generate(drafter_script, k: int):  # type: ignore[no-untyped-def]
+    """Run the loop; returns (pieces, stdout bytes, stats)."""
+    ctx = FakeContext(one_hot_rule(target_next, V), V)
+    vocab = FakeVocab(V, eog_ids=[15], pieces=PIECES)
+    drafter = ScriptedDrafter(drafter_script) if drafter_script else None
+    dec = SpeculativeDecoder(ctx, vocab, drafter)  # type: ignore[arg-type]
+    gen = dec.generate([0], GenerationParams(draft_max=k, sampler=SamplerParams(temperature=0)))
+    out = io.BytesIO()
+    pieces = []
+    for piece in gen:  # what the CLI does: write each piece's bytes and flush
+        pieces.append(piece)
+        out.write(piece.encode())
+    assert gen.result is not None
+    return pieces, out.getvalue(), gen.result.stats
+
+
+def test_emoji_split_across_a_verify_boundary() -> None:
+    # The draft is always right, so a step commits K + 1 tokens, and the emoji's halves
+    # (tokens 1 and 2) fall into different steps for K = 1 and K = 3.
+    def oracle(h: Sequence[int], k: int) -> list[int]:
+        return [target_next([*h, *([0] * i)]) for i in range(k)]
+
+    for k in (1, 2, 3, 4):
+        pieces, data, _ = generate(oracle, k)
+        assert data == EXPECTED
+        assert all("\ufffd" not in p for p in pieces)
+    pieces, _, _ = generate(oracle, 1)
+    # With K = 1 a step commits 2 tokens: [3, 1] then [2, 4]: the first half of the emoji
+    # is held back until the step that commits its second half.
+    assert pieces[0] == "A"
+    assert pieces[1] == "\U0001f680B"
+
+
+def test_emoji_at_a_rejection() -> None:
+    # The draft proposes the emoji's first half, then a wrong second half: the target
+    # rejects it and supplies the right one. The wrong bytes never reach the output.
+    def wrong_second_half(h: Sequence[int], k: int) -> list[int]:
+        out = [target_next([*h, *([0] * i)]) for i in range(k)]
+        return [5 if t == 2 else t for t in out]
+
+    for k in (2, 3, 5):
+        pieces, data, stats = generate(wrong_second_half, k)
+        assert data == EXPECTED
+        assert "\ufffd" not in "".join(pieces)
+        assert stats.accepted < stats.drafted  # the wrong halves were really rejected
+    _, baseline, _ = generate(None, 0)
+    assert baseline == EXPECTED
