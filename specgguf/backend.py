@@ -163,11 +163,12 @@ class LlamaModel:
         n_batch: int = 512,
         n_threads: int | None = None,
         n_threads_batch: int | None = None,
+        n_outputs_max: int = 64,
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions) on this model."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-            n_threads_batch=n_threads_batch,
+            n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -210,7 +211,9 @@ class LlamaContext:
     of up to ``n_batch`` tokens, and timing of every evaluation.
 
     ``n_past`` is the number of positions held in the KV cache; ``eval`` appends,
-    ``rollback`` truncates.
+    ``rollback`` truncates. At most ``n_outputs_max`` positions of one batch can return
+    logits (a verification needs K + 1): llama.cpp sizes its logits and compute buffers by
+    it, which for a 151,936-token vocabulary is 0.6 MB per output instead of n_batch rows.
 
     Raises:
         BackendError: llama.cpp could not create the context.
@@ -224,6 +227,7 @@ class LlamaContext:
         n_batch: int = 512,
         n_threads: int | None = None,
         n_threads_batch: int | None = None,
+        n_outputs_max: int = 64,
     ) -> None:
         self._lc = lc = model._lc
         self.model = model
@@ -233,7 +237,8 @@ class LlamaContext:
         params = lc.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = n_batch
+        params.n_ubatch = min(n_batch, 512)
+        params.n_outputs_max = min(n_outputs_max, n_batch)
         params.n_seq_max = 1
         params.n_threads = threads
         params.n_threads_batch = n_threads_batch or threads
@@ -248,6 +253,7 @@ class LlamaContext:
         model._contexts.add(self)
         self.n_ctx: int = lc.llama_n_ctx(ctx)
         self.n_batch: int = lc.llama_n_batch(ctx)
+        self.n_outputs_max = min(n_outputs_max, self.n_batch)
         self.n_vocab: int = model.n_vocab
         self.n_past = 0
         self.eval_seconds = 0.0  # wall time inside llama_decode and logits access
@@ -283,8 +289,8 @@ class LlamaContext:
         n = len(tokens)
         if self.n_past + n > self.n_ctx:
             raise ContextOverflowError(self.n_past + n, self.n_ctx)
-        if logits == "all" and n > self.n_batch:
-            raise ValueError(f"logits='all' needs at most n_batch={self.n_batch} tokens")
+        if logits == "all" and n > self.n_outputs_max:
+            raise ValueError(f"logits='all' allows at most n_outputs_max={self.n_outputs_max}")
         lc = self._lc
         t0 = time.perf_counter()
         n_out = 0

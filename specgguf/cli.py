@@ -303,10 +303,199 @@ def _print_check(report: Any) -> None:
     con.print(report.verdict(), highlight=False, markup=False)
 
 
+@app.command(context_settings={"allow_interspersed_args": True})
+@handled
+def run(
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="The prompt; '-' or omitted with piped input reads stdin."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("-m", "--model", help="Target model: a .gguf file.")
+    ] = None,
+    model_draft: Annotated[
+        str | None,
+        typer.Option("-md", "-d", "--model-draft", help="Draft model: a .gguf file."),
+    ] = None,
+    draft: Annotated[
+        int, typer.Option("--draft", "--draft-max", min=0, help="Draft length K per step.")
+    ] = 4,
+    drafter: Annotated[
+        str | None,
+        typer.Option(
+            "--drafter",
+            help="model, ngram or none (the target alone). Default: model with -md, else ngram.",
+        ),
+    ] = None,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1: until done).")
+    ] = -1,
+    ctx_size: Annotated[
+        int, typer.Option("-c", "--ctx-size", min=0, help="Context size (0: the model's).")
+    ] = 4096,
+    ctx_size_draft: Annotated[
+        int | None,
+        typer.Option("-cd", "--ctx-size-draft", min=0, help="Draft context size (default: -c)."),
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option("-b", "--batch-size", min=1, help="Prompt batch size.")
+    ] = 2048,
+    threads: Annotated[
+        int | None, typer.Option("-t", "--threads", min=1, help="CPU threads.")
+    ] = None,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature (0: greedy).")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")] = 0.05,
+    seed: Annotated[int, typer.Option("--seed", help="RNG seed (-1: random).")] = -1,
+    n_gpu_layers: Annotated[
+        int, typer.Option("-ngl", "--n-gpu-layers", help="Target layers on the GPU (-1: all).")
+    ] = -1,
+    n_gpu_layers_draft: Annotated[
+        int,
+        typer.Option("-ngld", "--n-gpu-layers-draft", help="Draft layers on the GPU (-1: all)."),
+    ] = -1,
+    stop: Annotated[
+        list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")
+    ] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Never generate end-of-generation tokens.")
+    ] = False,
+    file: Annotated[
+        Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")
+    ] = None,
+    system: Annotated[
+        str | None, typer.Option("--system", help="System message for the chat template.")
+    ] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
+    ] = False,
+    draft_p_min: Annotated[
+        float, typer.Option("--draft-p-min", help="Stop drafting below this probability.")
+    ] = 0.0,
+    no_repack: Annotated[
+        bool, typer.Option("-nr", "--no-repack", help="Disable weight repacking.")
+    ] = False,
+    no_check: Annotated[
+        bool, typer.Option("--no-check", help="Skip the vocabulary check (with a warning).")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Load even when the models seem not to fit.")
+    ] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="One JSON object at the end instead of text.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="llama.cpp's logs.")] = False,
+) -> None:
+    """Generate with speculative decoding: text on stdout, rates on stderr.
+
+    Exit codes: 0 done, 2 usage, 3 model file, 4 incompatible draft, 5 does not fit,
+    9 llama.cpp error, 130 interrupted, 141 stdout closed.
+    """
+    import secrets
+
+    from specgguf.display import LiveStats, live_allowed, summary_line
+    from specgguf.errors import UsageError
+    from specgguf.prepare import preflight, prepare_prompt, read_prompt
+    from specgguf.runtime import set_verbose
+    from specgguf.sampling import SamplerParams
+    from specgguf.speculative import GenerationParams, SpeculativeEngine
+
+    set_verbose(verbose)
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    if model is None:
+        raise UsageError("no target model: give one with -m/--model")
+    kind = drafter or ("model" if model_draft else "ngram")
+    if kind not in ("model", "ngram", "none"):
+        raise UsageError(f"--drafter must be model, ngram or none, not {kind!r}")
+    if kind == "model" and model_draft is None:
+        raise UsageError("--drafter model needs a draft model (-md/--model-draft)")
+    target_path = _model_path(model)
+    draft_path = _model_path(model_draft) if model_draft and kind == "model" else None
+    text = read_prompt(prompt, file)
+    if no_check and draft_path is not None:
+        say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
+    pre = preflight(
+        target_path,
+        draft_path,
+        n_ctx=ctx_size or 4096,
+        n_ctx_draft=ctx_size_draft,
+        check_vocab=not no_check,
+        check_memory=not force,
+    )
+    n_ctx = ctx_size or (pre.target.context_length or 4096)
+    prepared = prepare_prompt(pre.target, text, system=system, raw=raw)
+    seed_used = seed if seed >= 0 else secrets.randbits(32)
+    sampler = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                            seed=seed_used)  # fmt: skip
+    gen_params = GenerationParams(
+        n_predict=n_predict, draft_max=draft if kind != "none" else 0, sampler=sampler,
+        stop=tuple(stop or ()), ignore_eos=ignore_eos,
+    )  # fmt: skip
+    with SpeculativeEngine(
+        target_path,
+        draft_path,
+        drafter=kind,  # type: ignore[arg-type]
+        n_ctx=n_ctx,
+        n_ctx_draft=ctx_size_draft,
+        n_batch=batch_size,
+        n_threads=threads,
+        n_gpu_layers=n_gpu_layers,
+        n_gpu_layers_draft=n_gpu_layers_draft,
+        use_extra_bufts=False if no_repack else None,
+        p_min=draft_p_min,
+    ) as engine:
+        ids = engine.tokenize(prepared.text, add_special=prepared.add_special)
+        gen = engine.generate(ids, gen_params)
+        live = LiveStats(gen.stats, enabled=not quiet and not json_out and live_allowed())
+        interrupted = False
+        try:
+            with live:
+                for piece in gen:
+                    if not json_out:
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+                    live.update()
+        except KeyboardInterrupt:
+            interrupted = True
+            gen.interrupt()
+        result = gen.result
+        assert result is not None
+        if json_out:
+            _print_json({
+                "text": result.text,
+                "tokens": result.tokens,
+                "finish_reason": result.finish_reason,
+                "stats": result.stats.as_dict(),
+                "models": {
+                    "target": str(target_path),
+                    "draft": str(draft_path) if draft_path else None,
+                    "drafter": kind,
+                },
+                "params": {
+                    "draft_max": gen_params.draft_max, "n_predict": n_predict, "n_ctx": n_ctx,
+                    "temperature": temp, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                    "seed": seed_used, "stop": list(gen_params.stop),
+                    "chat_template": prepared.templated, "prompt_tokens": len(ids),
+                },
+            })  # fmt: skip
+        elif sys.stdout.isatty() and result.text and not result.text.endswith("\n"):
+            print(file=sys.stderr)
+        say(summary_line(result.stats, result.finish_reason))
+        if interrupted:
+            raise Interrupted()
+
+
 def _report(err: SpecggufError) -> int:
-    print(f"specgguf: error: {err}", file=sys.stderr)
-    if err.hint:
-        print(f"specgguf: hint: {err.hint}", file=sys.stderr)
+    if isinstance(err, Interrupted):
+        return err.exit_code  # the summary of what was done is already on stderr
+    hint = f" (hint: {err.hint})" if err.hint else ""
+    print(f"specgguf: error: {err}{hint}", file=sys.stderr)
     return err.exit_code
 
 

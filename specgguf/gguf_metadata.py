@@ -62,6 +62,9 @@ FILE_TYPES = {
     37: "TQ2_0", 38: "MXFP4",
 }  # fmt: skip
 
+#: String arrays whose element offsets are kept while parsing (random access by id).
+_INDEXED = frozenset({"tokenizer.ggml.tokens"})
+
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # Smallest encoding of one element, used to bound counts by the bytes left in the file.
@@ -75,8 +78,9 @@ _MIN_SIZE = {t: struct.calcsize("<" + f) for t, f in _SCALAR_FMT.items()} | {
 class ArrayRef:
     """A GGUF array kept in the file: element type, count, and where it lies (bytes).
 
-    For string arrays ``offsets`` holds the offset of each element's uint64 length
-    prefix, plus one final entry at the end of the array.
+    For the token list ``offsets`` holds the offset of each element's uint64 length
+    prefix, plus one final entry at the end of the array (other string arrays are indexed
+    on demand).
     """
 
     elem_type: int
@@ -256,14 +260,19 @@ class GGUFMetadata:
                     off,
                 )
             if etype == T_STRING:
-                offsets, end = self._walk_strings(start, count, key)
+                # Element offsets are kept for the token list (random access by id); other
+                # string arrays (merges) only need their end, and are indexed on demand.
+                offsets, end = self._walk_strings(start, count, key, keep=key in _INDEXED)
                 return ArrayRef(etype, count, start, end, offsets), end
             end = start + count * _MIN_SIZE[etype]
             return ArrayRef(etype, count, start, end), end
         raise self._fail(f"{key}: unknown value type {vtype}", off - 4)
 
-    def _walk_strings(self, off: int, count: int, key: str) -> tuple[array.array[int], int]:
-        """Offsets of ``count`` length-prefixed strings from ``off``, and where they end.
+    def _walk_strings(
+        self, off: int, count: int, key: str, *, keep: bool = True
+    ) -> tuple[array.array[int] | None, int]:
+        """Offsets of ``count`` length-prefixed strings from ``off`` (when ``keep``), and
+        where they end.
 
         The hot loop of the reader (two 151,936-entry arrays per Qwen file): one
         ``unpack_from`` per element; a length that runs past the end surfaces as a
@@ -271,19 +280,32 @@ class GGUFMetadata:
         """
         unpack = struct.Struct("<Q").unpack_from
         buf = self._buf
-        offsets = array.array("q", bytes(8 * (count + 1)))
+        offsets = array.array("q", bytes(8 * (count + 1))) if keep else None
         try:
-            for i in range(count):
-                offsets[i] = off
-                off += 8 + unpack(buf, off)[0]
+            if offsets is not None:
+                for i in range(count):
+                    offsets[i] = off
+                    off += 8 + unpack(buf, off)[0]
+            else:
+                for _ in range(count):
+                    off += 8 + unpack(buf, off)[0]
         except struct.error:
             raise self._fail(
                 f"{key}: the file ends inside a string array (truncated?)", off
             ) from None
         if off > self.file_size:
             raise self._fail(f"{key}: a string runs past the end of the file (truncated?)", off)
-        offsets[count] = off
+        if offsets is not None:
+            offsets[count] = off
         return offsets, off
+
+    def _offsets(self, ref: ArrayRef) -> Sequence[int]:
+        """Element offsets of a string array, walking it again if they were not kept."""
+        if ref.offsets is not None:
+            return ref.offsets
+        offsets, _ = self._walk_strings(ref.start, ref.count, "array")
+        assert offsets is not None
+        return offsets
 
     # -- access -------------------------------------------------------------------------
 
@@ -297,23 +319,25 @@ class GGUFMetadata:
         Raises:
             IndexError: ``i`` out of range.
         """
-        if not 0 <= i < ref.count or ref.offsets is None:
+        if not 0 <= i < ref.count:
             raise IndexError(i)
-        o = ref.offsets[i]
-        return bytes(self._buf[o + 8 : ref.offsets[i + 1]])
+        offs = self._offsets(ref)
+        return bytes(self._buf[offs[i] + 8 : offs[i + 1]])
 
     def strings(self, ref: ArrayRef, lo: int = 0, hi: int | None = None) -> list[bytes]:
         """Elements ``lo:hi`` of a string array, as raw bytes."""
-        assert ref.offsets is not None
         hi = ref.count if hi is None else min(hi, ref.count)
-        offs, buf = ref.offsets, self._buf
+        offs, buf = self._offsets(ref), self._buf
         return [buf[offs[i] + 8 : offs[i + 1]] for i in range(lo, hi)]
 
     def span(self, ref: ArrayRef, lo: int = 0, hi: int | None = None) -> bytes:
         """The raw encoded bytes of elements ``lo:hi`` (a whole array compares in one go)."""
         hi = ref.count if hi is None else min(hi, ref.count)
-        if ref.offsets is not None:
-            return bytes(self._buf[ref.offsets[lo] : ref.offsets[hi]])
+        if lo == 0 and hi == ref.count:
+            return bytes(self._buf[ref.start : ref.end])
+        if ref.elem_type == T_STRING:
+            offs = self._offsets(ref)
+            return bytes(self._buf[offs[lo] : offs[hi]])
         size = _MIN_SIZE[ref.elem_type]
         return bytes(self._buf[ref.start + lo * size : ref.start + hi * size])
 

@@ -27,13 +27,17 @@ class ModelInfo:
     head_count: int | None
     head_count_kv: int | None
     vocab: VocabInfo
-    has_chat_template: bool
+    template: str | None = dataclasses.field(repr=False)
     n_tensors: int
     file_size: int
     split_count: int
     shards: tuple[Path, ...]
     missing_shards: tuple[Path, ...]
     gguf_version: int
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.template is not None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +61,10 @@ class ModelInfo:
             "missing_shards": [str(p) for p in self.missing_shards],
             "gguf_version": self.gguf_version,
         }
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 def _int(v: Any) -> int | None:
@@ -109,7 +117,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
             head_count=_int(meta.arch_key("attention.head_count")),
             head_count_kv=_int(meta.arch_key("attention.head_count_kv")),
             vocab=vocab,
-            has_chat_template=isinstance(meta.get("tokenizer.chat_template"), str),
+            template=_str(meta.get("tokenizer.chat_template")),
             n_tensors=n_tensors,
             file_size=file_size,
             split_count=meta.split_count,

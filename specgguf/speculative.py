@@ -57,13 +57,16 @@ class GenerationParams:
 
     ``n_predict``: maximum new tokens (-1: until an end-of-generation token, a stop string,
     or a full context). ``draft_max``: the draft length K (tokens proposed per step).
-    ``stop``: strings that end the output (not included in it).
+    ``stop``: strings that end the output (not included in it). ``ignore_eos``: never
+    generate end-of-generation tokens (their target logits are set to -inf, as llama.cpp's
+    ``--ignore-eos`` does), for fixed-length runs.
     """
 
     n_predict: int = -1
     draft_max: int = 8
     sampler: SamplerParams = dataclasses.field(default_factory=SamplerParams)
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclasses.dataclass
@@ -201,6 +204,7 @@ class SpeculativeDecoder:
         if n_prompt >= target.n_ctx:
             raise ContextOverflowError(n_prompt, target.n_ctx)
         eog = self.vocab.eog_ids
+        banned = np.array(sorted(eog), np.int64) if params.ignore_eos and eog else None
         rng = np.random.default_rng(sampler.seed)
         drafter = self.drafter
         k_max = max(0, min(params.draft_max, target.n_batch - 1))
@@ -228,6 +232,9 @@ class SpeculativeDecoder:
             draft = drafter.propose(history, k, sampler, rng) if drafter and k > 0 else Draft([])
             d = draft.tokens[:k]
             logits = target.eval([history[-1], *d], logits="all")
+            if banned is not None:
+                logits = logits.copy()
+                logits[:, banned] = -np.inf
             if sampler.greedy:
                 best = logits.argmax(axis=1)
                 n = 0
@@ -367,10 +374,10 @@ class SpeculativeEngine:
             raise
         self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model, self.drafter)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` by the target's rules (BOS per the model; special-token
-        texts such as ``<|im_start|>`` parsed)."""
-        return self.target_model.tokenize(text, add_special=True, parse_special=True)
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` by the target's rules (BOS per the model when
+        ``add_special``; special-token texts such as ``<|im_start|>`` parsed)."""
+        return self.target_model.tokenize(text, add_special=add_special, parse_special=True)
 
     def generate(self, prompt: str | Sequence[int], params: GenerationParams) -> Generation:
         """Start a generation (see :meth:`SpeculativeDecoder.generate`); a string prompt is

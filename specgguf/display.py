@@ -1,0 +1,137 @@
+"""Live generation statistics on stderr, and the one-line summary.
+
+stdout carries the generated text only; this module writes to stderr through an explicit
+``Console(stderr=True)``. The live panel (Rich ``Live``, ``redirect_stdout=False`` so it never
+captures the text) is shown only when stderr is a terminal that stdout does not share: when
+both are the same terminal, redrawing a panel would tear the streamed text, so only the
+summary line is printed at the end. ``NO_COLOR`` is honoured by Rich.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+from types import TracebackType
+from typing import IO, Any
+
+from specgguf.speculative import GenerationStats
+
+
+def _same_terminal(a: IO[Any], b: IO[Any]) -> bool:
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (sa.st_dev, sa.st_ino, sa.st_rdev) == (sb.st_dev, sb.st_ino, sb.st_rdev)
+
+
+def live_allowed(stdout: IO[Any] | None = None, stderr: IO[Any] | None = None) -> bool:
+    """True when a live panel on stderr will not collide with text on stdout."""
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    return stderr.isatty() and not (stdout.isatty() and _same_terminal(stdout, stderr))
+
+
+def summary_line(stats: GenerationStats, finish_reason: str | None = None) -> str:
+    """One line with everything that matters, e.g. ``128 tokens in 10.3 s, 12.4 tokens/s;
+    acceptance 78% (90/115), 3.27 per step, K=4; target 5.7 s, draft 4.8 s, other 0.1 s``."""
+    s = stats
+    parts = [
+        f"{s.generated} tokens in {s.seconds:.2f} s, {s.tokens_per_s:.2f} tokens/s",
+        (
+            f"acceptance {s.acceptance_rate:.0%} ({s.accepted}/{s.drafted}), "
+            f"{s.mean_accepted:.2f} accepted per step over {s.steps} steps"
+            if s.drafted
+            else f"no drafts ({s.steps} steps)"
+        ),
+        f"target {s.target_seconds:.2f} s, draft {s.draft_seconds:.2f} s, "
+        f"other {s.python_seconds:.2f} s",
+        f"prompt {s.prompt_tokens} tokens in {s.prompt_seconds:.2f} s",
+    ]
+    if finish_reason:
+        parts.append(f"finish: {finish_reason}")
+    return "; ".join(parts)
+
+
+class LiveStats:
+    """The live panel: tokens/s (rolling over the last ``window`` seconds, and overall),
+    acceptance rate, mean accepted per step, current draft length, elapsed time, and the
+    target/draft/other time split. A no-op when ``enabled`` is False."""
+
+    def __init__(self, stats: GenerationStats, *, enabled: bool, window: float = 3.0) -> None:
+        self.stats = stats
+        self.enabled = enabled
+        self.window = window
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._t0 = time.perf_counter()
+        self._live: Any = None
+
+    def __enter__(self) -> LiveStats:
+        if self.enabled:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console(stderr=True)
+            self._live = Live(
+                self._render(),
+                console=console,
+                refresh_per_second=4,
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+                get_renderable=self._render,
+            )
+            self._live.__enter__()
+        return self
+
+    def update(self) -> None:
+        """Record a sample (call after each step); the panel refreshes on its own."""
+        if self.enabled:
+            now = time.perf_counter()
+            self._samples.append((now, self.stats.generated))
+            while self._samples and now - self._samples[0][0] > self.window:
+                self._samples.popleft()
+
+    def rolling_tokens_per_s(self) -> float:
+        if len(self._samples) < 2:
+            return self.stats.tokens_per_s
+        (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else self.stats.tokens_per_s
+
+    def _render(self) -> Any:
+        from rich.table import Table
+
+        s = self.stats
+        t = Table.grid(padding=(0, 2))
+        for _ in range(6):
+            t.add_column()
+        total = max(s.seconds, 1e-9)
+        t.add_row(
+            f"[bold]{self.rolling_tokens_per_s():6.2f}[/] tokens/s (now)",
+            f"{s.tokens_per_s:6.2f} tokens/s (overall)",
+            f"acceptance {s.acceptance_rate:4.0%}",
+            f"{s.mean_accepted:4.2f} accepted/step",
+            f"K={s.last_draft}",
+            f"{time.perf_counter() - self._t0:5.1f} s",
+        )
+        t.add_row(
+            f"{s.generated} tokens",
+            f"{s.steps} steps",
+            f"target {s.target_seconds / total:4.0%}",
+            f"draft {s.draft_seconds / total:4.0%}",
+            f"other {s.python_seconds / total:4.0%}",
+            "",
+        )
+        return t
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._live is not None:
+            self._live.__exit__(exc_type, exc, tb)
+            self._live = None
