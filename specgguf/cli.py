@@ -160,7 +160,9 @@ def doctor(
         t.add_row("AMX kernels built", "yes" if rep["amx_compiled"] else "no")
         t.add_row("weight repacking", f"{'on' if rep['weight_repacking'] else 'off'} "
                   f"({rep['weight_repacking_reason']})")  # fmt: skip
-        t.add_row("suggested install", rep["install_hint"])
+        match = "" if rep["build_matches_machine"] else " (this build lacks it: reinstall)"
+        t.add_row("this machine", f"{rep['machine_backend']}{match}")
+        t.add_row("install command", rep["install_hint"])
         if "smoke_test" in rep:
             s = rep["smoke_test"]
             verdict = "ok" if s["ok"] else "FAILED"
@@ -172,11 +174,21 @@ def doctor(
         raise BackendError(f"smoke test failed: {rep['smoke_test']['detail']}")
 
 
-def _model_path(name: str) -> Path:
-    """A model argument as a path (aliases are resolved by :mod:`specgguf.registry`)."""
-    from specgguf.registry import resolve_model
+RegistryOpt = Annotated[
+    Path | None,
+    typer.Option("--registry", help="An extra models.toml (adds to or overrides the registry)."),
+]
 
-    return resolve_model(name)
+
+def _model_path(name: str, registry: Path | None = None) -> Path:
+    """A model argument as a path: a .gguf file, or an alias of the registry found in the
+    local cache (see :func:`specgguf.registry.resolve_model`)."""
+    from specgguf.registry import load_registry, resolve_model
+
+    path = Path(name).expanduser()
+    if path.exists() or name.endswith(".gguf"):
+        return resolve_model(name)
+    return resolve_model(name, registry=load_registry(registry))
 
 
 def _count(n: int | None) -> str:
@@ -199,8 +211,11 @@ def _tok(t: dict[str, Any] | None) -> str:
 @app.command()
 @handled
 def info(
-    model: Annotated[str, typer.Argument(help="A .gguf file (first shard of a split model).")],
+    model: Annotated[
+        str, typer.Argument(help="A .gguf file (first shard of a split model) or an alias.")
+    ],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    registry: RegistryOpt = None,
 ) -> None:
     """Show what a GGUF model holds, from its metadata alone (no weights load).
 
@@ -208,7 +223,7 @@ def info(
     """
     from specgguf.modelinfo import read_model_info
 
-    mi = read_model_info(_model_path(model)).as_dict()
+    mi = read_model_info(_model_path(model, registry)).as_dict()
     if json_out:
         _print_json(mi)
         return
@@ -254,9 +269,10 @@ def info(
 @app.command()
 @handled
 def check(
-    target: Annotated[str, typer.Argument(help="The target model (.gguf).")],
-    draft: Annotated[str, typer.Argument(help="The draft model (.gguf).")],
+    target: Annotated[str, typer.Argument(help="The target model (.gguf or alias).")],
+    draft: Annotated[str, typer.Argument(help="The draft model (.gguf or alias).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    registry: RegistryOpt = None,
 ) -> None:
     """Tell whether DRAFT can draft for TARGET, from their vocabularies (no weights load).
 
@@ -265,7 +281,7 @@ def check(
     from specgguf.errors import EXIT_INCOMPATIBLE
     from specgguf.vocab import check_compatibility
 
-    report = check_compatibility(_model_path(target), _model_path(draft))
+    report = check_compatibility(_model_path(target, registry), _model_path(draft, registry))
     if json_out:
         _print_json(report.as_dict())
     else:
@@ -311,15 +327,16 @@ def run(
         typer.Argument(help="The prompt; '-' or omitted with piped input reads stdin."),
     ] = None,
     model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Target model: a .gguf file.")
+        str | None, typer.Option("-m", "--model", help="Target model: a .gguf file or an alias.")
     ] = None,
     model_draft: Annotated[
         str | None,
-        typer.Option("-md", "-d", "--model-draft", help="Draft model: a .gguf file."),
+        typer.Option("-md", "-d", "--model-draft", help="Draft model: a .gguf file or alias."),
     ] = None,
     draft: Annotated[
-        int, typer.Option("--draft", "--draft-max", min=0, help="Draft length K per step.")
-    ] = 4,
+        int | None,
+        typer.Option("--draft", "--draft-max", min=0, help="Draft length K per step (default 4)."),
+    ] = None,
     drafter: Annotated[
         str | None,
         typer.Option(
@@ -387,8 +404,11 @@ def run(
     ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="llama.cpp's logs.")] = False,
+    registry: RegistryOpt = None,
 ) -> None:
     """Generate with speculative decoding: text on stdout, rates on stderr.
+
+    Without -m, the registry's default pair is used (and downloaded on first use).
 
     Exit codes: 0 done, 2 usage, 3 model file, 4 incompatible draft, 5 does not fit,
     9 llama.cpp error, 130 interrupted, 141 stdout closed.
@@ -409,14 +429,16 @@ def run(
             print(msg, file=sys.stderr, flush=True)
 
     if model is None:
-        raise UsageError("no target model: give one with -m/--model")
+        model, model_draft, pair_k = _default_pair(registry, model_draft, drafter, say)
+        draft = pair_k if draft is None else draft
+    draft = 4 if draft is None else draft
     kind = drafter or ("model" if model_draft else "ngram")
     if kind not in ("model", "ngram", "none"):
         raise UsageError(f"--drafter must be model, ngram or none, not {kind!r}")
     if kind == "model" and model_draft is None:
         raise UsageError("--drafter model needs a draft model (-md/--model-draft)")
-    target_path = _model_path(model)
-    draft_path = _model_path(model_draft) if model_draft and kind == "model" else None
+    target_path = _model_path(model, registry)
+    draft_path = _model_path(model_draft, registry) if model_draft and kind == "model" else None
     text = read_prompt(prompt, file)
     if no_check and draft_path is not None:
         say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
@@ -427,6 +449,8 @@ def run(
         n_ctx_draft=ctx_size_draft,
         check_vocab=not no_check,
         check_memory=not force,
+        n_gpu_layers=n_gpu_layers,
+        n_gpu_layers_draft=n_gpu_layers_draft,
     )
     n_ctx = ctx_size or (pre.target.context_length or 4096)
     prepared = prepare_prompt(pre.target, text, system=system, raw=raw)
@@ -489,6 +513,135 @@ def run(
         say(summary_line(result.stats, result.finish_reason))
         if interrupted:
             raise Interrupted()
+
+
+def _default_pair(
+    registry: Path | None, model_draft: str | None, drafter: str | None, say: Any
+) -> tuple[str, str | None, int]:
+    """The registry's default pair, pulled into the cache on first use (progress on
+    stderr). Returns (target alias, draft alias or the given draft, suggested K)."""
+    from specgguf.errors import UsageError
+    from specgguf.hub import pull
+    from specgguf.registry import load_registry
+
+    reg = load_registry(registry)
+    if reg.default_pair is None:
+        raise UsageError("no target model: give one with -m/--model")
+    pair = reg.pairs[reg.default_pair]
+    wanted = [pair.target]
+    if model_draft is None and drafter in (None, "model"):
+        model_draft = pair.draft
+        wanted.append(pair.draft)
+    for alias in wanted:
+        res = pull(reg.model(alias), progress=sys.stderr.isatty(), say=say)
+        if res.source != "cache":
+            say(f"specgguf: {alias}: {res.path} ({_size(res.size)}, from {res.source})")
+    return pair.target, model_draft, pair.draft_max
+
+
+@app.command()
+@handled
+def pull(
+    names: Annotated[
+        list[str], typer.Argument(help="Model aliases or a pair name (see `specgguf list`).")
+    ],
+    quant: Annotated[
+        str | None, typer.Option("--quant", help="Quantization, e.g. Q4_K_M, Q8_0.")
+    ] = None,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="A branch, tag or commit of the repo.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress on stderr.")] = False,
+    registry: RegistryOpt = None,
+) -> None:
+    """Download models or a pair from the Hugging Face hub into its standard cache.
+
+    Two models, or a pair, are checked for vocabulary compatibility afterwards.
+    Exit codes: 6 hub error or not found, 7 access refused (gated/private), 5 not enough
+    disk, 8 integrity check failed, 4 the pulled pair is incompatible.
+    """
+    from specgguf.errors import EXIT_INCOMPATIBLE
+    from specgguf.hub import pull as hub_pull
+    from specgguf.registry import load_registry
+    from specgguf.vocab import check_compatibility
+
+    reg = load_registry(registry)
+    aliases: list[str] = []
+    for name in names:
+        pair = reg.pair(name)
+        aliases += [pair.target, pair.draft] if pair else [reg.model(name).alias]
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    results = [
+        hub_pull(reg.model(a), quant=quant, revision=revision,
+                 progress=not quiet and sys.stderr.isatty(), say=say)
+        for a in aliases
+    ]  # fmt: skip
+    report = None
+    if len(results) == 2:
+        report = check_compatibility(results[0].path, results[1].path)
+    if json_out:
+        _print_json({
+            "models": [
+                {"alias": r.entry.alias, "repo": r.entry.repo, "path": str(r.path),
+                 "files": [str(p) for p in r.paths], "size": r.size, "source": r.source}
+                for r in results
+            ],
+            "check": report.as_dict() if report else None,
+        })  # fmt: skip
+    else:
+        for r in results:
+            sys.stdout.write(f"{r.entry.alias}\t{r.path}\t{_size(r.size)}\t{r.source}\n")
+        if report is not None:
+            sys.stdout.write(report.verdict() + "\n")
+    if report is not None and not report.compatible:
+        raise typer.Exit(EXIT_INCOMPATIBLE)
+
+
+@app.command(name="list")
+@handled
+def list_models(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    registry: RegistryOpt = None,
+) -> None:
+    """List the registry's models and pairs, which are downloaded, and their sizes.
+
+    Reads only the registry and the local cache: no network.
+    """
+    from specgguf.hub import local_listing
+    from specgguf.registry import load_registry
+
+    reg = load_registry(registry)
+    models, pairs = local_listing(reg)
+    if json_out:
+        _print_json(
+            {"models": models, "pairs": pairs, "registry_files": [str(f) for f in reg.files]}
+        )
+        return
+    from rich.table import Table
+
+    con = _stdout_console()
+    t = Table(title="models", title_justify="left", box=None, header_style="bold")
+    for col in ("alias", "params", "quant", "size", "present", "repository / file"):
+        t.add_column(col)
+    for x in models:
+        names = x["alias"] + (f" ({', '.join(x['aliases'])})" if x["aliases"] else "")
+        t.add_row(names, x["params"] or "-", x["quant"], _size(x["size"]) if x["size"] else "?",
+                  "yes" if x["present"] else "no", f"{x['repo']}/{x['file']}")  # fmt: skip
+    con.print(t)
+    t = Table(title="pairs", title_justify="left", box=None, header_style="bold")
+    for col in ("pair", "target", "draft", "K", "size", "present", "note"):
+        t.add_column(col)
+    for p in pairs:
+        name = p["name"] + (" (default)" if p["default"] else "")
+        t.add_row(name, p["target"], p["draft"], str(p["draft_max"]),
+                  _size(p["size"]) if p["size"] else "?", "yes" if p["present"] else "no",
+                  p["note"] or "")  # fmt: skip
+    con.print(t)
 
 
 def _report(err: SpecggufError) -> int:

@@ -103,10 +103,13 @@ def report(smoke: bool = True) -> dict[str, Any]:
         BackendError: llama-cpp-python cannot be imported.
     """
     import specgguf
+    from specgguf.buildconfig import detect_backend
 
     info = build_info()
     policy = repack_policy()
-    gpus = [d for d in info.devices if d.kind in ("gpu", "igpu")]
+    machine_backend = detect_backend()
+    compiled = {b.lower() for b in info.backends}
+    names = {"cuda": "CUDA", "metal": "Metal", "rocm": "ROCm", "vulkan": "Vulkan", "cpu": "CPU"}
     out: dict[str, Any] = {
         "specgguf": specgguf.__version__,
         "llama_cpp_python": info.llama_cpp_python,
@@ -121,8 +124,10 @@ def report(smoke: bool = True) -> dict[str, Any]:
         "weight_repacking": policy.use_extra_bufts,
         "weight_repacking_reason": policy.reason,
         "platform": platform_summary(),
-        "install_hint": INSTALL_HINTS["CUDA" if gpus and "CUDA" not in info.backends
-                                      else "CPU"],
+        "machine_backend": machine_backend,
+        "install_hint": INSTALL_HINTS[names[machine_backend]],
+        "build_matches_machine": machine_backend == "cpu"
+        or bool(compiled & {machine_backend, "hip" if machine_backend == "rocm" else ""}),
         "env": {k: os.environ[k] for k in ("CMAKE_ARGS", "SPECGGUF_REPACK") if k in os.environ},
     }  # fmt: skip
     if policy.warning:

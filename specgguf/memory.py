@@ -88,5 +88,32 @@ def check_fits(parts: list[ModelMemory], *, available: int | None = None) -> int
     return needed
 
 
+def offloaded_bytes(part: ModelMemory, n_gpu_layers: int, n_layer: int) -> int:
+    """The share of a model that goes to the GPU with ``n_gpu_layers`` of ``n_layer``
+    offloaded (-1: all), weights and KV cache in proportion to the layers."""
+    if n_gpu_layers == 0 or n_layer <= 0:
+        return 0
+    layers = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
+    return (part.weights + part.kv_cache) * layers // n_layer + part.compute
+
+
+def check_device_fits(offloaded: list[tuple[str, int]], device_free: int) -> int:
+    """Raise when what is offloaded clearly exceeds the GPUs' free memory (bytes).
+
+    Raises:
+        InsufficientMemoryError: the offloaded share is larger than ``device_free``.
+    """
+    needed = sum(n for _, n in offloaded)
+    if needed > device_free:
+        detail = ", ".join(f"{name}: {_gib(n)}" for name, n in offloaded)
+        raise InsufficientMemoryError(
+            f"the offloaded layers need about {_gib(needed)} of GPU memory but "
+            f"{_gib(device_free)} is free ({detail}); lower -ngl/-ngld",
+            needed=needed,
+            available=device_free,
+        )
+    return needed
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"

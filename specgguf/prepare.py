@@ -10,7 +10,13 @@ from typing import TextIO
 
 from specgguf.chat import render_chat
 from specgguf.errors import IncompatibleVocabError, UsageError
-from specgguf.memory import ModelMemory, check_fits, model_memory
+from specgguf.memory import (
+    ModelMemory,
+    check_device_fits,
+    check_fits,
+    model_memory,
+    offloaded_bytes,
+)
 from specgguf.modelinfo import ModelInfo, read_model_info
 from specgguf.vocab import CompatReport, check_compatibility
 
@@ -91,6 +97,8 @@ def preflight(
     n_ctx_draft: int | None = None,
     check_vocab: bool = True,
     check_memory: bool = True,
+    n_gpu_layers: int = -1,
+    n_gpu_layers_draft: int = -1,
 ) -> Preflight:
     """Read both models' metadata, check the vocabularies and the memory estimate.
 
@@ -112,4 +120,22 @@ def preflight(
     if d_info is not None:
         parts.append(model_memory(d_info, n_ctx=n_ctx_draft or n_ctx))
     needed = check_fits(parts) if check_memory else sum(p.total for p in parts)
+    if check_memory:
+        _check_device(parts, [t_info, d_info], [n_gpu_layers, n_gpu_layers_draft])
     return Preflight(t_info, d_info, compat, parts, needed)
+
+
+def _check_device(parts: list[ModelMemory], infos: list[ModelInfo | None], ngls: list[int]) -> None:
+    """Device memory, where this build offloads to a GPU (skipped on CPU-only builds)."""
+    from specgguf.runtime import build_info
+
+    info = build_info()
+    gpus = [d for d in info.devices if d.kind == "gpu"]
+    if not info.gpu_offload or not gpus:
+        return
+    offloaded = [
+        (part.name, offloaded_bytes(part, ngl, mi.block_count or 0))
+        for part, mi, ngl in zip(parts, infos, ngls, strict=False)
+        if mi is not None
+    ]
+    check_device_fits(offloaded, sum(d.memory_free for d in gpus))

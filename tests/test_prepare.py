@@ -1,0 +1,125 @@
+"""Before loading: prompt sources, chat templates in a sandbox, memory estimates."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from specgguf import testmodels
+from specgguf.chat import ChatTemplateError, render_chat
+from specgguf.errors import InsufficientMemoryError, UsageError
+from specgguf.memory import (
+    ModelMemory,
+    check_device_fits,
+    check_fits,
+    kv_cache_bytes,
+    model_memory,
+    offloaded_bytes,
+)
+from specgguf.modelinfo import read_model_info
+from specgguf.prepare import prepare_prompt, read_prompt
+from specgguf.tinymodels import CHATML_TEMPLATE
+
+
+class FakeStdin(io.StringIO):
+    def __init__(self, text: str, tty: bool) -> None:
+        super().__init__(text)
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+def test_read_prompt_sources(tmp_path: Path) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("from a file")
+    assert read_prompt("arg", None, FakeStdin("piped", tty=False)) == "arg"
+    assert read_prompt(None, f, FakeStdin("", tty=True)) == "from a file"
+    assert read_prompt(None, None, FakeStdin("piped", tty=False)) == "piped"
+    assert read_prompt("-", None, FakeStdin("dash", tty=True)) == "dash"
+    with pytest.raises(UsageError, match="no prompt"):
+        read_prompt(None, None, FakeStdin("never read", tty=True))
+    with pytest.raises(UsageError, match="not both"):
+        read_prompt("a", f, FakeStdin("", tty=True))
+
+
+def test_chatml_rendering_and_system_message() -> None:
+    text = render_chat(CHATML_TEMPLATE, "hi", system="be brief")
+    assert text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{% set _ = messages.append({'role': 'x'}) %}{{ messages }}",
+    ],
+)
+def test_template_cannot_escape_the_sandbox(template: str) -> None:
+    with pytest.raises(ChatTemplateError) as ei:
+        render_chat(template, "hi")
+    assert "chat template" in str(ei.value)
+
+
+def test_unsafe_attribute_renders_as_nothing() -> None:
+    # The sandbox answers unsafe attribute reads with an undefined value: nothing leaks.
+    assert render_chat("[{{ raise_exception.__globals__ }}]", "hi") == "[]"
+    assert render_chat("[{{ messages[0].__class__ }}]", "hi") == "[]"
+
+
+def test_template_raise_exception_is_reported() -> None:
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render_chat("{{ raise_exception('roles must alternate') }}", "hi")
+
+
+def test_bos_not_added_twice_when_the_template_writes_it(tiny_models: dict[str, Path]) -> None:
+    info = read_model_info(tiny_models["target-add-bos"])  # add_bos true, BOS '<|endoftext|>'
+    templated = dataclass_replace_template(info, "{{ bos_token }}{{ messages[0]['content'] }}")
+    p = prepare_prompt(templated, "hello")
+    assert p.text == "<|endoftext|>hello" and p.add_special is False
+    raw = prepare_prompt(info, "hello", raw=True)
+    assert raw.text == "hello" and raw.add_special is True
+    with pytest.raises(UsageError, match="no chat template"):
+        prepare_prompt(read_model_info(tiny_models["spm-target"]), "hi", system="x")
+
+
+def dataclass_replace_template(info, template: str):  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    return dataclasses.replace(info, template=template)
+
+
+@pytest.mark.real_models
+def test_kv_cache_estimate_for_qwen(real_models: dict[str, Path]) -> None:
+    info = read_model_info(real_models[testmodels.TARGET])
+    # 28 layers, 2 KV heads of 1536/12 = 128 dims, K and V in F16.
+    assert kv_cache_bytes(info, 4096) == 2 * 28 * 4096 * 2 * 128 * 2
+    m = model_memory(info, n_ctx=4096)
+    assert m.weights == 1_117_320_768
+
+
+def test_check_fits_refuses_with_numbers() -> None:
+    parts = [ModelMemory("t.gguf", 6 << 30, 1 << 30, 1 << 28)]
+    assert check_fits(parts, available=16 << 30) == parts[0].total
+    with pytest.raises(InsufficientMemoryError) as ei:
+        check_fits(parts, available=4 << 30)
+    msg = str(ei.value)
+    assert "need about 7.25 GiB" in msg and "4.00 GiB is available" in msg
+    assert "t.gguf: weights 6.00 GiB + KV cache 1.00 GiB" in msg
+    assert ei.value.exit_code == 5
+
+
+def test_device_share_and_refusal() -> None:
+    part = ModelMemory("t.gguf", 8 << 30, 2 << 30, 0)
+    assert offloaded_bytes(part, -1, 40) == 10 << 30
+    assert offloaded_bytes(part, 20, 40) == 5 << 30
+    assert offloaded_bytes(part, 0, 40) == 0
+    assert check_device_fits([("t", 5 << 30)], 6 << 30) == 5 << 30
+    with pytest.raises(InsufficientMemoryError, match="lower -ngl/-ngld"):
+        check_device_fits([("t", 10 << 30)], 6 << 30)
