@@ -84,6 +84,10 @@ class LlamaModel:
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
         params.use_extra_bufts = True if use_extra_bufts is None else use_extra_bufts
+        if params.use_extra_bufts and not vocab_only and not lc.llama_supports_gpu_offload():
+            # Repacked weights are copies: read the file instead of mapping it, or its pages
+            # stay resident next to the copies (1.9 GB instead of 1.3 GB for a 1.1 GB file).
+            params.load_mode = 0  # LLAMA_LOAD_MODE_NONE
         self.use_extra_bufts = bool(params.use_extra_bufts)
         model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not model:

@@ -335,13 +335,19 @@ def run(
     ] = None,
     draft: Annotated[
         int | None,
-        typer.Option("--draft", "--draft-max", min=0, help="Draft length K per step (default 4)."),
+        typer.Option(
+            "--draft",
+            "--draft-max",
+            min=0,
+            help="Fixed draft length K per step (with --drafter auto: the largest K).",
+        ),
     ] = None,
     drafter: Annotated[
         str | None,
         typer.Option(
             "--drafter",
-            help="model, ngram or none (the target alone). Default: model with -md, else ngram.",
+            help="auto, model, ngram or none (the target alone). Default: auto, or with "
+            "--draft K the draft model (with -md) else n-gram lookup, at that fixed K.",
         ),
     ] = None,
     n_predict: Annotated[
@@ -429,16 +435,19 @@ def run(
             print(msg, file=sys.stderr, flush=True)
 
     if model is None:
-        model, model_draft, pair_k = _default_pair(registry, model_draft, drafter, say)
-        draft = pair_k if draft is None else draft
-    draft = 4 if draft is None else draft
-    kind = drafter or ("model" if model_draft else "ngram")
-    if kind not in ("model", "ngram", "none"):
-        raise UsageError(f"--drafter must be model, ngram or none, not {kind!r}")
+        model, model_draft, _ = _default_pair(registry, model_draft, drafter, say)
+    if drafter is None:
+        drafter = "auto" if draft is None else ("model" if model_draft else "ngram")
+    kind = drafter
+    if kind not in ("auto", "model", "ngram", "none"):
+        raise UsageError(f"--drafter must be auto, model, ngram or none, not {kind!r}")
+    draft = (48 if kind == "auto" else 4) if draft is None else draft
     if kind == "model" and model_draft is None:
         raise UsageError("--drafter model needs a draft model (-md/--model-draft)")
     target_path = _model_path(model, registry)
-    draft_path = _model_path(model_draft, registry) if model_draft and kind == "model" else None
+    draft_path = (
+        _model_path(model_draft, registry) if model_draft and kind in ("model", "auto") else None
+    )
     text = read_prompt(prompt, file)
     if no_check and draft_path is not None:
         say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
@@ -473,6 +482,7 @@ def run(
         n_gpu_layers_draft=n_gpu_layers_draft,
         use_extra_bufts=False if no_repack else None,
         p_min=draft_p_min,
+        k_max=draft,
     ) as engine:
         ids = engine.tokenize(prepared.text, add_special=prepared.add_special)
         gen = engine.generate(ids, gen_params)
@@ -642,6 +652,142 @@ def list_models(
                   _size(p["size"]) if p["size"] else "?", "yes" if p["present"] else "no",
                   p["note"] or "")  # fmt: skip
     con.print(t)
+
+
+@app.command()
+@handled
+def bench(
+    model: Annotated[
+        str | None, typer.Option("-m", "--model", help="Target model (default: the default pair).")
+    ] = None,
+    model_draft: Annotated[
+        str | None, typer.Option("-md", "-d", "--model-draft", help="Draft model.")
+    ] = None,
+    draft: Annotated[
+        str, typer.Option("--draft", help="Draft lengths to try, comma-separated.")
+    ] = "1,2,4,8",
+    prompts: Annotated[
+        Path | None,
+        typer.Option("--prompts", help="JSON list of {category, prompt} (default: built-in)."),
+    ] = None,
+    categories: Annotated[
+        str | None, typer.Option("--categories", help="Only these categories, comma-separated.")
+    ] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=1)] = 128,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Interleaved rounds.")] = 2,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=256)] = 4096,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
+    no_repack: Annotated[bool, typer.Option("-nr", "--no-repack")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="All numbers as JSON on stdout.")
+    ] = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Draw speedup against K (needs matplotlib).")
+    ] = None,
+    registry: RegistryOpt = None,
+) -> None:
+    """Measure the target alone, each drafter at each draft length, and auto mode, on a
+    prompt set with categories, interleaved in one process; speedups are relative to the
+    target alone in the same run."""
+    from specgguf.bench import CATEGORIES, PROMPTS, load_prompts, run_bench
+    from specgguf.errors import UsageError
+    from specgguf.speculative import SpeculativeEngine
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if model is None:
+        model, model_draft, _ = _default_pair(registry, model_draft, None, say)
+    try:
+        ks = sorted({int(x) for x in draft.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--draft takes comma-separated integers, not {draft!r}") from None
+    chosen = load_prompts(prompts) if prompts else PROMPTS
+    if categories:
+        wanted = set(categories.split(","))
+        unknown = wanted - {c for c, _ in chosen}
+        if unknown:
+            raise UsageError(f"unknown categories {sorted(unknown)}; known: {list(CATEGORIES)}")
+        chosen = [(c, p) for c, p in chosen if c in wanted]
+    target_path = _model_path(model, registry)
+    draft_path = _model_path(model_draft, registry) if model_draft else None
+    configs = [("target", "none", 0)]
+    if draft_path is not None:
+        configs += [(f"model-K{k}", "model", k) for k in ks]
+    configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
+    configs.append(("auto", "auto", max(48, *ks)))
+    with SpeculativeEngine(
+        target_path, draft_path, drafter="auto", n_ctx=ctx_size, n_threads=threads,
+        use_extra_bufts=False if no_repack else None, k_max=max(48, *ks),
+    ) as engine:  # fmt: skip
+        report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
+                           progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip
+    if json_out:
+        _print_json(report)
+    _print_bench(report, stderr=json_out)
+    if plot is not None:
+        _plot_bench(report, plot)
+
+
+def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(stderr=True, highlight=False) if stderr else _stdout_console()
+    m = report["machine"]
+    t = Table(
+        title=f"{Path(report['models']['target']).name} + "
+        f"{Path(report['models']['draft']).name if report['models']['draft'] else 'no draft'}"
+        f", {m['cpu']}, {m['threads']} threads, n={report['params']['n_predict']}, greedy",
+        title_justify="left", box=None, header_style="bold",
+    )  # fmt: skip
+    for col in ("category", "config", "tokens/s", "speedup", "accept", "mean acc",
+                "target/draft/other"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("category", "config") else "right")
+    for r in report["results"]:
+        t.add_row(
+            r["category"], r["config"], f"{r['tokens_per_s']:.2f}",
+            f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-",
+            f"{r['acceptance_rate']:.0%}" if r["config"] != "target" else "-",
+            f"{r['mean_accepted']:.2f}",
+            f"{r['target_share']:.0%}/{r['draft_share']:.0%}/{r['python_share']:.0%}",
+        )  # fmt: skip
+    con.print(t)
+    mem = report["memory"]
+    con.print(f"peak RSS {_size(mem['peak_rss'])} = {mem['ratio']:.2f} x (model files "
+              f"{_size(mem['model_files'])} + KV caches {_size(mem['kv_caches'])}); "
+              f"{report['wall_seconds']:.0f} s", highlight=False)  # fmt: skip
+
+
+def _plot_bench(report: dict[str, Any], path: Path) -> None:
+    from specgguf.errors import UsageError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'specgguf[plot]'") from None
+    cats = list(dict.fromkeys(r["category"] for r in report["results"]))
+    fig, axes = plt.subplots(1, len(cats), figsize=(4 * len(cats), 3.5), squeeze=False)
+    for ax, cat in zip(axes[0], cats, strict=True):
+        rows = [r for r in report["results"] if r["category"] == cat]
+        for kind in ("model", "ngram"):
+            pts = sorted((int(r["config"].split("-K")[1]), r["speedup"]) for r in rows
+                         if r["config"].startswith(kind + "-K"))  # fmt: skip
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
+        auto = next((r["speedup"] for r in rows if r["config"] == "auto"), None)
+        if auto is not None:
+            ax.axhline(auto, color="green", linestyle="--", label="auto")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(cat)
+        ax.set_xlabel("draft length K")
+        ax.set_ylabel("speedup over the target alone")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def _report(err: SpecggufError) -> int:

@@ -95,10 +95,17 @@ class ModelDrafter:
         self._held: list[int] = []  # the tokens in the draft's KV cache, in order
         self._synced = 0  # a prefix of _held known to equal the history's prefix
         self.seconds = 0.0
+        #: seconds per drafted token in the last proposal, catch-up evaluation excluded
+        self.last_token_seconds = 0.0
 
     def reset(self) -> None:
         # The cache is kept: a new prompt that shares a prefix with it reuses that prefix.
         self._synced = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """How many tokens of the current history the draft's cache holds."""
+        return min(self._synced, len(self._held))
 
     def propose(
         self,
@@ -120,6 +127,7 @@ class ModelDrafter:
         logits = self.ctx.eval(history[keep:], logits="last")
         self._held.extend(history[keep:])
         self._synced = len(history)
+        t_first = time.perf_counter()
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []
         for i in range(k):
@@ -138,7 +146,13 @@ class ModelDrafter:
             if i + 1 < k:
                 logits = self.ctx.eval([tok], logits="last")
                 self._held.append(tok)
-        self.seconds += time.perf_counter() - t0
+        t_end = time.perf_counter()
+        self.seconds += t_end - t0
+        # The first evaluation may catch up on many tokens; the others are one token each.
+        if len(tokens) > 1:
+            self.last_token_seconds = (t_end - t_first) / (len(tokens) - 1)
+        elif keep >= len(history) - 2:
+            self.last_token_seconds = t_end - t0
         return Draft(tokens, dists)
 
     def _common_prefix(self, history: Sequence[int]) -> int:

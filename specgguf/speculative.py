@@ -28,6 +28,16 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from specgguf.costmodel import (
+    AutoPlanner,
+    FixedPlanner,
+    Plan,
+    Timings,
+    calibrate,
+    calibration_key,
+    load_calibration,
+    save_calibration,
+)
 from specgguf.drafters import Draft, Drafter, Evaluator, ModelDrafter, NgramDrafter
 from specgguf.errors import ContextOverflowError, UsageError
 from specgguf.sampling import (
@@ -88,6 +98,10 @@ class GenerationStats:
     draft_seconds: float = 0.0
     draft_max: int = 0
     last_draft: int = 0
+    last_drafter: str = "none"
+    rejected_steps: int = 0
+    #: drafter name -> [steps, drafted, accepted]
+    by_drafter: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -170,19 +184,47 @@ class Generation:
         return self.result
 
 
+class Planner(Protocol):
+    """Chooses the drafter and draft for each step (see :mod:`specgguf.costmodel`)."""
+
+    drafters: list[Drafter]
+
+    def reset(self) -> None: ...
+
+    def plan(
+        self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
+    ) -> Plan: ...
+
+    wants_confidence: bool
+
+    def observe(
+        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
+    ) -> None: ...
+
+
 class SpeculativeDecoder:
     """The draft/verify/accept loop over a target context and an optional drafter.
 
     Args:
         target: the target's context (``Evaluator``).
         vocab: the target's vocabulary (pieces, end-of-generation ids).
-        drafter: proposes tokens; None decodes with the target alone (the baseline).
+        drafter: proposes tokens with a fixed draft length (``GenerationParams.draft_max``);
+            None decodes with the target alone (the baseline).
+        planner: instead of ``drafter``, chooses drafter and K at each step
+            (:class:`specgguf.costmodel.AutoPlanner`).
     """
 
-    def __init__(self, target: Evaluator, vocab: Vocabulary, drafter: Drafter | None) -> None:
+    def __init__(
+        self,
+        target: Evaluator,
+        vocab: Vocabulary,
+        drafter: Drafter | None = None,
+        planner: Planner | None = None,
+    ) -> None:
         self.target = target
         self.vocab = vocab
         self.drafter = drafter
+        self.planner = planner
 
     def generate(self, prompt: Sequence[int], params: GenerationParams) -> Generation:
         """Start generating after ``prompt`` (token ids, already tokenized with the
@@ -206,19 +248,22 @@ class SpeculativeDecoder:
         eog = self.vocab.eog_ids
         banned = np.array(sorted(eog), np.int64) if params.ignore_eos and eog else None
         rng = np.random.default_rng(sampler.seed)
-        drafter = self.drafter
-        k_max = max(0, min(params.draft_max, target.n_batch - 1))
+        planner = self.planner or FixedPlanner(self.drafter, params.draft_max)
+        outputs = getattr(target, "n_outputs_max", target.n_batch)
+        k_max = max(0, min(params.draft_max, target.n_batch - 1, outputs - 1))
         limit = params.n_predict if params.n_predict >= 0 else math.inf
 
+        def draft_seconds() -> float:
+            return sum(d.seconds for d in planner.drafters)
+
         t0 = time.perf_counter()
-        if drafter:
-            drafter.reset()
+        planner.reset()
         target.rollback(0)
         if n_prompt > 1:
             target.eval(history[:-1], logits="none")
         stats.prompt_seconds = time.perf_counter() - t0
         target_s0 = target.eval_seconds
-        draft_s0 = drafter.seconds if drafter else 0.0
+        draft_s0 = draft_seconds()
         t_gen = time.perf_counter()
         finish: FinishReason | None = None
         while finish is None:
@@ -229,9 +274,12 @@ class SpeculativeDecoder:
                 break
             # K + 1 new tokens must fit the context and the batch, and not overshoot n_predict.
             k = int(min(k_max, room - 1, remaining - 1))
-            draft = drafter.propose(history, k, sampler, rng) if drafter and k > 0 else Draft([])
+            plan = planner.plan(history, k, sampler, rng)
+            draft = plan.draft
             d = draft.tokens[:k]
+            t_verify = time.perf_counter()
             logits = target.eval([history[-1], *d], logits="all")
+            t_verify = time.perf_counter() - t_verify
             if banned is not None:
                 logits = logits.copy()
                 logits[:, banned] = -np.inf
@@ -244,10 +292,22 @@ class SpeculativeDecoder:
             else:
                 n, x = self._accept_sampled(logits, draft, d, sampler, rng)
             new = [*d[:n], x]
+            conf = None
+            if planner.wants_confidence:
+                row = logits[n]  # the target's top-1 probability for the token it chose
+                conf = 1.0 / float(np.exp(row - row.max()).sum())
+            planner.observe(plan, n, t_verify, conf)
             stats.steps += 1
             stats.drafted += len(d)
             stats.accepted += n
+            stats.rejected_steps += n < len(d)
             stats.last_draft = len(d)
+            name = plan.drafter.name if plan.drafter is not None and d else "none"
+            stats.last_drafter = name
+            row = stats.by_drafter.setdefault(name, [0, 0, 0])
+            row[0] += 1
+            row[1] += len(d)
+            row[2] += n
             for i, t in enumerate(new):
                 if t in eog:
                     new = new[:i]
@@ -265,13 +325,13 @@ class SpeculativeDecoder:
             stats.generated = len(gen.tokens)
             stats.seconds = time.perf_counter() - t_gen
             stats.target_seconds = target.eval_seconds - target_s0
-            stats.draft_seconds = (drafter.seconds - draft_s0) if drafter else 0.0
+            stats.draft_seconds = draft_seconds() - draft_s0
             if piece:
                 yield piece
         tail = gen.stream.finish()
         stats.seconds = time.perf_counter() - t_gen
         stats.target_seconds = target.eval_seconds - target_s0
-        stats.draft_seconds = (drafter.seconds - draft_s0) if drafter else 0.0
+        stats.draft_seconds = draft_seconds() - draft_s0
         gen.result = GenerationResult(gen.stream.text, list(gen.tokens), finish, stats)
         if tail:
             yield tail
@@ -296,7 +356,7 @@ class SpeculativeDecoder:
         return len(d), sample(distribution(logits[len(d)], sampler), rng)
 
 
-DrafterKind = Literal["model", "ngram", "none"]
+DrafterKind = Literal["auto", "model", "ngram", "none"]
 
 
 class SpeculativeEngine:
@@ -308,7 +368,9 @@ class SpeculativeEngine:
     Args:
         target: the target GGUF file (first shard of a split model).
         draft: the draft GGUF file; needed for ``drafter="model"``.
-        drafter: "model", "ngram" or "none" (the target alone).
+        drafter: "auto" (n-gram lookup and, with a draft file, the draft model, chosen at
+            every step by the cost model of :mod:`specgguf.costmodel`), "model", "ngram" or
+            "none" (the target alone).
         n_ctx: the target's context size (tokens); ``n_ctx_draft`` the draft's (default:
             the same).
         n_batch: the batch size for prompt processing (verification uses K + 1 <= n_batch).
@@ -317,6 +379,7 @@ class SpeculativeEngine:
         use_extra_bufts: weight repacking (None: :func:`specgguf.runtime.repack_policy`).
         ngram: (n_min, n_max) of the n-gram drafter.
         p_min: greedy drafting stops when the draft's top probability is below this.
+        k_max: the largest draft length in auto mode (16 at most for the draft model).
 
     Raises:
         UsageError: ``drafter="model"`` without a draft file.
@@ -338,6 +401,7 @@ class SpeculativeEngine:
         use_extra_bufts: bool | None = None,
         ngram: tuple[int, int] = (2, 8),
         p_min: float = 0.0,
+        k_max: int = 48,
     ) -> None:
         from specgguf.backend import LlamaContext, LlamaModel
 
@@ -348,31 +412,104 @@ class SpeculativeEngine:
             self.target_model = self._stack.enter_context(
                 LlamaModel(target, n_gpu_layers=n_gpu_layers, use_extra_bufts=use_extra_bufts)
             )
+            # A verification needs K + 1 outputs; llama.cpp sizes its output buffer by this.
             self.target_ctx: LlamaContext = self._stack.enter_context(
-                self.target_model.new_context(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
-            )
+                self.target_model.new_context(
+                    n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+                    n_outputs_max=min(k_max, n_batch - 1) + 1,
+                )
+            )  # fmt: skip
             self.draft_model: LlamaModel | None = None
             self.draft_ctx: LlamaContext | None = None
-            self.drafter: Drafter | None = None
-            if drafter == "model":
-                assert draft is not None
+            self.model_drafter: ModelDrafter | None = None
+            self._timings: Timings | None = None
+            self.n_threads = n_threads
+            self.ngram = ngram
+            self.k_max = k_max
+            if draft is not None and drafter in ("model", "auto"):
                 self.draft_model = self._stack.enter_context(
                     LlamaModel(
                         draft, n_gpu_layers=n_gpu_layers_draft, use_extra_bufts=use_extra_bufts
                     )
                 )
+                # The draft only ever needs the logits of its last position.
                 self.draft_ctx = self._stack.enter_context(
                     self.draft_model.new_context(
-                        n_ctx=n_ctx_draft or n_ctx, n_batch=n_batch, n_threads=n_threads
+                        n_ctx=n_ctx_draft or n_ctx, n_batch=n_batch, n_threads=n_threads,
+                        n_outputs_max=1,
                     )
+                )  # fmt: skip
+                self.model_drafter = ModelDrafter(
+                    self.draft_ctx, self.target_model.n_vocab, p_min=p_min
                 )
-                self.drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab, p_min=p_min)
-            elif drafter == "ngram":
-                self.drafter = NgramDrafter(*ngram)
+            self.decoder = self.decoder_for(drafter)
         except BaseException:
             self._stack.close()
             raise
-        self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model, self.drafter)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The drafter of the main decoder (None in auto mode or for the target alone)."""
+        return self.decoder.drafter
+
+    @property
+    def planner(self) -> Planner | None:
+        return self.decoder.planner
+
+    def decoder_for(self, kind: DrafterKind) -> SpeculativeDecoder:
+        """A decoder over the loaded models with another drafter (for side-by-side
+        measurements in one process): "none", "ngram", "model" (needs the draft model) or
+        "auto". The contexts are shared; each generation starts afresh.
+
+        Raises:
+            UsageError: "model" without a draft model.
+        """
+        model = self.model_drafter
+        if kind == "none":
+            return SpeculativeDecoder(self.target_ctx, self.target_model, None)
+        if kind == "ngram":
+            return SpeculativeDecoder(self.target_ctx, self.target_model, NgramDrafter(*self.ngram))
+        if kind == "model":
+            if model is None:
+                raise UsageError("the model drafter needs a draft model (-md/--model-draft)")
+            return SpeculativeDecoder(self.target_ctx, self.target_model, model)
+        planner = AutoPlanner(
+            self.timings(), model=model, ngram=NgramDrafter(*self.ngram), k_max=self.k_max,
+            k_max_model=min(16, self.k_max),
+        )  # fmt: skip
+        return SpeculativeDecoder(self.target_ctx, self.target_model, planner=planner)
+
+    def timings(self, *, recalibrate: bool = False) -> Timings:
+        """The target's verification and the draft's step timings on this machine: from
+        the calibration cache, or measured now (a few seconds) and cached.
+
+        Raises:
+            BackendError: an evaluation failed.
+        """
+        from specgguf.backend import default_threads
+        from specgguf.runtime import _build_key, build_info
+
+        if self._timings is not None and not recalibrate:
+            return self._timings
+        threads = self.n_threads or default_threads()
+        key = calibration_key(
+            _build_key(build_info()), self.target_model.path,
+            self.draft_model.path if self.draft_model else None, threads,
+            self.target_model.use_extra_bufts,
+        )  # fmt: skip
+        sample_ids = self.target_model.tokenize("def f(x):\n    return x + 1\n", add_special=False)
+        cached = None if recalibrate else load_calibration(key)
+        if cached is not None:
+            # A calibration taken while the machine was busy would mislead every run after
+            # it: check one decode step against it, and measure again when far off.
+            now = calibrate(self.target_ctx, None, sample_ids, sizes=(1,), repeats=3)
+            if 0.5 <= now.verify[1] / cached.verify[1] <= 2.0:
+                self._timings = cached
+                return cached
+        t = calibrate(self.target_ctx, self.draft_ctx, sample_ids)
+        save_calibration(key, t)
+        self._timings = t
+        return t
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         """Token ids of ``text`` by the target's rules (BOS per the model when

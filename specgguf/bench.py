@@ -1,0 +1,277 @@
+"""``specgguf bench``: every configuration side by side in one process, interleaved, on a
+built-in prompt set with categories, with speedups over the target alone measured in the
+same run.
+
+Configurations: ``target`` (no speculation), ``model-K<k>`` and ``ngram-K<k>`` for each
+draft length asked for, and ``auto`` (:class:`specgguf.costmodel.AutoPlanner`). Rounds go
+over categories and configurations in turn, so that machine noise hits all alike; the
+numbers of a (category, configuration) cell pool its rounds (tokens over seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from specgguf.costmodel import best_k
+from specgguf.sampling import SamplerParams
+from specgguf.speculative import GenerationParams, GenerationStats, SpeculativeEngine
+
+CATEGORIES = (
+    "code-generation", "code-editing", "structured", "translation", "summarization", "chat",
+)  # fmt: skip
+
+_CODE = """import csv
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    name: str
+    price: float
+    qty: int
+
+
+def load_items(path):
+    items = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            items.append(Item(row["name"], float(row["price"]), int(row["qty"])))
+    return items
+
+
+def calc(items):
+    total = 0.0
+    for item in items:
+        total += item.price * item.qty
+    return round(total, 2)
+
+
+def report(items):
+    lines = [f"{item.name}: {item.qty} x {item.price:.2f}" for item in items]
+    lines.append(f"Total: {calc(items):.2f}")
+    return "\\n".join(lines)
+
+
+if __name__ == "__main__":
+    cart = load_items("cart.csv")
+    print(report(cart))
+    print("Grand total:", calc(cart))
+"""
+
+_TEXT = (
+    "The city council met on Tuesday to discuss the new bicycle lanes planned for the "
+    "harbour district. Maria Lopez, 34, an engineer from Porto who moved to the city last "
+    "year, presented the traffic study: car traffic on Harbour Road fell by twelve percent "
+    "during the six-week trial, while bicycle trips more than doubled. Shop owners were "
+    "divided. Tom Berg, 58, who runs a bakery on the corner of Harbour Road and Mill Street, "
+    "said deliveries had become slower, but that he had gained new customers who arrive by "
+    "bike. Aiko Tanaka, 27, a nurse from Osaka, told the council that the lanes made her "
+    "night-shift commute safer. The council will vote on making the lanes permanent next "
+    "month, after a second study of the effects on buses and emergency vehicles."
+)
+
+#: (category, prompt): one prompt per category.
+PROMPTS: list[tuple[str, str]] = [
+    ("code-generation",
+     "Write a Python function that checks whether a string is a palindrome, ignoring case "
+     "and punctuation, with a docstring, type hints and a few doctest examples."),
+    ("code-editing",
+     "Rename the function `calc` to `total_price` everywhere in this code. Reply with the "
+     "complete updated code only, in one Python code block, without any explanation.\n\n"
+     f"```python\n{_CODE}```"),
+    ("structured",
+     "Extract every person mentioned in the text below as a JSON array of objects with the "
+     "keys \"name\", \"age\", \"city\" (null when not given) and \"role\". Reply with the "
+     f"JSON only.\n\nText: {_TEXT}"),
+    ("translation", f"Translate the following text into French:\n\n{_TEXT}"),
+    ("summarization", f"Summarise the following news story in three sentences:\n\n{_TEXT}"),
+    ("chat",
+     "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+]  # fmt: skip
+
+
+def load_prompts(path: Path) -> list[tuple[str, str]]:
+    """Prompts from a JSON file: a list of {"category": ..., "prompt": ...} objects.
+
+    Raises:
+        UsageError: the file cannot be read or has the wrong shape.
+    """
+    from specgguf.errors import UsageError
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [(str(x["category"]), str(x["prompt"])) for x in data]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{path}: expected a JSON list of {{category, prompt}}: {e}") from None
+
+
+def chat_prompt_ids(engine: SpeculativeEngine, prompt: str) -> list[int]:
+    """The prompt as ``run`` sends it: wrapped by the target's chat template if any."""
+    from specgguf.modelinfo import read_model_info
+    from specgguf.prepare import prepare_prompt
+
+    prepared = prepare_prompt(read_model_info(engine.target_model.path), prompt)
+    return engine.tokenize(prepared.text, add_special=prepared.add_special)
+
+
+def run_one(
+    engine: SpeculativeEngine, ids: Sequence[int], kind: str, k: int, n: int
+) -> GenerationStats:
+    """One greedy generation of ``n`` tokens with the drafter ``kind`` and draft length
+    (or, for auto, the cap) ``k``; returns its statistics."""
+    decoder = engine.decoder_for(kind)  # type: ignore[arg-type]
+    params = GenerationParams(n_predict=n, draft_max=k, sampler=SamplerParams(temperature=0))
+    return decoder.generate(ids, params).run().stats
+
+
+@dataclasses.dataclass
+class Cell:
+    """Pooled statistics of one (category, configuration)."""
+
+    category: str
+    config: str
+    tokens: int = 0
+    seconds: float = 0.0
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected_steps: int = 0
+    runs: list[float] = dataclasses.field(default_factory=list)
+    by_drafter: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def add(self, s: GenerationStats) -> None:
+        self.tokens += s.generated
+        self.seconds += s.seconds
+        self.target_seconds += s.target_seconds
+        self.draft_seconds += s.draft_seconds
+        self.steps += s.steps
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.rejected_steps += s.rejected_steps
+        self.runs.append(s.tokens_per_s)
+        for name, row in s.by_drafter.items():
+            acc = self.by_drafter.setdefault(name, [0, 0, 0])
+            for i in range(3):
+                acc[i] += row[i]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """The rate a of the cost model: accepted / (accepted + first rejections)."""
+        n = self.accepted + self.rejected_steps
+        return self.accepted / n if n else 0.0
+
+
+def run_bench(
+    engine: SpeculativeEngine,
+    prompts: Sequence[tuple[str, str]],
+    configs: Sequence[tuple[str, str, int]],
+    *,
+    n: int,
+    rounds: int,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> dict[str, Any]:
+    """Run every (prompt, configuration) ``rounds`` times, interleaved; returns the report
+    (``machine``, ``results`` with one entry per category and configuration, ``memory``)."""
+    from specgguf.backend import default_threads
+    from specgguf.memory import kv_cache_bytes
+    from specgguf.modelinfo import read_model_info
+    from specgguf.runtime import build_info, platform_summary
+
+    ids = {cat: chat_prompt_ids(engine, p) for cat, p in prompts}
+    cells: dict[tuple[str, str], Cell] = {}
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        for cat, _ in prompts:
+            for name, kind, k in configs:
+                progress(f"round {r + 1}/{rounds}: {cat} {name}")
+                s = run_one(engine, ids[cat], kind, k, n)
+                cells.setdefault((cat, name), Cell(cat, name)).add(s)
+    wall = time.perf_counter() - t0
+    timings = engine.timings()
+    results = []
+    for (cat, name), c in cells.items():
+        base = cells.get((cat, "target"))
+        row: dict[str, Any] = {
+            "category": cat,
+            "config": name,
+            "tokens_per_s": round(c.tokens_per_s, 3),
+            "speedup": round(c.tokens_per_s / base.tokens_per_s, 3) if base else None,
+            "acceptance_rate": round(c.acceptance_rate, 4),
+            "per_token_acceptance": round(c.per_token_acceptance, 4),
+            "mean_accepted": round(c.accepted / c.steps, 3) if c.steps else 0.0,
+            "tokens": c.tokens,
+            "steps": c.steps,
+            "target_share": round(c.target_seconds / c.seconds, 4) if c.seconds else 0.0,
+            "draft_share": round(c.draft_seconds / c.seconds, 4) if c.seconds else 0.0,
+            "python_share": round(
+                max(0.0, c.seconds - c.target_seconds - c.draft_seconds) / c.seconds, 4
+            ) if c.seconds else 0.0,
+            "runs_tokens_per_s": [round(x, 3) for x in c.runs],
+            "by_drafter": c.by_drafter,
+        }  # fmt: skip
+        model_cells = [v for (ct, nm), v in cells.items() if ct == cat and nm.startswith("model")]
+        if name == "auto" and model_cells:
+            a = sum(v.accepted for v in model_cells) / max(
+                1, sum(v.accepted + v.rejected_steps for v in model_cells)
+            )
+            k_best, limit = best_k(a, timings, min(16, engine.k_max))
+            row["cost_model_limit"] = {"per_token_acceptance": round(a, 4), "k": k_best,
+                                       "tokens_per_s": round(limit, 3),
+                                       "ratio": round(c.tokens_per_s / limit, 3)}  # fmt: skip
+        results.append(row)
+    files = engine.target_model.path.stat().st_size
+    kv = kv_cache_bytes(read_model_info(engine.target_model.path), engine.target_ctx.n_ctx)
+    if engine.draft_model is not None and engine.draft_ctx is not None:
+        files += engine.draft_model.path.stat().st_size
+        kv += kv_cache_bytes(read_model_info(engine.draft_model.path), engine.draft_ctx.n_ctx)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin"
+                                                                 else 1024)  # fmt: skip
+    return {
+        "machine": {
+            **platform_summary(),
+            "llama_cpp": build_info().summary(),
+            "threads": engine.n_threads or default_threads(),
+            "weight_repacking": engine.target_model.use_extra_bufts,
+        },
+        "models": {
+            "target": str(engine.target_model.path),
+            "draft": str(engine.draft_model.path) if engine.draft_model else None,
+        },
+        "params": {
+            "n_predict": n,
+            "rounds": rounds,
+            "greedy": True,
+            "n_ctx": engine.target_ctx.n_ctx,
+        },
+        "timings": {
+            "t_verify": {k: round(v, 5) for k, v in sorted(timings.verify.items())},
+            "scale_single": round(timings.scale_single, 3),
+            "scale_batch": round(timings.scale_batch, 3),
+            "t_draft": round(timings.draft, 5),
+        },
+        "memory": {
+            "peak_rss": peak,
+            "model_files": files,
+            "kv_caches": kv,
+            "ratio": round(peak / (files + kv), 3),
+        },
+        "wall_seconds": round(wall, 1),
+        "results": results,
+    }

@@ -1,0 +1,436 @@
+"""When does speculation pay? A cost model from measured timings, and the automatic planner
+that picks the drafter and the draft length K at every step.
+
+Expected tokens per step for per-token acceptance rate ``a`` and draft length K (Leviathan
+et al. 2023, section 3.1, equation 1, with i.i.d. acceptance)::
+
+    E(K) = (1 - a^(K+1)) / (1 - a)          (E(0) = 1)
+
+Cost of a step: K draft evaluations plus one verification of K + 1 tokens::
+
+    C(K) = K * t_draft + t_verify(K + 1)
+
+The planner chooses the K (0 included: no speculation) that maximises E(K) / C(K) tokens per
+second, for each drafter: n-gram lookup (t_draft = 0, K bounded by the continuation it
+found) and the draft model, and takes the best of them and of the target alone.
+
+Timings come from a short calibration the first time a pair is used on a machine (cached in
+``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
+threads and the repacking setting) and are refined online from every evaluation. Acceptance
+is tracked online per drafter with exponentially decaying counts, so K follows the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specgguf.drafters import Draft, Drafter, Evaluator, ModelDrafter, NgramDrafter
+from specgguf.sampling import SamplerParams
+
+#: Verification batch sizes measured by calibration (others are interpolated).
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E(K) = (1 - a^(K+1)) / (1 - a): tokens a step yields with K drafts accepted
+    independently with probability ``a`` (the +1 is the target's own token)."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds per evaluation: ``verify[n]`` for a target batch of n tokens (n = 1 is a
+    plain decode step), as calibrated, and ``draft`` per draft-model token (0 without a
+    draft model).
+
+    Online refinement keeps the calibrated curve and learns two correction factors, one
+    for decode steps and one for batches (``scale_single``, ``scale_batch``): during a run
+    the target and the draft evict each other's weights from the CPU caches, which makes
+    real steps slower than calibrated ones (about 1.3x for 10-token batches, measured).
+    """
+
+    verify: dict[int, float]
+    draft: float = 0.0
+    scale_single: float = 1.0
+    scale_batch: float = 1.0
+
+    def _curve(self, n: int) -> float:
+        if n in self.verify:
+            return self.verify[n]
+        xs = sorted(self.verify)
+        if n <= xs[0]:
+            return self.verify[xs[0]]
+        lo = max((x for x in xs if x < n), default=xs[0])
+        hi = min((x for x in xs if x > n), default=None)
+        if hi is None:  # extrapolate from the last two points
+            lo2 = xs[-2] if len(xs) > 1 else xs[-1]
+            lo, hi = lo2, xs[-1]
+            if lo == hi:
+                return self.verify[hi] * n / hi
+        w = (n - lo) / (hi - lo)
+        return self.verify[lo] + w * (self.verify[hi] - self.verify[lo])
+
+    def verify_time(self, n: int) -> float:
+        """t_verify(n): the calibrated curve, linearly interpolated (and extrapolated),
+        times the learned correction."""
+        return self._curve(n) * (self.scale_single if n == 1 else self.scale_batch)
+
+    def observe_verify(self, n: int, seconds: float, weight: float = 0.1) -> None:
+        """Refine the correction for batches of ``n`` with a measurement."""
+        ratio = min(3.0, max(0.5, seconds / self._curve(n)))
+        if n == 1:
+            self.scale_single += weight * (ratio - self.scale_single)
+        else:
+            self.scale_batch += weight * (ratio - self.scale_batch)
+
+    def observe_draft(self, seconds_per_token: float, weight: float = 0.1) -> None:
+        self.draft += weight * (seconds_per_token - self.draft)
+
+
+def best_k(
+    a: float, timings: Timings, k_max: int, *, draft_cost: float | None = None
+) -> tuple[int, float]:
+    """The draft length maximising E(K) / C(K), and that rate (tokens/s). ``draft_cost``
+    overrides t_draft (0 for n-gram lookup)."""
+    td = timings.draft if draft_cost is None else draft_cost
+    best, rate = 0, 1.0 / timings.verify_time(1)
+    for k in range(1, max(0, k_max) + 1):
+        r = expected_tokens(a, k) / (k * td + timings.verify_time(k + 1))
+        if r > rate:
+            best, rate = k, r
+    return best, rate
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """Per-token acceptance rate of one drafter, from exponentially decaying counts: a
+    verification adds its accepted drafts as successes and its first rejection as a
+    failure. The counts are blended with a prior worth ``weight`` trials; the prior can be
+    passed at each reading (the planner passes the target's recent confidence, which tracks
+    acceptance closely), and ``tick`` fades old observations at every step, used or not,
+    so that the estimate follows the text."""
+
+    prior: float = 0.6
+    weight: float = 2.0
+    decay: float = 0.9
+    fade: float = 0.97
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def rate_with(self, prior: float | None = None) -> float:
+        p = self.prior if prior is None else prior
+        return (self.successes + p * self.weight) / (self.trials + self.weight)
+
+    @property
+    def rate(self) -> float:
+        return self.rate_with(None)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
+
+    def tick(self) -> None:
+        self.successes *= self.fade
+        self.trials *= self.fade
+
+
+# --- calibration ----------------------------------------------------------------------
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def calibration_key(
+    build: str, target: Path, draft: Path | None, n_threads: int, repack: bool
+) -> str:
+    parts = [build, _file_key(target), _file_key(draft) if draft else "-", str(n_threads),
+             str(repack)]  # fmt: skip
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specgguf" / "calibration.json"
+
+
+def load_calibration(key: str) -> Timings | None:
+    try:
+        data = json.loads(_cache_file().read_text())[key]
+        return Timings({int(k): float(v) for k, v in data["verify"].items()}, data["draft"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_calibration(key: str, timings: Timings) -> None:
+    path = _cache_file()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {"verify": timings.verify, "draft": timings.draft, "time": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def calibrate(
+    target: Evaluator,
+    draft: Evaluator | None,
+    tokens: Sequence[int],
+    *,
+    sizes: Sequence[int] = CALIBRATION_SIZES,
+    repeats: int = 2,
+) -> Timings:
+    """Measure t_verify(n) on the target and t_draft on the draft (median of ``repeats``),
+    after a prefix of ``tokens`` (any valid ids: the timing, not the text, matters). Both
+    caches are left empty.
+
+    Raises:
+        BackendError: an evaluation failed.
+    """
+    toks = list(tokens) or [0]
+    prefix = (toks * (64 // len(toks) + 1))[:64]
+    need = max(sizes)
+    body = (toks * (need // len(toks) + 1))[:need]
+
+    def timed(ctx: Evaluator, batch: list[int], logits: str) -> float:
+        ctx.rollback(len(prefix))
+        t0 = time.perf_counter()
+        ctx.eval(batch, logits=logits)  # type: ignore[arg-type]
+        return time.perf_counter() - t0
+
+    target.rollback(0)
+    target.eval(prefix, logits="none")
+    timed(target, body[:1], "all")  # warm-up
+    verify = {
+        n: statistics.median(timed(target, body[:n], "all") for _ in range(repeats))
+        for n in sizes
+        if n <= min(target.n_batch, getattr(target, "n_outputs_max", target.n_batch))
+    }
+    target.rollback(0)
+    td = 0.0
+    if draft is not None:
+        draft.rollback(0)
+        draft.eval(prefix, logits="none")
+        timed(draft, body[:1], "last")
+        td = statistics.median(timed(draft, body[:1], "last") for _ in range(repeats + 2))
+        draft.rollback(0)
+    return Timings(verify, td)
+
+
+# --- the automatic planner --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a step does: propose ``draft`` tokens from ``drafter`` (None: no drafts), and
+    the rate the cost model expects (tokens/s)."""
+
+    drafter: Drafter | None
+    draft: Draft
+    expected_rate: float
+
+
+class FixedPlanner:
+    """One drafter (or none) with a fixed draft length K (``--draft K``)."""
+
+    def __init__(self, drafter: Drafter | None, k: int) -> None:
+        self.drafter = drafter
+        self.k = k
+        self.drafters = [drafter] if drafter else []
+
+    def reset(self) -> None:
+        if self.drafter:
+            self.drafter.reset()
+
+    def plan(
+        self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
+    ) -> Plan:
+        k = min(self.k, k_max)
+        if self.drafter is None or k <= 0:
+            return Plan(None, Draft([]), math.nan)
+        return Plan(self.drafter, self.drafter.propose(history, k, sampler, rng), math.nan)
+
+    wants_confidence = False
+
+    def observe(
+        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
+    ) -> None:
+        pass
+
+
+class AutoPlanner:
+    """Chooses, at every step, n-gram lookup when it found a continuation that the cost
+    model expects to pay, else the draft model with its best K, else no speculation.
+
+    The acceptance of each drafter is estimated from its recent verifications, blended
+    with the target's recent confidence (the mean top-1 probability of the tokens it
+    produced): measured on Qwen2.5-Coder 1.5B/0.5B over six kinds of text, that mean
+    (0.68-1.00) follows the draft's greedy agreement (0.64-1.00) within 0.05. It needs no
+    draft evaluation, so the draft model is tried when the text becomes predictable and
+    left alone otherwise, without probing. A draft model that has been idle must first
+    evaluate the tokens it missed; that cost is spread over the next few steps.
+
+    Args:
+        timings: calibrated timings (refined online unless ``learn_timings`` is False).
+        model: the draft-model drafter, if any.
+        ngram: the n-gram drafter, if any.
+        k_max: the largest draft length considered (n-gram lookup, whose drafts cost
+            nothing, pays up to long drafts when its acceptance is high).
+        k_max_model: the largest draft length for the draft model.
+    """
+
+    wants_confidence = True
+    CATCH_UP_HORIZON = 8  # steps over which a draft model's catch-up cost is spread
+    MARGIN = 1.05  # speculate only when the model expects at least this gain: the estimates
+    # are noisy, and a marginal gain is not worth the risk of a loss
+    #: n-gram acceptance prior, relative to the target's confidence, by match length: one
+    #: token of context predicts little (measured a = 0.1-0.6 on six kinds of text), four or
+    #: more about as well as the confidence itself (0.7-0.98).
+    NGRAM_PRIOR = {1: 0.3, 2: 0.7, 4: 1.0}
+
+    def __init__(
+        self,
+        timings: Timings,
+        *,
+        model: ModelDrafter | None = None,
+        ngram: NgramDrafter | None = None,
+        k_max: int = 48,
+        k_max_model: int = 16,
+        learn_timings: bool = True,
+    ) -> None:
+        self.timings = timings
+        self.learn_timings = learn_timings
+        self.model = model
+        self.ngram = ngram
+        self.k_max = k_max
+        self.k_max_model = k_max_model
+        self.drafters: list[Drafter] = [d for d in (ngram, model) if d is not None]
+        self.reset()
+
+    def reset(self) -> None:
+        for d in self.drafters:
+            d.reset()
+        self.acc_model = Acceptance()
+        # n-gram proposals are judged by the length of the match they come from.
+        self.acc_ngram = {n: Acceptance() for n in self.NGRAM_PRIOR}
+        self.confidence = 0.6
+        self._n_confidence = 0
+        # Mean accepted length of n-gram drafts per bucket: caps the next draft, so that it
+        # grows while drafts are accepted whole and shrinks when they break early.
+        self.ngram_len = {n: 4.0 for n in self.NGRAM_PRIOR}
+        self._last_ngram_bucket = 1
+
+    def _first_eval_cost(self, history: Sequence[int]) -> float:
+        """Seconds for the draft model's first evaluation of a step: the tokens it has not
+        seen (usually the last 1-2: the final draft token and the target's own). A longer
+        catch-up after idle steps is spread over ``CATCH_UP_HORIZON`` steps."""
+        assert self.model is not None
+        t = self.timings
+        behind = max(1, len(history) - self.model.cached_tokens)
+        per = t.draft / t._curve(1)
+        if behind <= 2:
+            return per * t._curve(behind)
+        extra = per * (t._curve(behind) - t._curve(2))
+        return per * t._curve(2) + extra / self.CATCH_UP_HORIZON
+
+    def plan(
+        self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
+    ) -> Plan:
+        k_max = min(k_max, self.k_max)
+        t = self.timings
+        for acc in (self.acc_model, *self.acc_ngram.values()):
+            acc.tick()
+        base_rate = 1.0 / t.verify_time(1)
+        best = Plan(None, Draft([]), base_rate)
+        if k_max <= 0:
+            return best
+        threshold = base_rate * self.MARGIN
+        ngram_plan: tuple[int, float, list[int], int] | None = None
+        if self.ngram is not None:
+            cand = self.ngram.propose(history, k_max, sampler, rng)
+            if cand.tokens:
+                bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.ngram.last_match))
+                prior = self.NGRAM_PRIOR[bucket] * self.confidence
+                a = self.acc_ngram[bucket].rate_with(prior)
+                cap = min(len(cand.tokens), int(2 * self.ngram_len[bucket]) + 2)
+                k, rate = best_k(a, t, cap, draft_cost=0.0)
+                if k > 0 and rate > threshold:
+                    ngram_plan = (k, rate, cand.tokens, bucket)
+        model_plan: tuple[int, float] | None = None
+        if self.model is not None:
+            a = self.acc_model.rate_with(self.confidence)
+            first = self._first_eval_cost(history)
+            for k in range(1, min(k_max, self.k_max_model) + 1):
+                step = first + (k - 1) * t.draft + t.verify_time(k + 1)
+                rate = expected_tokens(a, k) / step
+                if rate > threshold and (model_plan is None or rate > model_plan[1]):
+                    model_plan = (k, rate)
+        if ngram_plan and (model_plan is None or ngram_plan[1] >= model_plan[1]):
+            k, rate, tokens, bucket = ngram_plan
+            self._last_ngram_bucket = bucket
+            return Plan(self.ngram, Draft(tokens[:k]), rate)
+        if model_plan is not None:
+            assert self.model is not None
+            k, rate = model_plan
+            return Plan(self.model, self.model.propose(history, k, sampler, rng), rate)
+        return best
+
+    def observe(
+        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
+    ) -> None:
+        """Learn from a verification: acceptance of the drafter used, the target's
+        confidence (top-1 probability of its last token), and timings."""
+        n = len(plan.draft.tokens)
+        if confidence is not None:
+            # A running mean over the first ten steps, then a moving average.
+            self._n_confidence += 1
+            w = max(0.1, 1.0 / self._n_confidence)
+            self.confidence += w * (confidence - self.confidence)
+        if self.learn_timings:
+            self.timings.observe_verify(n + 1, verify_seconds)
+        if plan.drafter is self.model and self.model is not None:
+            self.acc_model.observe(n, accepted)
+            if n > 0 and self.learn_timings and self.model.last_token_seconds > 0:
+                self.timings.observe_draft(self.model.last_token_seconds)
+        elif plan.drafter is self.ngram and n:
+            b = self._last_ngram_bucket
+            self.acc_ngram[b].observe(n, accepted)
+            self.ngram_len[b] += 0.5 * (accepted - self.ngram_len[b])
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "confidence": round(self.confidence, 3),
+            "acceptance_model": round(self.acc_model.rate_with(self.confidence), 3),
+            "acceptance_ngram": {
+                n: round(acc.rate_with(self.NGRAM_PRIOR[n] * self.confidence), 3)
+                for n, acc in self.acc_ngram.items()
+            },
+            "t_verify": {n: round(v, 5) for n, v in sorted(self.timings.verify.items())},
+            "scale_single": round(self.timings.scale_single, 3),
+            "scale_batch": round(self.timings.scale_batch, 3),
+            "t_draft": round(self.timings.draft, 5),
+        }

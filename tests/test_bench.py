@@ -1,0 +1,58 @@
+"""`specgguf bench` through the real entry point, on the tiny fixtures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from specgguf import errors
+
+from .helpers import run_cli
+
+
+def test_bench_json_has_every_configuration_and_same_run_speedups(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    res = run_cli(
+        "bench", "-m", str(tiny_models["target"]), "-md", str(tiny_models["draft-partial"]),
+        "--draft", "1,2", "-n", "12", "--rounds", "2", "--categories", "code-editing,chat",
+        "-c", "2048", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert set(data) >= {"machine", "results", "memory", "timings"}
+    got = {(r["category"], r["config"]) for r in data["results"]}
+    configs = {"target", "model-K1", "model-K2", "ngram-K1", "ngram-K2", "auto"}
+    assert got == {(c, k) for c in ("code-editing", "chat") for k in configs}
+    for r in data["results"]:
+        assert len(r["runs_tokens_per_s"]) == 2  # both rounds pooled
+        if r["config"] == "target":
+            assert r["speedup"] == 1.0 and r["acceptance_rate"] == 0.0
+        assert {"tokens_per_s", "speedup", "acceptance_rate", "mean_accepted"} <= set(r)
+    auto = [r for r in data["results"] if r["config"] == "auto"]
+    assert all("cost_model_limit" in r for r in auto)
+    assert data["memory"]["peak_rss"] > data["memory"]["model_files"]
+    # The table goes to stderr when stdout carries the JSON.
+    assert b"tokens/s" in res.stderr and b"speedup" in res.stderr
+
+
+def test_bench_plot_needs_matplotlib_or_draws(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    png = tmp_path / "speedup.png"
+    res = run_cli(
+        "bench", "-m", str(tiny_models["target"]), "--draft", "1,2", "-n", "4", "--rounds", "1",
+        "--categories", "chat", "-c", "1024", "--plot", str(png),
+    )  # fmt: skip
+    if importlib.util.find_spec("matplotlib") is None:
+        assert res.returncode == errors.EXIT_USAGE
+        assert b"needs matplotlib" in res.stderr
+    else:
+        assert res.returncode == 0, res.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_bad_arguments(tiny_models: dict[str, Path]) -> None:
+    res = run_cli("bench", "-m", str(tiny_models["target"]), "--draft", "x,2")
+    assert res.returncode == errors.EXIT_USAGE and b"comma-separated integers" in res.stderr
+    res = run_cli("bench", "-m", str(tiny_models["target"]), "--categories", "poetry")
+    assert res.returncode == errors.EXIT_USAGE and b"unknown categories" in res.stderr

@@ -1,0 +1,152 @@
+"""The cost model, the choice of K, and the automatic planner against fake timings."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgguf.costmodel import (
+    Acceptance,
+    AutoPlanner,
+    Timings,
+    best_k,
+    calibration_key,
+    expected_tokens,
+    load_calibration,
+    save_calibration,
+)
+from specgguf.drafters import ModelDrafter, NgramDrafter
+from specgguf.sampling import SamplerParams
+from specgguf.speculative import GenerationParams, SpeculativeDecoder
+
+from .fakes import FakeContext, FakeVocab, one_hot_rule
+
+FLAT_10MS = Timings({1: 0.010, 2: 0.010, 17: 0.010}, draft=0.001)
+
+
+def test_expected_tokens_formula() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.0, 8) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.9, 3) == pytest.approx((1 - 0.9**4) / 0.1)
+
+
+def test_k_choice_with_fake_timings() -> None:
+    # A draft at 1 ms per token, a target at 10 ms per batch whatever its size.
+    assert best_k(0.0, FLAT_10MS, 16)[0] == 0
+    k, rate = best_k(0.9, FLAT_10MS, 16)
+    assert k > 2 and rate > 1 / 0.010
+    # A draft as slow as the target never pays, even at 90% acceptance, when verifying
+    # costs more per token of batch.
+    costly = Timings({1: 0.010, 2: 0.014, 3: 0.017, 5: 0.023, 9: 0.031}, draft=0.010)
+    assert best_k(0.9, costly, 8)[0] == 0
+    # n-gram lookup: no draft cost, so it pays at lower acceptance.
+    assert best_k(0.5, costly, 8, draft_cost=0.0)[0] >= 1
+
+
+def test_timings_interpolate_and_learn() -> None:
+    t = Timings({1: 1.0, 3: 3.0, 5: 4.0}, 0.5)
+    assert t.verify_time(2) == 2.0 and t.verify_time(4) == 3.5
+    assert t.verify_time(7) == pytest.approx(5.0)  # extrapolated from 3 and 5
+    t.observe_verify(1, 2.0, weight=0.5)  # decode steps run 2x slower than calibrated
+    assert t.verify_time(1) == 1.5 and t.verify[1] == 1.0  # the calibration is kept
+    t.observe_verify(5, 6.0, weight=1.0)  # batches 1.5x slower
+    assert t.verify_time(3) == 4.5 and t.verify_time(1) == 1.5
+    t.observe_draft(1.5, weight=0.5)
+    assert t.draft == 1.0
+
+
+def test_acceptance_tracks_the_text() -> None:
+    acc = Acceptance(prior=0.5, weight=2)
+    for _ in range(40):
+        acc.observe(drafted=4, accepted=4)
+    assert acc.rate > 0.95
+    for _ in range(40):
+        acc.observe(drafted=4, accepted=0)
+    assert acc.rate < 0.15  # the prior (0.5 worth 2 trials) keeps it off zero
+    assert acc.rate_with(0.0) < 0.06
+    for _ in range(300):  # unused for long: old observations fade, the prior takes over
+        acc.tick()
+    assert acc.rate_with(0.9) > 0.85
+
+
+def test_calibration_cache_follows_files(tmp_path: Path) -> None:
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"x")
+    key = calibration_key("build", target, None, 2, True)
+    save_calibration(key, Timings({1: 0.1, 2: 0.15}, 0.05))
+    loaded = load_calibration(key)
+    assert loaded is not None and loaded.verify == {1: 0.1, 2: 0.15} and loaded.draft == 0.05
+    os.utime(target, ns=(1, 1))  # the file changed: another key, nothing cached
+    assert calibration_key("build", target, None, 2, True) != key
+    assert calibration_key("other build", target, None, 2, True) != key
+
+
+V = 32
+
+
+def target_next(prefix: Sequence[int]) -> int:
+    return prefix[-1] % 30 + 1
+
+
+def wrong_next(prefix: Sequence[int]) -> int:
+    return (prefix[-1] + 13) % 30 + 1
+
+
+def run_auto(draft_rule, prompt: list[int], n: int = 120, draft_s: float = 0.001):  # type: ignore[no-untyped-def]
+    target = FakeContext(one_hot_rule(target_next, V), V)
+    model = ModelDrafter(FakeContext(one_hot_rule(draft_rule, V), V), V)  # type: ignore[arg-type]
+    timings = Timings(dict(FLAT_10MS.verify), draft_s)
+    planner = AutoPlanner(timings, model=model, ngram=NgramDrafter(2, 6), k_max=16,
+                          learn_timings=False)  # fmt: skip
+    dec = SpeculativeDecoder(target, FakeVocab(V), planner=planner)  # type: ignore[arg-type]
+    params = GenerationParams(n_predict=n, draft_max=16, sampler=SamplerParams(temperature=0))
+    return dec.generate(prompt, params).run(), planner
+
+
+def test_planner_drafts_long_when_the_draft_is_right() -> None:
+    res, planner = run_auto(target_next, [1, 2, 3])
+    s = res.stats
+    assert s.acceptance_rate > 0.9
+    assert s.mean_accepted > 4  # K grew well beyond 2
+    assert planner.acc_model.rate > 0.9
+
+
+def test_planner_stops_drafting_when_the_draft_is_wrong() -> None:
+    # 29 tokens: the fake target's cycle of 30 has not repeated, so no n-gram matches.
+    # The fake target is confident (top-1 probability 0.99), which makes the planner try
+    # the draft model; its rejections then outweigh that prior and it stops.
+    res, _ = run_auto(wrong_next, [7], n=29, draft_s=0.005)
+    s = res.stats
+    model_steps = s.by_drafter.get("model", [0, 0, 0])
+    assert model_steps[0] <= 8 and model_steps[2] == 0, s.by_drafter
+    assert s.by_drafter["none"][0] >= s.steps - 8
+    assert res.tokens == _truth([7], 29)
+
+
+def test_planner_prefers_ngram_when_the_text_repeats() -> None:
+    # The fake target cycles 1..30, so once 30 tokens are out every n-gram recurs.
+    res, _ = run_auto(wrong_next, [1, 2, 3], n=200)
+    ng = res.stats.by_drafter.get("ngram", [0, 0, 0])
+    assert ng[2] > 100  # most tokens came from accepted n-gram drafts
+    assert res.tokens == _truth([1, 2, 3], 200)
+
+
+def _truth(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(target_next(seq))
+    return seq[len(prompt) :]
+
+
+def test_fake_rng_is_unused_in_greedy() -> None:
+    # Greedy planning must not consume randomness (reproducibility of seeded runs).
+    rng = np.random.default_rng(0)
+    before = rng.bit_generator.state
+    NgramDrafter().propose([1, 2, 1, 2], 4, SamplerParams(temperature=0), rng)
+    assert rng.bit_generator.state == before
