@@ -90,15 +90,15 @@ class Timings:
         times the learned correction."""
         return self._curve(n) * (self.scale_single if n == 1 else self.scale_batch)
 
-    def observe_verify(self, n: int, seconds: float, weight: float = 0.1) -> None:
+    def observe_verify(self, n: int, seconds: float, weight: float = 0.05) -> None:
         """Refine the correction for batches of ``n`` with a measurement."""
-        ratio = min(3.0, max(0.5, seconds / self._curve(n)))
+        ratio = min(1.5, max(0.8, seconds / self._curve(n)))
         if n == 1:
             self.scale_single += weight * (ratio - self.scale_single)
         else:
             self.scale_batch += weight * (ratio - self.scale_batch)
 
-    def observe_draft(self, seconds_per_token: float, weight: float = 0.1) -> None:
+    def observe_draft(self, seconds_per_token: float, weight: float = 0.05) -> None:
         self.draft += weight * (seconds_per_token - self.draft)
 
 
@@ -202,7 +202,7 @@ def calibrate(
     tokens: Sequence[int],
     *,
     sizes: Sequence[int] = CALIBRATION_SIZES,
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> Timings:
     """Measure t_verify(n) on the target and t_draft on the draft (median of ``repeats``),
     after a prefix of ``tokens`` (any valid ids: the timing, not the text, matters). Both
@@ -216,28 +216,32 @@ def calibrate(
     need = max(sizes)
     body = (toks * (need // len(toks) + 1))[:need]
 
-    def timed(ctx: Evaluator, batch: list[int], logits: str) -> float:
+    def timed(ctx: Evaluator, batch: list[int], logits: str, other: Evaluator | None) -> float:
+        # As in a real step, the other model has just run and evicted our weights from
+        # the CPU caches.
+        if other is not None:
+            other.rollback(len(prefix))
+            other.eval(body[:1], logits="last")
         ctx.rollback(len(prefix))
         t0 = time.perf_counter()
         ctx.eval(batch, logits=logits)  # type: ignore[arg-type]
         return time.perf_counter() - t0
 
-    target.rollback(0)
-    target.eval(prefix, logits="none")
-    timed(target, body[:1], "all")  # warm-up
+    for ctx in (target, draft):
+        if ctx is not None:
+            ctx.rollback(0)
+            ctx.eval(prefix, logits="none")
+    timed(target, body[:1], "all", draft)  # warm-up
     verify = {
-        n: statistics.median(timed(target, body[:n], "all") for _ in range(repeats))
+        n: statistics.median(timed(target, body[:n], "all", draft) for _ in range(repeats))
         for n in sizes
         if n <= min(target.n_batch, getattr(target, "n_outputs_max", target.n_batch))
     }
-    target.rollback(0)
     td = 0.0
     if draft is not None:
+        td = statistics.median(timed(draft, body[:1], "last", target) for _ in range(repeats + 2))
         draft.rollback(0)
-        draft.eval(prefix, logits="none")
-        timed(draft, body[:1], "last")
-        td = statistics.median(timed(draft, body[:1], "last") for _ in range(repeats + 2))
-        draft.rollback(0)
+    target.rollback(0)
     return Timings(verify, td)
 
 

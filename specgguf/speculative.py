@@ -261,9 +261,13 @@ class SpeculativeDecoder:
         target.rollback(0)
         if n_prompt > 1:
             target.eval(history[:-1], logits="none")
+        for d in planner.drafters:  # a draft model reads the prompt now, as the target did
+            prefill = getattr(d, "prefill", None)
+            if prefill is not None:
+                prefill(history)
         stats.prompt_seconds = time.perf_counter() - t0
         target_s0 = target.eval_seconds
-        draft_s0 = draft_seconds()
+        draft_s0 = draft_seconds()  # after the draft's prompt: that counts as prompt time
         t_gen = time.perf_counter()
         finish: FinishReason | None = None
         while finish is None:
