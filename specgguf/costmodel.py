@@ -31,7 +31,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -314,7 +314,7 @@ class AutoPlanner:
     #: n-gram acceptance prior, relative to the target's confidence, by match length: one
     #: token of context predicts little (measured a = 0.1-0.6 on six kinds of text), four or
     #: more about as well as the confidence itself (0.7-0.98).
-    NGRAM_PRIOR = {1: 0.3, 2: 0.7, 4: 1.0}
+    NGRAM_PRIOR: ClassVar[dict[int, float]] = {1: 0.3, 2: 0.7, 4: 1.0}
 
     def __init__(
         self,

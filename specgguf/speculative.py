@@ -261,8 +261,8 @@ class SpeculativeDecoder:
         target.rollback(0)
         if n_prompt > 1:
             target.eval(history[:-1], logits="none")
-        for d in planner.drafters:  # a draft model reads the prompt now, as the target did
-            prefill = getattr(d, "prefill", None)
+        for drafter in planner.drafters:  # a draft model reads the prompt now, like the target
+            prefill = getattr(drafter, "prefill", None)
             if prefill is not None:
                 prefill(history)
         stats.prompt_seconds = time.perf_counter() - t0

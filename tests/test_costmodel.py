@@ -53,10 +53,12 @@ def test_timings_interpolate_and_learn() -> None:
     t = Timings({1: 1.0, 3: 3.0, 5: 4.0}, 0.5)
     assert t.verify_time(2) == 2.0 and t.verify_time(4) == 3.5
     assert t.verify_time(7) == pytest.approx(5.0)  # extrapolated from 3 and 5
-    t.observe_verify(1, 2.0, weight=0.5)  # decode steps run 2x slower than calibrated
-    assert t.verify_time(1) == 1.5 and t.verify[1] == 1.0  # the calibration is kept
-    t.observe_verify(5, 6.0, weight=1.0)  # batches 1.5x slower
-    assert t.verify_time(3) == 4.5 and t.verify_time(1) == 1.5
+    t.observe_verify(1, 1.4, weight=0.5)  # decode steps run 1.4x slower than calibrated
+    assert t.verify_time(1) == pytest.approx(1.2) and t.verify[1] == 1.0  # calibration kept
+    t.observe_verify(5, 5.2, weight=1.0)  # batches 1.3x slower
+    assert t.verify_time(3) == pytest.approx(3.9) and t.verify_time(1) == pytest.approx(1.2)
+    t.observe_verify(5, 40.0, weight=1.0)  # one wild measurement cannot run away
+    assert t.scale_batch == 1.5
     t.observe_draft(1.5, weight=0.5)
     assert t.draft == 1.0
 
