@@ -454,14 +454,14 @@ def run(
     pre = preflight(
         target_path,
         draft_path,
-        n_ctx=ctx_size or 4096,
+        n_ctx=ctx_size,
         n_ctx_draft=ctx_size_draft,
         check_vocab=not no_check,
         check_memory=not force,
         n_gpu_layers=n_gpu_layers,
         n_gpu_layers_draft=n_gpu_layers_draft,
     )
-    n_ctx = ctx_size or (pre.target.context_length or 4096)
+    n_ctx = pre.n_ctx
     prepared = prepare_prompt(pre.target, text, system=system, raw=raw)
     seed_used = seed if seed >= 0 else secrets.randbits(32)
     sampler = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,

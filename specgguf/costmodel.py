@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -232,17 +231,31 @@ def calibrate(
             ctx.rollback(0)
             ctx.eval(prefix, logits="none")
     timed(target, body[:1], "all", draft)  # warm-up
+    # The minimum of the repeats: other work on the machine only ever adds time.
     verify = {
-        n: statistics.median(timed(target, body[:n], "all", draft) for _ in range(repeats))
+        n: min(timed(target, body[:n], "all", draft) for _ in range(repeats))
         for n in sizes
         if n <= min(target.n_batch, getattr(target, "n_outputs_max", target.n_batch))
     }
     td = 0.0
     if draft is not None:
-        td = statistics.median(timed(draft, body[:1], "last", target) for _ in range(repeats + 2))
+        td = min(timed(draft, body[:1], "last", target) for _ in range(repeats + 2))
         draft.rollback(0)
     target.rollback(0)
-    return Timings(verify, td)
+    return Timings(_drop_outliers(verify), td)
+
+
+def _drop_outliers(verify: dict[int, float]) -> dict[int, float]:
+    """Replace a batch size that took far longer than the larger ones (a hiccup of the
+    machine, not of the kernel) by the interpolation of its neighbours."""
+    xs = sorted(verify)
+    out = dict(verify)
+    for i, n in enumerate(xs[:-1]):
+        larger = [verify[m] for m in xs[i + 1 : i + 3]]
+        if verify[n] > 1.5 * max(larger) and i > 0:
+            lo, hi = xs[i - 1], xs[i + 1]
+            out[n] = verify[lo] + (n - lo) / (hi - lo) * (verify[hi] - verify[lo])
+    return out
 
 
 # --- the automatic planner --------------------------------------------------------------

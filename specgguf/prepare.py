@@ -87,6 +87,7 @@ class Preflight:
     compat: CompatReport | None
     memory: list[ModelMemory]
     memory_needed: int
+    n_ctx: int
 
 
 def preflight(
@@ -106,6 +107,8 @@ def preflight(
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
         IncompatibleVocabError: the draft cannot draft for the target (``check_vocab``).
         InsufficientMemoryError: the models clearly do not fit (``check_memory``).
+
+    ``n_ctx`` 0 means the target's training context length.
     """
     t_info = read_model_info(target)
     d_info = read_model_info(draft) if draft is not None else None
@@ -116,13 +119,14 @@ def preflight(
             raise IncompatibleVocabError(
                 [f.message for f in compat.errors], target=target, draft=draft
             )
+    n_ctx = n_ctx or t_info.context_length or 4096  # 0: the model's training context
     parts = [model_memory(t_info, n_ctx=n_ctx)]
     if d_info is not None:
         parts.append(model_memory(d_info, n_ctx=n_ctx_draft or n_ctx))
     needed = check_fits(parts) if check_memory else sum(p.total for p in parts)
     if check_memory:
         _check_device(parts, [t_info, d_info], [n_gpu_layers, n_gpu_layers_draft])
-    return Preflight(t_info, d_info, compat, parts, needed)
+    return Preflight(t_info, d_info, compat, parts, needed, n_ctx)
 
 
 def _check_device(parts: list[ModelMemory], infos: list[ModelInfo | None], ngls: list[int]) -> None:

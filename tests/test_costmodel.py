@@ -63,6 +63,17 @@ def test_timings_interpolate_and_learn() -> None:
     assert t.draft == 1.0
 
 
+def test_calibration_outliers_are_replaced() -> None:
+    from specgguf.costmodel import _drop_outliers
+
+    raw = {1: 0.08, 2: 0.12, 3: 0.50, 4: 0.12, 5: 0.17, 9: 0.25, 13: 0.99, 17: 0.32, 25: 0.4}
+    clean = _drop_outliers(raw)
+    assert clean[3] == pytest.approx(0.12) and clean[13] == pytest.approx(0.285)
+    assert {n: clean[n] for n in (1, 2, 4, 5, 9, 17, 25)} == {
+        n: raw[n] for n in (1, 2, 4, 5, 9, 17, 25)
+    }
+
+
 def test_acceptance_tracks_the_text() -> None:
     acc = Acceptance(prior=0.5, weight=2)
     for _ in range(40):
