@@ -52,7 +52,7 @@ def test_stdin_prompt_through_a_pipe_has_clean_stdout(tiny_models: dict[str, Pat
 
 
 def test_quiet_by_default_and_summary_only(tiny_models: dict[str, Path]) -> None:
-    res = run_cli(*tiny_args(tiny_models, "--temp", "0", "-n", "10", "hello"))
+    res = run_cli(*tiny_args(tiny_models, "--temp", "0", "--draft", "4", "-n", "10", "hello"))
     assert res.returncode == 0
     lines = res.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "tokens/s" in lines[0] and "acceptance" in lines[0]
