@@ -321,7 +321,7 @@ class AutoPlanner:
     """
 
     wants_confidence = True
-    CATCH_UP_HORIZON = 8  # steps over which a draft model's catch-up cost is spread
+    CATCH_UP_HORIZON = 8  # at most this many steps share a draft model's catch-up cost
     MARGIN = 1.05  # speculate only when the model expects at least this gain: the estimates
     # are noisy, and a marginal gain is not worth the risk of a loss
     #: n-gram acceptance prior, relative to the target's confidence, by match length: one
@@ -358,6 +358,10 @@ class AutoPlanner:
         self.confidence = 0.6
         self._n_confidence = 0
         self.idle_model = 0
+        # Consecutive steps drafted by the model, now and on average: a catch-up is paid
+        # back only over the steps the model stays in use.
+        self._streak = 0
+        self.mean_streak = 1.0  # a first catch-up is charged whole
         # Mean accepted length of n-gram drafts per bucket: caps the next draft, so that it
         # grows while drafts are accepted whole and shrinks when they break early.
         self.ngram_len = {n: 4.0 for n in self.NGRAM_PRIOR}
@@ -366,7 +370,8 @@ class AutoPlanner:
     def _first_eval_cost(self, history: Sequence[int]) -> float:
         """Seconds for the draft model's first evaluation of a step: the tokens it has not
         seen (usually the last 1-2: the final draft token and the target's own). A longer
-        catch-up after idle steps is spread over ``CATCH_UP_HORIZON`` steps."""
+        catch-up after idle steps is spread over the steps the model is expected to stay
+        in use (its mean run of consecutive steps, at most ``CATCH_UP_HORIZON``)."""
         assert self.model is not None
         t = self.timings
         behind = max(1, len(history) - self.model.cached_tokens)
@@ -374,7 +379,8 @@ class AutoPlanner:
         if behind <= 2:
             return per * t._curve(behind)
         extra = per * (t._curve(behind) - t._curve(2))
-        return per * t._curve(2) + extra / self.CATCH_UP_HORIZON
+        horizon = min(float(self.CATCH_UP_HORIZON), max(1.0, self.mean_streak))
+        return per * t._curve(2) + extra / horizon
 
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
@@ -420,6 +426,10 @@ class AutoPlanner:
                 # The confidence proxy says "almost": measure instead of guessing. It
                 # underestimates agreement on code (0.93 against 0.98 measured).
                 model_plan = (min(4, best_model[0] or 4), best_model[1])
+        model_wins = model_plan is not None and not (ngram_plan and ngram_plan[1] >= model_plan[1])
+        if self._streak and not model_wins:
+            self.mean_streak += 0.5 * (self._streak - self.mean_streak)
+            self._streak = 0
         if ngram_plan and (model_plan is None or ngram_plan[1] >= model_plan[1]):
             k, rate, tokens, bucket = ngram_plan
             self._last_ngram_bucket = bucket
@@ -428,6 +438,7 @@ class AutoPlanner:
             assert self.model is not None
             k, rate = model_plan
             self.idle_model = 0
+            self._streak += 1
             return Plan(self.model, self.model.propose(history, k, sampler, rng), rate)
         return best
 
@@ -456,6 +467,7 @@ class AutoPlanner:
     def describe(self) -> dict[str, Any]:
         return {
             "confidence": round(self.confidence, 3),
+            "mean_model_run": round(self.mean_streak, 2),
             "acceptance_model": round(self.acc_model.rate_with(self.confidence), 3),
             "acceptance_ngram": {
                 n: round(acc.rate_with(self.NGRAM_PRIOR[n] * self.confidence), 3)

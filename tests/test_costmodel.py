@@ -163,3 +163,20 @@ def test_fake_rng_is_unused_in_greedy() -> None:
     before = rng.bit_generator.state
     NgramDrafter().propose([1, 2, 1, 2], 4, SamplerParams(temperature=0), rng)
     assert rng.bit_generator.state == before
+
+
+def test_catch_up_is_spread_only_over_the_models_runs() -> None:
+    # A draft model 100 tokens behind pays a batched catch-up before drafting. Charged
+    # whole at first; spread over the mean run of consecutive model steps once runs are
+    # long, so that an occasional model step between long n-gram runs is not favoured.
+    model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
+    timings = Timings({1: 0.010, 2: 0.015, 9: 0.030, 17: 0.050}, 0.004)
+    planner = AutoPlanner(timings, model=model, learn_timings=False)
+    history = list(range(100))
+    per = timings.draft / timings.verify[1]
+    whole = per * timings._curve(100)
+    assert planner._first_eval_cost(history) == pytest.approx(whole)
+    planner.mean_streak = 8.0
+    spread = per * (timings._curve(2) + (timings._curve(100) - timings._curve(2)) / 8)
+    assert planner._first_eval_cost(history) == pytest.approx(spread)
+    assert planner._first_eval_cost(history[:2]) == pytest.approx(per * timings._curve(2))
