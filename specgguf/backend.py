@@ -168,11 +168,12 @@ class LlamaModel:
         n_threads: int | None = None,
         n_threads_batch: int | None = None,
         n_outputs_max: int = 64,
+        n_ubatch: int | None = None,
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions) on this model."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-            n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max,
+            n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -218,6 +219,10 @@ class LlamaContext:
     ``rollback`` truncates. At most ``n_outputs_max`` positions of one batch can return
     logits (a verification needs K + 1): llama.cpp sizes its logits and compute buffers by
     it, which for a 151,936-token vocabulary is 0.6 MB per output instead of n_batch rows.
+    ``n_ubatch`` (tokens per llama.cpp graph) sizes the compute buffer; by default 512 on
+    builds that offload to a GPU, where large batches speed up prompt processing, and 128
+    on CPU-only builds, where prompt speed is the same (measured on Qwen2.5 1.5B: 69-82
+    tokens/s at 512, 72-74 at 128) and a prefill touches 30 MB less on that model.
 
     Raises:
         BackendError: llama.cpp could not create the context.
@@ -232,6 +237,7 @@ class LlamaContext:
         n_threads: int | None = None,
         n_threads_batch: int | None = None,
         n_outputs_max: int = 64,
+        n_ubatch: int | None = None,
     ) -> None:
         self._lc = lc = model._lc
         self.model = model
@@ -241,7 +247,9 @@ class LlamaContext:
         params = lc.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = min(n_batch, 512)
+        if n_ubatch is None:
+            n_ubatch = 512 if lc.llama_supports_gpu_offload() else 128
+        params.n_ubatch = min(n_batch, n_ubatch)
         params.n_outputs_max = min(n_outputs_max, n_batch)
         params.n_seq_max = 1
         params.n_threads = threads

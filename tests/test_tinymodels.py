@@ -99,3 +99,23 @@ def test_bpe_vocab_round_trips_text_including_a_4_byte_emoji(
         # Merges learned from the corpus are used: fewer tokens than bytes.
         assert len(ids) < len(text.encode())
     assert len(gpt2_vocab().tokens) == 512
+
+
+def test_context_micro_batch_follows_the_build(tiny_models: dict[str, Path]) -> None:
+    # A prompt longer than n_ubatch is split into several llama.cpp graphs; the result must
+    # not depend on the split (the same last-position logits as one large micro-batch).
+    with LlamaModel(tiny_models["target"]) as m:
+        lc = m._lc
+        prompt = m.tokenize(PROMPT * 12)
+        assert len(prompt) > 64
+        with m.new_context(n_ctx=512, n_batch=256) as ctx:
+            expected = 512 if lc.llama_supports_gpu_offload() else 128
+            assert lc.llama_n_ubatch(ctx._ctx) == min(256, expected)
+            whole = ctx.eval(prompt, logits="last")[-1].copy()
+        with m.new_context(n_ctx=512, n_batch=256, n_ubatch=16) as ctx:
+            assert lc.llama_n_ubatch(ctx._ctx) == 16
+            split = ctx.eval(prompt, logits="last")[-1].copy()
+    assert int(whole.argmax()) == int(split.argmax())
+    # Different graph sizes take different kernels: equal up to llama.cpp's kernel noise
+    # (see README, "Exactness"), 0.13 here.
+    np.testing.assert_allclose(whole, split, atol=0.3)
