@@ -426,7 +426,7 @@ def run(
     from specgguf.prepare import preflight, prepare_prompt, read_prompt
     from specgguf.runtime import set_verbose
     from specgguf.sampling import SamplerParams
-    from specgguf.speculative import GenerationParams, SpeculativeEngine
+    from specgguf.speculative import AUTO_K_MAX, GenerationParams, SpeculativeEngine
 
     set_verbose(verbose)
 
@@ -441,7 +441,7 @@ def run(
     kind = drafter
     if kind not in ("auto", "model", "ngram", "none"):
         raise UsageError(f"--drafter must be auto, model, ngram or none, not {kind!r}")
-    draft = (48 if kind == "auto" else 4) if draft is None else draft
+    draft = (AUTO_K_MAX if kind == "auto" else 4) if draft is None else draft
     if kind == "model" and model_draft is None:
         raise UsageError("--drafter model needs a draft model (-md/--model-draft)")
     target_path = _model_path(model, registry)
@@ -691,7 +691,7 @@ def bench(
     target alone in the same run."""
     from specgguf.bench import CATEGORIES, PROMPTS, load_prompts, run_bench
     from specgguf.errors import UsageError
-    from specgguf.speculative import SpeculativeEngine
+    from specgguf.speculative import AUTO_K_MAX, SpeculativeEngine
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -715,10 +715,10 @@ def bench(
     if draft_path is not None:
         configs += [(f"model-K{k}", "model", k) for k in ks]
     configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
-    configs.append(("auto", "auto", max(48, *ks)))
+    configs.append(("auto", "auto", max(AUTO_K_MAX, *ks)))
     with SpeculativeEngine(
         target_path, draft_path, drafter="auto", n_ctx=ctx_size, n_threads=threads,
-        use_extra_bufts=False if no_repack else None, k_max=max(48, *ks),
+        use_extra_bufts=False if no_repack else None, k_max=max(AUTO_K_MAX, *ks),
     ) as engine:  # fmt: skip
         report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
                            progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip

@@ -336,7 +336,7 @@ class AutoPlanner:
         *,
         model: ModelDrafter | None = None,
         ngram: NgramDrafter | None = None,
-        k_max: int = 48,
+        k_max: int = 16,
         k_max_model: int = 16,
         learn_timings: bool = True,
     ) -> None:
