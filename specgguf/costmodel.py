@@ -308,8 +308,10 @@ class AutoPlanner:
     produced): measured on Qwen2.5-Coder 1.5B/0.5B over six kinds of text, that mean
     (0.68-1.00) follows the draft's greedy agreement (0.64-1.00) within 0.05. It needs no
     draft evaluation, so the draft model is tried when the text becomes predictable and
-    left alone otherwise, without probing. A draft model that has been idle must first
-    evaluate the tokens it missed; that cost is spread over the next few steps.
+    left alone otherwise; when its estimate falls just short and nothing recent was
+    measured, a short draft (K <= 4, every ``PROBE_EVERY`` steps at most) measures it. A
+    draft model that has been idle must first evaluate the tokens it missed; that cost is
+    spread over the steps it is expected to stay in use.
 
     Args:
         timings: calibrated timings (refined online unless ``learn_timings`` is False).
@@ -426,11 +428,13 @@ class AutoPlanner:
                 # The confidence proxy says "almost": measure instead of guessing. It
                 # underestimates agreement on code (0.93 against 0.98 measured).
                 model_plan = (min(4, best_model[0] or 4), best_model[1])
-        model_wins = model_plan is not None and not (ngram_plan and ngram_plan[1] >= model_plan[1])
-        if self._streak and not model_wins:
+        ngram_wins = ngram_plan is not None and (
+            model_plan is None or ngram_plan[1] >= model_plan[1]
+        )
+        if self._streak and (ngram_wins or model_plan is None):
             self.mean_streak += 0.5 * (self._streak - self.mean_streak)
             self._streak = 0
-        if ngram_plan and (model_plan is None or ngram_plan[1] >= model_plan[1]):
+        if ngram_plan is not None and ngram_wins:
             k, rate, tokens, bucket = ngram_plan
             self._last_ngram_bucket = bucket
             return Plan(self.ngram, Draft(tokens[:k]), rate)

@@ -180,3 +180,35 @@ def test_catch_up_is_spread_only_over_the_models_runs() -> None:
     spread = per * (timings._curve(2) + (timings._curve(100) - timings._curve(2)) / 8)
     assert planner._first_eval_cost(history) == pytest.approx(spread)
     assert planner._first_eval_cost(history[:2]) == pytest.approx(per * timings._curve(2))
+
+
+def test_planner_probes_a_draft_model_that_nearly_pays() -> None:
+    # With nothing measured, the model's estimate rests on the target's confidence. Pick a
+    # confidence whose best expected rate is 90% of the threshold: no speculation at first,
+    # then a short probe (K <= 4) after PROBE_EVERY idle steps, and not again right after.
+    timings = Timings({1: 0.010, 2: 0.015, 5: 0.021, 17: 0.050}, 0.004)
+    base = 1.0 / timings.verify_time(1)
+    threshold = base * AutoPlanner.MARGIN
+
+    def best_rate(a: float) -> float:
+        first = timings.draft  # one token to evaluate before drafting
+        return max(
+            expected_tokens(a, k) / (first + (k - 1) * timings.draft + timings.verify_time(k + 1))
+            for k in range(1, 17)
+        )
+
+    conf = next(c / 1000 for c in range(300, 1000) if best_rate(c / 1000) > 0.9 * threshold)
+    assert best_rate(conf) < threshold
+    model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
+    planner = AutoPlanner(timings, model=model, learn_timings=False)
+    greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
+    history = [1]
+    kinds = []
+    for _ in range(2 * AutoPlanner.PROBE_EVERY - 1):
+        planner.confidence = conf
+        plan = planner.plan(history, 16, greedy, rng)
+        kinds.append(len(plan.draft.tokens) if plan.drafter is model else 0)
+        # The history stays one token long: the model is never behind (no catch-up cost).
+    probes = [i for i, k in enumerate(kinds) if k]
+    assert probes == [AutoPlanner.PROBE_EVERY - 1], kinds
+    assert 1 <= kinds[probes[0]] <= 4
