@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -22,6 +23,7 @@ from specgguf import __version__
 from specgguf.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERNAL,
+    ContextOverflowError,
     Interrupted,
     OutputClosed,
     SpecggufError,
@@ -367,9 +369,13 @@ def run(
         int | None, typer.Option("-t", "--threads", min=1, help="CPU threads.")
     ] = None,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature (0: greedy).")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="Top-k (0: off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Top-p (1: off).")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="Min-p (0: off).")] = 0.05,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k (0: off).")] = 40,
+    top_p: Annotated[
+        float, typer.Option("--top-p", min=0.0, max=1.0, help="Top-p (1: off).")
+    ] = 0.95,
+    min_p: Annotated[
+        float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p (0: off).")
+    ] = 0.05,
     seed: Annotated[int, typer.Option("--seed", help="RNG seed (-1: random).")] = -1,
     n_gpu_layers: Annotated[
         int, typer.Option("-ngl", "--n-gpu-layers", help="Target layers on the GPU (-1: all).")
@@ -485,6 +491,12 @@ def run(
         k_max=draft,
     ) as engine:
         ids = engine.tokenize(prepared.text, add_special=prepared.add_special)
+        # llama.cpp rounds a context up (to 256 positions at least); keep to the one asked.
+        room = n_ctx - len(ids)
+        if room < 1:
+            raise ContextOverflowError(len(ids), n_ctx)
+        if gen_params.n_predict < 0 or gen_params.n_predict > room:
+            gen_params = dataclasses.replace(gen_params, n_predict=room)
         gen = engine.generate(ids, gen_params)
         live = LiveStats(gen.stats, enabled=not quiet and not json_out and live_allowed())
         interrupted = False

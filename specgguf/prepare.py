@@ -26,8 +26,16 @@ def read_prompt(prompt: str | None, file: Path | None, stdin: TextIO | None = No
     argument while stdin is not a terminal). Never waits on a terminal.
 
     Raises:
-        UsageError: no prompt given, or two given, or the file cannot be read.
+        UsageError: no prompt given, or two given, an empty (or blank) prompt, or the file
+        cannot be read.
     """
+    text = _read_prompt(prompt, file, stdin)
+    if not text.strip():
+        raise UsageError("the prompt is empty: give the text to continue or answer")
+    return text
+
+
+def _read_prompt(prompt: str | None, file: Path | None, stdin: TextIO | None) -> str:
     stdin = stdin or sys.stdin
     if prompt is not None and file is not None:
         raise UsageError("give the prompt as an argument or with -f/--file, not both")

@@ -221,3 +221,32 @@ def test_main_job_on_the_real_pair(real_models: dict[str, Path]) -> None:
     # Same text unless llama.cpp's batched kernels flipped a near-tie (see
     # test_speculative_real); this prompt and K stay within the bit-identical batch sizes.
     assert s["text"] == a["text"]
+
+
+def test_context_size_is_the_one_asked_for(tiny_models: dict[str, Path]) -> None:
+    # llama.cpp rounds a context up to 256 positions; specgguf keeps to -c.
+    base = ["run", "-m", str(tiny_models["target"]), "--temp", "0", "--ignore-eos"]
+    res = run_cli(*base, "-c", "40", "--json", "hello")
+    assert res.returncode == 0, res.stderr
+    stats = json.loads(res.stdout)["stats"]
+    assert stats["prompt_tokens"] + stats["generated"] == 40
+    long_prompt = "hello there, how are you doing today my friend " * 3
+    res = run_cli(*base, "-c", "10", long_prompt)
+    assert res.returncode == errors.EXIT_RESOURCES and res.stdout == b""
+    assert b"context of 10 tokens" in res.stderr and len(res.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_empty_prompt_is_a_usage_error(tiny_models: dict[str, Path], prompt: str) -> None:
+    res = run_cli("run", "-m", str(tiny_models["target"]), prompt)
+    assert res.returncode == errors.EXIT_USAGE and res.stdout == b""
+    assert res.stderr.decode().strip() == (
+        "specgguf: error: the prompt is empty: give the text to continue or answer"
+    )
+
+
+@pytest.mark.parametrize("flag", [("--top-p", "5"), ("--top-k", "-3"), ("--min-p", "1.5")])
+def test_sampling_values_out_of_range(tiny_models: dict[str, Path], flag: tuple[str, str]) -> None:
+    res = run_cli("run", "-m", str(tiny_models["target"]), *flag, "hi")
+    assert res.returncode == errors.EXIT_USAGE and res.stdout == b""
+    assert flag[0].encode() in res.stderr
