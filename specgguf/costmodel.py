@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from specgguf.drafters import Draft, Drafter, Evaluator, ModelDrafter, NgramDrafter
+from specgguf.runtime import cache_dir, read_json_cache, update_json_cache
 from specgguf.sampling import SamplerParams
 
 #: Verification batch sizes measured by calibration (others are interpolated).
@@ -167,32 +166,20 @@ def calibration_key(
 
 
 def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specgguf" / "calibration.json"
+    return cache_dir() / "calibration.json"
 
 
 def load_calibration(key: str) -> Timings | None:
     try:
-        data = json.loads(_cache_file().read_text())[key]
+        data = read_json_cache(_cache_file())[key]
         return Timings({int(k): float(v) for k, v in data["verify"].items()}, data["draft"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def save_calibration(key: str, timings: Timings) -> None:
-    path = _cache_file()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = {"verify": timings.verify, "draft": timings.draft, "time": time.time()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    value = {"verify": timings.verify, "draft": timings.draft, "time": time.time()}
+    update_json_cache(_cache_file(), key, value)
 
 
 def calibrate(

@@ -215,9 +215,33 @@ class RepackPolicy:
     warning: str | None = None
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """specgguf's cache folder: ``$XDG_CACHE_HOME/specgguf`` or ``~/.cache/specgguf``."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "specgguf"
+
+
+def read_json_cache(path: Path) -> dict[str, Any]:
+    """A JSON object cached in ``path``; empty when missing or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_json_cache(path: Path, key: str, value: Any) -> None:
+    """Set ``key`` in the JSON object cached in ``path``, written atomically (a temporary
+    file, then a rename); a cache that cannot be written is silently skipped."""
+    data = read_json_cache(path)
+    data[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _build_key(info: BuildInfo) -> str:
@@ -252,22 +276,11 @@ def repack_policy() -> RepackPolicy:
     if not info.has_amx:
         return RepackPolicy(True, "build without AMX kernels")
     key = _build_key(info)
-    cache = _cache_dir() / "repack-probe.json"
-    try:
-        verdicts = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        verdicts = {}
-    verdict = verdicts.get(key)
+    cache = cache_dir() / "repack-probe.json"
+    verdict = read_json_cache(cache).get(key)
     if verdict is None:
         verdict = _probe_repack()
-        verdicts[key] = verdict
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            tmp.write_text(json.dumps(verdicts, indent=1))
-            os.replace(tmp, cache)
-        except OSError:
-            pass
+        update_json_cache(cache, key, verdict)
     if verdict == "ok":
         return RepackPolicy(True, "AMX build, probe passed")
     return RepackPolicy(
