@@ -197,6 +197,9 @@ def run_bench(
     ids = {cat: chat_prompt_ids(engine, p) for cat, p in prompts}
     cells: dict[tuple[str, str], Cell] = {}
     t0 = time.perf_counter()
+    # Timings measured now, in this run, for auto mode and for the cost-model limit.
+    progress("calibrating")
+    engine.timings(recalibrate=True)
     for r in range(rounds):
         for cat, _ in prompts:
             for name, kind, k in configs:

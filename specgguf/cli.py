@@ -400,7 +400,11 @@ def run(
         bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
     ] = False,
     draft_p_min: Annotated[
-        float, typer.Option("--draft-p-min", help="Stop drafting below this probability.")
+        float,
+        typer.Option(
+            "--draft-p-min",
+            help="Stop drafting below this probability (auto mode: at least 0.5).",
+        ),
     ] = 0.0,
     no_repack: Annotated[
         bool, typer.Option("-nr", "--no-repack", help="Disable weight repacking.")

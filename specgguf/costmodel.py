@@ -245,6 +245,11 @@ def _drop_outliers(verify: dict[int, float]) -> dict[int, float]:
     return out
 
 
+def _upper(a: float, trials: float) -> float:
+    """A rate plus one standard error (the prior counted as two trials)."""
+    return min(1.0, a + math.sqrt(a * (1.0 - a) / (trials + 2.0)))
+
+
 # --- the automatic planner --------------------------------------------------------------
 
 
@@ -290,15 +295,22 @@ class AutoPlanner:
     """Chooses, at every step, n-gram lookup when it found a continuation that the cost
     model expects to pay, else the draft model with its best K, else no speculation.
 
-    The acceptance of each drafter is estimated from its recent verifications, blended
-    with the target's recent confidence (the mean top-1 probability of the tokens it
-    produced): measured on Qwen2.5-Coder 1.5B/0.5B over six kinds of text, that mean
-    (0.68-1.00) follows the draft's greedy agreement (0.64-1.00) within 0.05. It needs no
-    draft evaluation, so the draft model is tried when the text becomes predictable and
-    left alone otherwise; when its estimate falls just short and nothing recent was
-    measured, a short draft (K <= 4, every ``PROBE_EVERY`` steps at most) measures it. A
-    draft model that has been idle must first evaluate the tokens it missed; that cost is
-    spread over the steps it is expected to stay in use.
+    Acceptance is estimated per drafter from recent verifications, blended with the
+    target's recent confidence (the mean top-1 probability of the tokens it produced),
+    which needs no draft evaluation. The draft model drafts greedily until it gives a
+    token less than ``P_STOP`` (as llama.cpp's ``--draft-p-min``), so two rates describe
+    it: how often a token passes ``P_STOP`` (prior: the confidence) and how often a token
+    that passed is accepted; E(K) uses their product, and the cost of a step the expected
+    number of draft evaluations and verified tokens.
+
+    The draft model's state matters: one that has been idle must first evaluate the
+    tokens it missed (its cost is spread over the steps it is expected to stay in use),
+    so a draft model in step is judged generously: optimistically (one standard error)
+    in its first ``EXPLORE_STEPS`` steps of a generation, kept while it beats the target
+    alone at all, and replaced by n-gram lookup only when that is expected to be
+    ``SWITCH_MARGIN`` times faster. When an idle draft model's estimate falls just short
+    and nothing recent was measured, a short draft (K <= 4, every ``PROBE_EVERY`` steps at
+    most) measures it.
 
     Args:
         timings: calibrated timings (refined online unless ``learn_timings`` is False).
@@ -311,12 +323,20 @@ class AutoPlanner:
 
     wants_confidence = True
     CATCH_UP_HORIZON = 8  # at most this many steps share a draft model's catch-up cost
-    MARGIN = 1.05  # speculate only when the model expects at least this gain: the estimates
+    MARGIN = 1.1  # speculate only when the model expects at least this gain: the estimates
     # are noisy, and a marginal gain is not worth the risk of a loss
     #: n-gram acceptance prior, relative to the target's confidence, by match length: one
     #: token of context predicts little (measured a = 0.1-0.6 on six kinds of text), four or
     #: more about as well as the confidence itself (0.7-0.98).
     NGRAM_PRIOR: ClassVar[dict[int, float]] = {1: 0.3, 2: 0.7, 4: 1.0}
+    SWITCH_MARGIN = 1.25  # n-gram lookup replaces a draft model in use only when this much faster
+    NEAR_SYNC = 8  # a draft model at most this many tokens behind counts as in step
+    EXPLORE_STEPS = 4  # steps of a generation in which the draft model is judged optimistically
+    #: the draft model stops at a token it gives less than this probability (llama.cpp's
+    #: --draft-p-min). Measured on the Qwen pair (greedy, 128 tokens per kind of text):
+    #: the target agreed with 98-100% of the draft's tokens at or above 0.5 on code and
+    #: JSON (where 99% of tokens are), 84-89% on prose, and 35-50% below 0.5 on prose.
+    P_STOP = 0.5
     PROBE_EVERY = 16  # steps between probes of a draft model the proxy nearly favours
 
     def __init__(
@@ -341,11 +361,15 @@ class AutoPlanner:
     def reset(self) -> None:
         for d in self.drafters:
             d.reset()
-        self.acc_model = Acceptance()
+        # The draft model's drafts: how often a token passes P_STOP (prior: the target's
+        # confidence), and how often a token that passed is accepted.
+        self.acc_model = Acceptance(prior=0.95)
+        self.cont_model = Acceptance()
         # n-gram proposals are judged by the length of the match they come from.
         self.acc_ngram = {n: Acceptance() for n in self.NGRAM_PRIOR}
         self.confidence = 0.6
         self._n_confidence = 0
+        self._model_steps = 0  # steps drafted by the draft model in this generation
         self.idle_model = 0
         # Consecutive steps drafted by the model, now and on average: a catch-up is paid
         # back only over the steps the model stays in use.
@@ -356,6 +380,13 @@ class AutoPlanner:
         self.ngram_len = {n: 4.0 for n in self.NGRAM_PRIOR}
         self._last_ngram_bucket = 1
 
+    def _verify_time(self, n: float) -> float:
+        """t_verify at a fractional batch size (an expected number of tokens)."""
+        lo = int(n)
+        w = n - lo
+        t = self.timings.verify_time(lo)
+        return t if w == 0.0 else t + w * (self.timings.verify_time(lo + 1) - t)
+
     def _first_eval_cost(self, history: Sequence[int]) -> float:
         """Seconds for the draft model's first evaluation of a step: the tokens it has not
         seen (usually the last 1-2: the final draft token and the target's own). A longer
@@ -363,7 +394,7 @@ class AutoPlanner:
         in use (its mean run of consecutive steps, at most ``CATCH_UP_HORIZON``)."""
         assert self.model is not None
         t = self.timings
-        behind = max(1, len(history) - self.model.cached_tokens)
+        behind = max(1, len(history) - self.model.cached_tokens(history))
         per = t.draft / t._curve(1)
         if behind <= 2:
             return per * t._curve(behind)
@@ -376,7 +407,7 @@ class AutoPlanner:
     ) -> Plan:
         k_max = min(k_max, self.k_max)
         t = self.timings
-        for acc in (self.acc_model, *self.acc_ngram.values()):
+        for acc in (self.acc_model, self.cont_model, *self.acc_ngram.values()):
             acc.tick()
         base_rate = 1.0 / t.verify_time(1)
         best = Plan(None, Draft([]), base_rate)
@@ -395,17 +426,38 @@ class AutoPlanner:
                 if k > 0 and rate > threshold:
                     ngram_plan = (k, rate, cand.tokens, bucket)
         model_plan: tuple[int, float] | None = None
+        in_use = False
         if self.model is not None:
-            a = self.acc_model.rate_with(self.confidence)
+            a_acc = self.acc_model.rate
+            a_cont = self.cont_model.rate_with(self.confidence)
+            # Near sync, trying the draft model costs no long catch-up.
+            near = len(history) - self.model.cached_tokens(history) <= self.NEAR_SYNC
+            k_top = min(k_max, self.k_max_model)
+            if near and self._model_steps < self.EXPLORE_STEPS:
+                # Little evidence yet: judge by an upper bound (one standard error), so
+                # that one early rejection, or a misleading confidence, does not rule out
+                # a draft model that pays; short drafts keep a wrong guess cheap.
+                a_acc = _upper(a_acc, self.acc_model.trials)
+                a_cont = _upper(a_cont, self.cont_model.trials)
+                k_top = min(k_top, 4)
             first = self._first_eval_cost(history)
             best_model = (0, 0.0)
-            for k in range(1, min(k_max, self.k_max_model) + 1):
-                step = first + (k - 1) * t.draft + t.verify_time(k + 1)
-                rate = expected_tokens(a, k) / step
+            # Draft token i is proposed when the i before it passed P_STOP (a_cont^i) and
+            # yields a token when all of them are accepted too (c^i, c = a_acc * a_cont).
+            c = a_acc * a_cont
+            proposed = evals = 0.0
+            for k in range(1, k_top + 1):
+                evals = proposed  # the k-th proposal needs no evaluation of its own
+                proposed += a_cont**k
+                step = first + evals * t.draft + self._verify_time(1.0 + proposed)
+                rate = expected_tokens(c, k) / step
                 if rate > best_model[1]:
                     best_model = (k, rate)
             self.idle_model += 1
-            if best_model[1] > threshold:
+            # Hysteresis: a draft model in use stays while it pays at all, for leaving it
+            # costs a catch-up when it comes back.
+            in_use = near and self._model_steps > 0
+            if best_model[1] > (base_rate if in_use else threshold):
                 model_plan = best_model
             elif (
                 best_model[1] > 0.85 * threshold
@@ -415,8 +467,11 @@ class AutoPlanner:
                 # The confidence proxy says "almost": measure instead of guessing. It
                 # underestimates agreement on code (0.93 against 0.98 measured).
                 model_plan = (min(4, best_model[0] or 4), best_model[1])
+        # n-gram estimates rest on few, mixed matches; a draft model in step has measured
+        # acceptance and loses step when n-gram drafts are taken: n-gram must clearly win.
+        switch = self.SWITCH_MARGIN if in_use else 1.0
         ngram_wins = ngram_plan is not None and (
-            model_plan is None or ngram_plan[1] >= model_plan[1]
+            model_plan is None or ngram_plan[1] >= switch * model_plan[1]
         )
         if self._streak and (ngram_wins or model_plan is None):
             self.mean_streak += 0.5 * (self._streak - self.mean_streak)
@@ -430,7 +485,10 @@ class AutoPlanner:
             k, rate = model_plan
             self.idle_model = 0
             self._streak += 1
-            return Plan(self.model, self.model.propose(history, k, sampler, rng), rate)
+            self._model_steps += 1
+            p_min = max(self.P_STOP, self.model.p_min)
+            draft = self.model.propose(history, k, sampler, rng, p_min=p_min)
+            return Plan(self.model, draft, rate)
         return best
 
     def observe(
@@ -448,6 +506,7 @@ class AutoPlanner:
             self.timings.observe_verify(n + 1, verify_seconds)
         if plan.drafter is self.model and self.model is not None:
             self.acc_model.observe(n, accepted)
+            self.cont_model.observe(n + self.model.last_stopped, n)
             if n > 0 and self.learn_timings and self.model.last_token_seconds > 0:
                 self.timings.observe_draft(self.model.last_token_seconds)
         elif plan.drafter is self.ngram and n:
@@ -459,7 +518,8 @@ class AutoPlanner:
         return {
             "confidence": round(self.confidence, 3),
             "mean_model_run": round(self.mean_streak, 2),
-            "acceptance_model": round(self.acc_model.rate_with(self.confidence), 3),
+            "acceptance_model": round(self.acc_model.rate, 3),
+            "continue_model": round(self.cont_model.rate_with(self.confidence), 3),
             "acceptance_ngram": {
                 n: round(acc.rate_with(self.NGRAM_PRIOR[n] * self.confidence), 3)
                 for n, acc in self.acc_ngram.items()

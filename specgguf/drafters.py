@@ -97,6 +97,8 @@ class ModelDrafter:
         self.seconds = 0.0
         #: seconds per drafted token in the last proposal, catch-up evaluation excluded
         self.last_token_seconds = 0.0
+        #: whether the last proposal stopped below ``p_min`` (before ``k`` tokens)
+        self.last_stopped = False
 
     def reset(self) -> None:
         # The cache is kept: a new prompt that shares a prefix with it reuses that prefix.
@@ -115,10 +117,10 @@ class ModelDrafter:
         self._synced = len(history) - 1
         self.seconds += time.perf_counter() - t0
 
-    @property
-    def cached_tokens(self) -> int:
-        """How many tokens of the current history the draft's cache holds."""
-        return min(self._synced, len(self._held))
+    def cached_tokens(self, history: Sequence[int]) -> int:
+        """How many leading tokens of ``history`` the draft's cache holds (its drafts that
+        the target accepted included)."""
+        return self._common_prefix(history)
 
     def propose(
         self,
@@ -126,7 +128,14 @@ class ModelDrafter:
         k: int,
         sampler: SamplerParams,
         rng: np.random.Generator,
+        *,
+        p_min: float | None = None,
     ) -> Draft:
+        """Up to ``k`` draft tokens after ``history``; greedy drafting stops early at a
+        token whose probability under the draft is below ``p_min`` (default: the drafter's
+        own), and ``last_stopped`` tells whether it did."""
+        p_min = self.p_min if p_min is None else p_min
+        self.last_stopped = False
         # Positions the draft needs: len(history) - 1 + k (the k-th token is not evaluated).
         k = min(k, self.ctx.n_ctx - len(history) + 1)
         if k <= 0 or not history:
@@ -147,9 +156,10 @@ class ModelDrafter:
             row = logits[-1, : self.n_vocab]
             if dists is None:
                 tok = int(row.argmax())
-                if self.p_min > 0.0:
+                if p_min > 0.0:
                     top = 1.0 / float(np.exp(row - row[tok]).sum())
-                    if top < self.p_min:
+                    if top < p_min:
+                        self.last_stopped = True
                         break
             else:
                 q = distribution(row, sampler)
