@@ -323,7 +323,7 @@ class AutoPlanner:
 
     wants_confidence = True
     CATCH_UP_HORIZON = 8  # at most this many steps share a draft model's catch-up cost
-    MARGIN = 1.1  # speculate only when the model expects at least this gain: the estimates
+    MARGIN = 1.05  # speculate only when the model expects at least this gain: the estimates
     # are noisy, and a marginal gain is not worth the risk of a loss
     #: n-gram acceptance prior, relative to the target's confidence, by match length: one
     #: token of context predicts little (measured a = 0.1-0.6 on six kinds of text), four or
