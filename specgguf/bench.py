@@ -105,11 +105,22 @@ def load_prompts(path: Path) -> list[tuple[str, str]]:
     """
     from specgguf.errors import UsageError
 
+    shape = "expected a non-empty JSON list of {category, prompt} objects"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return [(str(x["category"]), str(x["prompt"])) for x in data]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{path}: expected a JSON list of {{category, prompt}}: {e}") from None
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UsageError(f"{path}: not JSON ({e}); {shape}") from None
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"{path}: {shape}")
+    out = []
+    for i, x in enumerate(data):
+        if not (isinstance(x, dict) and isinstance(x.get("category"), str)
+                and isinstance(x.get("prompt"), str) and x["prompt"].strip()):  # fmt: skip
+            raise UsageError(f"{path}: entry {i}: {shape}")
+        out.append((x["category"], x["prompt"]))
+    return out
 
 
 def chat_prompt_ids(engine: SpeculativeEngine, prompt: str) -> list[int]:

@@ -353,7 +353,8 @@ def run(
         ),
     ] = None,
     n_predict: Annotated[
-        int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1: until done).")
+        int,
+        typer.Option("-n", "--n-predict", min=-1, help="Tokens to generate (-1: until done)."),
     ] = -1,
     ctx_size: Annotated[
         int, typer.Option("-c", "--ctx-size", min=0, help="Context size (0: the model's).")
@@ -403,6 +404,8 @@ def run(
         float,
         typer.Option(
             "--draft-p-min",
+            min=0.0,
+            max=1.0,
             help="Stop drafting below this probability (auto mode: at least 0.5).",
         ),
     ] = 0.0,
@@ -718,6 +721,10 @@ def bench(
         ks = sorted({int(x) for x in draft.split(",") if x.strip()})
     except ValueError:
         raise UsageError(f"--draft takes comma-separated integers, not {draft!r}") from None
+    if not ks or ks[0] < 1:
+        raise UsageError(f"--draft takes draft lengths of 1 or more, not {draft!r}")
+    if plot is not None:
+        _check_plot_path(plot)  # before the run, not after it
     chosen = load_prompts(prompts) if prompts else PROMPTS
     if categories:
         wanted = set(categories.split(","))
@@ -775,16 +782,28 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
               f"{report['wall_seconds']:.0f} s", highlight=False)  # fmt: skip
 
 
-def _plot_bench(report: dict[str, Any], path: Path) -> None:
+def _check_plot_path(path: Path) -> None:
+    """Raises UsageError when --plot cannot work: no matplotlib, or a folder that does not
+    exist or cannot be written."""
+    import importlib.util
+
     from specgguf.errors import UsageError
 
-    try:
-        import matplotlib
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'specgguf[plot]'")
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot: cannot write {path}")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'specgguf[plot]'") from None
+
+def _plot_bench(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    from specgguf.errors import UsageError
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     cats = list(dict.fromkeys(r["category"] for r in report["results"]))
     fig, axes = plt.subplots(1, len(cats), figsize=(4 * len(cats), 3.5), squeeze=False)
     for ax, cat in zip(axes[0], cats, strict=True):
@@ -803,7 +822,10 @@ def _plot_bench(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("speedup over the target alone")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise UsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None
 
 
 def _report(err: SpecggufError) -> int:

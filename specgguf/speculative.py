@@ -301,17 +301,6 @@ class SpeculativeDecoder:
                 row = logits[n]  # the target's top-1 probability for the token it chose
                 conf = 1.0 / float(np.exp(row - row.max()).sum())
             planner.observe(plan, n, t_verify, conf)
-            stats.steps += 1
-            stats.drafted += len(d)
-            stats.accepted += n
-            stats.rejected_steps += n < len(d)
-            stats.last_draft = len(d)
-            name = plan.drafter.name if plan.drafter is not None and d else "none"
-            stats.last_drafter = name
-            row = stats.by_drafter.setdefault(name, [0, 0, 0])
-            row[0] += 1
-            row[1] += len(d)
-            row[2] += n
             for i, t in enumerate(new):
                 if t in eog:
                     new = new[:i]
@@ -320,6 +309,18 @@ class SpeculativeDecoder:
             if len(new) > remaining:
                 new = new[: int(remaining)]
                 finish = "length"
+            kept = min(n, len(new))  # accepted drafts past an end-of-generation token are dropped
+            stats.steps += 1
+            stats.drafted += len(d)
+            stats.accepted += kept
+            stats.rejected_steps += n < len(d)
+            stats.last_draft = len(d)
+            name = plan.drafter.name if plan.drafter is not None and d else "none"
+            stats.last_drafter = name
+            row = stats.by_drafter.setdefault(name, [0, 0, 0])
+            row[0] += 1
+            row[1] += len(d)
+            row[2] += kept
             history.extend(new)
             gen.tokens.extend(new)
             target.rollback(len(history) - 1)

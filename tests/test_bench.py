@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from specgguf import errors
 
 from .helpers import run_cli
@@ -56,3 +58,33 @@ def test_bench_rejects_bad_arguments(tiny_models: dict[str, Path]) -> None:
     assert res.returncode == errors.EXIT_USAGE and b"comma-separated integers" in res.stderr
     res = run_cli("bench", "-m", str(tiny_models["target"]), "--categories", "poetry")
     assert res.returncode == errors.EXIT_USAGE and b"unknown categories" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--draft", "0"], b"1 or more"),
+        (["--draft=-3,2"], b"1 or more"),
+        (["--draft", ","], b"1 or more"),
+        (["--prompts", "{empty}"], b"non-empty JSON list"),
+        (["--prompts", "{nokey}"], b"entry 0"),
+        (
+            ["--plot", "{missing}/x.png"],
+            b"cannot write" if importlib.util.find_spec("matplotlib") else b"needs matplotlib",
+        ),
+    ],
+)
+def test_bench_refuses_bad_input_before_loading_models(
+    tmp_path: Path, args: list[str], message: bytes
+) -> None:
+    # The target does not exist: refusing with a usage error (not "model not found")
+    # shows the check comes first, before a run that could take many minutes.
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "nokey.json").write_text('[{"category": "chat"}]')
+    paths = {"empty": tmp_path / "empty.json", "nokey": tmp_path / "nokey.json",
+             "missing": tmp_path / "no-such-dir"}  # fmt: skip
+    args = [a.format(**paths) for a in args]
+    res = run_cli("bench", "-m", str(tmp_path / "absent.gguf"), "-md", str(tmp_path / "a.gguf"),
+                  *args)  # fmt: skip
+    assert res.returncode == errors.EXIT_USAGE, res.stderr
+    assert message in res.stderr and b"Traceback" not in res.stderr and res.stdout == b""

@@ -245,7 +245,11 @@ def test_empty_prompt_is_a_usage_error(tiny_models: dict[str, Path], prompt: str
     )
 
 
-@pytest.mark.parametrize("flag", [("--top-p", "5"), ("--top-k", "-3"), ("--min-p", "1.5")])
+@pytest.mark.parametrize(
+    "flag",
+    [("--top-p", "5"), ("--top-k", "-3"), ("--min-p", "1.5"), ("--draft-p-min", "1.5"),
+     ("--draft-p-min", "-1"), ("-n", "-5")],
+)  # fmt: skip
 def test_sampling_values_out_of_range(tiny_models: dict[str, Path], flag: tuple[str, str]) -> None:
     res = run_cli("run", "-m", str(tiny_models["target"]), *flag, "hi")
     assert res.returncode == errors.EXIT_USAGE and res.stdout == b""

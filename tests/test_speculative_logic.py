@@ -113,7 +113,9 @@ def test_eos_accepted_mid_draft_truncates_output() -> None:
     assert res.finish_reason == "stop"
     assert res.tokens == [4, 5, 6]  # the prefix reaches length 6 after these; next is EOS
     assert "<EOS>" not in res.text and res.text == "efg"
-    assert res.stats.steps == 1 and res.stats.accepted >= 3
+    # Accepted drafts past EOS are not counted: only the three kept.
+    assert res.stats.steps == 1 and res.stats.accepted == 3
+    assert res.stats.by_drafter[drafter.name][2] == 3
 
 
 def test_context_full_stops_with_length_and_never_overflows() -> None:
