@@ -791,7 +791,7 @@ def _check_plot_path(path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'specgguf[plot]'")
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent  # Path("x.png").parent is Path(".")
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
         raise UsageError(f"--plot: cannot write {path}")
 
