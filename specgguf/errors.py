@@ -4,6 +4,8 @@ Every error a user can cause derives from :class:`SpecggufError`. Each class car
 fields that describe what went wrong (a path, a token id, expected and actual values) and
 an ``exit_code`` that the command-line entry point (``specgguf.cli.main``) returns. Where a
 builtin exception fits, it is a second parent, so ``except FileNotFoundError`` works too.
+Messages name no command-line flag: the command line adds its hints where it maps errors
+(``specgguf.cli.app``).
 
 Exit codes (also in the README):
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_MODEL_FILE = 3
@@ -100,9 +101,17 @@ class UnknownModelError(ModelNotFoundError):
         msg = f"{name!r} is neither a GGUF file nor a known model alias"
         if suggestions:
             msg += "; did you mean " + ", ".join(repr(s) for s in suggestions) + "?"
-        super().__init__(msg, hint="`specgguf list` shows the known aliases and pairs")
+        super().__init__(msg)
         self.name = name
         self.suggestions = suggestions
+
+
+class ModelNotDownloadedError(ModelNotFoundError):
+    """A registry alias whose file is not in the local cache yet."""
+
+    def __init__(self, alias: str, what: str) -> None:
+        super().__init__(f"{alias} ({what}) is not downloaded")
+        self.alias = alias
 
 
 class GGUFFormatError(ModelFileError, ValueError):
@@ -130,8 +139,7 @@ class IncompatibleVocabError(SpecggufError, ValueError):
         first = reasons[0] if reasons else "unknown reason"
         more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
         super().__init__(
-            f"draft {draft.name} is not compatible with target {target.name}: {first}{more}",
-            hint="`specgguf check TARGET DRAFT` gives the whole report; --no-check overrides",
+            f"draft {draft.name} is not compatible with target {target.name}: {first}{more}"
         )
         self.reasons = reasons
         self.target = target
@@ -145,12 +153,14 @@ class ResourceError(SpecggufError):
 
 
 class InsufficientMemoryError(ResourceError, MemoryError):
-    """The models and KV caches clearly do not fit the memory available (bytes)."""
+    """The models and KV caches clearly do not fit the memory available (bytes): the
+    machine's RAM, or with ``gpu`` the GPUs' free memory for the offloaded layers."""
 
-    def __init__(self, message: str, *, needed: int, available: int) -> None:
-        super().__init__(message, hint="--force loads anyway; a smaller -c/--ctx-size helps")
+    def __init__(self, message: str, *, needed: int, available: int, gpu: bool = False) -> None:
+        super().__init__(message)
         self.needed = needed
         self.available = available
+        self.gpu = gpu
 
 
 class InsufficientDiskError(ResourceError, OSError):
@@ -158,8 +168,7 @@ class InsufficientDiskError(ResourceError, OSError):
 
     def __init__(self, path: Path, *, needed: int, available: int) -> None:
         super().__init__(
-            f"not enough free disk space in {path}: need {_gib(needed)}, "
-            f"{_gib(available)} available"
+            f"not enough free disk space in {path}: need {gib(needed)}, {gib(available)} available"
         )
         self.path = path
         self.needed = needed
@@ -172,8 +181,7 @@ class ContextOverflowError(ResourceError, ValueError):
     def __init__(self, n_prompt: int, n_ctx: int) -> None:
         super().__init__(
             f"the prompt is {n_prompt} tokens, which does not fit a context of {n_ctx} "
-            "tokens (at least one token must be left to generate)",
-            hint="raise -c/--ctx-size or shorten the prompt",
+            "tokens (at least one token must be left to generate)"
         )
         self.n_prompt = n_prompt
         self.n_ctx = n_ctx
@@ -229,5 +237,6 @@ class OutputClosed(SpecggufError):
         super().__init__("stdout was closed")
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
+    """A byte count in GiB for messages: ``1.04 GiB``."""
     return f"{n / 2**30:.2f} GiB"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from specgguf import testmodels
-from specgguf.tinymodels import write_fixtures
+from specgguf.gguf.tiny import write_fixtures
+from specgguf.hub import testmodels
 
 # Resolved before any test changes HOME, so that the real models stay findable.
 _REAL_MODELS_DIR = testmodels.test_models_dir()
@@ -43,7 +43,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every tiny fixture of :mod:`specgguf.tinymodels`, written once per session."""
+    """Every tiny fixture of :mod:`specgguf.gguf.tiny`, written once per session."""
     return write_fixtures(tmp_path_factory.mktemp("tiny-models"))
 
 

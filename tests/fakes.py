@@ -104,8 +104,8 @@ class ScriptedDrafter:
     def reset(self) -> None:
         pass
 
-    def propose(self, history, k, sampler, rng):  # type: ignore[no-untyped-def]
-        from specgguf.drafters import Draft
+    def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
+        from specgguf.spec.drafters import Draft
 
         self.ks.append(k)
         return Draft(self.script(history, k)[:k])

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specgguf.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,4 +34,26 @@ def run_cli(
         timeout=timeout,
         check=False,
         cwd=ROOT,
+    )
+
+
+def load_engine(
+    target: Path,
+    draft: Path | None = None,
+    *,
+    drafter: str = "model",
+    n_ctx: int = 4096,
+    draft_max: int = 16,
+    n_batch: int = 512,
+) -> Engine:
+    """An engine over ``target`` (and ``draft``) with the checks on; ``draft_max`` sizes
+    the largest draft length a generation may ask for."""
+    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+
+    return Engine(
+        EngineConfig(
+            ModelConfig(target, n_ctx=n_ctx, n_batch=n_batch),
+            ModelConfig(draft, n_ctx=n_ctx, n_batch=n_batch) if draft is not None else None,
+            SpeculativeConfig(drafter=drafter, draft_max=draft_max),
+        )
     )

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from specgguf import errors, testmodels
+from specgguf import errors
+from specgguf.hub import testmodels
 
 from .helpers import ROOT, run_cli
 

@@ -9,19 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgguf.costmodel import (
+from specgguf.engine.calibration import calibration_key, load_calibration, save_calibration
+from specgguf.spec.drafters import ModelDrafter, NgramDrafter
+from specgguf.spec.loop import DrafterStats, GenerationParams, SpeculativeDecoder
+from specgguf.spec.planner import (
     Acceptance,
     AutoPlanner,
+    FixedPlanner,
     Timings,
     best_k,
-    calibration_key,
     expected_tokens,
-    load_calibration,
-    save_calibration,
 )
-from specgguf.drafters import ModelDrafter, NgramDrafter
-from specgguf.sampling import SamplerParams
-from specgguf.speculative import GenerationParams, SpeculativeDecoder
+from specgguf.spec.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, one_hot_rule
 
@@ -64,7 +63,7 @@ def test_timings_interpolate_and_learn() -> None:
 
 
 def test_calibration_outliers_are_replaced() -> None:
-    from specgguf.costmodel import _drop_outliers
+    from specgguf.spec.planner import _drop_outliers
 
     raw = {1: 0.08, 2: 0.12, 3: 0.50, 4: 0.12, 5: 0.17, 9: 0.25, 13: 0.99, 17: 0.32, 25: 0.4}
     clean = _drop_outliers(raw)
@@ -115,11 +114,11 @@ def run_auto(draft_rule, prompt: list[int], n: int = 120, draft_s: float = 0.001
     target = FakeContext(one_hot_rule(target_next, V), V)
     model = ModelDrafter(FakeContext(one_hot_rule(draft_rule, V), V), V)  # type: ignore[arg-type]
     timings = Timings(dict(FLAT_10MS.verify), draft_s)
-    planner = AutoPlanner(timings, model=model, ngram=NgramDrafter(2, 6), k_max=16,
+    planner = AutoPlanner(timings, model=model, ngram=NgramDrafter(2, 6), draft_max=16,
                           learn_timings=False)  # fmt: skip
-    dec = SpeculativeDecoder(target, FakeVocab(V), planner=planner)  # type: ignore[arg-type]
-    params = GenerationParams(n_predict=n, draft_max=16, sampler=SamplerParams(temperature=0))
-    return dec.generate(prompt, params).run(), planner
+    dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
+    params = GenerationParams(n_predict=n, sampler=SamplerParams(temperature=0))
+    return dec.generate(prompt, params, planner).run(), planner
 
 
 def test_planner_drafts_long_when_the_draft_is_right() -> None:
@@ -136,17 +135,17 @@ def test_planner_stops_drafting_when_the_draft_is_wrong() -> None:
     # the draft model; its rejections then outweigh that prior and it stops.
     res, _ = run_auto(wrong_next, [7], n=29, draft_s=0.005)
     s = res.stats
-    model_steps = s.by_drafter.get("model", [0, 0, 0])
-    assert model_steps[0] <= 8 and model_steps[2] == 0, s.by_drafter
-    assert s.by_drafter["none"][0] >= s.steps - 8
+    model_steps = s.by_drafter.get("model", DrafterStats())
+    assert model_steps.steps <= 8 and model_steps.accepted == 0, s.by_drafter
+    assert s.by_drafter["none"].steps >= s.steps - 8
     assert res.tokens == _truth([7], 29)
 
 
 def test_planner_prefers_ngram_when_the_text_repeats() -> None:
     # The fake target cycles 1..30, so once 30 tokens are out every n-gram recurs.
     res, _ = run_auto(wrong_next, [1, 2, 3], n=200)
-    ng = res.stats.by_drafter.get("ngram", [0, 0, 0])
-    assert ng[2] > 100  # most tokens came from accepted n-gram drafts
+    ng = res.stats.by_drafter.get("ngram", DrafterStats())
+    assert ng.accepted > 100  # most tokens came from accepted n-gram drafts
     assert res.tokens == _truth([1, 2, 3], 200)
 
 
@@ -243,11 +242,11 @@ def test_an_early_rejection_does_not_rule_out_the_draft_model(
         target = FakeContext(one_hot_rule(target_next, V), V)
         model = ModelDrafter(FakeContext(one_hot_rule(once_wrong, V), V), V)  # type: ignore[arg-type]
         planner = AutoPlanner(Timings(dict(QWEN_LIKE), 0.029), model=model, learn_timings=False)
-        dec = SpeculativeDecoder(target, FakeVocab(V), planner=planner)  # type: ignore[arg-type]
-        params = GenerationParams(n_predict=26, draft_max=16, sampler=SamplerParams(temperature=0))
-        res = dec.generate([1, 2, 3], params).run()
+        dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
+        params = GenerationParams(n_predict=26, sampler=SamplerParams(temperature=0))
+        res = dec.generate([1, 2, 3], params, planner).run()
         assert res.tokens == _truth([1, 2, 3], 26)
-        return res.stats.by_drafter.get("model", [0, 0, 0])[2]
+        return res.stats.by_drafter.get("model", DrafterStats()).accepted
 
     assert model_tokens() >= 15  # accepted model drafts: most of the 26 tokens
     monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
@@ -268,17 +267,17 @@ def test_the_draft_model_stops_at_an_unsure_token(monkeypatch: pytest.MonkeyPatc
         model = ModelDrafter(FakeContext(unsure_rule, V), V)  # type: ignore[arg-type]
         planner = AutoPlanner(Timings(dict(FLAT_10MS.verify), 0.001), model=model,
                               learn_timings=False)  # fmt: skip
-        dec = SpeculativeDecoder(target, FakeVocab(V), planner=planner)  # type: ignore[arg-type]
-        params = GenerationParams(n_predict=28, draft_max=16, sampler=SamplerParams(temperature=0))
-        res = dec.generate([1, 2, 3], params).run()
+        dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
+        params = GenerationParams(n_predict=28, sampler=SamplerParams(temperature=0))
+        res = dec.generate([1, 2, 3], params, planner).run()
         assert res.tokens == _truth([1, 2, 3], 28)
-        return res.stats.by_drafter.get("model", [0, 0, 0])
+        return res.stats.by_drafter.get("model", DrafterStats())
 
-    _, drafted, accepted = model_row()
-    assert drafted >= 15 and accepted == drafted
+    row = model_row()
+    assert row.drafted >= 15 and row.accepted == row.drafted
     monkeypatch.setattr(AutoPlanner, "P_STOP", 0.0)
-    _, drafted, accepted = model_row()
-    assert accepted < drafted
+    row = model_row()
+    assert row.accepted < row.drafted
 
 
 def test_model_drafter_reports_where_it_stopped() -> None:
@@ -293,5 +292,6 @@ def test_model_drafter_reports_where_it_stopped() -> None:
     assert draft.tokens == [3, 4] and drafter.last_stopped
     draft = drafter.propose([1, 2], 8, greedy, rng, p_min=0.0)
     assert len(draft.tokens) == 8 and not drafter.last_stopped
-    drafter.p_min = 0.5  # the drafter's own setting applies when none is passed
-    assert drafter.propose([1, 2], 8, greedy, rng).tokens == [3, 4]
+    # A fixed drafter's p_min reaches the drafter (llama.cpp's --draft-p-min).
+    assert FixedPlanner(drafter, 8, p_min=0.5).plan([1, 2], 8, greedy, rng).draft.tokens == [3, 4]
+    assert len(FixedPlanner(drafter, 8).plan([1, 2], 8, greedy, rng).draft.tokens) == 8

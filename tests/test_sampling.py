@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgguf.backend import LlamaModel
-from specgguf.sampling import (
+from specgguf.llama.backend import LlamaModel
+from specgguf.spec.loop import GenerationParams
+from specgguf.spec.sampling import (
     Distribution,
     SamplerParams,
     accept_or_resample,
@@ -18,7 +19,8 @@ from specgguf.sampling import (
     distribution,
     sample,
 )
-from specgguf.speculative import GenerationParams, SpeculativeEngine
+
+from .helpers import load_engine
 
 
 def chi2_critical(df: int, z: float = 3.719) -> float:
@@ -143,10 +145,8 @@ def test_end_to_end_sampled_tokens_follow_target(
     n = 1500
     c1: Counter[int] = Counter()
     c2: Counter[int] = Counter()
-    with SpeculativeEngine(
-        tiny_models["target"], tiny_models["draft-partial"], drafter=drafter,  # type: ignore[arg-type]
-        n_ctx=128,
-    ) as e:  # fmt: skip
+    with load_engine(tiny_models["target"], tiny_models["draft-partial"], drafter=drafter,
+                     n_ctx=128) as e:  # fmt: skip
         ids = e.tokenize(prompt)
         # Count end-of-generation tokens like any other: the exact distributions include them.
         e.decoder.vocab = _NoEog(e.target_model)

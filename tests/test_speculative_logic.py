@@ -7,10 +7,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from specgguf.drafters import ModelDrafter, NgramDrafter
 from specgguf.errors import ContextOverflowError, UsageError
-from specgguf.sampling import SamplerParams
-from specgguf.speculative import GenerationParams, SpeculativeDecoder
+from specgguf.spec.drafters import Drafter, ModelDrafter, NgramDrafter
+from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
+from specgguf.spec.planner import FixedPlanner
+from specgguf.spec.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
 
@@ -24,12 +25,26 @@ def target_next(prefix: Sequence[int]) -> int:
     return prefix[-1] % 30 + 1
 
 
+class Decoder:
+    """A decoder over the fake target with one drafter (or none); ``generate`` takes the
+    draft length as ``GenerationParams.draft_max`` and makes the fixed planner."""
+
+    def __init__(self, ctx: FakeContext, vocab: FakeVocab, drafter: object | None) -> None:
+        self.dec = SpeculativeDecoder(ctx, vocab)  # type: ignore[arg-type]
+        self.drafter = drafter
+
+    def generate(self, prompt: list[int], params: GenerationParams) -> Generation:
+        drafter: Drafter | None = self.drafter  # type: ignore[assignment]
+        planner = FixedPlanner(drafter, params.draft_max or 0)
+        return self.dec.generate(prompt, params, planner)
+
+
 def make(
     drafter: object | None = None, *, n_ctx: int = 256, n_batch: int = 64, eos: bool = True
-) -> tuple[SpeculativeDecoder, FakeContext]:
+) -> tuple[Decoder, FakeContext]:
     ctx = FakeContext(one_hot_rule(target_next, V), V, n_ctx=n_ctx, n_batch=n_batch)
     vocab = FakeVocab(V, eog_ids=[EOS] if eos else [])
-    return SpeculativeDecoder(ctx, vocab, drafter), ctx  # type: ignore[arg-type]
+    return Decoder(ctx, vocab, drafter), ctx
 
 
 def truth(prompt: list[int], n: int) -> list[int]:
@@ -54,7 +69,7 @@ def oracle_drafter(wrong_every: int = 0) -> ScriptedDrafter:
     return ScriptedDrafter(script)
 
 
-def run(dec: SpeculativeDecoder, prompt: list[int], **kw: object):  # type: ignore[no-untyped-def]
+def run(dec: Decoder, prompt: list[int], **kw: object):  # type: ignore[no-untyped-def]
     params = GenerationParams(sampler=GREEDY, **kw)  # type: ignore[arg-type]
     return dec.generate(prompt, params).run()
 
@@ -108,14 +123,14 @@ def test_eos_accepted_mid_draft_truncates_output() -> None:
     # by more tokens) and the target accepts it.
     drafter = ScriptedDrafter(script)
     vocab = FakeVocab(V, eog_ids=[EOS], pieces={EOS: b"<EOS>"})
-    dec = SpeculativeDecoder(ctx, vocab, drafter)  # type: ignore[arg-type]
+    dec = Decoder(ctx, vocab, drafter)
     res = dec.generate([1, 2, 3], GenerationParams(draft_max=8, sampler=GREEDY)).run()
     assert res.finish_reason == "stop"
     assert res.tokens == [4, 5, 6]  # the prefix reaches length 6 after these; next is EOS
     assert "<EOS>" not in res.text and res.text == "efg"
     # Accepted drafts past EOS are not counted: only the three kept.
     assert res.stats.steps == 1 and res.stats.accepted == 3
-    assert res.stats.by_drafter[drafter.name][2] == 3
+    assert res.stats.by_drafter[drafter.name].accepted == 3
 
 
 def test_context_full_stops_with_length_and_never_overflows() -> None:

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgguf import testmodels
-from specgguf.backend import LlamaModel, batch_invariance
-from specgguf.sampling import SamplerParams
-from specgguf.speculative import GenerationParams, SpeculativeEngine
+from specgguf.hub import testmodels
+from specgguf.llama.backend import LlamaModel, batch_invariance
+from specgguf.spec.loop import GenerationParams
+from specgguf.spec.sampling import SamplerParams
+
+from .helpers import load_engine
 
 pytestmark = pytest.mark.real_models
 
@@ -33,7 +35,7 @@ def chat(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def baseline(real_models: dict[str, Path]) -> dict[str, list[int]]:
-    with SpeculativeEngine(real_models[testmodels.TARGET], drafter="none", n_ctx=512) as e:
+    with load_engine(real_models[testmodels.TARGET], drafter="none", n_ctx=512) as e:
         return {
             p: e.generate(chat(p), GenerationParams(n_predict=N, sampler=GREEDY)).run().tokens
             for p in PROMPTS
@@ -68,7 +70,7 @@ def test_real_pair_greedy_equivalence(
     """
     target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
     flips = []
-    with SpeculativeEngine(target, draft, n_ctx=512) as e:
+    with load_engine(target, draft, n_ctx=512) as e:
         for p in PROMPTS:
             ids = e.tokenize(chat(p))
             for k in (2, 4, 8):
@@ -102,7 +104,7 @@ def test_real_pair_exact_where_kernels_are_batch_invariant(
     """Where the batched and one-token kernels are bit-identical (probed on this build),
     speculative output must equal the target alone's exactly, on every prompt."""
     target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
-    with SpeculativeEngine(target, draft, n_ctx=512) as e:
+    with load_engine(target, draft, n_ctx=512) as e:
         noise = batch_invariance(e.target_model, e.tokenize(chat(PROMPTS[0])), [3, 5, 9])
         exact_ks = [k for k in (2, 4, 8) if noise[k + 1] == 0.0]
         if not exact_ks:
@@ -118,11 +120,11 @@ def test_real_pair_accepts_drafts_and_ngram_matches_baseline(
     real_models: dict[str, Path], baseline: dict[str, list[int]]
 ) -> None:
     target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
-    with SpeculativeEngine(target, draft, n_ctx=512) as e:
+    with load_engine(target, draft, n_ctx=512) as e:
         s = e.generate(chat(PROMPTS[0]), GenerationParams(n_predict=N, draft_max=4,
                                                            sampler=GREEDY)).run().stats  # fmt: skip
     assert 0.3 < s.acceptance_rate <= 1.0  # a same-family pair agrees on most code tokens
-    with SpeculativeEngine(target, drafter="ngram", n_ctx=512) as e:
+    with load_engine(target, drafter="ngram", n_ctx=512) as e:
         res = e.generate(chat(PROMPTS[1]), GenerationParams(n_predict=N, draft_max=8,
                                                              sampler=GREEDY)).run()  # fmt: skip
     assert res.tokens == baseline[PROMPTS[1]]

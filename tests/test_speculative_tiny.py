@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from specgguf.sampling import SamplerParams
-from specgguf.speculative import GenerationParams, SpeculativeEngine
+from specgguf.spec.loop import GenerationParams
+from specgguf.spec.sampling import SamplerParams
+
+from .helpers import load_engine
 
 GREEDY = SamplerParams(temperature=0.0)
 PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
@@ -15,7 +17,7 @@ PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10
 
 @pytest.fixture(scope="module")
 def baseline(tiny_models: dict[str, Path]) -> dict[str, list[int]]:
-    with SpeculativeEngine(tiny_models["target"], drafter="none", n_ctx=512) as e:
+    with load_engine(tiny_models["target"], drafter="none", n_ctx=512) as e:
         return {
             p: e.generate(p, GenerationParams(n_predict=48, sampler=GREEDY)).run().tokens
             for p in PROMPTS
@@ -26,7 +28,7 @@ def baseline(tiny_models: dict[str, Path]) -> dict[str, list[int]]:
 def test_greedy_equivalence_k_1_to_16(
     tiny_models: dict[str, Path], baseline: dict[str, list[int]], draft: str
 ) -> None:
-    with SpeculativeEngine(tiny_models["target"], tiny_models[draft], n_ctx=512) as e:
+    with load_engine(tiny_models["target"], tiny_models[draft], n_ctx=512) as e:
         for k in range(1, 17):
             for p in PROMPTS:
                 res = e.generate(p, GenerationParams(n_predict=48, draft_max=k,
@@ -37,7 +39,7 @@ def test_greedy_equivalence_k_1_to_16(
 def test_greedy_equivalence_ngram(
     tiny_models: dict[str, Path], baseline: dict[str, list[int]]
 ) -> None:
-    with SpeculativeEngine(tiny_models["target"], drafter="ngram", n_ctx=512) as e:
+    with load_engine(tiny_models["target"], drafter="ngram", n_ctx=512) as e:
         for k in (1, 4, 16):
             for p in PROMPTS:
                 res = e.generate(p, GenerationParams(n_predict=48, draft_max=k,
@@ -46,7 +48,7 @@ def test_greedy_equivalence_ngram(
 
 
 def test_identical_draft_accepts_every_token(tiny_models: dict[str, Path]) -> None:
-    with SpeculativeEngine(tiny_models["target"], tiny_models["draft-identical"]) as e:
+    with load_engine(tiny_models["target"], tiny_models["draft-identical"]) as e:
         s = e.generate(PROMPTS[0], GenerationParams(n_predict=40, draft_max=4,
                                                     sampler=GREEDY)).run().stats  # fmt: skip
     assert s.drafted > 0 and s.accepted == s.drafted
@@ -54,7 +56,7 @@ def test_identical_draft_accepts_every_token(tiny_models: dict[str, Path]) -> No
 
 
 def test_partial_draft_accepts_some_and_rejects_some(tiny_models: dict[str, Path]) -> None:
-    with SpeculativeEngine(tiny_models["target"], tiny_models["draft-partial"]) as e:
+    with load_engine(tiny_models["target"], tiny_models["draft-partial"]) as e:
         s = e.generate(PROMPTS[0], GenerationParams(n_predict=40, draft_max=4,
                                                     sampler=GREEDY)).run().stats  # fmt: skip
     assert 0 < s.accepted < s.drafted
@@ -63,7 +65,7 @@ def test_partial_draft_accepts_some_and_rejects_some(tiny_models: dict[str, Path
 
 def test_sampled_generation_is_seeded(tiny_models: dict[str, Path]) -> None:
     sampler = SamplerParams(temperature=1.2, seed=7)
-    with SpeculativeEngine(tiny_models["target"], tiny_models["draft-partial"]) as e:
+    with load_engine(tiny_models["target"], tiny_models["draft-partial"]) as e:
         a = e.generate(PROMPTS[1], GenerationParams(n_predict=30, draft_max=4,
                                                     sampler=sampler)).run()  # fmt: skip
         b = e.generate(PROMPTS[1], GenerationParams(n_predict=30, draft_max=4,

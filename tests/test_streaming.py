@@ -5,9 +5,10 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
-from specgguf.sampling import SamplerParams
-from specgguf.speculative import GenerationParams, SpeculativeDecoder
-from specgguf.streaming import TextStream
+from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
+from specgguf.spec.planner import FixedPlanner
+from specgguf.spec.sampling import SamplerParams
+from specgguf.spec.streaming import TextStream
 
 from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
 
@@ -50,8 +51,9 @@ def generate(drafter_script, k: int):  # type: ignore[no-untyped-def]
     ctx = FakeContext(one_hot_rule(target_next, V), V)
     vocab = FakeVocab(V, eog_ids=[15], pieces=PIECES)
     drafter = ScriptedDrafter(drafter_script) if drafter_script else None
-    dec = SpeculativeDecoder(ctx, vocab, drafter)  # type: ignore[arg-type]
-    gen = dec.generate([0], GenerationParams(draft_max=k, sampler=SamplerParams(temperature=0)))
+    dec = SpeculativeDecoder(ctx, vocab)  # type: ignore[arg-type]
+    params = GenerationParams(sampler=SamplerParams(temperature=0))
+    gen = dec.generate([0], params, FixedPlanner(drafter, k))
     out = io.BytesIO()
     pieces = []
     for piece in gen:  # what the CLI does: write each piece's bytes and flush

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgguf.backend import LlamaModel
-from specgguf.tinymodels import CHANGED_TOKEN_ID, fixture_specs, gpt2_vocab
+from specgguf.gguf.tiny import CHANGED_TOKEN_ID, fixture_specs, gpt2_vocab
+from specgguf.llama.backend import LlamaModel
 
 PROMPT = "def is_palindrome(text):"
 

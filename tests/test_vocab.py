@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from specgguf import testmodels
-from specgguf.backend import LlamaModel
 from specgguf.errors import EXIT_INCOMPATIBLE
-from specgguf.tinymodels import CHANGED_TOKEN_ID, TinySpec, fixture_specs, write_tiny_model
-from specgguf.vocab import check_compatibility
+from specgguf.gguf.tiny import CHANGED_TOKEN_ID, TinySpec, fixture_specs, write_tiny_model
+from specgguf.gguf.vocab import check_compatibility
+from specgguf.hub import testmodels
+from specgguf.llama.backend import LlamaModel
 
 from .helpers import run_cli
 

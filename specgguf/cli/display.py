@@ -16,7 +16,7 @@ import time
 from types import TracebackType
 from typing import IO, Any
 
-from specgguf.speculative import GenerationStats
+from specgguf.spec.loop import Generation, GenerationResult, GenerationStats
 
 
 def _same_terminal(a: IO[Any], b: IO[Any]) -> bool:
@@ -135,3 +135,21 @@ class LiveStats:
         if self._live is not None:
             self._live.__exit__(exc_type, exc, tb)
             self._live = None
+
+
+def stream(gen: Generation, *, write: bool, live: bool) -> tuple[GenerationResult, bool]:
+    """Run ``gen`` to its end: each piece of text to stdout as it comes (when ``write``),
+    the live panel on stderr (when ``live``). Ctrl-C stops the generation and keeps what
+    was committed. Returns the result and whether it was interrupted."""
+    panel = LiveStats(gen.stats, enabled=live)
+    try:
+        with panel:
+            for piece in gen:
+                if write:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                panel.update()
+    except KeyboardInterrupt:
+        return gen.interrupt(), True
+    assert gen.result is not None
+    return gen.result, False

@@ -3,7 +3,7 @@ built-in prompt set with categories, with speedups over the target alone measure
 same run.
 
 Configurations: ``target`` (no speculation), ``model-K<k>`` and ``ngram-K<k>`` for each
-draft length asked for, and ``auto`` (:class:`specgguf.costmodel.AutoPlanner`). Rounds go
+draft length asked for, and ``auto`` (:class:`specgguf.spec.planner.AutoPlanner`). Rounds go
 over categories and configurations in turn, so that machine noise hits all alike; the
 numbers of a (category, configuration) cell pool its rounds (tokens over seconds).
 """
@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from specgguf.costmodel import best_k
-from specgguf.sampling import SamplerParams
-from specgguf.speculative import GenerationParams, GenerationStats, SpeculativeEngine
+from specgguf.engine.engine import Engine
+from specgguf.spec.loop import GenerationParams, GenerationStats
+from specgguf.spec.planner import AUTO_DRAFT_MAX, best_k
+from specgguf.spec.sampling import SamplerParams
 
 CATEGORIES = (
     "code-generation", "code-editing", "structured", "translation", "summarization", "chat",
@@ -123,74 +124,43 @@ def load_prompts(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def chat_prompt_ids(engine: SpeculativeEngine, prompt: str) -> list[int]:
-    """The prompt as ``run`` sends it: wrapped by the target's chat template if any."""
-    from specgguf.modelinfo import read_model_info
-    from specgguf.prepare import prepare_prompt
-
-    prepared = prepare_prompt(read_model_info(engine.target_model.path), prompt)
-    return engine.tokenize(prepared.text, add_special=prepared.add_special)
-
-
-def run_one(
-    engine: SpeculativeEngine, ids: Sequence[int], kind: str, k: int, n: int
-) -> GenerationStats:
+def run_one(engine: Engine, ids: Sequence[int], kind: str, k: int, n: int) -> GenerationStats:
     """One greedy generation of ``n`` tokens with the drafter ``kind`` and draft length
-    (or, for auto, the cap) ``k``; returns its statistics."""
-    decoder = engine.decoder_for(kind)  # type: ignore[arg-type]
-    params = GenerationParams(n_predict=n, draft_max=k, sampler=SamplerParams(temperature=0))
-    return decoder.generate(ids, params).run().stats
+    (or, for auto, the largest) ``k``; returns its statistics."""
+    params = GenerationParams(
+        n_predict=n, sampler=SamplerParams(temperature=0), drafter=kind, draft_max=k
+    )
+    return engine.generate(ids, params).run().stats
 
 
 @dataclasses.dataclass
 class Cell:
-    """Pooled statistics of one (category, configuration)."""
+    """Pooled statistics of one (category, configuration): the rounds' counters and times,
+    and each round's tokens/s."""
 
     category: str
     config: str
-    tokens: int = 0
-    seconds: float = 0.0
-    target_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejected_steps: int = 0
+    stats: GenerationStats = dataclasses.field(default_factory=GenerationStats)
     runs: list[float] = dataclasses.field(default_factory=list)
-    by_drafter: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def add(self, s: GenerationStats) -> None:
-        self.tokens += s.generated
-        self.seconds += s.seconds
-        self.target_seconds += s.target_seconds
-        self.draft_seconds += s.draft_seconds
-        self.steps += s.steps
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.rejected_steps += s.rejected_steps
+        self.stats.add(s)
         self.runs.append(s.tokens_per_s)
-        for name, row in s.by_drafter.items():
-            acc = self.by_drafter.setdefault(name, [0, 0, 0])
-            for i in range(3):
-                acc[i] += row[i]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def per_token_acceptance(self) -> float:
         """The rate a of the cost model: accepted / (accepted + first rejections)."""
-        n = self.accepted + self.rejected_steps
-        return self.accepted / n if n else 0.0
+        s = self.stats
+        n = s.accepted + s.rejected_steps
+        return s.accepted / n if n else 0.0
+
+
+def _share(part: float, whole: float) -> float:
+    return round(part / whole, 4) if whole else 0.0
 
 
 def run_bench(
-    engine: SpeculativeEngine,
+    engine: Engine,
     prompts: Sequence[tuple[str, str]],
     configs: Sequence[tuple[str, str, int]],
     *,
@@ -200,12 +170,10 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run every (prompt, configuration) ``rounds`` times, interleaved; returns the report
     (``machine``, ``results`` with one entry per category and configuration, ``memory``)."""
-    from specgguf.backend import default_threads
-    from specgguf.memory import kv_cache_bytes
-    from specgguf.modelinfo import read_model_info
-    from specgguf.runtime import build_info, platform_summary
+    from specgguf.llama.memory import kv_cache_bytes
+    from specgguf.llama.runtime import build_info, platform_summary
 
-    ids = {cat: chat_prompt_ids(engine, p) for cat, p in prompts}
+    ids = {cat: engine.prompt_ids([{"role": "user", "content": p}]) for cat, p in prompts}
     cells: dict[tuple[str, str], Cell] = {}
     t0 = time.perf_counter()
     # Timings measured now, in this run, for auto mode and for the cost-model limit.
@@ -221,58 +189,56 @@ def run_bench(
     timings = engine.timings()
     results = []
     for (cat, name), c in cells.items():
+        s = c.stats
         base = cells.get((cat, "target"))
         row: dict[str, Any] = {
             "category": cat,
             "config": name,
-            "tokens_per_s": round(c.tokens_per_s, 3),
-            "speedup": round(c.tokens_per_s / base.tokens_per_s, 3) if base else None,
-            "acceptance_rate": round(c.acceptance_rate, 4),
+            "tokens_per_s": round(s.tokens_per_s, 3),
+            "speedup": round(s.tokens_per_s / base.stats.tokens_per_s, 3) if base else None,
+            "acceptance_rate": round(s.acceptance_rate, 4),
             "per_token_acceptance": round(c.per_token_acceptance, 4),
-            "mean_accepted": round(c.accepted / c.steps, 3) if c.steps else 0.0,
-            "tokens": c.tokens,
-            "steps": c.steps,
-            "target_share": round(c.target_seconds / c.seconds, 4) if c.seconds else 0.0,
-            "draft_share": round(c.draft_seconds / c.seconds, 4) if c.seconds else 0.0,
-            "python_share": round(
-                max(0.0, c.seconds - c.target_seconds - c.draft_seconds) / c.seconds, 4
-            ) if c.seconds else 0.0,
+            "mean_accepted": round(s.mean_accepted, 3),
+            "tokens": s.generated,
+            "steps": s.steps,
+            "target_share": _share(s.target_seconds, s.seconds),
+            "draft_share": _share(s.draft_seconds, s.seconds),
+            "python_share": _share(s.python_seconds, s.seconds),
             "runs_tokens_per_s": [round(x, 3) for x in c.runs],
-            "by_drafter": c.by_drafter,
+            "by_drafter": s.as_dict()["by_drafter"],
         }  # fmt: skip
         model_cells = [v for (ct, nm), v in cells.items() if ct == cat and nm.startswith("model")]
         if name == "auto" and model_cells:
-            a = sum(v.accepted for v in model_cells) / max(
-                1, sum(v.accepted + v.rejected_steps for v in model_cells)
+            a = sum(v.stats.accepted for v in model_cells) / max(
+                1, sum(v.stats.accepted + v.stats.rejected_steps for v in model_cells)
             )
-            k_best, limit = best_k(a, timings, min(16, engine.k_max))
+            k_best, limit = best_k(a, timings, AUTO_DRAFT_MAX)
             row["cost_model_limit"] = {"per_token_acceptance": round(a, 4), "k": k_best,
                                        "tokens_per_s": round(limit, 3),
-                                       "ratio": round(c.tokens_per_s / limit, 3)}  # fmt: skip
+                                       "ratio": round(s.tokens_per_s / limit, 3)}  # fmt: skip
         results.append(row)
-    files = engine.target_model.path.stat().st_size
-    kv = kv_cache_bytes(read_model_info(engine.target_model.path), engine.target_ctx.n_ctx)
-    if engine.draft_model is not None and engine.draft_ctx is not None:
-        files += engine.draft_model.path.stat().st_size
-        kv += kv_cache_bytes(read_model_info(engine.draft_model.path), engine.draft_ctx.n_ctx)
+    pre = engine.preflight
+    loaded = engine.describe()
+    files = pre.target.file_size
+    kv = kv_cache_bytes(pre.target, engine.n_ctx)
+    if pre.draft is not None and engine.n_ctx_draft is not None:
+        files += pre.draft.file_size
+        kv += kv_cache_bytes(pre.draft, engine.n_ctx_draft)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin"
                                                                  else 1024)  # fmt: skip
     return {
         "machine": {
             **platform_summary(),
             "llama_cpp": build_info().summary(),
-            "threads": engine.n_threads or default_threads(),
-            "weight_repacking": engine.target_model.use_extra_bufts,
+            "threads": engine.n_threads,
+            "weight_repacking": engine.repack,
         },
-        "models": {
-            "target": str(engine.target_model.path),
-            "draft": str(engine.draft_model.path) if engine.draft_model else None,
-        },
+        "models": {"target": loaded["target"], "draft": loaded["draft"]},
         "params": {
             "n_predict": n,
             "rounds": rounds,
             "greedy": True,
-            "n_ctx": engine.target_ctx.n_ctx,
+            "n_ctx": engine.n_ctx,
         },
         "timings": {
             "t_verify": {k: round(v, 5) for k, v in sorted(timings.verify.items())},

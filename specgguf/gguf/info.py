@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import GGUFFormatError
-from specgguf.gguf_metadata import FILE_TYPES, GGUFMetadata
-from specgguf.vocab import VocabInfo, read_vocab
+from specgguf.gguf.metadata import FILE_TYPES, GGUFMetadata
+from specgguf.gguf.vocab import VocabInfo, read_vocab
 
 
 @dataclasses.dataclass(frozen=True)

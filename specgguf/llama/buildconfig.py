@@ -43,16 +43,33 @@ _X86_FEATURES = (
 )
 
 
-def read_cpu_flags() -> frozenset[str]:
-    """Flags from /proc/cpuinfo (empty on systems without it)."""
+def cpuinfo() -> dict[str, str]:
+    """The fields of the first processor in ``/proc/cpuinfo`` (``flags`` or, on Arm,
+    ``Features``; ``model name``); empty on systems without it."""
+    out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
+                if not line.strip():
+                    if out:
+                        break  # the first processor is enough
+                    continue
+                key, _, value = line.partition(":")
+                out.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return out
+
+
+def read_cpu_flags() -> frozenset[str]:
+    """The CPU feature flags the kernel reports, empty where unknown."""
+    info = cpuinfo()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name, e.g. ``AMD EPYC``."""
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def _lists_device(cmd: list[str], needle: str) -> bool:

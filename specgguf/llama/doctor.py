@@ -2,24 +2,20 @@
 
 The report names the llama-cpp-python and llama.cpp versions, the backends compiled in,
 whether layers can be offloaded to a GPU, the CPU features, RAM and device memory, and the
-weight-repacking decision (see :mod:`specgguf.runtime`). The smoke test writes a tiny GGUF
+weight-repacking decision (see :mod:`specgguf.llama.runtime`). The smoke test writes a tiny GGUF
 model, loads it with the settings ``run`` would use, and generates a few tokens, in a child
-process so that a crashing build is reported instead of taking the caller down.
+process (:mod:`specgguf.llama.child`) so that a crashing build is reported instead of
+taking the caller down.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
-from specgguf.runtime import build_info, platform_summary, repack_policy
+from specgguf.llama.child import run_child
+from specgguf.llama.runtime import build_info, platform_summary, repack_policy
 
 #: How to install llama-cpp-python for each backend (also in the README).
 INSTALL_HINTS = {
@@ -42,58 +38,17 @@ class SmokeResult:
 
 
 def smoke_test(n_tokens: int = 8, timeout: float = 300.0) -> SmokeResult:
-    """Generate ``n_tokens`` greedy tokens from a tiny model in a child process.
+    """Generate ``n_tokens`` greedy tokens from a tiny model in a child process
+    (:func:`specgguf.llama.child.run_child`).
 
     Never raises for a failing build: a crash or error is reported in the result.
     """
-    t0 = time.perf_counter()
-    try:
-        res = subprocess.run(
-            [sys.executable, "-m", "specgguf.doctor", "--smoke-child", str(n_tokens)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return SmokeResult(False, 0, timeout, f"timed out after {timeout:.0f} s")
-    dt = time.perf_counter() - t0
-    if res.returncode == 0:
-        try:
-            data = json.loads(res.stdout.strip().splitlines()[-1])
-            return SmokeResult(True, int(data["tokens"]), dt, data["detail"])
-        except (ValueError, KeyError, IndexError):
-            return SmokeResult(False, 0, dt, f"unexpected output: {res.stdout[-200:]!r}")
-    if res.returncode < 0:
-        import signal
-
-        try:
-            sig = signal.Signals(-res.returncode).name
-        except ValueError:
-            sig = f"signal {-res.returncode}"
-        return SmokeResult(False, 0, dt, f"the child process crashed with {sig}")
-    last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-    return SmokeResult(False, 0, dt, f"exit code {res.returncode}: {last}")
-
-
-def _smoke_child(n_tokens: int) -> int:
-    from specgguf.backend import LlamaModel
-    from specgguf.tinymodels import TinySpec, gpt2_vocab, write_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="specgguf-smoke-") as tmp:
-        path = Path(tmp) / "smoke.gguf"
-        write_tiny_model(path, TinySpec(vocab=gpt2_vocab(), name="smoke"))
-        with LlamaModel(path) as model, model.new_context(n_ctx=128, n_batch=32) as ctx:
-            logits = ctx.eval(model.tokenize("def add(a, b):"), logits="last")
-            out = []
-            for _ in range(n_tokens):
-                tok = int(logits[-1].argmax())
-                out.append(tok)
-                logits = ctx.eval([tok], logits="last")
-            repack = "on" if model.use_extra_bufts else "off"
-    detail = f"generated {len(out)} tokens, weight repacking {repack}"
-    print(json.dumps({"tokens": len(out), "detail": detail}))
-    return 0
+    res = run_child("smoke", str(n_tokens), timeout=timeout)
+    if not res.ok:
+        return SmokeResult(False, 0, res.seconds, res.failure)
+    return SmokeResult(
+        True, int(res.data.get("tokens", 0)), res.seconds, str(res.data.get("detail"))
+    )
 
 
 def report(smoke: bool = True) -> dict[str, Any]:
@@ -103,7 +58,7 @@ def report(smoke: bool = True) -> dict[str, Any]:
         BackendError: llama-cpp-python cannot be imported.
     """
     import specgguf
-    from specgguf.buildconfig import detect_backend
+    from specgguf.llama.buildconfig import detect_backend
 
     info = build_info()
     policy = repack_policy()
@@ -135,10 +90,3 @@ def report(smoke: bool = True) -> dict[str, Any]:
     if smoke:
         out["smoke_test"] = dataclasses.asdict(smoke_test())
     return out
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--smoke-child":
-        sys.exit(_smoke_child(int(sys.argv[2])))
-    print("usage: python -m specgguf.doctor --smoke-child N", file=sys.stderr)
-    sys.exit(2)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specgguf.errors import InsufficientMemoryError
-from specgguf.modelinfo import ModelInfo
+from specgguf.errors import InsufficientMemoryError, gib
+from specgguf.gguf.info import ModelInfo
 
 KV_BYTES_PER_VALUE = 2  # F16 K and V (llama.cpp's default cache type)
 
@@ -75,12 +75,12 @@ def check_fits(parts: list[ModelMemory], *, available: int | None = None) -> int
         available = int(psutil.virtual_memory().available)
     if needed > available:
         detail = ", ".join(
-            f"{p.name}: weights {_gib(p.weights)} + KV cache {_gib(p.kv_cache)}"
-            f" + compute {_gib(p.compute)}"
+            f"{p.name}: weights {gib(p.weights)} + KV cache {gib(p.kv_cache)}"
+            f" + compute {gib(p.compute)}"
             for p in parts
         )
         raise InsufficientMemoryError(
-            f"the models need about {_gib(needed)} of memory but {_gib(available)} is "
+            f"the models need about {gib(needed)} of memory but {gib(available)} is "
             f"available ({detail})",
             needed=needed,
             available=available,
@@ -105,15 +105,12 @@ def check_device_fits(offloaded: list[tuple[str, int]], device_free: int) -> int
     """
     needed = sum(n for _, n in offloaded)
     if needed > device_free:
-        detail = ", ".join(f"{name}: {_gib(n)}" for name, n in offloaded)
+        detail = ", ".join(f"{name}: {gib(n)}" for name, n in offloaded)
         raise InsufficientMemoryError(
-            f"the offloaded layers need about {_gib(needed)} of GPU memory but "
-            f"{_gib(device_free)} is free ({detail}); lower -ngl/-ngld",
+            f"the offloaded layers need about {gib(needed)} of GPU memory but "
+            f"{gib(device_free)} is free ({detail})",
             needed=needed,
             available=device_free,
+            gpu=True,
         )
     return needed
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"

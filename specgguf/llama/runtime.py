@@ -18,33 +18,29 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
-import json
+import logging
 import os
 import platform
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from specgguf.cache import cache_dir, read_json_cache, update_json_cache
 from specgguf.errors import BackendError
+from specgguf.llama.buildconfig import cpu_model, read_cpu_flags
 
-_verbose = False
+#: llama.cpp's own log lines, one record per line, at DEBUG level (the command line shows
+#: them with -v); nothing is formatted unless a handler wants DEBUG.
+LLAMA_CPP_LOG = logging.getLogger("specgguf.llama_cpp")
 # Keeps the ctypes callback alive for as long as llama.cpp may call it.
 _log_callback: Any = None
-
-
-def set_verbose(verbose: bool) -> None:
-    """Route llama.cpp's own log lines to stderr (True) or drop them (False, the default)."""
-    global _verbose
-    _verbose = verbose
+_log_partial: list[str] = []
 
 
 @functools.cache
 def llama() -> ModuleType:
     """The ``llama_cpp.llama_cpp`` ctypes bindings, imported on first use, with llama.cpp's
-    log routed through :func:`set_verbose` and the backends initialised.
+    log routed to the ``specgguf.llama_cpp`` logger and the backends initialised.
 
     Raises:
         BackendError: llama-cpp-python is not installed or its library does not load.
@@ -61,9 +57,15 @@ def llama() -> ModuleType:
 
     @lc.llama_log_callback  # type: ignore[untyped-decorator]
     def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        if _verbose and text:
-            sys.stderr.write(text.decode("utf-8", errors="replace"))
-            sys.stderr.flush()
+        # llama.cpp sends lines in pieces (progress dots, continuations): one record per
+        # complete line.
+        if not text or not LLAMA_CPP_LOG.isEnabledFor(logging.DEBUG):
+            return
+        _log_partial.append(text.decode("utf-8", errors="replace"))
+        if _log_partial[-1].endswith("\n"):
+            for line in "".join(_log_partial).splitlines():
+                LLAMA_CPP_LOG.debug(line)
+            _log_partial.clear()
 
     _log_callback = _log
     lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
@@ -190,19 +192,6 @@ def build_info() -> BuildInfo:
     )
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags the kernel reports (``/proc/cpuinfo``), empty where unknown."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 # --- the repack guard -------------------------------------------------------------------
 
 
@@ -215,36 +204,7 @@ class RepackPolicy:
     warning: str | None = None
 
 
-def cache_dir() -> Path:
-    """specgguf's cache folder: ``$XDG_CACHE_HOME/specgguf`` or ``~/.cache/specgguf``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specgguf"
-
-
-def read_json_cache(path: Path) -> dict[str, Any]:
-    """A JSON object cached in ``path``; empty when missing or unreadable."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def update_json_cache(path: Path, key: str, value: Any) -> None:
-    """Set ``key`` in the JSON object cached in ``path``, written atomically (a temporary
-    file, then a rename); a cache that cannot be written is silently skipped."""
-    data = read_json_cache(path)
-    data[key] = value
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def _build_key(info: BuildInfo) -> str:
+def build_key(info: BuildInfo) -> str:
     """Identifies the exact build: the library files' names, sizes and modification times."""
     h = hashlib.sha256(info.llama_cpp_python.encode())
     for f in (
@@ -275,11 +235,14 @@ def repack_policy() -> RepackPolicy:
     info = build_info()
     if not info.has_amx:
         return RepackPolicy(True, "build without AMX kernels")
-    key = _build_key(info)
+    key = build_key(info)
     cache = cache_dir() / "repack-probe.json"
     verdict = read_json_cache(cache).get(key)
     if verdict is None:
-        verdict = _probe_repack()
+        from specgguf.llama.child import run_child
+
+        res = run_child("probe-repack", env={"SPECGGUF_REPACK": "1"})
+        verdict = "ok" if res.ok else res.failure
         update_json_cache(cache, key, verdict)
     if verdict == "ok":
         return RepackPolicy(True, "AMX build, probe passed")
@@ -288,53 +251,10 @@ def repack_policy() -> RepackPolicy:
         f"AMX build, probe {verdict}",
         warning=(
             "this llama.cpp build's AMX kernels crash on this machine "
-            f"({verdict}); loading with weight repacking off (--no-repack), which is slower. "
+            f"({verdict}); loading with weight repacking off, which is slower. "
             "Reinstall with scripts/install for a build that keeps repacking."
         ),
     )
-
-
-def _probe_repack(timeout: float = 300.0) -> str:
-    """Run :func:`_probe_main` in a child process: "ok", or how it died."""
-    res = subprocess.run(
-        [sys.executable, "-m", "specgguf.runtime", "--probe-repack"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "SPECGGUF_REPACK": "1"},
-        check=False,
-    )
-    if res.returncode == 0 and "probe ok" in res.stdout:
-        return "ok"
-    if res.returncode < 0:
-        import signal
-
-        try:
-            return f"crashed with {signal.Signals(-res.returncode).name}"
-        except ValueError:
-            return f"crashed with signal {-res.returncode}"
-    return f"failed with exit code {res.returncode}"
-
-
-def _probe_main() -> int:
-    """Child side of the probe: decode with repacking on a tiny model whose weights are
-    Q8_0 with AMX-compatible shapes (multiples of 32), the path that crashed."""
-    from specgguf.backend import LlamaModel
-    from specgguf.tinymodels import TinySpec, gpt2_vocab, write_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="specgguf-probe-") as tmp:
-        path = Path(tmp) / "probe.gguf"
-        write_tiny_model(path, TinySpec(vocab=gpt2_vocab(), name="repack probe"))
-        with (
-            LlamaModel(path, use_extra_bufts=True) as model,
-            model.new_context(n_ctx=64, n_batch=32) as ctx,
-        ):
-            ctx.eval(model.tokenize("The quick brown fox"), logits="last")
-            for _ in range(4):
-                tok = int(ctx.eval([5], logits="last")[-1].argmax())
-                assert 0 <= tok < model.n_vocab
-    print("probe ok")
-    return 0
 
 
 def platform_summary() -> dict[str, Any]:
@@ -342,7 +262,7 @@ def platform_summary() -> dict[str, Any]:
     import psutil
 
     vm = psutil.virtual_memory()
-    flags = cpu_flags()
+    flags = read_cpu_flags()
     interesting = [
         f
         for f in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
@@ -352,7 +272,7 @@ def platform_summary() -> dict[str, Any]:
     return {
         "os": f"{platform.system()} {platform.release()}",
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count_logical": psutil.cpu_count(logical=True),
         "cpu_count_physical": psutil.cpu_count(logical=False),
         "cpu_flags": interesting,
@@ -360,21 +280,3 @@ def platform_summary() -> dict[str, Any]:
         "ram_available": vm.available,
         "python": platform.python_version(),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--probe-repack"]:
-        sys.exit(_probe_main())
-    print("usage: python -m specgguf.runtime --probe-repack", file=sys.stderr)
-    sys.exit(2)

@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.sampling import Distribution, SamplerParams, distribution, sample
+from specgguf.spec.sampling import Distribution, SamplerParams, distribution, sample
 
 
 @dataclasses.dataclass
@@ -56,7 +56,12 @@ class Drafter(Protocol):
     """Proposes up to ``k`` tokens to follow ``history`` (prompt + committed output).
 
     ``history`` only ever grows by appending between calls. ``seconds`` is the wall time
-    spent in model evaluation for drafting (0 for lookup drafters).
+    spent in model evaluation for drafting (0 for lookup drafters). ``p_min``: a drafter
+    with probabilities stops at a token it gives less than this (llama.cpp's
+    ``--draft-p-min``); lookup drafters ignore it.
+
+    A new kind of drafter is one class implementing this protocol and one entry in the
+    engine's name -> factory map (:data:`specgguf.engine.drafting.DRAFTERS`).
     """
 
     name: str
@@ -72,6 +77,8 @@ class Drafter(Protocol):
         k: int,
         sampler: SamplerParams,
         rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
     ) -> Draft: ...
 
 
@@ -82,16 +89,13 @@ class ModelDrafter:
         ctx: the draft model's context (its own n_ctx, n_batch and threads).
         n_vocab_target: ids at or beyond this are never proposed (a draft vocabulary may
             be padded past the target's; those logits are cut off before choosing).
-        p_min: greedy drafting stops early when the draft's top probability falls below
-            this (llama.cpp's ``--draft-p-min``); 0 disables it.
     """
 
     name = "model"
 
-    def __init__(self, ctx: Evaluator, n_vocab_target: int, *, p_min: float = 0.0) -> None:
+    def __init__(self, ctx: Evaluator, n_vocab_target: int) -> None:
         self.ctx = ctx
         self.n_vocab = min(n_vocab_target, ctx.n_vocab)
-        self.p_min = p_min
         self._held: list[int] = []  # the tokens in the draft's KV cache, in order
         self._synced = 0  # a prefix of _held known to equal the history's prefix
         self.seconds = 0.0
@@ -129,12 +133,11 @@ class ModelDrafter:
         sampler: SamplerParams,
         rng: np.random.Generator,
         *,
-        p_min: float | None = None,
+        p_min: float = 0.0,
     ) -> Draft:
         """Up to ``k`` draft tokens after ``history``; greedy drafting stops early at a
-        token whose probability under the draft is below ``p_min`` (default: the drafter's
-        own), and ``last_stopped`` tells whether it did."""
-        p_min = self.p_min if p_min is None else p_min
+        token whose probability under the draft is below ``p_min`` (0: never), and
+        ``last_stopped`` tells whether it did."""
         self.last_stopped = False
         # Positions the draft needs: len(history) - 1 + k (the k-th token is not evaluated).
         k = min(k, self.ctx.n_ctx - len(history) + 1)
@@ -229,7 +232,11 @@ class NgramDrafter:
         k: int,
         sampler: SamplerParams,
         rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
     ) -> Draft:
+        """The tokens that followed the most recent earlier occurrence of the longest
+        suffix n-gram (n_max down to n_min), at most ``k``; ``p_min`` is ignored."""
         self._update(history)
         self.last_match = 0
         if k <= 0:

@@ -5,15 +5,21 @@ Each step (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2):
 1. a drafter proposes up to K tokens d1..dK after the committed sequence S;
 2. the target evaluates [S[-1], d1..dK] in one batch, with logits at every position;
 3. greedy: d_i is accepted while it equals the target's argmax; sampled: by modified
-   rejection sampling (:mod:`specgguf.sampling`); the first rejection is replaced by the
-   target's token, and when all K are accepted the target adds a bonus token;
+   rejection sampling (:mod:`specgguf.spec.sampling`); the first rejection is replaced by
+   the target's token, and when all K are accepted the target adds a bonus token;
 4. both KV caches are rolled back to the committed length (the target keeps S[:-1]: the
    last committed token is evaluated at the start of the next step).
 
 Greedy output is token for token what the target alone produces (K = 0 is that baseline);
 sampled output follows the target's distribution under the same sampler settings. The loop
-talks only to the :class:`~specgguf.drafters.Evaluator` and :class:`Vocabulary` interfaces,
-so it runs on llama.cpp (:class:`SpeculativeEngine`) or on a fake backend in tests.
+talks only to the :class:`~specgguf.spec.drafters.Evaluator` and :class:`Vocabulary`
+interfaces, so it runs on llama.cpp (through :class:`specgguf.engine.Engine`) or on a fake
+backend in tests. Which drafter proposes, and how many tokens, is the planner's choice
+(:mod:`specgguf.spec.planner`); the loop clamps the draft length K to what the target's
+batch, its context and ``n_predict`` leave, at every step, and nowhere else.
+
+The draft length is called ``draft_max`` in code, JSON and flags (llama.cpp's
+``--draft-max``, its server's ``speculative.n_max``) and K in formulas.
 """
 
 from __future__ import annotations
@@ -23,31 +29,21 @@ import dataclasses
 import math
 import time
 from collections.abc import Generator, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from specgguf.costmodel import (
-    AutoPlanner,
-    FixedPlanner,
-    Plan,
-    Timings,
-    calibrate,
-    calibration_key,
-    load_calibration,
-    save_calibration,
-)
-from specgguf.drafters import Draft, Drafter, Evaluator, ModelDrafter, NgramDrafter
 from specgguf.errors import ContextOverflowError, UsageError
-from specgguf.sampling import (
+from specgguf.spec.drafters import Draft, Evaluator
+from specgguf.spec.planner import FixedPlanner, Planner
+from specgguf.spec.sampling import (
     SamplerParams,
     accept_or_resample,
     accept_point_mass,
     distribution,
     sample,
 )
-from specgguf.streaming import TextStream
+from specgguf.spec.streaming import TextStream
 
 FinishReason = Literal["stop", "length", "interrupted"]
 
@@ -66,17 +62,39 @@ class GenerationParams:
     """What to generate.
 
     ``n_predict``: maximum new tokens (-1: until an end-of-generation token, a stop string,
-    or a full context). ``draft_max``: the draft length K (tokens proposed per step).
-    ``stop``: strings that end the output (not included in it). ``ignore_eos``: never
-    generate end-of-generation tokens (their target logits are set to -inf, as llama.cpp's
-    ``--ignore-eos`` does), for fixed-length runs.
+    or a full context). ``stop``: strings that end the output (not included in it).
+    ``ignore_eos``: never generate end-of-generation tokens (their target logits are set to
+    -inf, as llama.cpp's ``--ignore-eos`` does), for fixed-length runs.
+
+    Speculative settings for this generation, each None for the engine's own (see
+    :class:`specgguf.engine.SpeculativeConfig`; the loop itself takes its drafter and draft
+    length from the planner it is given): ``drafter`` ("auto", "model", "ngram", "none"),
+    ``draft_max`` (the draft length K; with "auto" the largest), ``p_min`` (a draft model
+    stops drafting at a token it gives less than this probability).
     """
 
     n_predict: int = -1
-    draft_max: int = 8
     sampler: SamplerParams = dataclasses.field(default_factory=SamplerParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    drafter: str | None = None
+    draft_max: int | None = None
+    p_min: float | None = None
+
+
+@dataclasses.dataclass
+class DrafterStats:
+    """What one drafter did in a generation: verification ``steps`` it drafted for (for
+    "none": steps without drafts), tokens ``drafted`` and ``accepted``."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, other: DrafterStats) -> None:
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
 
 
 @dataclasses.dataclass
@@ -84,7 +102,10 @@ class GenerationStats:
     """Counters and timings of one generation (seconds of wall time).
 
     ``drafted``: draft tokens sent to verification; ``accepted``: those the target kept;
-    ``steps``: target verification passes (one per generated token without a drafter).
+    ``steps``: target verification passes (one per generated token without a drafter);
+    ``rejected_steps``: steps whose draft was not accepted whole; ``draft_max``: the largest
+    draft length this generation could use; ``last_draft``, ``last_drafter``: the latest
+    step's. Several generations' statistics pool with :meth:`add`.
     """
 
     prompt_tokens: int = 0
@@ -100,8 +121,7 @@ class GenerationStats:
     last_draft: int = 0
     last_drafter: str = "none"
     rejected_steps: int = 0
-    #: drafter name -> [steps, drafted, accepted]
-    by_drafter: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    by_drafter: dict[str, DrafterStats] = dataclasses.field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -123,8 +143,24 @@ class GenerationStats:
         """Generation time spent outside target and draft evaluation."""
         return max(0.0, self.seconds - self.target_seconds - self.draft_seconds)
 
+    def add(self, other: GenerationStats) -> None:
+        """Pool ``other`` into these counters and times (``draft_max`` becomes the larger;
+        ``last_*`` are left as they are)."""
+        for f in ("prompt_tokens", "prompt_seconds", "generated", "steps", "drafted",
+                  "accepted", "seconds", "target_seconds", "draft_seconds",
+                  "rejected_steps"):  # fmt: skip
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.draft_max = max(self.draft_max, other.draft_max)
+        for name, row in other.by_drafter.items():
+            self.by_drafter.setdefault(name, DrafterStats()).add(row)
+
     def as_dict(self) -> dict[str, Any]:
+        """JSON-able: every field and rate; ``by_drafter`` maps a drafter's name to
+        ``[steps, drafted, accepted]``."""
         d = dataclasses.asdict(self)
+        d["by_drafter"] = {
+            name: [r.steps, r.drafted, r.accepted] for name, r in self.by_drafter.items()
+        }
         d.update(
             acceptance_rate=round(self.acceptance_rate, 4),
             mean_accepted=round(self.mean_accepted, 4),
@@ -151,11 +187,19 @@ class Generation:
     """A running generation: iterate for text pieces (complete UTF-8 only); ``result``
     is set when the iteration ends, or by :meth:`interrupt` (Ctrl-C)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, prompt: list[int], params: GenerationParams):
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        prompt: list[int],
+        params: GenerationParams,
+        planner: Planner,
+        draft_max: int,
+    ) -> None:
         self.params = params
         self.prompt = prompt
+        self.planner = planner
         self.tokens: list[int] = []
-        self.stats = GenerationStats(prompt_tokens=len(prompt), draft_max=params.draft_max)
+        self.stats = GenerationStats(prompt_tokens=len(prompt), draft_max=draft_max)
         self.stream = TextStream(params.stop)
         self.result: GenerationResult | None = None
         self._it = decoder._run(self)
@@ -184,73 +228,54 @@ class Generation:
         return self.result
 
 
-class Planner(Protocol):
-    """Chooses the drafter and draft for each step (see :mod:`specgguf.costmodel`)."""
-
-    drafters: list[Drafter]
-
-    def reset(self) -> None: ...
-
-    def plan(
-        self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
-    ) -> Plan: ...
-
-    wants_confidence: bool
-
-    def observe(
-        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
-    ) -> None: ...
-
-
 class SpeculativeDecoder:
-    """The draft/verify/accept loop over a target context and an optional drafter.
+    """The draft/verify/accept loop over a target context.
 
     Args:
         target: the target's context (``Evaluator``).
         vocab: the target's vocabulary (pieces, end-of-generation ids).
-        drafter: proposes tokens with a fixed draft length (``GenerationParams.draft_max``);
-            None decodes with the target alone (the baseline).
-        planner: instead of ``drafter``, chooses drafter and K at each step
-            (:class:`specgguf.costmodel.AutoPlanner`).
     """
 
-    def __init__(
-        self,
-        target: Evaluator,
-        vocab: Vocabulary,
-        drafter: Drafter | None = None,
-        planner: Planner | None = None,
-    ) -> None:
+    def __init__(self, target: Evaluator, vocab: Vocabulary) -> None:
         self.target = target
         self.vocab = vocab
-        self.drafter = drafter
-        self.planner = planner
 
-    def generate(self, prompt: Sequence[int], params: GenerationParams) -> Generation:
+    @property
+    def draft_capacity(self) -> int:
+        """The largest draft length one verification batch can hold: K + 1 tokens must fit
+        the target's batch and its logits outputs."""
+        outputs = getattr(self.target, "n_outputs_max", self.target.n_batch)
+        return max(0, min(self.target.n_batch, outputs) - 1)
+
+    def generate(
+        self, prompt: Sequence[int], params: GenerationParams, planner: Planner | None = None
+    ) -> Generation:
         """Start generating after ``prompt`` (token ids, already tokenized with the
-        target's rules). Nothing is evaluated until the first piece is requested.
+        target's rules), with the drafter and draft length of ``planner`` (None: the target
+        alone). Nothing is evaluated until the first piece is requested.
 
-        Raises (on first iteration):
+        Raises:
             UsageError: the prompt is empty.
             ContextOverflowError: the prompt leaves no room in the target's context.
         """
-        return Generation(self, list(prompt), params)
+        ids = list(prompt)
+        if not ids:
+            raise UsageError("the prompt is empty: nothing to continue from")
+        if len(ids) >= self.target.n_ctx:
+            raise ContextOverflowError(len(ids), self.target.n_ctx)
+        planner = planner or FixedPlanner(None, 0)
+        draft_max = min(planner.draft_max, self.draft_capacity)
+        return Generation(self, ids, params, planner, draft_max)
 
     def _run(self, gen: Generation) -> Generator[str, None, None]:
-        params, stats, target = gen.params, gen.stats, self.target
+        params, stats, target, planner = gen.params, gen.stats, self.target, gen.planner
         sampler = params.sampler
         history = list(gen.prompt)
         n_prompt = len(history)
-        if n_prompt == 0:
-            raise UsageError("the prompt is empty: nothing to continue from")
-        if n_prompt >= target.n_ctx:
-            raise ContextOverflowError(n_prompt, target.n_ctx)
         eog = self.vocab.eog_ids
         banned = np.array(sorted(eog), np.int64) if params.ignore_eos and eog else None
         rng = np.random.default_rng(sampler.seed)
-        planner = self.planner or FixedPlanner(self.drafter, params.draft_max)
-        outputs = getattr(target, "n_outputs_max", target.n_batch)
-        k_max = max(0, min(params.draft_max, target.n_batch - 1, outputs - 1))
+        k_max = stats.draft_max
         limit = params.n_predict if params.n_predict >= 0 else math.inf
 
         def draft_seconds() -> float:
@@ -317,10 +342,10 @@ class SpeculativeDecoder:
             stats.last_draft = len(d)
             name = plan.drafter.name if plan.drafter is not None and d else "none"
             stats.last_drafter = name
-            row = stats.by_drafter.setdefault(name, [0, 0, 0])
-            row[0] += 1
-            row[1] += len(d)
-            row[2] += kept
+            row = stats.by_drafter.setdefault(name, DrafterStats())
+            row.steps += 1
+            row.drafted += len(d)
+            row.accepted += kept
             history.extend(new)
             gen.tokens.extend(new)
             target.rollback(len(history) - 1)
@@ -359,186 +384,3 @@ class SpeculativeDecoder:
             if not ok:
                 return i, y
         return len(d), sample(distribution(logits[len(d)], sampler), rng)
-
-
-DrafterKind = Literal["auto", "model", "ngram", "none"]
-
-
-#: The largest draft length of auto mode. n-gram drafts pay up to about 16 here and lose
-#: beyond (code editing: 29-33 tokens/s at 16, 25-29 at 48), and a verification of K + 1
-#: tokens sizes llama.cpp's logits buffer (0.6 MB per row for a 151,936-token vocabulary).
-AUTO_K_MAX = 16
-
-
-class SpeculativeEngine:
-    """Target and draft models loaded through llama.cpp, ready to generate.
-
-    Owns every native resource (models, contexts, batches) and frees them in ``close()``
-    or at the end of a ``with`` block.
-
-    Args:
-        target: the target GGUF file (first shard of a split model).
-        draft: the draft GGUF file; needed for ``drafter="model"``.
-        drafter: "auto" (n-gram lookup and, with a draft file, the draft model, chosen at
-            every step by the cost model of :mod:`specgguf.costmodel`), "model", "ngram" or
-            "none" (the target alone).
-        n_ctx: the target's context size (tokens); ``n_ctx_draft`` the draft's (default:
-            the same).
-        n_batch: the batch size for prompt processing (verification uses K + 1 <= n_batch).
-        n_threads: CPU threads (default: physical cores).
-        n_gpu_layers, n_gpu_layers_draft: layers to offload (-1: all, where the build can).
-        use_extra_bufts: weight repacking (None: :func:`specgguf.runtime.repack_policy`).
-        ngram: (n_min, n_max) of the n-gram drafter.
-        p_min: greedy drafting stops when the draft's top probability is below this.
-        k_max: the largest draft length in auto mode (16 at most for the draft model).
-
-    Raises:
-        UsageError: ``drafter="model"`` without a draft file.
-        ModelNotFoundError, BackendError: a model or context could not be created.
-    """
-
-    def __init__(
-        self,
-        target: Path | str,
-        draft: Path | str | None = None,
-        *,
-        drafter: DrafterKind = "model",
-        n_ctx: int = 4096,
-        n_ctx_draft: int | None = None,
-        n_batch: int = 512,
-        n_threads: int | None = None,
-        n_gpu_layers: int = -1,
-        n_gpu_layers_draft: int = -1,
-        use_extra_bufts: bool | None = None,
-        ngram: tuple[int, int] = (2, 8),
-        p_min: float = 0.0,
-        k_max: int = AUTO_K_MAX,
-    ) -> None:
-        from specgguf.backend import LlamaContext, LlamaModel
-
-        if drafter == "model" and draft is None:
-            raise UsageError("the model drafter needs a draft model (-md/--model-draft)")
-        self._stack = contextlib.ExitStack()
-        try:
-            self.target_model = self._stack.enter_context(
-                LlamaModel(target, n_gpu_layers=n_gpu_layers, use_extra_bufts=use_extra_bufts)
-            )
-            # A verification needs K + 1 outputs; llama.cpp sizes its output buffer by this.
-            self.target_ctx: LlamaContext = self._stack.enter_context(
-                self.target_model.new_context(
-                    n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-                    n_outputs_max=min(k_max, n_batch - 1) + 1,
-                )
-            )  # fmt: skip
-            self.draft_model: LlamaModel | None = None
-            self.draft_ctx: LlamaContext | None = None
-            self.model_drafter: ModelDrafter | None = None
-            self._timings: Timings | None = None
-            self.n_threads = n_threads
-            self.ngram = ngram
-            self.k_max = k_max
-            if draft is not None and drafter in ("model", "auto"):
-                self.draft_model = self._stack.enter_context(
-                    LlamaModel(
-                        draft, n_gpu_layers=n_gpu_layers_draft, use_extra_bufts=use_extra_bufts
-                    )
-                )
-                # The draft only ever needs the logits of its last position.
-                self.draft_ctx = self._stack.enter_context(
-                    self.draft_model.new_context(
-                        n_ctx=n_ctx_draft or n_ctx, n_batch=n_batch, n_threads=n_threads,
-                        n_outputs_max=1,
-                    )
-                )  # fmt: skip
-                self.model_drafter = ModelDrafter(
-                    self.draft_ctx, self.target_model.n_vocab, p_min=p_min
-                )
-            self.decoder = self.decoder_for(drafter)
-        except BaseException:
-            self._stack.close()
-            raise
-
-    @property
-    def drafter(self) -> Drafter | None:
-        """The drafter of the main decoder (None in auto mode or for the target alone)."""
-        return self.decoder.drafter
-
-    @property
-    def planner(self) -> Planner | None:
-        return self.decoder.planner
-
-    def decoder_for(self, kind: DrafterKind) -> SpeculativeDecoder:
-        """A decoder over the loaded models with another drafter (for side-by-side
-        measurements in one process): "none", "ngram", "model" (needs the draft model) or
-        "auto". The contexts are shared; each generation starts afresh.
-
-        Raises:
-            UsageError: "model" without a draft model.
-        """
-        model = self.model_drafter
-        if kind == "none":
-            return SpeculativeDecoder(self.target_ctx, self.target_model, None)
-        if kind == "ngram":
-            return SpeculativeDecoder(self.target_ctx, self.target_model, NgramDrafter(*self.ngram))
-        if kind == "model":
-            if model is None:
-                raise UsageError("the model drafter needs a draft model (-md/--model-draft)")
-            return SpeculativeDecoder(self.target_ctx, self.target_model, model)
-        planner = AutoPlanner(
-            self.timings(), model=model, ngram=NgramDrafter(*self.ngram), k_max=self.k_max,
-            k_max_model=min(16, self.k_max),
-        )  # fmt: skip
-        return SpeculativeDecoder(self.target_ctx, self.target_model, planner=planner)
-
-    def timings(self, *, recalibrate: bool = False) -> Timings:
-        """The target's verification and the draft's step timings on this machine: from
-        the calibration cache, or measured now (a few seconds) and cached.
-
-        Raises:
-            BackendError: an evaluation failed.
-        """
-        from specgguf.backend import default_threads
-        from specgguf.runtime import _build_key, build_info
-
-        if self._timings is not None and not recalibrate:
-            return self._timings
-        threads = self.n_threads or default_threads()
-        key = calibration_key(
-            _build_key(build_info()), self.target_model.path,
-            self.draft_model.path if self.draft_model else None, threads,
-            self.target_model.use_extra_bufts,
-        )  # fmt: skip
-        sample_ids = self.target_model.tokenize("def f(x):\n    return x + 1\n", add_special=False)
-        cached = None if recalibrate else load_calibration(key)
-        if cached is not None:
-            # A calibration taken while the machine was busy would mislead every run after
-            # it: check one decode step against it, and measure again when far off.
-            now = calibrate(self.target_ctx, None, sample_ids, sizes=(1,), repeats=3)
-            if 0.5 <= now.verify[1] / cached.verify[1] <= 2.0:
-                self._timings = cached
-                return cached
-        t = calibrate(self.target_ctx, self.draft_ctx, sample_ids)
-        save_calibration(key, t)
-        self._timings = t
-        return t
-
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        """Token ids of ``text`` by the target's rules (BOS per the model when
-        ``add_special``; special-token texts such as ``<|im_start|>`` parsed)."""
-        return self.target_model.tokenize(text, add_special=add_special, parse_special=True)
-
-    def generate(self, prompt: str | Sequence[int], params: GenerationParams) -> Generation:
-        """Start a generation (see :meth:`SpeculativeDecoder.generate`); a string prompt is
-        tokenized once with the target's rules and the same ids go to both models."""
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.decoder.generate(ids, params)
-
-    def close(self) -> None:
-        """Free every model, context and batch; idempotent."""
-        self._stack.close()
-
-    def __enter__(self) -> SpeculativeEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

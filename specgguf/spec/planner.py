@@ -14,27 +14,30 @@ The planner chooses the K (0 included: no speculation) that maximises E(K) / C(K
 second, for each drafter: n-gram lookup (t_draft = 0, K bounded by the continuation it
 found) and the draft model, and takes the best of them and of the target alone.
 
-Timings come from a short calibration the first time a pair is used on a machine (cached in
-``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
-threads and the repacking setting) and are refined online from every evaluation. Acceptance
-is tracked online per drafter with exponentially decaying counts, so K follows the text.
+Timings come from a short calibration (:func:`calibrate`; the engine caches it per
+machine, build and pair in :mod:`specgguf.engine.calibration`) and are refined online from
+every evaluation. Acceptance is tracked online per drafter with exponentially decaying
+counts, so K follows the text.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
-from specgguf.drafters import Draft, Drafter, Evaluator, ModelDrafter, NgramDrafter
-from specgguf.runtime import cache_dir, read_json_cache, update_json_cache
-from specgguf.sampling import SamplerParams
+from specgguf.spec.drafters import Draft, Drafter, Evaluator, ModelDrafter, NgramDrafter
+from specgguf.spec.sampling import SamplerParams
+
+#: The largest draft length of auto mode, and of the draft model in it. n-gram drafts pay
+#: up to about 16 here and lose beyond (code editing: 29-33 tokens/s at 16, 25-29 at 48),
+#: and a verification of K + 1 tokens sizes llama.cpp's logits buffer (0.6 MB per row for
+#: a 151,936-token vocabulary).
+AUTO_DRAFT_MAX = 16
 
 #: Verification batch sizes measured by calibration (others are interpolated).
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49)
@@ -152,36 +155,6 @@ class Acceptance:
 # --- calibration ----------------------------------------------------------------------
 
 
-def _file_key(path: Path) -> str:
-    st = path.stat()
-    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-
-
-def calibration_key(
-    build: str, target: Path, draft: Path | None, n_threads: int, repack: bool
-) -> str:
-    parts = [build, _file_key(target), _file_key(draft) if draft else "-", str(n_threads),
-             str(repack)]  # fmt: skip
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-
-
-def _cache_file() -> Path:
-    return cache_dir() / "calibration.json"
-
-
-def load_calibration(key: str) -> Timings | None:
-    try:
-        data = read_json_cache(_cache_file())[key]
-        return Timings({int(k): float(v) for k, v in data["verify"].items()}, data["draft"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def save_calibration(key: str, timings: Timings) -> None:
-    value = {"verify": timings.verify, "draft": timings.draft, "time": time.time()}
-    update_json_cache(_cache_file(), key, value)
-
-
 def calibrate(
     target: Evaluator,
     draft: Evaluator | None,
@@ -190,16 +163,21 @@ def calibrate(
     sizes: Sequence[int] = CALIBRATION_SIZES,
     repeats: int = 3,
 ) -> Timings:
-    """Measure t_verify(n) on the target and t_draft on the draft (median of ``repeats``),
-    after a prefix of ``tokens`` (any valid ids: the timing, not the text, matters). Both
-    caches are left empty.
+    """Measure t_verify(n) on the target and t_draft on the draft (the minimum of
+    ``repeats``), after a prefix of up to 64 of ``tokens`` (any valid ids: the timing, not
+    the text, matters), for the batch sizes the target's batch, outputs and context allow.
+    Both caches are left empty.
 
     Raises:
         BackendError: an evaluation failed.
     """
     toks = list(tokens) or [0]
-    prefix = (toks * (64 // len(toks) + 1))[:64]
+    room = min(ctx.n_ctx for ctx in (target, draft) if ctx is not None)
+    cap = min(target.n_batch, getattr(target, "n_outputs_max", target.n_batch), room - 1)
+    sizes = [n for n in sizes if n <= cap] or [1]
     need = max(sizes)
+    n_prefix = max(0, min(64, room - need - 1))
+    prefix = (toks * (n_prefix // len(toks) + 1))[:n_prefix]
     body = (toks * (need // len(toks) + 1))[:need]
 
     def timed(ctx: Evaluator, batch: list[int], logits: str, other: Evaluator | None) -> float:
@@ -216,14 +194,11 @@ def calibrate(
     for ctx in (target, draft):
         if ctx is not None:
             ctx.rollback(0)
-            ctx.eval(prefix, logits="none")
+            if prefix:
+                ctx.eval(prefix, logits="none")
     timed(target, body[:1], "all", draft)  # warm-up
     # The minimum of the repeats: other work on the machine only ever adds time.
-    verify = {
-        n: min(timed(target, body[:n], "all", draft) for _ in range(repeats))
-        for n in sizes
-        if n <= min(target.n_batch, getattr(target, "n_outputs_max", target.n_batch))
-    }
+    verify = {n: min(timed(target, body[:n], "all", draft) for _ in range(repeats)) for n in sizes}
     td = 0.0
     if draft is not None:
         td = min(timed(draft, body[:1], "last", target) for _ in range(repeats + 2))
@@ -263,12 +238,40 @@ class Plan:
     expected_rate: float
 
 
-class FixedPlanner:
-    """One drafter (or none) with a fixed draft length K (``--draft K``)."""
+class Planner(Protocol):
+    """Chooses the drafter and the draft of each step for one generation.
 
-    def __init__(self, drafter: Drafter | None, k: int) -> None:
+    ``draft_max``: the largest draft length it proposes (the loop clamps it further to the
+    room left); ``drafters``: the drafters it may use (the loop lets a draft model read
+    the prompt ahead and sums their time); ``wants_confidence``: whether :meth:`observe`
+    needs the target's top-1 probability (costs a softmax per step).
+    """
+
+    draft_max: int
+    drafters: list[Drafter]
+    wants_confidence: bool
+
+    def reset(self) -> None: ...
+
+    def plan(
+        self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
+    ) -> Plan: ...
+
+    def observe(
+        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
+    ) -> None: ...
+
+
+class FixedPlanner:
+    """One drafter (or none: the target alone) with a fixed draft length K (``--draft K``)
+    and, for a draft model, the probability below which drafting stops (``p_min``)."""
+
+    wants_confidence = False
+
+    def __init__(self, drafter: Drafter | None, draft_max: int, *, p_min: float = 0.0) -> None:
         self.drafter = drafter
-        self.k = k
+        self.draft_max = draft_max if drafter is not None else 0
+        self.p_min = p_min
         self.drafters = [drafter] if drafter else []
 
     def reset(self) -> None:
@@ -278,12 +281,10 @@ class FixedPlanner:
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> Plan:
-        k = min(self.k, k_max)
-        if self.drafter is None or k <= 0:
+        if self.drafter is None or k_max <= 0:
             return Plan(None, Draft([]), math.nan)
-        return Plan(self.drafter, self.drafter.propose(history, k, sampler, rng), math.nan)
-
-    wants_confidence = False
+        draft = self.drafter.propose(history, k_max, sampler, rng, p_min=self.p_min)
+        return Plan(self.drafter, draft, math.nan)
 
     def observe(
         self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
@@ -316,9 +317,11 @@ class AutoPlanner:
         timings: calibrated timings (refined online unless ``learn_timings`` is False).
         model: the draft-model drafter, if any.
         ngram: the n-gram drafter, if any.
-        k_max: the largest draft length considered (n-gram lookup, whose drafts cost
+        draft_max: the largest draft length considered (n-gram lookup, whose drafts cost
             nothing, pays up to long drafts when its acceptance is high).
-        k_max_model: the largest draft length for the draft model.
+        draft_max_model: the largest draft length for the draft model.
+        p_min: a draft model stops at a token it gives less than this probability, or
+            ``P_STOP`` if that is higher.
     """
 
     wants_confidence = True
@@ -345,16 +348,18 @@ class AutoPlanner:
         *,
         model: ModelDrafter | None = None,
         ngram: NgramDrafter | None = None,
-        k_max: int = 16,
-        k_max_model: int = 16,
+        draft_max: int = AUTO_DRAFT_MAX,
+        draft_max_model: int = AUTO_DRAFT_MAX,
+        p_min: float = 0.0,
         learn_timings: bool = True,
     ) -> None:
         self.timings = timings
         self.learn_timings = learn_timings
         self.model = model
         self.ngram = ngram
-        self.k_max = k_max
-        self.k_max_model = k_max_model
+        self.draft_max = draft_max
+        self.draft_max_model = draft_max_model
+        self.p_min = max(self.P_STOP, p_min)
         self.drafters: list[Drafter] = [d for d in (ngram, model) if d is not None]
         self.reset()
 
@@ -405,7 +410,6 @@ class AutoPlanner:
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> Plan:
-        k_max = min(k_max, self.k_max)
         t = self.timings
         for acc in (self.acc_model, self.cont_model, *self.acc_ngram.values()):
             acc.tick()
@@ -432,7 +436,7 @@ class AutoPlanner:
             a_cont = self.cont_model.rate_with(self.confidence)
             # Near sync, trying the draft model costs no long catch-up.
             near = len(history) - self.model.cached_tokens(history) <= self.NEAR_SYNC
-            k_top = min(k_max, self.k_max_model)
+            k_top = min(k_max, self.draft_max_model)
             if near and self._model_steps < self.EXPLORE_STEPS:
                 # Little evidence yet: judge by an upper bound (one standard error), so
                 # that one early rejection, or a misleading confidence, does not rule out
@@ -486,8 +490,7 @@ class AutoPlanner:
             self.idle_model = 0
             self._streak += 1
             self._model_steps += 1
-            p_min = max(self.P_STOP, self.model.p_min)
-            draft = self.model.propose(history, k, sampler, rng, p_min=p_min)
+            draft = self.model.propose(history, k, sampler, rng, p_min=self.p_min)
             return Plan(self.model, draft, rate)
         return best
 
@@ -513,19 +516,3 @@ class AutoPlanner:
             b = self._last_ngram_bucket
             self.acc_ngram[b].observe(n, accepted)
             self.ngram_len[b] += 0.5 * (accepted - self.ngram_len[b])
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "confidence": round(self.confidence, 3),
-            "mean_model_run": round(self.mean_streak, 2),
-            "acceptance_model": round(self.acc_model.rate, 3),
-            "continue_model": round(self.cont_model.rate_with(self.confidence), 3),
-            "acceptance_ngram": {
-                n: round(acc.rate_with(self.NGRAM_PRIOR[n] * self.confidence), 3)
-                for n, acc in self.acc_ngram.items()
-            },
-            "t_verify": {n: round(v, 5) for n, v in sorted(self.timings.verify.items())},
-            "scale_single": round(self.timings.scale_single, 3),
-            "scale_batch": round(self.timings.scale_batch, 3),
-            "t_draft": round(self.timings.draft, 5),
-        }

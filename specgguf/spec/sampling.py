@@ -58,12 +58,6 @@ class Distribution:
         hit = np.flatnonzero(self.ids == token)
         return float(self.probs[hit[0]]) if hit.size else 0.0
 
-    def dense(self, n_vocab: int) -> npt.NDArray[np.float64]:
-        """float64[n_vocab] probabilities."""
-        out = np.zeros(n_vocab, np.float64)
-        out[self.ids] = self.probs
-        return out
-
 
 def distribution(logits: npt.NDArray[np.float32], params: SamplerParams) -> Distribution:
     """The distribution llama.cpp's default chain samples from, for one row of logits.

@@ -1,0 +1,166 @@
+"""``specgguf bench``: every drafter and draft length side by side in one process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from specgguf.cli import options as o
+from specgguf.cli.app import app, handled
+from specgguf.cli.output import print_json, size, stderr_say, stdout_console
+
+
+@app.command()
+@handled
+def bench(
+    model: Annotated[
+        str | None, typer.Option("-m", "--model", help="Target model (default: the default pair).")
+    ] = None,
+    model_draft: Annotated[
+        str | None, typer.Option("-md", "-d", "--model-draft", help="Draft model.")
+    ] = None,
+    draft: Annotated[
+        str, typer.Option("--draft", help="Draft lengths to try, comma-separated.")
+    ] = "1,2,4,8",
+    prompts: Annotated[
+        Path | None,
+        typer.Option("--prompts", help="JSON list of {category, prompt} (default: built-in)."),
+    ] = None,
+    categories: Annotated[
+        str | None, typer.Option("--categories", help="Only these categories, comma-separated.")
+    ] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=1)] = 128,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Interleaved rounds.")] = 2,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=256)] = 4096,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
+    no_repack: Annotated[bool, typer.Option("-nr", "--no-repack")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="All numbers as JSON on stdout.")
+    ] = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Draw speedup against K (needs matplotlib).")
+    ] = None,
+    registry: o.RegistryOpt = None,
+) -> None:
+    """Measure the target alone, each drafter at each draft length, and auto mode, on a
+    prompt set with categories, interleaved in one process; speedups are relative to the
+    target alone in the same run."""
+    from specgguf.engine import Engine
+    from specgguf.engine.bench import CATEGORIES, PROMPTS, load_prompts, run_bench
+    from specgguf.errors import UsageError
+    from specgguf.spec.planner import AUTO_DRAFT_MAX
+
+    say = stderr_say()
+    try:
+        ks = sorted({int(x) for x in draft.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--draft takes comma-separated integers, not {draft!r}") from None
+    if not ks or ks[0] < 1:
+        raise UsageError(f"--draft takes draft lengths of 1 or more, not {draft!r}")
+    if plot is not None:
+        _check_plot_path(plot)  # before the run, not after it
+    chosen = load_prompts(prompts) if prompts else PROMPTS
+    if categories:
+        wanted = set(categories.split(","))
+        unknown = wanted - {c for c, _ in chosen}
+        if unknown:
+            raise UsageError(f"unknown categories {sorted(unknown)}; known: {list(CATEGORIES)}")
+        chosen = [(c, p) for c, p in chosen if c in wanted]
+    draft_max = max(AUTO_DRAFT_MAX, *ks)
+    config = o.engine_config(
+        model=model, model_draft=model_draft, drafter="auto", draft=draft_max,
+        ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry, say=say,
+    )  # fmt: skip
+    configs = [("target", "none", 0)]
+    if config.loads_draft:
+        configs += [(f"model-K{k}", "model", k) for k in ks]
+    configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
+    configs.append(("auto", "auto", draft_max))
+    with Engine(config) as engine:
+        report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
+                           progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip
+    if json_out:
+        print_json(report)
+    _print_bench(report, stderr=json_out)
+    if plot is not None:
+        _plot_bench(report, plot)
+
+
+def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(stderr=True, highlight=False) if stderr else stdout_console()
+    m = report["machine"]
+    t = Table(
+        title=f"{Path(report['models']['target']).name} + "
+        f"{Path(report['models']['draft']).name if report['models']['draft'] else 'no draft'}"
+        f", {m['cpu']}, {m['threads']} threads, n={report['params']['n_predict']}, greedy",
+        title_justify="left", box=None, header_style="bold",
+    )  # fmt: skip
+    for col in ("category", "config", "tokens/s", "speedup", "accept", "mean acc",
+                "target/draft/other"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("category", "config") else "right")
+    for r in report["results"]:
+        t.add_row(
+            r["category"], r["config"], f"{r['tokens_per_s']:.2f}",
+            f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-",
+            f"{r['acceptance_rate']:.0%}" if r["config"] != "target" else "-",
+            f"{r['mean_accepted']:.2f}",
+            f"{r['target_share']:.0%}/{r['draft_share']:.0%}/{r['python_share']:.0%}",
+        )  # fmt: skip
+    con.print(t)
+    mem = report["memory"]
+    con.print(f"peak RSS {size(mem['peak_rss'])} = {mem['ratio']:.2f} x (model files "
+              f"{size(mem['model_files'])} + KV caches {size(mem['kv_caches'])}); "
+              f"{report['wall_seconds']:.0f} s", highlight=False)  # fmt: skip
+
+
+def _check_plot_path(path: Path) -> None:
+    """Raises UsageError when --plot cannot work: no matplotlib, or a folder that does not
+    exist or cannot be written."""
+    import importlib.util
+
+    from specgguf.errors import UsageError
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'specgguf[plot]'")
+    folder = path.parent  # Path("x.png").parent is Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot: cannot write {path}")
+
+
+def _plot_bench(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    from specgguf.errors import UsageError
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(dict.fromkeys(r["category"] for r in report["results"]))
+    fig, axes = plt.subplots(1, len(cats), figsize=(4 * len(cats), 3.5), squeeze=False)
+    for ax, cat in zip(axes[0], cats, strict=True):
+        rows = [r for r in report["results"] if r["category"] == cat]
+        for kind in ("model", "ngram"):
+            pts = sorted((int(r["config"].split("-K")[1]), r["speedup"]) for r in rows
+                         if r["config"].startswith(kind + "-K"))  # fmt: skip
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
+        auto = next((r["speedup"] for r in rows if r["config"] == "auto"), None)
+        if auto is not None:
+            ax.axhline(auto, color="green", linestyle="--", label="auto")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(cat)
+        ax.set_xlabel("draft length K")
+        ax.set_ylabel("speedup over the target alone")
+        ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise UsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None

@@ -1,0 +1,123 @@
+"""``specgguf info`` and ``specgguf check``: what GGUF files hold, and whether a draft can
+draft for a target, from metadata alone (no weights load)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from specgguf.cli.app import app, handled
+from specgguf.cli.options import RegistryOpt, model_path
+from specgguf.cli.output import count, num, print_json, size, stdout_console, tok
+
+
+@app.command()
+@handled
+def info(
+    model: Annotated[
+        str, typer.Argument(help="A .gguf file (first shard of a split model) or an alias.")
+    ],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    registry: RegistryOpt = None,
+) -> None:
+    """Show what a GGUF model holds, from its metadata alone (no weights load).
+
+    Exits 3 when the file is missing or not a readable GGUF file.
+    """
+    from specgguf.gguf.info import read_model_info
+
+    mi = read_model_info(model_path(model, registry)).as_dict()
+    if json_out:
+        print_json(mi)
+        return
+    from rich.table import Table
+
+    v = mi["vocab"]
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    shards = f"{mi['split_count']}"
+    if mi["missing_shards"]:
+        shards += f" ({len(mi['missing_shards'])} missing: {', '.join(mi['missing_shards'])})"
+    rows = [
+        ("file", mi["path"]),
+        ("name", mi["name"] or "-"),
+        ("architecture", mi["architecture"] or "-"),
+        ("size label", mi["size_label"] or "-"),
+        ("quantization", mi["quantization"] or "-"),
+        ("parameters", count(mi["n_params"])),
+        ("context length", num(mi["context_length"])),
+        ("blocks", num(mi["block_count"])),
+        ("embedding length", num(mi["embedding_length"])),
+        ("heads / KV heads", f"{mi['head_count'] or '-'} / {mi['head_count_kv'] or '-'}"),
+        ("tokenizer", f"{v['tokenizer_model']} ({v['vocab_type'].upper()}), "
+                      f"pre-tokenizer {v['pre_tokenizer'] or '-'}"),
+        ("tokens", f"{v['n_tokens']:,}" + (f", {v['n_merges']:,} merges" if v["n_merges"] else "")),
+        ("BOS", tok(v["bos"]) + f" (add_bos {str(v['add_bos']).lower()})"),
+        ("EOS", tok(v["eos"]) + f" (add_eos {str(v['add_eos']).lower()})"),
+        ("EOT", tok(v["eot"])),
+        ("padding", tok(v["padding"])),
+        ("end of generation", ", ".join(tok(x) for x in v["eog"]) or "-"),
+        ("chat template", "yes" if mi["has_chat_template"] else "no"),
+        ("tensors", f"{mi['n_tensors']:,}"),
+        ("file size", f"{mi['file_size']:,} bytes ({size(mi['file_size'])})"),
+        ("splits", shards),
+        ("GGUF version", str(mi["gguf_version"])),
+    ]  # fmt: skip
+    for k, val in rows:
+        t.add_row(k, val)
+    stdout_console().print(t)
+
+
+@app.command()
+@handled
+def check(
+    target: Annotated[str, typer.Argument(help="The target model (.gguf or alias).")],
+    draft: Annotated[str, typer.Argument(help="The draft model (.gguf or alias).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    registry: RegistryOpt = None,
+) -> None:
+    """Tell whether DRAFT can draft for TARGET, from their vocabularies (no weights load).
+
+    Exit codes: 0 compatible, 4 incompatible, 3 a file is missing or unreadable.
+    """
+    from specgguf.errors import EXIT_INCOMPATIBLE
+    from specgguf.gguf.vocab import check_compatibility
+
+    report = check_compatibility(model_path(target, registry), model_path(draft, registry))
+    if json_out:
+        print_json(report.as_dict())
+    else:
+        _print_check(report)
+    if not report.compatible:
+        raise typer.Exit(EXIT_INCOMPATIBLE)
+
+
+def _print_check(report: Any) -> None:
+    from rich.table import Table
+
+    con = stdout_console()
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    t.add_column("")
+    t.add_column("target", overflow="fold")
+    t.add_column("draft", overflow="fold")
+    tv, dv = report.target.as_dict(), report.draft.as_dict()
+    t.add_row("file", str(report.target.path), str(report.draft.path))
+    t.add_row("architecture", report.target.architecture or "-", report.draft.architecture or "-")
+    for label, key in (("tokenizer", "tokenizer_model"), ("pre-tokenizer", "pre_tokenizer")):
+        t.add_row(label, str(tv[key]), str(dv[key]))
+    t.add_row("tokens", f"{tv['n_tokens']:,}", f"{dv['n_tokens']:,}")
+    t.add_row("merges", f"{tv['n_merges']:,}", f"{dv['n_merges']:,}")
+    for label, key in (("BOS", "bos"), ("EOS", "eos"), ("EOT", "eot")):
+        t.add_row(label, tok(tv[key]), tok(dv[key]))
+    t.add_row("add_bos / add_eos", f"{tv['add_bos']} / {tv['add_eos']}".lower(),
+              f"{dv['add_bos']} / {dv['add_eos']}".lower())  # fmt: skip
+    con.print(t)
+    d = report.token_diff
+    if d.n_compared:
+        con.print(f"token texts: {d.n_different:,} of {d.n_compared:,} ids differ (ids 5.."
+                  f"{5 + d.n_compared - 1})", highlight=False, markup=False)  # fmt: skip
+    for f in report.findings:
+        con.print(f"{f.severity}: [{f.code}] {f.message}", highlight=False, markup=False)
+    con.print(report.verdict(), highlight=False, markup=False)

@@ -1,0 +1,142 @@
+"""Options shared by the commands that load models (``run``, ``bench``, a server): one
+definition each, and :func:`engine_config`, which turns them into one
+:class:`~specgguf.engine.EngineConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from specgguf.errors import UsageError
+
+RegistryOpt = Annotated[
+    Path | None,
+    typer.Option("--registry", help="An extra models.toml (adds to or overrides the registry)."),
+]
+ModelDraftOpt = Annotated[
+    str | None,
+    typer.Option("-md", "-d", "--model-draft", help="Draft model: a .gguf file or alias."),
+]
+DrafterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--drafter",
+        help="auto, model, ngram or none (the target alone). Default: auto, or with "
+        "--draft K the draft model (with -md) else n-gram lookup, at that fixed K.",
+    ),
+]
+CtxSizeDraftOpt = Annotated[
+    int | None,
+    typer.Option("-cd", "--ctx-size-draft", min=0, help="Draft context size (default: -c)."),
+]
+BatchSizeOpt = Annotated[int, typer.Option("-b", "--batch-size", min=1, help="Prompt batch size.")]
+NGpuLayersOpt = Annotated[
+    int, typer.Option("-ngl", "--n-gpu-layers", help="Target layers on the GPU (-1: all).")
+]
+NGpuLayersDraftOpt = Annotated[
+    int,
+    typer.Option("-ngld", "--n-gpu-layers-draft", help="Draft layers on the GPU (-1: all)."),
+]
+DraftPMinOpt = Annotated[
+    float,
+    typer.Option(
+        "--draft-p-min",
+        min=0.0,
+        max=1.0,
+        help="Stop drafting below this probability (auto mode: at least 0.5).",
+    ),
+]
+NoCheckOpt = Annotated[
+    bool, typer.Option("--no-check", help="Skip the vocabulary check (with a warning).")
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Load even when the models seem not to fit.")
+]
+
+
+def model_path(name: str, registry: Path | None = None) -> Path:
+    """A model argument as a path: a .gguf file, or an alias of the registry found in the
+    local cache (see :func:`specgguf.hub.download.resolve_model`)."""
+    from specgguf.hub.download import resolve_model
+    from specgguf.hub.registry import load_registry
+
+    path = Path(name).expanduser()
+    if path.exists() or name.endswith(".gguf"):
+        return resolve_model(name)
+    return resolve_model(name, registry=load_registry(registry))
+
+
+def engine_config(
+    *,
+    model: str | None,
+    model_draft: str | None,
+    drafter: str | None,
+    draft: int | None,
+    ctx_size: int,
+    ctx_size_draft: int | None = None,
+    batch_size: int = 2048,
+    threads: int | None = None,
+    n_gpu_layers: int = -1,
+    n_gpu_layers_draft: int = -1,
+    no_repack: bool = False,
+    draft_p_min: float = 0.0,
+    no_check: bool = False,
+    force: bool = False,
+    registry: Path | None = None,
+    say: Callable[[str], None] = lambda msg: None,
+) -> EngineConfig:
+    """The engine configuration the flags ask for. Without a target model, the registry's
+    default pair (downloaded on first use). The drafter defaults to auto, or, with a fixed
+    ``--draft K``, to the draft model when there is one, else n-gram lookup.
+
+    Raises:
+        UsageError: flags that do not combine (``--drafter model`` without a draft model).
+        ModelNotFoundError, UnknownModelError: a model name that names nothing usable.
+        HubError and the other download errors: pulling the default pair failed.
+    """
+    import sys
+
+    from specgguf.engine.config import check_drafter
+
+    if drafter is not None:
+        try:
+            check_drafter(drafter)
+        except UsageError:
+            raise UsageError(
+                f"--drafter must be auto, model, ngram or none, not {drafter!r}"
+            ) from None
+    if model is None:
+        from specgguf.hub.download import default_pair
+        from specgguf.hub.registry import load_registry
+
+        reg = load_registry(registry)
+        if reg.default_pair is None:
+            raise UsageError("no target model: give one with -m/--model")
+        want_draft = model_draft is None and drafter in (None, "model", "auto")
+        pair = default_pair(reg, want_draft=want_draft, progress=sys.stderr.isatty(), say=say)
+        model = str(pair.target)
+        if pair.draft is not None:
+            model_draft = str(pair.draft)
+    kind = drafter or ("auto" if draft is None else ("model" if model_draft else "ngram"))
+    if kind == "model" and model_draft is None:
+        raise UsageError("--drafter model needs a draft model (-md/--model-draft)")
+    repack = False if no_repack else None
+    target = ModelConfig(model_path(model, registry), n_ctx=ctx_size, n_batch=batch_size,
+                         n_gpu_layers=n_gpu_layers, n_threads=threads, repack=repack)  # fmt: skip
+    draft_model = None
+    if model_draft is not None and kind in ("model", "auto"):
+        draft_model = ModelConfig(
+            model_path(model_draft, registry), n_ctx=ctx_size_draft or 0, n_batch=batch_size,
+            n_gpu_layers=n_gpu_layers_draft, n_threads=threads, repack=repack,
+        )  # fmt: skip
+    spec = SpeculativeConfig(
+        drafter=kind, draft_max=-1 if draft is None else draft, p_min=draft_p_min
+    )
+    if no_check and draft_model is not None:
+        say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
+    return EngineConfig(target, draft_model, spec, check_vocab=not no_check,
+                        check_memory=not force)  # fmt: skip

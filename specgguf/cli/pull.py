@@ -1,0 +1,115 @@
+"""``specgguf pull`` and ``specgguf list``: models and pairs from the Hugging Face hub, and
+what the local cache holds."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from specgguf.cli.app import app, handled
+from specgguf.cli.options import RegistryOpt
+from specgguf.cli.output import print_json, size, stderr_say, stdout_console
+
+
+@app.command()
+@handled
+def pull(
+    names: Annotated[
+        list[str], typer.Argument(help="Model aliases or a pair name (see `specgguf list`).")
+    ],
+    quant: Annotated[
+        str | None, typer.Option("--quant", help="Quantization, e.g. Q4_K_M, Q8_0.")
+    ] = None,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="A branch, tag or commit of the repo.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress on stderr.")] = False,
+    registry: RegistryOpt = None,
+) -> None:
+    """Download models or a pair from the Hugging Face hub into its standard cache.
+
+    Two models, or a pair, are checked for vocabulary compatibility afterwards.
+    Exit codes: 6 hub error or not found, 7 access refused (gated/private), 5 not enough
+    disk, 8 integrity check failed, 4 the pulled pair is incompatible.
+    """
+    from specgguf.errors import EXIT_INCOMPATIBLE
+    from specgguf.gguf.vocab import check_compatibility
+    from specgguf.hub.download import pull as hub_pull
+    from specgguf.hub.registry import load_registry
+
+    reg = load_registry(registry)
+    aliases: list[str] = []
+    for name in names:
+        pair = reg.pair(name)
+        aliases += [pair.target, pair.draft] if pair else [reg.model(name).alias]
+
+    say = stderr_say(quiet)
+    results = [
+        hub_pull(reg.model(a), quant=quant, revision=revision,
+                 progress=not quiet and sys.stderr.isatty(), say=say)
+        for a in aliases
+    ]  # fmt: skip
+    report = None
+    if len(results) == 2:
+        report = check_compatibility(results[0].path, results[1].path)
+    if json_out:
+        print_json({
+            "models": [
+                {"alias": r.entry.alias, "repo": r.entry.repo, "path": str(r.path),
+                 "files": [str(p) for p in r.paths], "size": r.size, "source": r.source}
+                for r in results
+            ],
+            "check": report.as_dict() if report else None,
+        })  # fmt: skip
+    else:
+        for r in results:
+            sys.stdout.write(f"{r.entry.alias}\t{r.path}\t{size(r.size)}\t{r.source}\n")
+        if report is not None:
+            sys.stdout.write(report.verdict() + "\n")
+    if report is not None and not report.compatible:
+        raise typer.Exit(EXIT_INCOMPATIBLE)
+
+
+@app.command(name="list")
+@handled
+def list_models(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    registry: RegistryOpt = None,
+) -> None:
+    """List the registry's models and pairs, which are downloaded, and their sizes.
+
+    Reads only the registry and the local cache: no network.
+    """
+    from specgguf.hub.download import local_listing
+    from specgguf.hub.registry import load_registry
+
+    reg = load_registry(registry)
+    models, pairs = local_listing(reg)
+    if json_out:
+        print_json(
+            {"models": models, "pairs": pairs, "registry_files": [str(f) for f in reg.files]}
+        )
+        return
+    from rich.table import Table
+
+    con = stdout_console()
+    t = Table(title="models", title_justify="left", box=None, header_style="bold")
+    for col in ("alias", "params", "quant", "size", "present", "repository / file"):
+        t.add_column(col)
+    for x in models:
+        names = x["alias"] + (f" ({', '.join(x['aliases'])})" if x["aliases"] else "")
+        t.add_row(names, x["params"] or "-", x["quant"], size(x["size"]) if x["size"] else "?",
+                  "yes" if x["present"] else "no", f"{x['repo']}/{x['file']}")  # fmt: skip
+    con.print(t)
+    t = Table(title="pairs", title_justify="left", box=None, header_style="bold")
+    for col in ("pair", "target", "draft", "K", "size", "present", "note"):
+        t.add_column(col)
+    for p in pairs:
+        name = p["name"] + (" (default)" if p["default"] else "")
+        t.add_row(name, p["target"], p["draft"], str(p["draft_max"]),
+                  size(p["size"]) if p["size"] else "?", "yes" if p["present"] else "no",
+                  p["note"] or "")  # fmt: skip
+    con.print(t)

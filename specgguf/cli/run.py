@@ -1,0 +1,147 @@
+"""``specgguf run``: flags in, one engine configuration, one generation, text out."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specgguf.cli import options as o
+from specgguf.cli.app import app, handled, setup_logging
+from specgguf.cli.output import print_json, stderr_say
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+@handled
+def run(
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="The prompt; '-' or omitted with piped input reads stdin."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("-m", "--model", help="Target model: a .gguf file or an alias.")
+    ] = None,
+    model_draft: o.ModelDraftOpt = None,
+    draft: Annotated[
+        int | None,
+        typer.Option(
+            "--draft",
+            "--draft-max",
+            min=0,
+            help="Fixed draft length K per step (with --drafter auto: the largest K).",
+        ),
+    ] = None,
+    drafter: o.DrafterOpt = None,
+    n_predict: Annotated[
+        int,
+        typer.Option("-n", "--n-predict", min=-1, help="Tokens to generate (-1: until done)."),
+    ] = -1,
+    ctx_size: Annotated[
+        int, typer.Option("-c", "--ctx-size", min=0, help="Context size (0: the model's).")
+    ] = 4096,
+    ctx_size_draft: o.CtxSizeDraftOpt = None,
+    batch_size: o.BatchSizeOpt = 2048,
+    threads: Annotated[
+        int | None, typer.Option("-t", "--threads", min=1, help="CPU threads.")
+    ] = None,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature (0: greedy).")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k (0: off).")] = 40,
+    top_p: Annotated[
+        float, typer.Option("--top-p", min=0.0, max=1.0, help="Top-p (1: off).")
+    ] = 0.95,
+    min_p: Annotated[
+        float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p (0: off).")
+    ] = 0.05,
+    seed: Annotated[int, typer.Option("--seed", help="RNG seed (-1: random).")] = -1,
+    n_gpu_layers: o.NGpuLayersOpt = -1,
+    n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
+    stop: Annotated[
+        list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")
+    ] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Never generate end-of-generation tokens.")
+    ] = False,
+    file: Annotated[
+        Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")
+    ] = None,
+    system: Annotated[
+        str | None, typer.Option("--system", help="System message for the chat template.")
+    ] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
+    ] = False,
+    draft_p_min: o.DraftPMinOpt = 0.0,
+    no_repack: Annotated[
+        bool, typer.Option("-nr", "--no-repack", help="Disable weight repacking.")
+    ] = False,
+    no_check: o.NoCheckOpt = False,
+    force: o.ForceOpt = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="One JSON object at the end instead of text.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="llama.cpp's logs.")] = False,
+    registry: o.RegistryOpt = None,
+) -> None:
+    """Generate with speculative decoding: text on stdout, rates on stderr.
+
+    Without -m, the registry's default pair is used (and downloaded on first use).
+
+    Exit codes: 0 done, 2 usage, 3 model file, 4 incompatible draft, 5 does not fit,
+    9 llama.cpp error, 130 interrupted, 141 stdout closed.
+    """
+    from specgguf.cli.display import live_allowed, stream, summary_line
+    from specgguf.cli.prompt import read_prompt
+    from specgguf.engine import Engine, preflight, render_prompt
+    from specgguf.errors import Interrupted
+    from specgguf.spec.loop import GenerationParams
+    from specgguf.spec.sampling import SamplerParams
+
+    setup_logging(verbose=verbose, quiet=quiet)
+    say = stderr_say(quiet)
+    config = o.engine_config(
+        model=model, model_draft=model_draft, drafter=drafter, draft=draft, ctx_size=ctx_size,
+        ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
+        n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
+        draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry, say=say,
+    )  # fmt: skip
+    text = read_prompt(prompt, file)
+    checked = preflight(config)  # before any weights load; the template too
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    prepared = render_prompt(
+        checked.target, text if raw else [*messages, {"role": "user", "content": text}]
+    )
+    seed_used = seed if seed >= 0 else secrets.randbits(32)
+    sampler = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                            seed=seed_used)  # fmt: skip
+    params = GenerationParams(n_predict=n_predict, sampler=sampler, stop=tuple(stop or ()),
+                              ignore_eos=ignore_eos)  # fmt: skip
+    with Engine(config, checked=checked) as engine:
+        ids = engine.tokenize(prepared.text, add_special=prepared.add_special)
+        gen = engine.generate(ids, params)
+        live = not quiet and not json_out and live_allowed()
+        result, interrupted = stream(gen, write=not json_out, live=live)
+        if json_out:
+            print_json({
+                "text": result.text,
+                "tokens": result.tokens,
+                "finish_reason": result.finish_reason,
+                "stats": result.stats.as_dict(),
+                "models": {**{k: engine.describe()[k] for k in ("target", "draft")},
+                           "drafter": config.speculative.drafter},
+                "params": {
+                    "draft_max": result.stats.draft_max, "n_predict": n_predict,
+                    "n_ctx": checked.n_ctx, "temperature": temp, "top_k": top_k,
+                    "top_p": top_p, "min_p": min_p, "seed": seed_used,
+                    "stop": list(params.stop), "chat_template": prepared.templated,
+                    "prompt_tokens": len(ids),
+                },
+            })  # fmt: skip
+        elif sys.stdout.isatty() and result.text and not result.text.endswith("\n"):
+            print(file=sys.stderr)
+        say(summary_line(result.stats, result.finish_reason))
+        if interrupted:
+            raise Interrupted()

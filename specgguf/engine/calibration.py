@@ -1,0 +1,73 @@
+"""Timings of the loaded pair on this machine, for auto mode's cost model: measured once
+(:func:`specgguf.spec.planner.calibrate`, a few seconds) and cached in
+``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
+threads and the repacking setting. A cached calibration is checked against one fresh
+decode step first: one taken while the machine was busy would mislead every run after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from specgguf.cache import cache_dir, read_json_cache, update_json_cache
+from specgguf.spec.drafters import Evaluator
+from specgguf.spec.planner import Timings, calibrate
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def calibration_key(
+    build: str, target: Path, draft: Path | None, n_threads: int, repack: bool
+) -> str:
+    """The cache key of one pair on one build: files by path, size and modification time."""
+    parts = [build, _file_key(target), _file_key(draft) if draft else "-", str(n_threads),
+             str(repack)]  # fmt: skip
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _cache_file() -> Path:
+    return cache_dir() / "calibration.json"
+
+
+def load_calibration(key: str) -> Timings | None:
+    """The cached timings for ``key``; None when absent or unreadable."""
+    try:
+        data = read_json_cache(_cache_file())[key]
+        return Timings({int(k): float(v) for k, v in data["verify"].items()}, data["draft"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_calibration(key: str, timings: Timings) -> None:
+    value = {"verify": timings.verify, "draft": timings.draft, "time": time.time()}
+    update_json_cache(_cache_file(), key, value)
+
+
+def pair_timings(
+    key: str,
+    target: Evaluator,
+    draft: Evaluator | None,
+    sample_ids: Sequence[int],
+    *,
+    recalibrate: bool = False,
+) -> Timings:
+    """The timings of ``key``: from the cache when one fresh decode step agrees with it
+    (within a factor of 2), else measured now and cached. Both KV caches end empty.
+
+    Raises:
+        BackendError: an evaluation failed.
+    """
+    cached = None if recalibrate else load_calibration(key)
+    if cached is not None:
+        now = calibrate(target, None, sample_ids, sizes=(1,), repeats=3)
+        if 0.5 <= now.verify[1] / cached.verify[1] <= 2.0:
+            return cached
+    timings = calibrate(target, draft, sample_ids)
+    save_calibration(key, timings)
+    return timings

@@ -1,0 +1,151 @@
+"""One configuration object for everything an engine loads and how it drafts.
+
+:class:`EngineConfig` is what the command line (``run``, ``bench``), a server's settings and
+a Python user build, and the only thing :class:`specgguf.engine.Engine` needs. Values are
+checked here, once, when the object is made: a bad value raises :class:`UsageError` with a
+message that names the setting, not a command-line flag.
+
+Names follow llama.cpp: ``n_ctx``, ``n_batch``, ``n_gpu_layers``, ``n_threads``, the draft
+length ``draft_max`` (``--draft-max``; K in formulas), ``p_min`` (``--draft-p-min``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from specgguf.engine.drafting import DRAFTERS
+from specgguf.errors import UsageError
+from specgguf.spec.planner import AUTO_DRAFT_MAX
+
+#: A drafter's name: a key of :data:`specgguf.engine.drafting.DRAFTERS` ("auto", "model",
+#: "ngram", "none").
+DrafterKind = str
+
+#: A fixed drafter's draft length when none is given.
+FIXED_DRAFT_MAX = 4
+
+
+def default_draft_max(drafter: DrafterKind) -> int:
+    """The draft length used when none is given: auto mode's largest (16), none for the
+    target alone, else ``FIXED_DRAFT_MAX``."""
+    return {"auto": AUTO_DRAFT_MAX, "none": 0}.get(drafter, FIXED_DRAFT_MAX)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """How to load one model (the target or the draft).
+
+    Args:
+        path: the GGUF file (the first shard of a split model).
+        n_ctx: context size in tokens (KV cache positions); 0: the model's training
+            context. llama.cpp may allocate more (it rounds up to 256); generation keeps to
+            this size.
+        n_batch: the most tokens per ``llama_decode`` call (prompt processing; a
+            verification of K + 1 tokens must fit too).
+        n_gpu_layers: layers to offload (-1: all, where the build can; 0: none).
+        n_threads: CPU threads (None: the physical core count).
+        repack: llama.cpp's weight repacking (extra buffer types; None: the build's safe
+            default, see :func:`specgguf.llama.runtime.repack_policy`).
+
+    Raises:
+        UsageError: a negative or zero size.
+    """
+
+    path: Path
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_gpu_layers: int = -1
+    n_threads: int | None = None
+    repack: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if self.n_ctx < 0:
+            raise UsageError(f"n_ctx must be 0 (the model's) or more, not {self.n_ctx}")
+        if self.n_batch < 1:
+            raise UsageError(f"n_batch must be at least 1, not {self.n_batch}")
+        if self.n_threads is not None and self.n_threads < 1:
+            raise UsageError(f"n_threads must be at least 1, not {self.n_threads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to draft, by default (a generation may ask for other settings within what was
+    loaded: :class:`specgguf.spec.loop.GenerationParams`).
+
+    Args:
+        drafter: "auto" (n-gram lookup and the draft model, chosen per step by the cost
+            model), "model", "ngram" or "none" (the target alone).
+        draft_max: the draft length K (auto: the largest); -1: :func:`default_draft_max`.
+            It also sizes the target's logits buffer (K + 1 rows), so it is the largest K
+            any generation on the engine can use.
+        p_min: a draft model stops drafting at a token it gives less than this probability
+            (auto mode uses at least ``AutoPlanner.P_STOP``).
+        ngram_min, ngram_max: the n-gram lengths the lookup drafter tries, longest first.
+
+    Raises:
+        UsageError: an unknown drafter, a draft length below -1, p_min outside [0, 1],
+            n-gram lengths not 1 <= ngram_min <= ngram_max.
+    """
+
+    drafter: DrafterKind = "auto"
+    draft_max: int = -1
+    p_min: float = 0.0
+    ngram_min: int = 2
+    ngram_max: int = 8
+
+    def __post_init__(self) -> None:
+        check_drafter(self.drafter)
+        if self.draft_max == -1:
+            object.__setattr__(self, "draft_max", default_draft_max(self.drafter))
+        elif self.draft_max < 0:
+            raise UsageError(f"the draft length must be 0 or more, not {self.draft_max}")
+        check_p_min(self.p_min)
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise UsageError(
+                f"n-gram lengths need 1 <= min <= max, not {self.ngram_min}, {self.ngram_max}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything :class:`specgguf.engine.Engine` loads and checks.
+
+    Args:
+        target: the target model.
+        draft: the draft model (loaded only for the "model" and "auto" drafters).
+        speculative: the drafter and its settings.
+        check_vocab: check before loading that the draft's vocabulary matches the target's.
+        check_memory: refuse before loading when the models clearly do not fit in memory.
+
+    Raises:
+        UsageError: the "model" drafter without a draft model.
+    """
+
+    target: ModelConfig
+    draft: ModelConfig | None = None
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    check_vocab: bool = True
+    check_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.speculative.drafter == "model" and self.draft is None:
+            raise UsageError("the model drafter needs a draft model")
+
+    @property
+    def loads_draft(self) -> bool:
+        """Whether the draft model is loaded (only the model and auto drafters use it)."""
+        return self.draft is not None and self.speculative.drafter in ("model", "auto")
+
+
+def check_drafter(kind: str) -> None:
+    """Raises UsageError unless ``kind`` names a drafter."""
+    if kind not in DRAFTERS:
+        raise UsageError(f"the drafter must be {', '.join(DRAFTERS)}, not {kind!r}")
+
+
+def check_p_min(p_min: float) -> None:
+    """Raises UsageError unless 0 <= p_min <= 1."""
+    if not 0.0 <= p_min <= 1.0:
+        raise UsageError(f"p_min must be between 0 and 1, not {p_min}")

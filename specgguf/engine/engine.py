@@ -1,0 +1,241 @@
+"""The engine: a target (and optionally a draft) loaded through llama.cpp, ready to start
+generations from a prompt string, a conversation or token ids.
+
+::
+
+    config = EngineConfig(ModelConfig("target.gguf"), ModelConfig("draft.gguf"))
+    with Engine(config) as engine:
+        gen = engine.generate([{"role": "user", "content": "Hi"}], GenerationParams(n_predict=64))
+        for piece in gen:
+            print(piece, end="")
+        print(gen.result.stats.tokens_per_s)
+
+``run``, ``bench`` and a server are thin faces over this: each builds one
+:class:`EngineConfig` and calls :meth:`Engine.generate`. Generations on one engine run one
+at a time (they share the KV caches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from specgguf.engine.calibration import calibration_key, pair_timings
+from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
+from specgguf.engine.config import EngineConfig, ModelConfig, check_drafter, check_p_min
+from specgguf.engine.drafting import DRAFTERS, Drafting
+from specgguf.engine.preflight import Preflight, preflight
+from specgguf.errors import UsageError
+from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
+from specgguf.llama.runtime import build_info, build_key
+from specgguf.spec.drafters import ModelDrafter
+from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
+from specgguf.spec.planner import Planner, Timings
+
+#: What :meth:`Engine.generate` takes: a text completed as is, a conversation rendered with
+#: the target's chat template, or token ids.
+Prompt = str | Sequence[ChatMessage] | Sequence[int]
+
+#: Any valid text for timing calibration (the timing, not the text, matters).
+_CALIBRATION_TEXT = "def f(x):\n    return x + 1\n"
+
+
+class Engine:
+    """Target and draft models loaded through llama.cpp, ready to generate.
+
+    Loading runs :func:`specgguf.engine.preflight.preflight` first (files, vocabularies,
+    memory; pass one already made as ``checked``), then loads the target and, for the
+    model and auto drafters, the draft. Owns every native resource (models, contexts,
+    batches) and frees them in :meth:`close` or at the end of a ``with`` block.
+
+    Raises:
+        ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
+        IncompatibleVocabError: the draft's vocabulary does not match the target's.
+        InsufficientMemoryError: the models clearly do not fit.
+        BackendError: llama.cpp could not load a model or create a context.
+    """
+
+    def __init__(self, config: EngineConfig, *, checked: Preflight | None = None) -> None:
+        self.config = config
+        self.preflight = checked or preflight(config)
+        self._timings: Timings | None = None
+        self._stack = contextlib.ExitStack()
+        spec = config.speculative
+        try:
+            self.target_model = self._load(config.target)
+            # A verification needs K + 1 outputs; llama.cpp sizes its logits buffer by this.
+            self.target_ctx = self._context(
+                self.target_model, config.target, self.preflight.n_ctx, spec.draft_max + 1
+            )
+            self.draft_model: LlamaModel | None = None
+            self.draft_ctx: LlamaContext | None = None
+            model_drafter = None
+            if config.loads_draft:
+                assert config.draft is not None
+                self.draft_model = self._load(config.draft)
+                # The draft only ever needs the logits of its last position.
+                self.draft_ctx = self._context(
+                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1
+                )
+                model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
+            self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
+            self.drafting = Drafting(model_drafter, (spec.ngram_min, spec.ngram_max), self.timings)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        """``Engine(config)``: check, then load (see the class)."""
+        return cls(config)
+
+    def _load(self, m: ModelConfig) -> LlamaModel:
+        return self._stack.enter_context(
+            LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack)
+        )
+
+    def _context(self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int) -> LlamaContext:
+        return self._stack.enter_context(
+            model.new_context(
+                n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs
+            )
+        )
+
+    # -- prompts ----------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` by the target's rules (BOS per the model when
+        ``add_special``; special-token texts such as ``<|im_start|>`` parsed)."""
+        return self.target_model.tokenize(text, add_special=add_special, parse_special=True)
+
+    def render(self, prompt: str | Sequence[ChatMessage]) -> PreparedPrompt:
+        """The text a prompt becomes (see :func:`specgguf.engine.chat.render_prompt`).
+
+        Raises:
+            UsageError: a malformed conversation.
+            ChatTemplateError: the chat template cannot be rendered.
+        """
+        return render_prompt(self.preflight.target, prompt)
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids a prompt becomes: a string tokenized as is, a conversation through
+        the chat template, ids unchanged. The same ids go to the target and the draft.
+
+        Raises:
+            UsageError, ChatTemplateError: as :meth:`render`.
+        """
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        items: list[Any] = list(prompt)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return [int(t) for t in items]
+        if not all(isinstance(m, Mapping) for m in items):
+            raise UsageError("a prompt is a string, a list of messages, or a list of token ids")
+        prepared = self.render(items)
+        return self.tokenize(prepared.text, add_special=prepared.add_special)
+
+    # -- generation -------------------------------------------------------------------
+
+    def planner(self, params: GenerationParams) -> Planner:
+        """The planner of one generation: the drafter, draft length and p_min of
+        ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
+
+        Raises:
+            UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length,
+                the model drafter without a loaded draft model.
+        """
+        spec = self.config.speculative
+        kind = params.drafter or spec.drafter
+        check_drafter(kind)
+        draft_max = spec.draft_max if params.draft_max is None else params.draft_max
+        if draft_max < 0:
+            raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
+        p_min = spec.p_min if params.p_min is None else params.p_min
+        check_p_min(p_min)
+        return DRAFTERS[kind](self.drafting, draft_max, p_min)
+
+    def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
+        """Start a generation: iterate the result for text pieces; ``result`` holds the
+        text, tokens, finish reason and statistics when it ends.
+
+        The draft length is clamped, at every step, to what the verification batch, the
+        context and ``n_predict`` leave (:mod:`specgguf.spec.loop`); ``stats.draft_max``
+        reports the largest usable.
+
+        Raises:
+            UsageError: an empty prompt, a malformed conversation, bad speculative settings.
+            ChatTemplateError: the chat template cannot be rendered.
+            ContextOverflowError: the prompt leaves no room to generate.
+        """
+        params = params or GenerationParams()
+        planner = self.planner(params)
+        return self.decoder.generate(self.prompt_ids(prompt), params, planner)
+
+    # -- facts ------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        """The target's context size in tokens (as configured; 0 resolved)."""
+        return self.target_ctx.n_ctx
+
+    @property
+    def n_ctx_draft(self) -> int | None:
+        """The draft's context size in tokens; None without a draft model."""
+        return self.draft_ctx.n_ctx if self.draft_ctx is not None else None
+
+    @property
+    def n_threads(self) -> int:
+        """CPU threads of the target (the configured number, or the physical cores)."""
+        return self.config.target.n_threads or default_threads()
+
+    @property
+    def repack(self) -> bool:
+        """Whether the target's weights are repacked (llama.cpp's extra buffer types)."""
+        return self.target_model.use_extra_bufts
+
+    def timings(self, *, recalibrate: bool = False) -> Timings:
+        """The target's verification and the draft's step timings on this machine, for
+        auto mode: from the calibration cache, or measured now (a few seconds) and cached
+        (:mod:`specgguf.engine.calibration`).
+
+        Raises:
+            BackendError: an evaluation failed.
+        """
+        if self._timings is not None and not recalibrate:
+            return self._timings
+        key = calibration_key(
+            build_key(build_info()), self.target_model.path,
+            self.draft_model.path if self.draft_model else None, self.n_threads,
+            self.target_model.use_extra_bufts,
+        )  # fmt: skip
+        ids = self.target_model.tokenize(_CALIBRATION_TEXT, add_special=False)
+        self._timings = pair_timings(
+            key, self.target_ctx, self.draft_ctx, ids, recalibrate=recalibrate
+        )
+        return self._timings
+
+    def describe(self) -> dict[str, Any]:
+        """What is loaded, JSON-able: model files, context sizes, drafter defaults."""
+        spec = self.config.speculative
+        return {
+            "target": str(self.target_model.path),
+            "draft": str(self.draft_model.path) if self.draft_model else None,
+            "n_ctx": self.n_ctx,
+            "n_ctx_draft": self.n_ctx_draft,
+            "drafter": spec.drafter,
+            "draft_max": spec.draft_max,
+            "p_min": spec.p_min,
+        }
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free every model, context and batch; idempotent."""
+        self._stack.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
