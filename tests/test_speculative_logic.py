@@ -238,3 +238,15 @@ def test_drafters_start_afresh_for_each_generation() -> None:
             assert res.tokens == truth(prompt, 12)
             if drafter is model:  # the fake draft is the target: nothing is ever rejected
                 assert res.stats.acceptance_rate == 1.0
+
+
+def test_cancel_ends_the_generation_before_its_next_step() -> None:
+    dec, ctx = make(oracle_drafter())
+    gen = dec.generate([1], GenerationParams(n_predict=40, draft_max=4, sampler=GREEDY))
+    first = next(gen)  # one step: 5 tokens
+    gen.cancel()
+    rest = list(gen)
+    assert gen.result is not None and gen.result.finish_reason == "interrupted"
+    assert gen.result.tokens == truth([1], 5) and gen.result.text == first + "".join(rest)
+    assert gen.result.stats.steps == 1
+    assert len([e for e in ctx.log if e[0] == "eval" and e[3] == "all"]) == 1

@@ -185,7 +185,8 @@ class GenerationResult:
 
 class Generation:
     """A running generation: iterate for text pieces (complete UTF-8 only); ``result``
-    is set when the iteration ends, or by :meth:`interrupt` (Ctrl-C)."""
+    is set when the iteration ends, or by :meth:`interrupt` (Ctrl-C). :meth:`cancel` may be
+    called from another thread: the generation ends before its next step."""
 
     def __init__(
         self,
@@ -202,6 +203,7 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(prompt), draft_max=draft_max)
         self.stream = TextStream(params.stop)
         self.result: GenerationResult | None = None
+        self.cancelled = False
         self._it = decoder._run(self)
 
     def __iter__(self) -> Iterator[str]:
@@ -216,6 +218,11 @@ class Generation:
             pass
         assert self.result is not None
         return self.result
+
+    def cancel(self) -> None:
+        """Ask the generation to end before its next speculative step (finish reason
+        "interrupted"); safe to call from another thread while it is being iterated."""
+        self.cancelled = True
 
     def interrupt(self) -> GenerationResult:
         """Stop here (after Ctrl-C): the result holds what was committed so far."""
@@ -296,6 +303,9 @@ class SpeculativeDecoder:
         t_gen = time.perf_counter()
         finish: FinishReason | None = None
         while finish is None:
+            if gen.cancelled:
+                finish = "interrupted"
+                break
             remaining = limit - (len(history) - n_prompt)
             room = target.n_ctx - len(history)
             if remaining <= 0 or room <= 0:
