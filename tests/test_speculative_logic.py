@@ -250,3 +250,55 @@ def test_cancel_ends_the_generation_before_its_next_step() -> None:
     assert gen.result.tokens == truth([1], 5) and gen.result.text == first + "".join(rest)
     assert gen.result.stats.steps == 1
     assert len([e for e in ctx.log if e[0] == "eval" and e[3] == "all"]) == 1
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_every_stop_cuts_tokens_text_and_counters_where_the_target_alone_stops(k: int) -> None:
+    # Whatever ends a generation inside a multi-token step (a stop string, n_predict, an
+    # end-of-generation token) ends the tokens, the text and the statistics at the token
+    # where the target alone ends: drafts accepted past it are not output, nor counted.
+    def to_eos(prefix: Sequence[int]) -> int:
+        return EOS if len(prefix) == 20 else prefix[-1] % 30 + 1
+
+    baseline = truth([1], 30)
+    text = "".join(chr(ord("a") + t % 26) for t in baseline)
+    cases: list[dict[str, object]] = [{"stop": (text[i : i + 2],)} for i in range(1, 12)]
+    cases += [{"n_predict": n} for n in (1, 2, 5, 7, 9)]
+    for kw in cases:
+        kw.setdefault("n_predict", 30)
+        alone = run(make(None)[0], [1], **kw)
+        for drafter in (oracle_drafter(), oracle_drafter(3), NgramDrafter(1, 4)):
+            res = run(make(drafter)[0], [1], draft_max=k, **kw)
+            s = res.stats
+            assert (res.tokens, res.text, res.finish_reason) == (
+                alone.tokens, alone.text, alone.finish_reason), (kw, drafter)  # fmt: skip
+            assert s.generated == len(res.tokens) == alone.stats.generated
+            assert s.accepted <= s.generated - s.steps + (res.finish_reason != "length")
+            assert sum(r.accepted for r in s.by_drafter.values()) == s.accepted
+            assert sum(r.steps for r in s.by_drafter.values()) == s.steps
+    # An end-of-generation token the drafts run past: the output stops before it.
+    ctx = FakeContext(one_hot_rule(to_eos, V), V)
+    dec = Decoder(ctx, FakeVocab(V, eog_ids=[EOS]), oracle_drafter())
+    res = dec.generate([1], GenerationParams(draft_max=k, sampler=GREEDY)).run()
+    assert res.tokens == truth([1], 19) and res.finish_reason == "stop"
+    assert res.stats.accepted <= 19 - res.stats.steps + 1
+
+
+def test_ngram_step_past_a_stop_string_keeps_only_tokens_before_it() -> None:
+    # The reported case in miniature: n-gram lookup has a whole repeated run accepted in
+    # one step, and the stop string completes at its third token. Right: three tokens, as
+    # the target alone gives, and only the kept drafts counted as accepted.
+    def repeat(prefix: Sequence[int]) -> int:
+        return prefix[len(prefix) % 10] if len(prefix) >= 10 else prefix[-1] + 1
+
+    prompt = list(range(1, 11)) * 2 + [1, 2, 3]  # "a b c d e f g h i j" x2, then "a b c"
+    stop = ("fg",)
+    params = GenerationParams(n_predict=32, draft_max=8, stop=stop, sampler=GREEDY)
+    ctx = FakeContext(one_hot_rule(repeat, V), V)
+    alone = Decoder(ctx, FakeVocab(V), None).generate(prompt, params).run()
+    ctx = FakeContext(one_hot_rule(repeat, V), V)
+    res = Decoder(ctx, FakeVocab(V), NgramDrafter(2, 8)).generate(prompt, params).run()
+    assert alone.tokens == [4, 5, 6] and alone.text == "e"  # pieces e f g; "fg" ends at 6
+    assert (res.tokens, res.text) == (alone.tokens, alone.text)
+    assert res.stats.steps == 1 and res.stats.drafted == 8  # 8 drafted and verified...
+    assert res.stats.accepted == 3 and res.stats.generated == 3  # ...3 of them output

@@ -336,19 +336,28 @@ class SpeculativeDecoder:
                 row = logits[n]  # the target's top-1 probability for the token it chose
                 conf = 1.0 / float(np.exp(row - row.max()).sum())
             planner.observe(plan, n, t_verify, conf)
-            for i, t in enumerate(new):
+            # Commit the step's tokens one at a time: the earliest of an end-of-generation
+            # token, n_predict and a completed stop string ends the output at that token, and
+            # the tokens, the text and the statistics all end there.
+            committed: list[int] = []
+            pieces: list[str] = []
+            for t in new:
                 if t in eog:
-                    new = new[:i]
                     finish = "stop"
                     break
-            if len(new) > remaining:
-                new = new[: int(remaining)]
-                finish = "length"
-            kept = min(n, len(new))  # accepted drafts past an end-of-generation token are dropped
+                if len(committed) >= remaining:
+                    finish = "length"
+                    break
+                committed.append(t)
+                pieces.append(gen.stream.push(self.vocab.token_to_piece(t)))
+                if gen.stream.stopped:
+                    finish = "stop"
+                    break
+            kept = min(n, len(committed))  # drafts past the end are not accepted output
             stats.steps += 1
             stats.drafted += len(d)
             stats.accepted += kept
-            stats.rejected_steps += n < len(d)
+            stats.rejected_steps += n < len(d) and len(committed) > n  # its correction kept
             stats.last_draft = len(d)
             name = plan.drafter.name if plan.drafter is not None and d else "none"
             stats.last_drafter = name
@@ -356,12 +365,10 @@ class SpeculativeDecoder:
             row.steps += 1
             row.drafted += len(d)
             row.accepted += kept
-            history.extend(new)
-            gen.tokens.extend(new)
+            history.extend(committed)
+            gen.tokens.extend(committed)
             target.rollback(len(history) - 1)
-            piece = gen.stream.push(b"".join(self.vocab.token_to_piece(t) for t in new))
-            if gen.stream.stopped:
-                finish = "stop"
+            piece = "".join(pieces)
             stats.generated = len(gen.tokens)
             stats.seconds = time.perf_counter() - t_gen
             stats.target_seconds = target.eval_seconds - target_s0

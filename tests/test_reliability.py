@@ -1,0 +1,54 @@
+"""Inputs modelled on public bug reports (stop conditions inside a step, chat templates as
+models ship them, a doubled BOS, a small draft context, speculation that loses), each with
+its right value, through the real entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specgguf.hub import testmodels
+
+from .helpers import run_cli
+
+#: The reported prompt: n-gram lookup accepts a long run in one step past " f".
+ABC = "a b c d e f g h i j\na b c d e f g h i j\na b c d e f g h i j\na b c"
+
+
+def run_json(*args: str) -> dict[str, Any]:
+    res = run_cli("run", "--temp", "0", "--json", *args)
+    assert res.returncode == 0, res.stderr.decode()
+    data: dict[str, Any] = json.loads(res.stdout)
+    return data
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("n", ["32", "4", "5", "8"])
+def test_stop_string_inside_an_ngram_step_real_pair(real_models: dict[str, Path], n: str) -> None:
+    target = str(real_models[testmodels.TARGET])
+    args = ["-m", target, "-n", n, "--raw", "--stop", " f", ABC]
+    alone = run_json("--drafter", "none", *args)
+    spec = run_json("--drafter", "ngram", "--draft", "8", *args)
+    assert alone["text"] == " d e" and len(alone["tokens"]) == 3
+    assert (spec["text"], spec["tokens"]) == (alone["text"], alone["tokens"])
+    s = spec["stats"]
+    assert s["generated"] == 3 and s["accepted"] <= 3
+    assert sum(row[2] for row in s["by_drafter"].values()) == s["accepted"]
+
+
+def test_stop_string_from_the_middle_of_the_output_tiny_pair(tiny_models: dict[str, Path]) -> None:
+    base = ["-m", str(tiny_models["target"]), "-c", "512", "-n", "40", "--raw"]
+    full = run_json("--drafter", "none", *base, "def is_palindrome(text):")
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and text.count(stop) >= 1
+    args = [*base, "--stop", stop, "def is_palindrome(text):"]
+    alone = run_json("--drafter", "none", *args)
+    spec = run_json("-md", str(tiny_models["draft-identical"]), "--drafter", "model",
+                    "--draft", "8", *args)  # fmt: skip
+    assert alone["text"] == text[: text.index(stop)]
+    assert (spec["text"], spec["tokens"]) == (alone["text"], alone["tokens"])
+    assert spec["stats"]["generated"] == len(alone["tokens"])
