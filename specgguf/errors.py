@@ -127,6 +127,16 @@ class GGUFFormatError(ModelFileError, ValueError):
         self.offset = offset
 
 
+class ChatTemplateError(ModelFileError):
+    """A model's chat template that cannot be rendered: a syntax error, an unknown name, a
+    sandbox violation."""
+
+
+class ChatInputError(UsageError):
+    """A conversation the model's chat template refuses (the template's own
+    ``raise_exception``, e.g. roles that do not alternate); ``message`` quotes it."""
+
+
 class IncompatibleVocabError(SpecggufError, ValueError):
     """Target and draft vocabularies that cannot be used together for speculation.
 

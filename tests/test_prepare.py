@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from specgguf.cli.prompt import read_prompt
-from specgguf.engine.chat import ChatTemplateError, render_chat, render_prompt
-from specgguf.errors import InsufficientMemoryError, UsageError
+from specgguf.engine.chat import render_chat, render_prompt
+from specgguf.errors import ChatInputError, ChatTemplateError, InsufficientMemoryError, UsageError
 from specgguf.gguf.info import read_model_info
 from specgguf.gguf.tiny import CHATML_TEMPLATE
 from specgguf.hub import testmodels
@@ -82,8 +82,10 @@ def test_unsafe_attribute_renders_as_nothing() -> None:
 
 
 def test_template_raise_exception_is_reported() -> None:
-    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+    # The template's own refusal is about the conversation: a usage error quoting it.
+    with pytest.raises(ChatInputError, match="roles must alternate") as ei:
         render_chat("{{ raise_exception('roles must alternate') }}", [user("hi")])
+    assert ei.value.exit_code == 2
 
 
 def test_bos_not_added_twice_when_the_template_writes_it(tiny_models: dict[str, Path]) -> None:

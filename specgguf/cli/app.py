@@ -24,6 +24,7 @@ from specgguf.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERNAL,
     BackendError,
+    ChatTemplateError,
     ContextOverflowError,
     IncompatibleVocabError,
     InsufficientMemoryError,
@@ -138,8 +139,6 @@ def hint(err: SpecggufError) -> str | None:
         return "`specgguf list` shows the known aliases and pairs"
     if isinstance(err, ModelNotDownloadedError):
         return f"`specgguf pull {err.alias}` downloads it"
-    from specgguf.engine.chat import ChatTemplateError
-
     if isinstance(err, ChatTemplateError):
         return "--raw sends the prompt without the template"
     if isinstance(err, BackendError):

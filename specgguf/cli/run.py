@@ -96,7 +96,7 @@ def run(
     from specgguf.cli.display import live_allowed, stream, summary_line
     from specgguf.cli.prompt import read_prompt
     from specgguf.engine import Engine, preflight, render_prompt
-    from specgguf.errors import Interrupted
+    from specgguf.errors import Interrupted, UsageError
     from specgguf.spec.loop import GenerationParams
     from specgguf.spec.sampling import SamplerParams
 
@@ -108,6 +108,8 @@ def run(
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
         draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry, say=say,
     )  # fmt: skip
+    if raw and system is not None:
+        raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
     text = read_prompt(prompt, file)
     checked = preflight(config)  # before any weights load; the template too
     messages = [{"role": "system", "content": system}] if system is not None else []

@@ -4,7 +4,7 @@ loading and starting generations (:mod:`.engine`), timing calibration
 (:mod:`.calibration`) and the benchmark (:mod:`.bench`). The command line and a server are
 faces over this package."""
 
-from specgguf.engine.chat import ChatMessage, ChatTemplateError, PreparedPrompt, render_prompt
+from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from specgguf.engine.drafting import DRAFTERS
 from specgguf.engine.engine import Engine, Prompt
@@ -13,7 +13,6 @@ from specgguf.engine.preflight import Preflight, preflight
 __all__ = [
     "DRAFTERS",
     "ChatMessage",
-    "ChatTemplateError",
     "Engine",
     "EngineConfig",
     "ModelConfig",
