@@ -52,3 +52,29 @@ def test_stop_string_from_the_middle_of_the_output_tiny_pair(tiny_models: dict[s
     assert alone["text"] == text[: text.index(stop)]
     assert (spec["text"], spec["tokens"]) == (alone["text"], alone["tokens"])
     assert spec["stats"]["generated"] == len(alone["tokens"])
+
+
+def _prompt_tokens(model: Path, prompt: str) -> list[int]:
+    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+
+    config = EngineConfig(ModelConfig(model, n_ctx=256), speculative=SpeculativeConfig("none"))
+    with Engine(config) as engine:
+        return engine.prompt_ids(prompt)
+
+
+def test_a_prompt_that_starts_with_bos_gets_no_second_bos(tiny_models: dict[str, Path]) -> None:
+    model = tiny_models["target-add-bos"]  # add_bos true, BOS text "<|endoftext|>"
+    plain = _prompt_tokens(model, "hi")
+    with_bos = _prompt_tokens(model, "<|endoftext|>hi")
+    assert len(plain) == 3 and with_bos == plain  # was 4: two BOS tokens
+    res = run_cli("run", "-m", str(model), "--raw", "--json", "-n", "1", "<|endoftext|>hi")
+    assert json.loads(res.stdout)["params"]["prompt_tokens"] == 3
+    # A vocabulary that adds no BOS keeps a BOS written in the text: it is the only one.
+    assert len(_prompt_tokens(tiny_models["target"], "<|endoftext|>hi")) == 3
+
+
+@pytest.mark.real_models
+def test_gemma_bos_not_doubled(real_models: dict[str, Path]) -> None:
+    gemma = real_models[testmodels.FOREIGN_GEMMA]
+    assert len(_prompt_tokens(gemma, "hi")) == 2
+    assert _prompt_tokens(gemma, "<bos>hi") == _prompt_tokens(gemma, "hi")

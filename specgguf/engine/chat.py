@@ -197,8 +197,9 @@ class PreparedPrompt:
 def render_prompt(info: ModelInfo, prompt: str | Sequence[ChatMessage]) -> PreparedPrompt:
     """A prompt as the target reads it: a string as is (the model adds its BOS), a
     conversation through the target's chat template. A model without a template takes a
-    conversation of one user message as that message's text. When the rendered text
-    already starts with the BOS token's text, tokenization does not add another.
+    conversation of one user message as that message's text. When the text (given or
+    rendered) already starts with the BOS token's text, tokenization adds no second BOS:
+    llama.cpp would add one and only warn that the prompt starts with 2 BOS tokens.
 
     Raises:
         UsageError: a malformed conversation, or one a model without a chat template
@@ -206,8 +207,11 @@ def render_prompt(info: ModelInfo, prompt: str | Sequence[ChatMessage]) -> Prepa
         ChatInputError: the template refuses the conversation (its own message quoted).
         ChatTemplateError: the template cannot be rendered.
     """
+    v = info.vocab
+    bos, eos = v.text(v.bos) or "", v.text(v.eos) or ""
     if isinstance(prompt, str):
-        return PreparedPrompt(prompt, add_special=True, templated=False)
+        # A text that already starts with the BOS token's text gets no second BOS.
+        return PreparedPrompt(prompt, not (bos and v.add_bos and prompt.startswith(bos)), False)
     messages = check_messages(prompt)
     template = info.template
     if template is None:
@@ -215,8 +219,6 @@ def render_prompt(info: ModelInfo, prompt: str | Sequence[ChatMessage]) -> Prepa
             return PreparedPrompt(messages[0]["content"], add_special=True, templated=False)
         what = "a system message" if messages[0]["role"] == "system" else "a conversation"
         raise UsageError(f"{info.path.name} has no chat template for {what}")
-    v = info.vocab
-    bos, eos = v.text(v.bos) or "", v.text(v.eos) or ""
     if any(m["role"] == "system" for m in messages) and not takes_system_message(
         template, bos_token=bos, eos_token=eos
     ):

@@ -119,14 +119,16 @@ class Engine:
         return render_prompt(self.preflight.target, prompt)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """The token ids a prompt becomes: a string tokenized as is, a conversation through
-        the chat template, ids unchanged. The same ids go to the target and the draft.
+        """The token ids a prompt becomes: a string tokenized as is (no second BOS when it
+        starts with the BOS text), a conversation through the chat template, ids unchanged.
+        The same ids go to the target and the draft.
 
         Raises:
             UsageError, ChatTemplateError: as :meth:`render`.
         """
         if isinstance(prompt, str):
-            return self.tokenize(prompt)
+            prepared = self.render(prompt)
+            return self.tokenize(prepared.text, add_special=prepared.add_special)
         items: list[Any] = list(prompt)
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             return [int(t) for t in items]
