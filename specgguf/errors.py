@@ -186,15 +186,31 @@ class InsufficientDiskError(ResourceError, OSError):
 
 
 class ContextOverflowError(ResourceError, ValueError):
-    """A prompt that does not fit the context: ``n_prompt`` tokens, ``n_ctx`` available."""
+    """Tokens that do not fit a context: ``n_tokens`` needed (``n_prompt`` for a prompt),
+    ``n_ctx`` available; ``draft`` when it is the draft model's context, ``model`` the file
+    when known."""
 
-    def __init__(self, n_prompt: int, n_ctx: int) -> None:
-        super().__init__(
-            f"the prompt is {n_prompt} tokens, which does not fit a context of {n_ctx} "
-            "tokens (at least one token must be left to generate)"
-        )
-        self.n_prompt = n_prompt
+    def __init__(
+        self,
+        n_tokens: int,
+        n_ctx: int,
+        *,
+        prompt: bool = True,
+        draft: bool = False,
+        model: str | None = None,
+    ) -> None:
+        whose = f"{model}'s" if model else "the draft model's" if draft else "the target's"
+        if prompt:
+            msg = (
+                f"the prompt is {n_tokens} tokens, which does not fit {whose} context of "
+                f"{n_ctx} tokens (at least one token must be left to generate)"
+            )
+        else:
+            msg = f"{n_tokens} tokens do not fit {whose} context of {n_ctx} tokens"
+        super().__init__(msg)
+        self.n_tokens = self.n_prompt = n_tokens
         self.n_ctx = n_ctx
+        self.draft = draft
 
 
 class HubError(SpecggufError):

@@ -78,3 +78,55 @@ def test_gemma_bos_not_doubled(real_models: dict[str, Path]) -> None:
     gemma = real_models[testmodels.FOREIGN_GEMMA]
     assert len(_prompt_tokens(gemma, "hi")) == 2
     assert _prompt_tokens(gemma, "<bos>hi") == _prompt_tokens(gemma, "hi")
+
+
+LONG = "\n".join(f"def f{i}(x):\n    return x + {i}" for i in range(40))
+
+
+def test_draft_context_smaller_than_the_prompt_tiny(tiny_models: dict[str, Path]) -> None:
+    base = ["-m", str(tiny_models["target"]), "-c", "1024", "-n", "24", "--raw", LONG]
+    alone = run_json("--drafter", "none", *base)
+    assert alone["params"]["prompt_tokens"] > 64
+    for drafter in ("model", "auto"):
+        res = run_cli("run", "--temp", "0", "--json", "-md", str(tiny_models["draft-identical"]),
+                      "--drafter", drafter, "--draft", "4", "-cd", "64", *base)  # fmt: skip
+        assert res.returncode == 0, res.stderr.decode()
+        out = json.loads(res.stdout)
+        assert out["tokens"] == alone["tokens"]
+        err = res.stderr.decode()
+        assert err.count("draft model's context (64 tokens) is smaller") == 1
+        # llama.cpp allocates 256 positions for the 64 asked for: said, and kept to 64.
+        assert "allocated a context of 256 tokens for the 64 asked for" in err
+    assert out["stats"]["accepted"] > 0
+
+
+def test_draft_length_clamped_by_the_batch_is_reported(tiny_models: dict[str, Path]) -> None:
+    models = ["-m", str(tiny_models["target"]), "-md", str(tiny_models["draft-identical"])]
+    args = [*models, "--drafter", "model", "-b", "32", "--draft", "33", "-n", "40", "-c", "512",
+            "hi"]  # fmt: skip
+    res = run_cli("run", "--temp", "0", "--json", *args)
+    assert res.returncode == 0, res.stderr.decode()
+    out = json.loads(res.stdout)
+    assert out["stats"]["draft_max"] == out["params"]["draft_max"] == 31
+    assert out["stats"]["last_draft"] <= 31
+    assert "drafts have at most 31 tokens" in res.stderr.decode()
+
+
+@pytest.mark.real_models
+def test_draft_context_smaller_than_the_prompt_real_pair(
+    real_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # The reported case: a 374-token prompt, -c 2048 -cd 256: exit 5 before; right: the
+    # target's output, the draft on a window.
+    long = tmp_path / "long.txt"
+    long.write_text(LONG * 2)
+    target, draft = str(real_models[testmodels.TARGET]), str(real_models[testmodels.DRAFT])
+    base = ["-m", target, "-c", "2048", "-n", "24", "--raw", "-f", str(long)]
+    alone = run_json("--drafter", "none", *base)
+    assert alone["params"]["prompt_tokens"] > 256
+    for drafter in ("model", "auto"):
+        res = run_cli("run", "--temp", "0", "--json", "-md", draft, "--drafter", drafter,
+                      "--draft", "4", "-cd", "256", *base)  # fmt: skip
+        assert res.returncode == 0, res.stderr.decode()
+        assert json.loads(res.stdout)["tokens"] == alone["tokens"]
+        assert res.stderr.decode().count("draft model's context (256 tokens)") == 1

@@ -302,3 +302,19 @@ def test_ngram_step_past_a_stop_string_keeps_only_tokens_before_it() -> None:
     assert (res.tokens, res.text) == (alone.tokens, alone.text)
     assert res.stats.steps == 1 and res.stats.drafted == 8  # 8 drafted and verified...
     assert res.stats.accepted == 3 and res.stats.generated == 3  # ...3 of them output
+
+
+def test_draft_context_smaller_than_the_prompt_drafts_from_a_window(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A 40-token prompt and a draft context of 16: the draft works on the most recent
+    # tokens that fit, the output is the target's, and a warning says so once.
+    draft_ctx = FakeContext(one_hot_rule(target_next, V), V, n_ctx=16)
+    drafter = ModelDrafter(draft_ctx, V)  # type: ignore[arg-type]
+    prompt = truth([1], 40)
+    res = run(make(drafter, n_ctx=128)[0], prompt, n_predict=50, draft_max=4)
+    assert res.tokens == truth(prompt, 50)
+    assert res.stats.accepted >= 30  # the fake draft agrees wherever it runs
+    assert max(e[1] + len(e[2]) for e in draft_ctx.log if e[0] == "eval") <= 16
+    warnings = [r for r in caplog.records if "draft model's context" in r.getMessage()]
+    assert len(warnings) == 1

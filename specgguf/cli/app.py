@@ -128,6 +128,8 @@ def hint(err: SpecggufError) -> str | None:
     if err.hint:
         return err.hint
     if isinstance(err, ContextOverflowError):
+        if err.draft:
+            return "raise -cd/--ctx-size-draft"
         return "raise -c/--ctx-size or shorten the prompt"
     if isinstance(err, InsufficientMemoryError):
         if err.gpu:

@@ -18,6 +18,7 @@ at a time (they share the KV caches).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ from specgguf.llama.runtime import build_info, build_key
 from specgguf.spec.drafters import ModelDrafter
 from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.spec.planner import Planner, Timings
+
+log = logging.getLogger("specgguf")
 
 #: What :meth:`Engine.generate` takes: a text completed as is, a conversation rendered with
 #: the target's chat template, or token ids.
@@ -80,6 +83,12 @@ class Engine:
                 )
                 model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
+            if spec.draft_max > self.decoder.draft_capacity:
+                log.warning(
+                    "a draft length of %d does not fit a verification batch of %d tokens: "
+                    "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
+                    self.decoder.draft_capacity,
+                )  # fmt: skip
             self.drafting = Drafting(model_drafter, (spec.ngram_min, spec.ngram_max), self.timings)
         except BaseException:
             self._stack.close()
@@ -96,11 +105,17 @@ class Engine:
         )
 
     def _context(self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int) -> LlamaContext:
-        return self._stack.enter_context(
+        ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs
             )
         )
+        if ctx.n_ctx_allocated != n_ctx:
+            log.warning(
+                "%s: llama.cpp allocated a context of %d tokens for the %d asked for; "
+                "generation keeps to %d", model.path.name, ctx.n_ctx_allocated, n_ctx, ctx.n_ctx,
+            )  # fmt: skip
+        return ctx
 
     # -- prompts ----------------------------------------------------------------------
 

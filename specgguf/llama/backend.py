@@ -326,7 +326,9 @@ class LlamaContext(_Native):
         """
         n = len(tokens)
         if self.n_past + n > self.n_ctx:
-            raise ContextOverflowError(self.n_past + n, self.n_ctx)
+            raise ContextOverflowError(
+                self.n_past + n, self.n_ctx, prompt=False, model=self.model.path.name
+            )
         if logits == "all" and n > self.n_outputs_max:
             raise ValueError(f"logits='all' allows at most n_outputs_max={self.n_outputs_max}")
         lc = self._lc

@@ -16,6 +16,7 @@ from a model), as modified rejection sampling needs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Literal, Protocol
@@ -24,6 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.spec.sampling import Distribution, SamplerParams, distribution, sample
+
+log = logging.getLogger("specgguf")
 
 
 @dataclasses.dataclass
@@ -85,6 +88,12 @@ class Drafter(Protocol):
 class ModelDrafter:
     """Drafts with a small model whose vocabulary matches the target's.
 
+    The draft's KV cache holds the history from ``offset`` on. When the history (and the
+    draft) would not fit the draft's context, the cache starts again on the most recent
+    half of its context: the draft model then sees only the recent text, which costs
+    acceptance, never correctness (the target verifies every token). A warning says so
+    once.
+
     Args:
         ctx: the draft model's context (its own n_ctx, n_batch and threads).
         n_vocab_target: ids at or beyond this are never proposed (a draft vocabulary may
@@ -96,8 +105,10 @@ class ModelDrafter:
     def __init__(self, ctx: Evaluator, n_vocab_target: int) -> None:
         self.ctx = ctx
         self.n_vocab = min(n_vocab_target, ctx.n_vocab)
+        self.offset = 0  # the history index of the first token in the draft's KV cache
         self._held: list[int] = []  # the tokens in the draft's KV cache, in order
         self._synced = 0  # a prefix of _held known to equal the history's prefix
+        self._warned = False
         self.seconds = 0.0
         #: seconds per drafted token in the last proposal, catch-up evaluation excluded
         self.last_token_seconds = 0.0
@@ -108,23 +119,47 @@ class ModelDrafter:
         # The cache is kept: a new prompt that shares a prefix with it reuses that prefix.
         self._synced = 0
 
+    def _fit(self, history: Sequence[int], k: int) -> None:
+        """Keep the cache's window on ``history`` such that its tokens and ``k`` more
+        positions fit the draft's context; when they do not, start the window again on
+        the most recent half of the context (the cache is emptied)."""
+        n_ctx = self.ctx.n_ctx
+        if len(history) - self.offset + k <= n_ctx:
+            return
+        keep = max(1, min(n_ctx // 2, n_ctx - k))
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "the draft model's context (%d tokens) is smaller than the text so far "
+                "(%d tokens): it drafts from the most recent %d tokens",
+                n_ctx, len(history) + k, keep,
+            )  # fmt: skip
+        self.offset = len(history) - keep
+        self.ctx.rollback(0)
+        self._held.clear()
+        self._synced = 0
+
     def prefill(self, history: Sequence[int]) -> None:
         """Evaluate the prompt (all but its last token) ahead of generation, as the target
         does, so that drafting starts without a long catch-up."""
         t0 = time.perf_counter()
-        keep = min(self._common_prefix(history), len(history) - 1)
+        if self.offset > len(history) - 1 or self._common_prefix(history) == 0:
+            self.offset = 0  # another text: the window starts at its beginning
+        self._fit(history, 1)
+        keep = min(self._common_prefix(history), len(history) - 1 - self.offset)
         self.ctx.rollback(keep)
         del self._held[keep:]
-        if len(history) - 1 > keep:
-            self.ctx.eval(history[keep:-1], logits="none")
-            self._held.extend(history[keep:-1])
-        self._synced = len(history) - 1
+        start = self.offset + keep
+        if len(history) - 1 > start:
+            self.ctx.eval(history[start:-1], logits="none")
+            self._held.extend(history[start:-1])
+        self._synced = len(history) - 1 - self.offset
         self.seconds += time.perf_counter() - t0
 
     def cached_tokens(self, history: Sequence[int]) -> int:
-        """How many leading tokens of ``history`` the draft's cache holds (its drafts that
-        the target accepted included)."""
-        return self._common_prefix(history)
+        """How many leading tokens of ``history`` need no evaluation by the draft: those
+        before its window and those its cache holds (its accepted drafts included)."""
+        return self.offset + self._common_prefix(history)
 
     def propose(
         self,
@@ -139,19 +174,21 @@ class ModelDrafter:
         token whose probability under the draft is below ``p_min`` (0: never), and
         ``last_stopped`` tells whether it did."""
         self.last_stopped = False
-        # Positions the draft needs: len(history) - 1 + k (the k-th token is not evaluated).
-        k = min(k, self.ctx.n_ctx - len(history) + 1)
+        # A draft of k tokens evaluates k - 1 of them: never more than half the context.
+        k = min(k, max(1, self.ctx.n_ctx // 2))
         if k <= 0 or not history:
-            return Draft([])  # drafting pauses when the draft's context is full
+            return Draft([])
         t0 = time.perf_counter()
+        self._fit(history, k - 1)
         common = self._common_prefix(history)
         # At least the last history token is evaluated, to get logits after it.
-        keep = min(common, len(history) - 1)
+        keep = min(common, len(history) - 1 - self.offset)
         self.ctx.rollback(keep)
         del self._held[keep:]
-        logits = self.ctx.eval(history[keep:], logits="last")
-        self._held.extend(history[keep:])
-        self._synced = len(history)
+        start = self.offset + keep
+        logits = self.ctx.eval(history[start:], logits="last")
+        self._held.extend(history[start:])
+        self._synced = len(history) - self.offset
         t_first = time.perf_counter()
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []
@@ -177,16 +214,16 @@ class ModelDrafter:
         # The first evaluation may catch up on many tokens; the others are one token each.
         if len(tokens) > 1:
             self.last_token_seconds = (t_end - t_first) / (len(tokens) - 1)
-        elif keep >= len(history) - 2:
+        elif start >= len(history) - 2:
             self.last_token_seconds = t_end - t0
         return Draft(tokens, dists)
 
     def _common_prefix(self, history: Sequence[int]) -> int:
-        """How many leading tokens of the cache equal the history's (only the tail past
-        the last sync can differ: the history is append-only)."""
+        """How many leading tokens of the cache equal the history's from ``offset`` on
+        (only the tail past the last sync can differ: the history is append-only)."""
         n = min(self._synced, len(self._held))
-        limit = min(len(self._held), len(history))
-        while n < limit and self._held[n] == history[n]:
+        limit = min(len(self._held), len(history) - self.offset)
+        while n < limit and self._held[n] == history[self.offset + n]:
             n += 1
         return n
 
