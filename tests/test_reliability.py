@@ -130,3 +130,53 @@ def test_draft_context_smaller_than_the_prompt_real_pair(
         assert res.returncode == 0, res.stderr.decode()
         assert json.loads(res.stdout)["tokens"] == alone["tokens"]
         assert res.stderr.decode().count("draft model's context (256 tokens)") == 1
+
+
+def test_a_forced_configuration_slower_than_the_target_alone_is_reported(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The target alone's rate comes from the pair's calibration: plant one that is far
+    # faster than any run (the message must appear) and one far slower (it must not).
+    from specgguf.engine.calibration import save_calibration
+    from specgguf.spec.planner import Timings
+
+    from .helpers import load_engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target, draft = tiny_models["target"], tiny_models["draft-partial"]
+    with load_engine(target, draft, n_ctx=512, n_batch=2048) as engine:
+        key = engine._calibration_key()
+    args = ["run", "-m", str(target), "-md", str(draft), "--drafter", "model", "--draft", "8",
+            "-c", "512", "-n", "32", "--temp", "1.5", "--seed", "1", "hello"]  # fmt: skip
+    # Nothing calibrated yet: measured after the run (three decode steps).
+    measured = json.loads(run_cli(*args, "--json").stdout)["stats"]["target_alone_tokens_per_s"]
+    assert measured > 1.0
+    save_calibration(key, Timings({1: 1e-6}, 0.0))  # a target alone at 10^6 tokens/s
+    res = run_cli(*args)
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    assert "speculation made this run slower" in err and "1000000.0 tokens/s" in err
+    out = json.loads(run_cli(*args, "--json").stdout)
+    assert out["stats"]["target_alone_tokens_per_s"] == pytest.approx(1e6)
+    save_calibration(key, Timings({1: 10.0}, 0.0))  # a target alone at 0.1 tokens/s
+    assert "speculation made this run slower" not in run_cli(*args).stderr.decode()
+    # auto mode is not compared: it never speculates where it loses
+    auto = run_cli(*[a if a != "model" else "auto" for a in args]).stderr.decode()
+    assert "speculation made this run slower" not in auto
+
+
+def test_the_live_panel_says_when_speculation_loses() -> None:
+    from rich.console import Console
+
+    from specgguf.cli.display import LiveStats
+    from specgguf.spec.loop import GenerationStats
+
+    def panel(target_alone: float) -> str:
+        stats = GenerationStats(generated=64, seconds=10.0)  # 6.4 tokens/s
+        con = Console(width=200, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+        con.print(LiveStats(stats, enabled=True, target_alone=target_alone)._render())
+        return con.export_text()
+
+    assert "slower than the target alone" in panel(31.0)
+    assert "slower than the target alone" not in panel(6.5)
+    assert "target alone ~31.0 tokens/s" in panel(31.0)

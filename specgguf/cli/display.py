@@ -34,6 +34,27 @@ def live_allowed(stdout: IO[Any] | None = None, stderr: IO[Any] | None = None) -
     return stderr.isatty() and not (stdout.isatty() and _same_terminal(stdout, stderr))
 
 
+#: A forced configuration slower than this share of the target alone's rate is reported.
+LOSS_MARGIN = 0.8
+
+
+def speculation_lost(stats: GenerationStats, target_alone: float | None) -> bool:
+    """Whether a run was clearly slower (``LOSS_MARGIN``) than the target alone would be
+    (``target_alone``: tokens/s, see :meth:`specgguf.engine.Engine.target_alone_rate`)."""
+    return bool(
+        target_alone and stats.generated and stats.tokens_per_s < LOSS_MARGIN * target_alone
+    )
+
+
+def loss_line(stats: GenerationStats, target_alone: float) -> str:
+    """What to tell a user whose forced configuration lost to the target alone."""
+    return (
+        f"specgguf: speculation made this run slower: {stats.tokens_per_s:.1f} tokens/s "
+        f"against about {target_alone:.1f} tokens/s for the target alone here "
+        f"(acceptance {stats.acceptance_rate:.0%}); --drafter auto speculates only where it pays"
+    )
+
+
 def summary_line(stats: GenerationStats, finish_reason: str | None = None) -> str:
     """One line with everything that matters, e.g. ``128 tokens in 10.3 s, 12.4 tokens/s;
     acceptance 78% (90/115), 3.27 per step, K=4; target 5.7 s, draft 4.8 s, other 0.1 s``."""
@@ -60,9 +81,17 @@ class LiveStats:
     acceptance rate, mean accepted per step, current draft length, elapsed time, and the
     target/draft/other time split. A no-op when ``enabled`` is False."""
 
-    def __init__(self, stats: GenerationStats, *, enabled: bool, window: float = 3.0) -> None:
+    def __init__(
+        self,
+        stats: GenerationStats,
+        *,
+        enabled: bool,
+        window: float = 3.0,
+        target_alone: float | None = None,
+    ) -> None:
         self.stats = stats
         self.enabled = enabled
+        self.target_alone = target_alone
         self.window = window
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
         self._t0 = time.perf_counter()
@@ -122,8 +151,11 @@ class LiveStats:
             f"target {s.target_seconds / total:4.0%}",
             f"draft {s.draft_seconds / total:4.0%}",
             f"other {s.python_seconds / total:4.0%}",
-            "",
+            f"target alone ~{self.target_alone:.1f} tokens/s" if self.target_alone else "",
         )
+        if s.generated >= 16 and speculation_lost(s, self.target_alone):
+            t.add_row("[bold red]slower than the target alone[/]", "try --drafter auto", "", "",
+                      "", "")  # fmt: skip
         return t
 
     def __exit__(
@@ -137,11 +169,14 @@ class LiveStats:
             self._live = None
 
 
-def stream(gen: Generation, *, write: bool, live: bool) -> tuple[GenerationResult, bool]:
+def stream(
+    gen: Generation, *, write: bool, live: bool, target_alone: float | None = None
+) -> tuple[GenerationResult, bool]:
     """Run ``gen`` to its end: each piece of text to stdout as it comes (when ``write``),
-    the live panel on stderr (when ``live``). Ctrl-C stops the generation and keeps what
-    was committed. Returns the result and whether it was interrupted."""
-    panel = LiveStats(gen.stats, enabled=live)
+    the live panel on stderr (when ``live``; it compares with ``target_alone`` tokens/s
+    when given). Ctrl-C stops the generation and keeps what was committed. Returns the
+    result and whether it was interrupted."""
+    panel = LiveStats(gen.stats, enabled=live, target_alone=target_alone)
     try:
         with panel:
             for piece in gen:

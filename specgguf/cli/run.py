@@ -93,7 +93,13 @@ def run(
     Exit codes: 0 done, 2 usage, 3 model file, 4 incompatible draft, 5 does not fit,
     9 llama.cpp error, 130 interrupted, 141 stdout closed.
     """
-    from specgguf.cli.display import live_allowed, stream, summary_line
+    from specgguf.cli.display import (
+        live_allowed,
+        loss_line,
+        speculation_lost,
+        stream,
+        summary_line,
+    )
     from specgguf.cli.prompt import read_prompt
     from specgguf.engine import Engine, preflight, render_prompt
     from specgguf.errors import Interrupted, UsageError
@@ -124,14 +130,20 @@ def run(
     with Engine(config, checked=checked) as engine:
         ids = engine.tokenize(prepared.text, add_special=prepared.add_special)
         gen = engine.generate(ids, params)
+        # A forced drafter is compared with the target alone (auto mode never loses).
+        forced = config.speculative.drafter not in ("auto", "none")
+        alone = engine.target_alone_rate(measure=False) if forced else None
         live = not quiet and not json_out and live_allowed()
-        result, interrupted = stream(gen, write=not json_out, live=live)
+        result, interrupted = stream(gen, write=not json_out, live=live, target_alone=alone)
+        if forced and alone is None and not interrupted:
+            alone = engine.target_alone_rate()
         if json_out:
             print_json({
                 "text": result.text,
                 "tokens": result.tokens,
                 "finish_reason": result.finish_reason,
-                "stats": result.stats.as_dict(),
+                "stats": {**result.stats.as_dict(), "target_alone_tokens_per_s":
+                          round(alone, 3) if alone else None},
                 "models": {**{k: engine.describe()[k] for k in ("target", "draft")},
                            "drafter": config.speculative.drafter},
                 "params": {
@@ -145,5 +157,7 @@ def run(
         elif sys.stdout.isatty() and result.text and not result.text.endswith("\n"):
             print(file=sys.stderr)
         say(summary_line(result.stats, result.finish_reason))
+        if alone is not None and speculation_lost(result.stats, alone):
+            say(loss_line(result.stats, alone))
         if interrupted:
             raise Interrupted()

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from specgguf.engine.calibration import calibration_key, pair_timings
+from specgguf.engine.calibration import calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import EngineConfig, ModelConfig, check_drafter, check_p_min
 from specgguf.engine.drafting import DRAFTERS, Drafting
@@ -32,7 +32,7 @@ from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.spec.drafters import ModelDrafter
 from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import Planner, Timings
+from specgguf.spec.planner import Planner, Timings, calibrate
 
 log = logging.getLogger("specgguf")
 
@@ -221,16 +221,38 @@ class Engine:
         """
         if self._timings is not None and not recalibrate:
             return self._timings
-        key = calibration_key(
+        self._timings = pair_timings(
+            self._calibration_key(), self.target_ctx, self.draft_ctx, self._calibration_ids(),
+            recalibrate=recalibrate,
+        )  # fmt: skip
+        return self._timings
+
+    def _calibration_key(self) -> str:
+        return calibration_key(
             build_key(build_info()), self.target_model.path,
             self.draft_model.path if self.draft_model else None, self.n_threads,
             self.target_model.use_extra_bufts,
         )  # fmt: skip
-        ids = self.target_model.tokenize(_CALIBRATION_TEXT, add_special=False)
-        self._timings = pair_timings(
-            key, self.target_ctx, self.draft_ctx, ids, recalibrate=recalibrate
-        )
-        return self._timings
+
+    def _calibration_ids(self) -> list[int]:
+        return self.target_model.tokenize(_CALIBRATION_TEXT, add_special=False)
+
+    def target_alone_rate(self, *, measure: bool = True) -> float | None:
+        """Tokens/s the target alone reaches on this machine (1 / its one-token decode
+        time): from the pair's timings when known (auto mode, the calibration cache), else
+        measured now when ``measure`` (three decode steps, a fraction of a second; the KV
+        cache ends empty), else None. Python's share of a real run is not counted, so a
+        real target-alone run is a few percent slower.
+
+        Raises:
+            BackendError: an evaluation failed.
+        """
+        t = self._timings or load_calibration(self._calibration_key())
+        if t is None:
+            if not measure:
+                return None
+            t = calibrate(self.target_ctx, None, self._calibration_ids(), sizes=(1,), repeats=3)
+        return 1.0 / t.verify_time(1)
 
     def describe(self) -> dict[str, Any]:
         """What is loaded, JSON-able: model files, context sizes, drafter defaults."""
