@@ -318,3 +318,15 @@ def test_draft_context_smaller_than_the_prompt_drafts_from_a_window(
     assert max(e[1] + len(e[2]) for e in draft_ctx.log if e[0] == "eval") <= 16
     warnings = [r for r in caplog.records if "draft model's context" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_model_drafter_notices_a_cache_rolled_back_by_someone_else() -> None:
+    # A calibration between two generations empties the draft's KV cache behind the
+    # drafter's back: the next generation must not assume the prompt is still there.
+    draft_ctx = FakeContext(one_hot_rule(target_next, V), V)
+    drafter = ModelDrafter(draft_ctx, V)  # type: ignore[arg-type]
+    dec = make(drafter)[0]
+    run(dec, [1, 2, 3, 4], n_predict=8, draft_max=4)
+    draft_ctx.rollback(0)
+    res = run(dec, [1, 2, 3, 4], n_predict=8, draft_max=4)
+    assert res.tokens == truth([1, 2, 3, 4], 8) and res.stats.acceptance_rate == 1.0

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from specgguf.hub import testmodels
-from specgguf.llama.backend import LlamaModel, batch_invariance
+from specgguf.llama.backend import LlamaModel
+from specgguf.llama.invariance import batch_invariance
 from specgguf.spec.loop import GenerationParams
 from specgguf.spec.sampling import SamplerParams
 

@@ -38,6 +38,14 @@ def bench(
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=256)] = 4096,
     threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
     no_repack: Annotated[bool, typer.Option("-nr", "--no-repack")] = False,
+    deterministic: Annotated[
+        bool,
+        typer.Option(
+            "--deterministic",
+            help="Also measure deterministic mode (det-target, det-model-K, det-ngram-K, "
+            "det-auto) side by side.",
+        ),
+    ] = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="All numbers as JSON on stdout.")
     ] = False,
@@ -73,13 +81,16 @@ def bench(
     draft_max = max(AUTO_DRAFT_MAX, *ks)
     config = o.engine_config(
         model=model, model_draft=model_draft, drafter="auto", draft=draft_max,
-        ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry, say=say,
+        ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry,
+        deterministic=deterministic, say=say,
     )  # fmt: skip
     configs = [("target", "none", 0)]
     if config.loads_draft:
         configs += [(f"model-K{k}", "model", k) for k in ks]
     configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
     configs.append(("auto", "auto", draft_max))
+    if deterministic:
+        configs += [("det-" + name, kind, k) for name, kind, k in configs]
     with Engine(config) as engine:
         report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
                            progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip

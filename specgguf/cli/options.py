@@ -53,6 +53,14 @@ DraftPMinOpt = Annotated[
 NoCheckOpt = Annotated[
     bool, typer.Option("--no-check", help="Skip the vocabulary check (with a warning).")
 ]
+DeterministicOpt = Annotated[
+    bool,
+    typer.Option(
+        "--deterministic",
+        help="Output independent of the drafter, K and timings (greedy; sampling with "
+        "--seed): fixed verification batch shapes, measured at start.",
+    ),
+]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Load even when the models seem not to fit.")
 ]
@@ -87,6 +95,7 @@ def engine_config(
     no_check: bool = False,
     force: bool = False,
     registry: Path | None = None,
+    deterministic: bool = False,
     say: Callable[[str], None] = lambda msg: None,
 ) -> EngineConfig:
     """The engine configuration the flags ask for. Without a target model, the registry's
@@ -139,4 +148,4 @@ def engine_config(
     if no_check and draft_model is not None:
         say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
     return EngineConfig(target, draft_model, spec, check_vocab=not no_check,
-                        check_memory=not force)  # fmt: skip
+                        check_memory=not force, deterministic=deterministic)  # fmt: skip

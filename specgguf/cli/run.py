@@ -79,6 +79,7 @@ def run(
     ] = False,
     no_check: o.NoCheckOpt = False,
     force: o.ForceOpt = False,
+    deterministic: o.DeterministicOpt = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="One JSON object at the end instead of text.")
     ] = False,
@@ -112,7 +113,8 @@ def run(
         model=model, model_draft=model_draft, drafter=drafter, draft=draft, ctx_size=ctx_size,
         ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
-        draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry, say=say,
+        draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry,
+        deterministic=deterministic, say=say,
     )  # fmt: skip
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
@@ -151,7 +153,7 @@ def run(
                     "n_ctx": checked.n_ctx, "temperature": temp, "top_k": top_k,
                     "top_p": top_p, "min_p": min_p, "seed": seed_used,
                     "stop": list(params.stop), "chat_template": prepared.templated,
-                    "prompt_tokens": len(ids),
+                    "prompt_tokens": len(ids), "deterministic": deterministic,
                 },
             })  # fmt: skip
         elif sys.stdout.isatty() and result.text and not result.text.endswith("\n"):

@@ -124,12 +124,16 @@ def load_prompts(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def run_one(engine: Engine, ids: Sequence[int], kind: str, k: int, n: int) -> GenerationStats:
+def run_one(
+    engine: Engine, ids: Sequence[int], kind: str, k: int, n: int, *, deterministic: bool = False
+) -> GenerationStats:
     """One greedy generation of ``n`` tokens with the drafter ``kind`` and draft length
-    (or, for auto, the largest) ``k``; returns its statistics."""
+    (or, for auto, the largest) ``k``, in deterministic mode or not; returns its
+    statistics."""
     params = GenerationParams(
-        n_predict=n, sampler=SamplerParams(temperature=0), drafter=kind, draft_max=k
-    )
+        n_predict=n, sampler=SamplerParams(temperature=0), drafter=kind, draft_max=k,
+        deterministic=deterministic,
+    )  # fmt: skip
     return engine.generate(ids, params).run().stats
 
 
@@ -169,7 +173,9 @@ def run_bench(
     progress: Callable[[str], None] = lambda msg: None,
 ) -> dict[str, Any]:
     """Run every (prompt, configuration) ``rounds`` times, interleaved; returns the report
-    (``machine``, ``results`` with one entry per category and configuration, ``memory``)."""
+    (``machine``, ``results`` with one entry per category and configuration, ``memory``).
+    A configuration named ``det-...`` runs in deterministic mode; its speedup is against
+    the target alone in normal mode."""
     from specgguf.llama.memory import kv_cache_bytes
     from specgguf.llama.runtime import build_info, platform_summary
 
@@ -179,11 +185,13 @@ def run_bench(
     # Timings measured now, in this run, for auto mode and for the cost-model limit.
     progress("calibrating")
     engine.timings(recalibrate=True)
+    if any(name.startswith("det-") for name, _, _ in configs):
+        engine.timings(True, recalibrate=True)
     for r in range(rounds):
         for cat, _ in prompts:
             for name, kind, k in configs:
                 progress(f"round {r + 1}/{rounds}: {cat} {name}")
-                s = run_one(engine, ids[cat], kind, k, n)
+                s = run_one(engine, ids[cat], kind, k, n, deterministic=name.startswith("det-"))
                 cells.setdefault((cat, name), Cell(cat, name)).add(s)
     wall = time.perf_counter() - t0
     timings = engine.timings()

@@ -23,11 +23,17 @@ def _file_key(path: Path) -> str:
 
 
 def calibration_key(
-    build: str, target: Path, draft: Path | None, n_threads: int, repack: bool
+    build: str,
+    target: Path,
+    draft: Path | None,
+    n_threads: int,
+    repack: bool,
+    rows_per_decode: int = 0,
 ) -> str:
-    """The cache key of one pair on one build: files by path, size and modification time."""
+    """The cache key of one pair on one build: files by path, size and modification time,
+    and deterministic mode's rows per decode (0: off)."""
     parts = [build, _file_key(target), _file_key(draft) if draft else "-", str(n_threads),
-             str(repack)]  # fmt: skip
+             str(repack)] + ([f"rows={rows_per_decode}"] if rows_per_decode else [])  # fmt: skip
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

@@ -118,6 +118,9 @@ class EngineConfig:
         speculative: the drafter and its settings.
         check_vocab: check before loading that the draft's vocabulary matches the target's.
         check_memory: refuse before loading when the models clearly do not fit in memory.
+        deterministic: greedy output bit-identical whatever the drafter, the draft length
+            and timings, and sampled output with a seed too (see README, "Exactness"):
+            measured and set up at load, the default of every generation.
 
     Raises:
         UsageError: the "model" drafter without a draft model.
@@ -128,6 +131,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     check_vocab: bool = True
     check_memory: bool = True
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.speculative.drafter == "model" and self.draft is None:

@@ -2,8 +2,8 @@
 (:class:`specgguf.spec.drafters.Drafter`) and one entry in :data:`DRAFTERS`.
 
 A factory makes the planner of one generation from what the engine loaded
-(:class:`Drafting`), the draft length and ``p_min`` of that generation: a fixed drafter is
-a :class:`~specgguf.spec.planner.FixedPlanner`; auto mode an
+(:class:`Drafting`) and that generation's settings (:class:`DraftSettings`): a fixed
+drafter is a :class:`~specgguf.spec.planner.FixedPlanner`; auto mode an
 :class:`~specgguf.spec.planner.AutoPlanner` over every drafter that is loaded.
 """
 
@@ -25,7 +25,9 @@ class Drafting:
 
     model: ModelDrafter | None
     ngram: tuple[int, int]
-    timings: Callable[[], Timings]
+    #: the pair's timings, measured on first use, for normal (False) or deterministic
+    #: (True) verification batches
+    timings: Callable[[bool], Timings]
 
     def require_model(self) -> ModelDrafter:
         """Raises UsageError when no draft model was loaded."""
@@ -34,20 +36,29 @@ class Drafting:
         return self.model
 
 
-PlannerFactory = Callable[[Drafting, int, float], Planner]
+@dataclasses.dataclass(frozen=True)
+class DraftSettings:
+    """One generation's drafting: the draft length, p_min, and deterministic mode."""
+
+    draft_max: int
+    p_min: float = 0.0
+    deterministic: bool = False
 
 
-def _auto(d: Drafting, draft_max: int, p_min: float) -> Planner:
+PlannerFactory = Callable[[Drafting, DraftSettings], Planner]
+
+
+def _auto(d: Drafting, s: DraftSettings) -> Planner:
     return AutoPlanner(
-        d.timings(), model=d.model, ngram=NgramDrafter(*d.ngram), draft_max=draft_max,
-        draft_max_model=min(AUTO_DRAFT_MAX, draft_max), p_min=p_min,
+        d.timings(s.deterministic), model=d.model, ngram=NgramDrafter(*d.ngram),
+        draft_max=s.draft_max, draft_max_model=min(AUTO_DRAFT_MAX, s.draft_max), p_min=s.p_min,
     )  # fmt: skip
 
 
-#: Drafter kind -> the planner for one generation, given the draft length and p_min.
+#: Drafter kind -> the planner for one generation.
 DRAFTERS: dict[str, PlannerFactory] = {
     "auto": _auto,
-    "model": lambda d, k, p: FixedPlanner(d.require_model(), k, p_min=p),
-    "ngram": lambda d, k, p: FixedPlanner(NgramDrafter(*d.ngram), k),
-    "none": lambda d, k, p: FixedPlanner(None, 0),
+    "model": lambda d, s: FixedPlanner(d.require_model(), s.draft_max, p_min=s.p_min),
+    "ngram": lambda d, s: FixedPlanner(NgramDrafter(*d.ngram), s.draft_max),
+    "none": lambda d, s: FixedPlanner(None, 0),
 }

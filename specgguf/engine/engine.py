@@ -18,6 +18,7 @@ at a time (they share the KV caches).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,9 +26,9 @@ from typing import Any
 from specgguf.engine.calibration import calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import EngineConfig, ModelConfig, check_drafter, check_p_min
-from specgguf.engine.drafting import DRAFTERS, Drafting
+from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
 from specgguf.engine.preflight import Preflight, preflight
-from specgguf.errors import UsageError
+from specgguf.errors import BackendError, UsageError
 from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.spec.drafters import ModelDrafter
@@ -62,15 +63,20 @@ class Engine:
     def __init__(self, config: EngineConfig, *, checked: Preflight | None = None) -> None:
         self.config = config
         self.preflight = checked or preflight(config)
-        self._timings: Timings | None = None
+        self._timings: dict[bool, Timings] = {}  # by deterministic mode
+        #: deterministic mode's most rows per decode (0: the engine was not set up for it)
+        self.deterministic_rows = 0
         self._stack = contextlib.ExitStack()
         spec = config.speculative
         try:
             self.target_model = self._load(config.target)
             # A verification needs K + 1 outputs; llama.cpp sizes its logits buffer by this.
             self.target_ctx = self._context(
-                self.target_model, config.target, self.preflight.n_ctx, spec.draft_max + 1
-            )
+                self.target_model, config.target, self.preflight.n_ctx, spec.draft_max + 1,
+                reserve=int(config.deterministic),
+            )  # fmt: skip
+            if config.deterministic:
+                self._set_up_deterministic()
             self.draft_model: LlamaModel | None = None
             self.draft_ctx: LlamaContext | None = None
             model_drafter = None
@@ -94,6 +100,27 @@ class Engine:
             self._stack.close()
             raise
 
+    def _set_up_deterministic(self) -> None:
+        """Measure (or read from the cache) the batch shapes whose logits are identical on
+        this model and build (:func:`specgguf.llama.invariance.deterministic_rows`).
+
+        Raises:
+            BackendError: no batch shape gives reproducible logits here.
+        """
+        from specgguf.llama.invariance import deterministic_rows
+
+        rows, diffs = deterministic_rows(self.target_model, n_threads=self.config.target.n_threads)
+        rows = min(rows, self.target_ctx.n_batch)
+        if rows < 2:
+            detail = ", ".join(f"{b} rows: {d:.3g}" for b, d in sorted(diffs.items()) if b)
+            raise BackendError(
+                f"deterministic mode is not possible with this llama.cpp build and "
+                f"{self.target_model.path.name}: no batch shape gives the same logits for the "
+                f"same tokens (largest differences: {detail})"
+            )
+        self.deterministic_rows = rows
+        log.info("deterministic mode: verification in batches of 2 to %d rows", rows)
+
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
         """``Engine(config)``: check, then load (see the class)."""
@@ -104,13 +131,16 @@ class Engine:
             LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack)
         )
 
-    def _context(self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int) -> LlamaContext:
+    def _context(
+        self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int, *, reserve: int = 0
+    ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
-                n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs
+                n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
+                reserve=reserve,
             )
-        )
-        if ctx.n_ctx_allocated != n_ctx:
+        )  # fmt: skip
+        if ctx.n_ctx_allocated != n_ctx and not reserve:
             log.warning(
                 "%s: llama.cpp allocated a context of %d tokens for the %d asked for; "
                 "generation keeps to %d", model.path.name, ctx.n_ctx_allocated, n_ctx, ctx.n_ctx,
@@ -170,7 +200,8 @@ class Engine:
             raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
         p_min = spec.p_min if params.p_min is None else params.p_min
         check_p_min(p_min)
-        return DRAFTERS[kind](self.drafting, draft_max, p_min)
+        det = self.config.deterministic if params.deterministic is None else params.deterministic
+        return DRAFTERS[kind](self.drafting, DraftSettings(draft_max, p_min, bool(det)))
 
     def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
         """Start a generation: iterate the result for text pieces; ``result`` holds the
@@ -186,8 +217,14 @@ class Engine:
             ContextOverflowError: the prompt leaves no room to generate.
         """
         params = params or GenerationParams()
+        det = self.config.deterministic if params.deterministic is None else params.deterministic
+        if det and not self.deterministic_rows:
+            raise UsageError("a deterministic generation needs an engine set up for it")
+        params = dataclasses.replace(params, deterministic=det)
         planner = self.planner(params)
-        return self.decoder.generate(self.prompt_ids(prompt), params, planner)
+        ids = self.prompt_ids(prompt)
+        self.target_ctx.rows_per_decode = self.deterministic_rows if det else None
+        return self.decoder.generate(ids, params, planner)
 
     # -- facts ------------------------------------------------------------------------
 
@@ -211,27 +248,35 @@ class Engine:
         """Whether the target's weights are repacked (llama.cpp's extra buffer types)."""
         return self.target_model.use_extra_bufts
 
-    def timings(self, *, recalibrate: bool = False) -> Timings:
+    def timings(self, deterministic: bool = False, *, recalibrate: bool = False) -> Timings:
         """The target's verification and the draft's step timings on this machine, for
-        auto mode: from the calibration cache, or measured now (a few seconds) and cached
+        auto mode (``deterministic``: with deterministic mode's batch shapes): from the
+        calibration cache, or measured now (a few seconds) and cached
         (:mod:`specgguf.engine.calibration`).
 
         Raises:
             BackendError: an evaluation failed.
         """
-        if self._timings is not None and not recalibrate:
-            return self._timings
-        self._timings = pair_timings(
-            self._calibration_key(), self.target_ctx, self.draft_ctx, self._calibration_ids(),
-            recalibrate=recalibrate,
-        )  # fmt: skip
-        return self._timings
+        det = deterministic and bool(self.deterministic_rows)
+        if det in self._timings and not recalibrate:
+            return self._timings[det]
+        saved = self.target_ctx.rows_per_decode
+        self.target_ctx.rows_per_decode = self.deterministic_rows if det else None
+        try:
+            self._timings[det] = pair_timings(
+                self._calibration_key(det), self.target_ctx, self.draft_ctx,
+                self._calibration_ids(), recalibrate=recalibrate,
+            )  # fmt: skip
+        finally:
+            self.target_ctx.rows_per_decode = saved
+        return self._timings[det]
 
-    def _calibration_key(self) -> str:
+    def _calibration_key(self, deterministic: bool = False) -> str:
         return calibration_key(
             build_key(build_info()), self.target_model.path,
             self.draft_model.path if self.draft_model else None, self.n_threads,
             self.target_model.use_extra_bufts,
+            self.deterministic_rows if deterministic else 0,
         )  # fmt: skip
 
     def _calibration_ids(self) -> list[int]:
@@ -247,7 +292,7 @@ class Engine:
         Raises:
             BackendError: an evaluation failed.
         """
-        t = self._timings or load_calibration(self._calibration_key())
+        t = self._timings.get(False) or load_calibration(self._calibration_key())
         if t is None:
             if not measure:
                 return None

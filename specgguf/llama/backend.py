@@ -203,11 +203,14 @@ class LlamaModel(_Native):
         n_threads_batch: int | None = None,
         n_outputs_max: int = 64,
         n_ubatch: int | None = None,
+        reserve: int = 0,
     ) -> LlamaContext:
-        """A new context (KV cache of ``n_ctx`` positions) on this model."""
+        """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
+        deterministic mode's throw-away rows use) on this model."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
+            reserve=reserve,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -262,6 +265,7 @@ class LlamaContext(_Native):
         n_threads_batch: int | None = None,
         n_outputs_max: int = 64,
         n_ubatch: int | None = None,
+        reserve: int = 0,
     ) -> None:
         self._lc = lc = model._lc
         self.model = model
@@ -269,7 +273,7 @@ class LlamaContext(_Native):
         self._batch: Any = None  # a llama_batch struct (ctypes)
         threads = n_threads or default_threads()
         params = lc.llama_context_default_params()
-        params.n_ctx = n_ctx
+        params.n_ctx = n_ctx + reserve if n_ctx > 0 else 0
         params.n_batch = n_batch
         if n_ubatch is None:
             n_ubatch = 512 if lc.llama_supports_gpu_offload() else 128
@@ -289,8 +293,13 @@ class LlamaContext(_Native):
         model._contexts.add(self)
         #: KV-cache positions llama.cpp allocated (it rounds a request up, to 256 at least)
         self.n_ctx_allocated: int = lc.llama_n_ctx(ctx)
-        #: positions this context uses: the size asked for (0: what llama.cpp chose)
+        n_ctx = min(n_ctx, self.n_ctx_allocated - reserve) if n_ctx > 0 else 0
+        #: positions this context uses: the size asked for (0: what llama.cpp chose), one
+        #: fewer when nothing is left for deterministic mode's throw-away row
         self.n_ctx: int = min(n_ctx, self.n_ctx_allocated) if n_ctx > 0 else self.n_ctx_allocated
+        #: deterministic mode: the most rows per ``llama_decode`` when logits are returned
+        #: (None: any number); set it with :meth:`set_rows_per_decode`
+        self.rows_per_decode: int | None = None
         self.n_batch: int = lc.llama_n_batch(ctx)
         self.n_outputs_max = min(n_outputs_max, self.n_batch)
         self.n_vocab: int = model.n_vocab
@@ -316,9 +325,15 @@ class LlamaContext(_Native):
         """Append ``tokens`` at positions ``n_past ...`` and return the logits requested.
 
         Tokens beyond ``n_batch`` are decoded in several batches. Returns a read-only
-        ``float32[n_out, n_vocab]`` view of llama.cpp's output buffer: ``n_out`` is 1 for
-        "last", ``len(tokens)`` for "all" (only allowed when it fits one batch), 0 for
-        "none". The view is valid until the next ``eval`` on this context.
+        ``float32[n_out, n_vocab]`` array of logits: ``n_out`` is 1 for "last",
+        ``len(tokens)`` for "all" (only allowed when it fits one batch), 0 for "none";
+        a view of llama.cpp's output buffer, valid until the next ``eval``.
+
+        With ``rows_per_decode`` set (deterministic mode), an evaluation that returns
+        logits is decoded in batches of 2 to ``rows_per_decode`` rows, a lone row with a
+        throw-away second row after it (removed again), so that every row's logits come
+        from the same kernels whatever the number of tokens (see
+        :mod:`specgguf.llama.invariance`).
 
         Raises:
             ContextOverflowError: the tokens do not fit the KV cache.
@@ -331,43 +346,97 @@ class LlamaContext(_Native):
             )
         if logits == "all" and n > self.n_outputs_max:
             raise ValueError(f"logits='all' allows at most n_outputs_max={self.n_outputs_max}")
-        lc = self._lc
         t0 = time.perf_counter()
-        n_out = 0
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            m = len(chunk)
-            self._tok[:m] = chunk
-            self._pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
-            is_last_chunk = start + m == n
-            if logits == "all":
-                self._out[:m] = 1
-                n_out = m
+        try:
+            if self.rows_per_decode and logits != "none" and n:
+                return self._eval_rows(tokens, logits == "all")
+            n_out = 0
+            for start in range(0, n, self.n_batch):
+                chunk = tokens[start : start + self.n_batch]
+                last = start + len(chunk) == n
+                if logits == "all":
+                    n_out = self._decode(chunk, outputs="all")
+                else:
+                    n_out = self._decode(
+                        chunk, outputs="last" if logits == "last" and last else "none"
+                    )
+            if n_out:
+                ptr = self._lc.llama_get_logits(self._ctx)
+                out = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
             else:
-                self._out[:m] = 0
-                if logits == "last" and is_last_chunk:
-                    self._out[m - 1] = 1
-                    n_out = 1
-            self._batch.n_tokens = m
-            rc = lc.llama_decode(self._ctx, self._batch)
-            if rc != 0:
-                self.eval_seconds += time.perf_counter() - t0
-                # On failure llama.cpp restores the cache (or keeps processed ubatches):
-                # remove anything past what we know is committed.
-                lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
-                raise BackendError(
-                    f"llama_decode failed with code {rc} on {self.model.path.name} "
-                    f"({m} tokens at position {self.n_past})"
-                )
-            self.n_past += m
-        if n_out:
-            ptr = lc.llama_get_logits(self._ctx)
-            out = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
-        else:
-            out = np.empty((0, self.n_vocab), np.float32)
-        self.eval_seconds += time.perf_counter() - t0
+                out = np.empty((0, self.n_vocab), np.float32)
+            out.flags.writeable = False
+            return out
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def _decode(
+        self, chunk: Sequence[int], *, outputs: Literal["all", "last", "none"], pad: bool = False
+    ) -> int:
+        """One ``llama_decode`` of ``chunk`` at ``n_past`` (and, with ``pad``, a throw-away
+        row after it, removed again); returns the number of output rows."""
+        m = len(chunk)
+        rows = m + pad
+        self._tok[:m] = chunk
+        if pad:
+            self._tok[m] = chunk[-1]
+        self._pos[:rows] = np.arange(self.n_past, self.n_past + rows, dtype=np.int32)
+        self._out[:rows] = 1 if outputs == "all" else 0
+        if outputs == "last":
+            self._out[m - 1] = 1
+        if pad:
+            self._out[m] = 0
+        self._batch.n_tokens = rows
+        rc = self._lc.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            # On failure llama.cpp restores the cache (or keeps processed ubatches):
+            # remove anything past what we know is committed.
+            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+            raise BackendError(
+                f"llama_decode failed with code {rc} on {self.model.path.name} "
+                f"({m} tokens at position {self.n_past})"
+            )
+        self.n_past += m
+        if pad:
+            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+        return m if outputs == "all" else int(outputs == "last")
+
+    def _eval_rows(self, tokens: Sequence[int], all_rows: bool) -> npt.NDArray[np.float32]:
+        """``eval`` in decode calls of 2 to ``rows_per_decode`` rows, sizes as even as
+        possible (a lone row padded); the logits rows copied out of llama.cpp's buffer."""
+        n, r = len(tokens), self.rows_per_decode
+        assert r is not None and r >= 2
+        n_calls = -(-n // r)
+        out = np.empty((n if all_rows else 1, self.n_vocab), np.float32)
+        done = 0
+        for i in range(n_calls):
+            size = n // n_calls + (i < n % n_calls)
+            chunk = tokens[done : done + size]
+            last = done + size == n
+            want: Literal["all", "last", "none"] = "all" if all_rows else "last" if last else "none"
+            self._decode(chunk, outputs=want, pad=size == 1)
+            ptr = self._lc.llama_get_logits(self._ctx)
+            if all_rows:
+                out[done : done + size] = np.ctypeslib.as_array(ptr, shape=(size, self.n_vocab))
+            elif last:
+                out[0] = np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab))[0]
+            done += size
         out.flags.writeable = False
         return out
+
+    def set_rows_per_decode(self, rows: int | None) -> None:
+        """Deterministic mode on (``rows``: 2 or more, see :meth:`eval`) or off (None).
+
+        Raises:
+            ValueError: fewer than 2 rows, more than fit a batch, or no position left for
+                the throw-away row.
+        """
+        if rows is not None:
+            if not 2 <= rows <= self.n_batch:
+                raise ValueError(f"rows per decode must be 2..{self.n_batch}, not {rows}")
+            if self.n_ctx >= self.n_ctx_allocated:
+                raise ValueError("deterministic mode needs one KV position beyond n_ctx")
+        self.rows_per_decode = rows
 
     def rollback(self, n_keep: int) -> None:
         """Drop every KV-cache position from ``n_keep`` on, so that ``n_past == n_keep``.
@@ -397,41 +466,3 @@ class LlamaContext(_Native):
         if self._ctx is not None:
             self._lc.llama_free(self._ctx)
             self._ctx = None
-
-
-def batch_invariance(
-    model: LlamaModel,
-    prompt: Sequence[int],
-    sizes: Sequence[int],
-    *,
-    n_ctx: int = 512,
-    n_threads: int | None = None,
-) -> dict[int, float]:
-    """How far batched evaluation strays from one-token-at-a-time evaluation.
-
-    Greedy-decodes ``max(sizes)`` tokens after ``prompt`` one token per ``llama_decode``
-    (how a target alone generates), then re-evaluates them in one batch of each size (how
-    a verification step does) and returns, per size, the largest absolute logit
-    difference over the batch. 0.0 means bit-identical kernels: greedy speculative output
-    is then exactly the target's. llama.cpp's CPU kernels change algorithm with the batch
-    size (repacked GEMM from 4 rows, the FlashAttention split-KV path for single tokens
-    past 256 cached positions), so non-zero values of 0.1-0.7 are normal there.
-
-    Raises:
-        BackendError: a decode failed.
-    """
-    n = max(sizes)
-    with model.new_context(n_ctx=n_ctx, n_batch=max(n, 32), n_threads=n_threads) as ctx:
-        ctx.eval(prompt[:-1], logits="none")
-        seq = [prompt[-1]]
-        single = []
-        for _ in range(n):
-            row = ctx.eval([seq[-1]], logits="last")[-1].copy()
-            single.append(row)
-            seq.append(int(row.argmax()))
-        out: dict[int, float] = {}
-        for size in sizes:
-            ctx.rollback(len(prompt) - 1)
-            rows = ctx.eval(seq[:size], logits="all")
-            out[size] = max(float(np.abs(rows[i] - single[i]).max()) for i in range(size))
-    return out

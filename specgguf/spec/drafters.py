@@ -220,7 +220,10 @@ class ModelDrafter:
 
     def _common_prefix(self, history: Sequence[int]) -> int:
         """How many leading tokens of the cache equal the history's from ``offset`` on
-        (only the tail past the last sync can differ: the history is append-only)."""
+        (only the tail past the last sync can differ: the history is append-only). A cache
+        rolled back by someone else (a calibration) holds only its first ``n_past``."""
+        if len(self._held) > self.ctx.n_past:
+            del self._held[self.ctx.n_past :]
         n = min(self._synced, len(self._held))
         limit = min(len(self._held), len(history) - self.offset)
         while n < limit and self._held[n] == history[self.offset + n]:

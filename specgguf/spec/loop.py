@@ -41,11 +41,14 @@ from specgguf.spec.sampling import (
     accept_or_resample,
     accept_point_mass,
     distribution,
+    keyed_uniform,
     sample,
+    sample_at,
 )
 from specgguf.spec.streaming import TextStream
 
 FinishReason = Literal["stop", "length", "interrupted"]
+GREEDY = SamplerParams(temperature=0.0)
 
 
 class Vocabulary(Protocol):
@@ -70,7 +73,10 @@ class GenerationParams:
     :class:`specgguf.engine.SpeculativeConfig`; the loop itself takes its drafter and draft
     length from the planner it is given): ``drafter`` ("auto", "model", "ngram", "none"),
     ``draft_max`` (the draft length K; with "auto" the largest), ``p_min`` (a draft model
-    stops drafting at a token it gives less than this probability).
+    stops drafting at a token it gives less than this probability), ``deterministic``
+    (output independent of the drafter, the draft length and timings: drafts are greedy
+    point masses, and sampled tokens come from draws keyed by their output position, see
+    :mod:`specgguf.spec.sampling`; the engine also fixes the verification batch shapes).
     """
 
     n_predict: int = -1
@@ -80,6 +86,7 @@ class GenerationParams:
     drafter: str | None = None
     draft_max: int | None = None
     p_min: float | None = None
+    deterministic: bool | None = None
 
 
 @dataclasses.dataclass
@@ -282,6 +289,10 @@ class SpeculativeDecoder:
         eog = self.vocab.eog_ids
         banned = np.array(sorted(eog), np.int64) if params.ignore_eos and eog else None
         rng = np.random.default_rng(sampler.seed)
+        deterministic = bool(params.deterministic)
+        # Deterministic sampling: drafts are point masses (greedy drafting), verified against
+        # the target's own draws keyed by output position.
+        draft_sampler = GREEDY if deterministic else sampler
         k_max = stats.draft_max
         limit = params.n_predict if params.n_predict >= 0 else math.inf
 
@@ -313,7 +324,7 @@ class SpeculativeDecoder:
                 break
             # K + 1 new tokens must fit the context and the batch, and not overshoot n_predict.
             k = int(min(k_max, room - 1, remaining - 1))
-            plan = planner.plan(history, k, sampler, rng)
+            plan = planner.plan(history, k, draft_sampler, rng)
             draft = plan.draft
             d = draft.tokens[:k]
             t_verify = time.perf_counter()
@@ -328,6 +339,8 @@ class SpeculativeDecoder:
                 while n < len(d) and best[n] == d[n]:
                     n += 1
                 x = int(best[n])
+            elif deterministic:
+                n, x = self._accept_keyed(logits, d, sampler, len(history) - n_prompt)
             else:
                 n, x = self._accept_sampled(logits, draft, d, sampler, rng)
             new = [*d[:n], x]
@@ -382,6 +395,19 @@ class SpeculativeDecoder:
         gen.result = GenerationResult(gen.stream.text, list(gen.tokens), finish, stats)
         if tail:
             yield tail
+
+    @staticmethod
+    def _accept_keyed(
+        logits: np.ndarray, d: list[int], sampler: SamplerParams, index: int
+    ) -> tuple[int, int]:
+        """Deterministic sampling along a point-mass draft: the target's token at output
+        position ``index + i`` is drawn with a uniform keyed by that position; the draft
+        is accepted while it equals those tokens. (accepted count, next token)"""
+        for i in range(len(d) + 1):
+            y = sample_at(distribution(logits[i], sampler), keyed_uniform(sampler.seed, index + i))
+            if i == len(d) or y != d[i]:
+                return i, y
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _accept_sampled(

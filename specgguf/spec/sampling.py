@@ -12,6 +12,12 @@ from Transformers via Speculative Decoding", Algorithm 1 and Appendix A.1; Chen 
 draft token x ~ q is kept with probability min(1, p(x)/q(x)); otherwise the token is drawn
 from normalize(max(0, p - q)). For a deterministic drafter (n-gram lookup) q is a point
 mass at x: x is kept with probability p(x), otherwise drawn from p with x removed.
+
+Deterministic mode (:func:`sample_at`, :func:`keyed_uniform`) couples the draws instead: the
+target's token at output position i is ``sample_at(p_i, u_i)`` with u_i keyed by the seed
+and i, and a point-mass draft token is accepted when it equals that token. A draft token x
+is then accepted with probability p(x) and the output follows p exactly, as in the rule
+above; in addition the output is the same whatever was drafted.
 """
 
 from __future__ import annotations
@@ -104,9 +110,25 @@ def distribution(logits: npt.NDArray[np.float32], params: SamplerParams) -> Dist
 
 def sample(dist: Distribution, rng: np.random.Generator) -> int:
     """Draw one token id from ``dist``."""
+    return sample_at(dist, rng.random())
+
+
+def sample_at(dist: Distribution, u: float) -> int:
+    """The token id at ``u`` (in [0, 1)) of ``dist``'s inverse cumulative distribution
+    (ids in descending probability): the same ``u`` gives the same token for the same
+    distribution."""
     cum = np.cumsum(dist.probs)
-    i = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+    i = int(np.searchsorted(cum, u * cum[-1], side="right"))
     return int(dist.ids[min(i, dist.ids.size - 1)])
+
+
+def keyed_uniform(seed: int | None, index: int) -> float:
+    """A uniform number in [0, 1) determined by ``seed`` and ``index`` alone (a counter-
+    based draw: numpy's SeedSequence of the pair), so that the draw for an output position
+    does not depend on how many draws came before it. ``seed`` None draws afresh."""
+    if seed is None:
+        return float(np.random.default_rng().random())
+    return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index]).random())
 
 
 def accept_or_resample(

@@ -1,0 +1,166 @@
+"""Are llama.cpp's kernels batch-invariant? How far batched evaluation strays from
+one-token decoding, and the batch shapes that give every row the same logits.
+
+llama.cpp's CPU kernels change algorithm with the batch: repacked GEMM from 4 rows (tiles of
+4 rows, gemv below), the plain path from 8 rows, and FlashAttention's split-KV path for a
+single token once more than 256 positions are cached. Logits then differ by up to about
+0.6 between a verification batch and the target alone's one-token decode, enough to flip a
+near-tie. Measured on Qwen2.5-Coder 1.5B Q4_K_M with this project's CPU build (AVX-512, no
+AMX): with weight repacking, rows of 2- and 3-row batches equal each other and the first row
+of a 2-row batch, 4 or more rows differ; without repacking, 2 to 7 rows agree; a lone row
+agrees below 256 cached positions and differs above.
+
+Deterministic mode uses that: every evaluation that returns logits is decoded in batches of
+2 to R rows (:meth:`specgguf.llama.backend.LlamaContext.eval` with ``rows_per_decode``),
+a lone row padded with a throw-away second row. :func:`deterministic_rows` finds R for a
+model and build, by measurement, and caches it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from specgguf.cache import cache_dir, read_json_cache, update_json_cache
+from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
+from specgguf.llama.runtime import build_info, build_key
+
+#: The probe's text: long enough to pass 256 cached positions, where paths change.
+_PROBE_TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(60))
+
+
+def batch_invariance(
+    model: LlamaModel,
+    prompt: Sequence[int],
+    sizes: Sequence[int],
+    *,
+    n_ctx: int = 512,
+    n_threads: int | None = None,
+) -> dict[int, float]:
+    """How far batched evaluation strays from one-token-at-a-time evaluation.
+
+    Greedy-decodes ``max(sizes)`` tokens after ``prompt`` one token per ``llama_decode``
+    (how a target alone generates), then re-evaluates them in one batch of each size (how
+    a verification step does) and returns, per size, the largest absolute logit
+    difference over the batch. 0.0 means bit-identical kernels.
+
+    Raises:
+        BackendError: a decode failed.
+    """
+    n = max(sizes)
+    with model.new_context(n_ctx=n_ctx, n_batch=max(n, 32), n_threads=n_threads) as ctx:
+        ctx.eval(prompt[:-1], logits="none")
+        seq = [prompt[-1]]
+        single = []
+        for _ in range(n):
+            row = ctx.eval([seq[-1]], logits="last")[-1].copy()
+            single.append(row)
+            seq.append(int(row.argmax()))
+        out: dict[int, float] = {}
+        for size in sizes:
+            ctx.rollback(len(prompt) - 1)
+            rows = ctx.eval(seq[:size], logits="all")
+            out[size] = max(float(np.abs(rows[i] - single[i]).max()) for i in range(size))
+    return out
+
+
+def row_differences(
+    ctx: LlamaContext, prompt: Sequence[int], *, n_rows: int = 12, max_rows: int = 8
+) -> dict[int, float]:
+    """For each batch size b in 1..``max_rows``: the largest absolute logit difference
+    between ``n_rows`` rows evaluated in batches of b rows and the same rows evaluated one
+    at a time as the first of a 2-row batch (the reference). Size 1 is a plain one-token
+    decode. The reference is taken twice: a key ``0`` holds how far it differs from itself
+    (nonzero: the kernels are not even reproducible). The context's KV cache ends empty.
+
+    Raises:
+        BackendError: a decode failed.
+    """
+    saved = ctx.rows_per_decode
+    ctx.rows_per_decode = None
+    try:
+        ctx.rollback(0)
+        ctx.eval(prompt[:-1], logits="none")
+        base = len(prompt) - 1
+        seq = [prompt[-1]]
+        for _ in range(n_rows):  # the tokens: a greedy continuation
+            seq.append(int(ctx.eval([seq[-1]], logits="last")[-1].argmax()))
+
+        def padded_rows() -> list[npt.NDArray[np.float32]]:
+            rows = []
+            for i in range(n_rows):
+                ctx.rollback(base + i)
+                ctx.rows_per_decode = 2  # a lone row with a throw-away second row
+                rows.append(ctx.eval([seq[i]], logits="last")[0].copy())
+                ctx.rows_per_decode = None
+            return rows
+
+        ref = padded_rows()
+        out = {0: _max_diff(padded_rows(), ref)}
+        for b in range(1, max_rows + 1):
+            got: list[npt.NDArray[np.float32]] = []
+            for start in range(0, n_rows, b):
+                ctx.rollback(base + start)
+                rows = ctx.eval(seq[start : min(start + b, n_rows)], logits="all")
+                got.extend(r.copy() for r in rows)
+            out[b] = _max_diff(got, ref)
+        ctx.rollback(0)
+        return out
+    finally:
+        ctx.rows_per_decode = saved
+
+
+def _max_diff(a: list[npt.NDArray[np.float32]], b: list[npt.NDArray[np.float32]]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def invariant_rows(diffs: dict[int, float]) -> int:
+    """The largest R such that batches of 2..R rows all give the reference's logits
+    exactly (0: not even 2 rows, or the reference is not reproducible)."""
+    if diffs.get(0, 1.0) != 0.0:
+        return 0
+    r = 0
+    for b in range(2, max(diffs) + 1):
+        if diffs.get(b) != 0.0:
+            break
+        r = b
+    return r
+
+
+def _probe_key(model: LlamaModel, n_threads: int) -> str:
+    st = Path(model.path).stat()
+    parts = [build_key(build_info()), f"{Path(model.path).resolve()}:{st.st_size}:{st.st_mtime_ns}",
+             str(model.use_extra_bufts), str(n_threads)]  # fmt: skip
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def deterministic_rows(
+    model: LlamaModel, *, n_threads: int | None = None, max_rows: int = 8, cache: bool = True
+) -> tuple[int, dict[int, float]]:
+    """R for deterministic mode on ``model`` with this build, repacking setting and thread
+    count: the largest number of rows per decode for which every row's logits are
+    bit-identical whatever the batch (2..R rows, lone rows padded), measured past 256
+    cached positions (a few seconds) and cached in ``~/.cache/specgguf/invariance.json``.
+    Returns (R, the measured differences by batch size); R is 0 when no shape works.
+
+    Raises:
+        BackendError: a decode failed.
+    """
+    threads = n_threads or default_threads()
+    key = _probe_key(model, threads)
+    path = cache_dir() / "invariance.json"
+    hit = read_json_cache(path).get(key) if cache else None
+    if isinstance(hit, dict) and "diffs" in hit:
+        diffs = {int(k): float(v) for k, v in hit["diffs"].items()}
+        return invariant_rows(diffs), diffs
+    prompt = model.tokenize(_PROBE_TEXT, add_special=False)[:300]
+    with model.new_context(
+        n_ctx=512, n_batch=64, n_threads=n_threads, n_outputs_max=max_rows + 1
+    ) as ctx:
+        diffs = row_differences(ctx, prompt, max_rows=max_rows)
+    update_json_cache(path, key, {"diffs": diffs})
+    return invariant_rows(diffs), diffs

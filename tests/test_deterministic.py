@@ -1,0 +1,159 @@
+"""Deterministic mode: the same input gives the same output whatever the drafter, the draft
+length and the timings: exactly on the fake backend, and on llama.cpp with the tiny and the
+real models."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgguf.errors import BackendError
+from specgguf.hub import testmodels
+from specgguf.spec.drafters import NgramDrafter
+from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
+from specgguf.spec.planner import FixedPlanner
+from specgguf.spec.sampling import SamplerParams
+
+from .fakes import FakeContext, FakeVocab, ScriptedDrafter
+from .helpers import load_engine, run_cli
+
+V = 12
+
+
+def soft_rule(prefix: Sequence[int]) -> np.ndarray:
+    """Integer logits with several likely tokens, a function of the last two tokens."""
+    a, b = prefix[-1], prefix[-2] if len(prefix) > 1 else 0
+    row = np.zeros(V, np.float32)
+    for j in range(4):
+        row[(a * 3 + b + j) % V] = 3 - j
+    return row
+
+
+def fake_run(drafter: object | None, k: int, sampler: SamplerParams, n: int = 40) -> list[int]:
+    ctx = FakeContext(soft_rule, V)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+    params = GenerationParams(n_predict=n, sampler=sampler, deterministic=True)
+    planner = FixedPlanner(drafter, k)  # type: ignore[arg-type]
+    return dec.generate([1, 2], params, planner).run().tokens
+
+
+def test_sampled_output_does_not_depend_on_the_drafter_or_k() -> None:
+    sampler = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    alone = fake_run(None, 0, sampler)
+    wrong = ScriptedDrafter(lambda h, k: [(h[-1] + 5) % V] * k)
+    for drafter in (NgramDrafter(1, 3), wrong, ScriptedDrafter(lambda h, k: [1, 2, 3][:k])):
+        for k in (1, 2, 4, 8):
+            assert fake_run(drafter, k, sampler) == alone, (drafter, k)
+    # Without deterministic mode the same seed gives other outputs with other drafters.
+    ctx = FakeContext(soft_rule, V)
+    params = GenerationParams(n_predict=40, sampler=sampler)
+    normal = SpeculativeDecoder(ctx, FakeVocab(V)).generate(  # type: ignore[arg-type]
+        [1, 2], params, FixedPlanner(wrong, 4)).run().tokens  # fmt: skip
+    assert normal != alone
+    assert fake_run(None, 0, SamplerParams(**{**sampler.__dict__, "seed": 12})) != alone
+
+
+def test_deterministic_sampling_follows_the_target_distribution() -> None:
+    # The first token over many seeds, drafted by a drafter that proposes token 0: its
+    # frequencies match softmax(logits / T) exactly as computed here from the rule.
+    sampler = SamplerParams(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0)
+    z = soft_rule([1, 2]).astype(np.float64) / 0.7
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    n = 4000
+    counts: Counter[int] = Counter()
+    for seed in range(n):
+        s = SamplerParams(**{**sampler.__dict__, "seed": seed})
+        # n_predict 2: the first token is verified against a one-token draft
+        counts[fake_run(ScriptedDrafter(lambda h, k: [5] * k), 2, s, n=2)[0]] += 1
+    stat = sum((counts[t] - n * p[t]) ** 2 / (n * p[t]) for t in range(V))
+    assert stat < 31.26  # chi-square, 11 degrees of freedom, p = 0.001
+    assert 0 < counts[5] < n
+
+
+CONFIGS = [("none", 0), ("model", 1), ("model", 2), ("model", 4), ("model", 8), ("model", 16),
+           ("ngram", 4), ("auto", 16)]  # fmt: skip
+
+
+def test_tiny_models_greedy_and_seeded_sampling_bit_identical(tiny_models: dict[str, Path]) -> None:
+    prompts = ["def is_palindrome(text):", "The quick brown fox " * 40]  # the second past 256
+    greedy = SamplerParams(temperature=0)
+    sampled = SamplerParams(temperature=1.0, seed=5)
+    with load_engine(tiny_models["target"], tiny_models["draft-partial"], drafter="auto",
+                     n_ctx=1024) as e:  # fmt: skip
+        e.config = e.config.__class__(**{**e.config.__dict__, "deterministic": True})
+        e._set_up_deterministic()
+        assert e.deterministic_rows >= 2
+        for prompt in prompts:
+            for sampler in (greedy, sampled):
+                outs = {
+                    (kind, k): e.generate(prompt, GenerationParams(
+                        n_predict=48, sampler=sampler, drafter=kind, draft_max=k,
+                        deterministic=True)).run().tokens
+                    for kind, k in CONFIGS
+                }  # fmt: skip
+                first = outs[("none", 0)]
+                assert len(first) > 10
+                assert all(v == first for v in outs.values()), (prompt[:20], sampler)
+
+
+def test_deterministic_mode_refused_where_no_batch_shape_is_invariant(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specgguf.engine import Engine, EngineConfig, ModelConfig
+    from specgguf.llama import invariance
+
+    monkeypatch.setattr(invariance, "deterministic_rows",
+                        lambda *a, **kw: (0, {0: 0.0, 1: 0.4, 2: 0.2, 3: 0.3}))  # fmt: skip
+    config = EngineConfig(ModelConfig(tiny_models["target"], n_ctx=256), deterministic=True)
+    with pytest.raises(BackendError, match="deterministic mode is not possible"):
+        Engine(config)
+
+
+def test_run_deterministic_flag(tiny_models: dict[str, Path]) -> None:
+    models = ["-m", str(tiny_models["target"]), "-md", str(tiny_models["draft-partial"])]
+    base = ["run", *models, "-c", "512", "-n", "32", "--temp", "0", "--json", "--deterministic",
+            "hello"]  # fmt: skip
+    outs = []
+    for extra in (["--drafter", "none"], ["--drafter", "model", "--draft", "5"], []):
+        res = run_cli(*base, *extra)
+        assert res.returncode == 0, res.stderr.decode()
+        out = json.loads(res.stdout)
+        assert out["params"]["deterministic"] is True
+        outs.append(out["tokens"])
+    assert outs[0] == outs[1] == outs[2]
+
+
+PROMPTS = {
+    "code": "Write a Python function that merges two sorted lists.",
+    "prose": "Write a short story about a lighthouse keeper.",
+    "json": "List three European capitals as a JSON array of objects with keys name and country.",
+    "near-tie": "Write a haiku about autumn leaves.",
+    "long": "Summarise this code:\n"
+    + "\n".join(f"def f{i}(x):\n    return x * {i}" for i in range(40)),
+}
+
+
+@pytest.mark.real_models
+def test_real_pair_deterministic_matrix(real_models: dict[str, Path]) -> None:
+    # Greedy, every drafter and K: bit-identical to the deterministic target alone (the
+    # full matrix, 128 tokens and 3 runs each: scripts/determinism-check).
+    target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
+    greedy = SamplerParams(temperature=0)
+    with load_engine(target, draft, drafter="auto", n_ctx=2048) as e:
+        e.config = e.config.__class__(**{**e.config.__dict__, "deterministic": True})
+        e._set_up_deterministic()
+        for name, text in PROMPTS.items():
+            prompt = [{"role": "user", "content": text}]
+            ref = None
+            for kind, k in (("none", 0), ("model", 1), ("model", 4), ("model", 16), ("ngram", 8),
+                            ("auto", 16)):  # fmt: skip
+                res = e.generate(prompt, GenerationParams(
+                    n_predict=32, sampler=greedy, drafter=kind, draft_max=k)).run()  # fmt: skip
+                ref = ref or res.tokens
+                assert res.tokens == ref, (name, kind, k)
