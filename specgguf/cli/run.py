@@ -22,9 +22,16 @@ def run(
         typer.Argument(help="The prompt; '-' or omitted with piped input reads stdin."),
     ] = None,
     model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Target model: a .gguf file or an alias.")
+        str | None,
+        typer.Option(
+            "-m",
+            "--model",
+            help="Target model: a .gguf file, an alias, or org/name:QUANT when cached.",
+        ),
     ] = None,
     model_draft: o.ModelDraftOpt = None,
+    hf_repo: o.HfRepoOpt = None,
+    hf_repo_draft: o.HfRepoDraftOpt = None,
     draft: Annotated[
         int | None,
         typer.Option(
@@ -106,7 +113,8 @@ def run(
         model=model, model_draft=model_draft, drafter=drafter, draft=draft, ctx_size=ctx_size,
         ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
-        draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry, say=say,
+        draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry,
+        hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
     )  # fmt: skip
     text = read_prompt(prompt, file)
     checked = preflight(config)  # before any weights load; the template too
