@@ -580,7 +580,8 @@ def resolve_model(name: str, *, registry: Registry | None = None, quant: str | N
         RegistryError: a registry file is malformed.
     """
     path = Path(name).expanduser()
-    if not path.exists() and looks_like_hf_ref(name):
+    known = registry is not None and name in registry.names()  # an alias may contain a '/'
+    if not path.exists() and not known and looks_like_hf_ref(name):
         return cached_hf_files(parse_hf_ref(name, quant=quant))[0]
     if path.exists() or name.endswith(".gguf") or os.sep in name:
         if not path.exists():
