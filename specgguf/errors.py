@@ -225,6 +225,17 @@ class HubAccessError(HubError, PermissionError):
     exit_code = EXIT_ACCESS
 
 
+class QuantNotFoundError(HubError):
+    """A repository (or its cached snapshot) with no GGUF model of the quant asked for;
+    ``available`` lists the quants it has."""
+
+    def __init__(self, message: str, *, repo: str, tag: str | None, available: list[str]) -> None:
+        super().__init__(message)
+        self.repo = repo
+        self.tag = tag
+        self.available = available
+
+
 class IntegrityError(SpecggufError):
     """A file whose size or SHA-256 does not match what was pinned."""
 

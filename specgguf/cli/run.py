@@ -22,9 +22,16 @@ def run(
         typer.Argument(help="The prompt; '-' or omitted with piped input reads stdin."),
     ] = None,
     model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Target model: a .gguf file or an alias.")
+        str | None,
+        typer.Option(
+            "-m",
+            "--model",
+            help="Target model: a .gguf file, an alias, or org/name:QUANT when cached.",
+        ),
     ] = None,
     model_draft: o.ModelDraftOpt = None,
+    hf_repo: o.HfRepoOpt = None,
+    hf_repo_draft: o.HfRepoDraftOpt = None,
     draft: Annotated[
         int | None,
         typer.Option(
@@ -114,7 +121,7 @@ def run(
         ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
         draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry,
-        deterministic=deterministic, say=say,
+        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
     )  # fmt: skip
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
