@@ -26,9 +26,10 @@ def test_bench_json_has_every_configuration_and_same_run_speedups(
     assert set(data) >= {"machine", "results", "memory", "timings"}
     got = {(r["category"], r["config"]) for r in data["results"]}
     configs = {"target", "model-K1", "model-K2", "ngram-K1", "ngram-K2", "auto"}
-    assert got == {(c, k) for c in ("code-editing", "chat") for k in configs}
+    assert got == {(c, k) for c in ("code-editing", "chat", "overall") for k in configs}
     for r in data["results"]:
-        assert len(r["runs_tokens_per_s"]) == 2  # both rounds pooled
+        # both rounds pooled (and in "overall", both categories)
+        assert len(r["runs_tokens_per_s"]) == (4 if r["category"] == "overall" else 2)
         if r["config"] == "target":
             assert r["speedup"] == 1.0 and r["acceptance_rate"] == 0.0
         assert {"tokens_per_s", "speedup", "acceptance_rate", "mean_accepted"} <= set(r)
@@ -88,3 +89,33 @@ def test_bench_refuses_bad_input_before_loading_models(
                   *args)  # fmt: skip
     assert res.returncode == errors.EXIT_USAGE, res.stderr
     assert message in res.stderr and b"Traceback" not in res.stderr and res.stdout == b""
+
+
+def test_bench_reads_spec_bench_and_pools_an_overall_row(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Spec-Bench's format: two MT-bench categories (one column, two turns each), qa.
+    lines = [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 82, "category": "coding", "turns": ["def add(a, b):", "Now sub."]},
+        {"question_id": 91, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+        {"question_id": 92, "category": "qa", "turns": ["What is the capital of France?"]},
+    ]
+    jsonl = tmp_path / "question.jsonl"
+    jsonl.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    res = run_cli(
+        "bench", "-m", str(tiny_models["target"]), "--draft", "2", "-n", "6", "--rounds", "1",
+        "--prompts", str(jsonl), "--per-category", "1", "--seed", "3", "-c", "1024", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
+    rows = {(r["category"], r["config"]): r for r in json.loads(res.stdout)["results"]}
+    assert {c for c, _ in rows} == {"multi-turn", "qa", "overall"}
+    for cfg in ("target", "ngram-K2", "auto"):
+        # One question per column; the multi-turn one counts both turns (up to 12 tokens).
+        assert rows[("multi-turn", cfg)]["tokens"] > 6 >= rows[("qa", cfg)]["tokens"]
+        parts = rows[("multi-turn", cfg)]["tokens"] + rows[("qa", cfg)]["tokens"]
+        assert rows[("overall", cfg)]["tokens"] == parts
+        # speedup = this configuration's tokens/s over the target alone's, same column
+        for col in ("multi-turn", "qa", "overall"):
+            r, t = rows[(col, cfg)], rows[(col, "target")]
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / t["tokens_per_s"], abs=2e-3)

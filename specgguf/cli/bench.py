@@ -30,8 +30,17 @@ def bench(
     ] = "1,2,4,8",
     prompts: Annotated[
         Path | None,
-        typer.Option("--prompts", help="JSON list of {category, prompt} (default: built-in)."),
+        typer.Option(
+            "--prompts",
+            help="JSON list of {category, prompt}, or Spec-Bench's question.jsonl "
+            "(default: built-in).",
+        ),
     ] = None,
+    per_category: Annotated[
+        int | None,
+        typer.Option("--per-category", min=1, help="A sample of N prompts per category."),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the --per-category sample.")] = 0,
     categories: Annotated[
         str | None, typer.Option("--categories", help="Only these categories, comma-separated.")
     ] = None,
@@ -60,7 +69,12 @@ def bench(
     prompt set with categories, interleaved in one process; speedups are relative to the
     target alone in the same run."""
     from specgguf.engine import Engine
-    from specgguf.engine.bench import CATEGORIES, PROMPTS, load_prompts, run_bench
+    from specgguf.engine.bench import (
+        builtin_prompts,
+        load_prompts,
+        run_bench,
+        sample_per_category,
+    )
     from specgguf.errors import UsageError
     from specgguf.spec.planner import AUTO_DRAFT_MAX
 
@@ -73,13 +87,16 @@ def bench(
         raise UsageError(f"--draft takes draft lengths of 1 or more, not {draft!r}")
     if plot is not None:
         _check_plot_path(plot)  # before the run, not after it
-    chosen = load_prompts(prompts) if prompts else PROMPTS
+    chosen = load_prompts(prompts) if prompts else builtin_prompts()
     if categories:
         wanted = set(categories.split(","))
-        unknown = wanted - {c for c, _ in chosen}
+        known = list(dict.fromkeys(p.category for p in chosen))
+        unknown = wanted - set(known)
         if unknown:
-            raise UsageError(f"unknown categories {sorted(unknown)}; known: {list(CATEGORIES)}")
-        chosen = [(c, p) for c, p in chosen if c in wanted]
+            raise UsageError(f"unknown categories {sorted(unknown)}; known: {known}")
+        chosen = [p for p in chosen if p.category in wanted]
+    if per_category is not None:
+        chosen = sample_per_category(chosen, per_category, seed)
     draft_max = max(AUTO_DRAFT_MAX, *ks)
     config = o.engine_config(
         model=model, model_draft=model_draft, drafter="auto", draft=draft_max,

@@ -1,17 +1,24 @@
 """``specgguf bench``: every configuration side by side in one process, interleaved, on a
-built-in prompt set with categories, with speedups over the target alone measured in the
-same run.
+built-in prompt set with categories or on Spec-Bench's questions, with speedups over the
+target alone measured in the same run.
 
 Configurations: ``target`` (no speculation), ``model-K<k>`` and ``ngram-K<k>`` for each
 draft length asked for, and ``auto`` (:class:`specgguf.spec.planner.AutoPlanner`). Rounds go
 over categories and configurations in turn, so that machine noise hits all alike; the
-numbers of a (category, configuration) cell pool its rounds (tokens over seconds).
+numbers of a (category, configuration) cell pool its rounds (tokens over seconds), and an
+"overall" row per configuration pools every category, as Spec-Bench computes it (total
+tokens over total time, against the target alone's).
+
+Spec-Bench (Xia et al. 2024; its ``question.jsonl``: ``question_id``, ``category``,
+``turns``) groups its categories in six columns (:data:`SPEC_BENCH_COLUMNS`); a question with
+two turns asks the second after the model's own answer to the first, and both count.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import resource
 import sys
 import time
@@ -20,9 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.engine.engine import Engine
-from specgguf.spec.loop import GenerationParams, GenerationStats
+from specgguf.spec.loop import GenerationParams, GenerationResult, GenerationStats
 from specgguf.spec.planner import AUTO_DRAFT_MAX, best_k
 from specgguf.spec.sampling import SamplerParams
+
+#: The row that pools every category.
+OVERALL = "overall"
 
 CATEGORIES = (
     "code-generation", "code-editing", "structured", "translation", "summarization", "chat",
@@ -98,19 +108,50 @@ PROMPTS: list[tuple[str, str]] = [
 ]  # fmt: skip
 
 
-def load_prompts(path: Path) -> list[tuple[str, str]]:
-    """Prompts from a JSON file: a list of {"category": ..., "prompt": ...} objects.
+#: Spec-Bench's categories -> its table's columns (the MT-bench categories are one column).
+SPEC_BENCH_COLUMNS: dict[str, str] = {
+    **{c: "multi-turn" for c in ("writing", "roleplay", "reasoning", "math", "coding",
+                                 "extraction", "stem", "humanities")},
+    "translation": "translation", "summarization": "summarization", "qa": "qa",
+    "math_reasoning": "math_reasoning", "rag": "rag",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchPrompt:
+    """One conversation of the benchmark: its column (``category``), its user turns (each
+    asked after the model's own answer to the one before), and an id."""
+
+    category: str
+    turns: tuple[str, ...]
+    question_id: str = ""
+
+
+def builtin_prompts() -> list[BenchPrompt]:
+    """The built-in prompt set: one single-turn prompt per category of :data:`CATEGORIES`."""
+    return [BenchPrompt(c, (p,), c) for c, p in PROMPTS]
+
+
+def load_prompts(path: Path) -> list[BenchPrompt]:
+    """Prompts from a file: Spec-Bench's JSONL (one ``{question_id, category, turns}``
+    object a line; categories grouped in :data:`SPEC_BENCH_COLUMNS`), or a JSON list of
+    ``{"category", "prompt"}`` objects.
 
     Raises:
         UsageError: the file cannot be read or has the wrong shape.
     """
     from specgguf.errors import UsageError
 
-    shape = "expected a non-empty JSON list of {category, prompt} objects"
+    shape = ("expected a non-empty JSON list of {category, prompt} objects, or JSONL lines "
+             "of {question_id, category, turns}")  # fmt: skip
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(f"{path}: {e.strerror or e}") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: {getattr(e, 'strerror', None) or e}") from None
+    if text.lstrip().startswith("{"):
+        return _load_jsonl(path, text, shape)
+    try:
+        data = json.loads(text)
     except ValueError as e:
         raise UsageError(f"{path}: not JSON ({e}); {shape}") from None
     if not isinstance(data, list) or not data:
@@ -120,8 +161,43 @@ def load_prompts(path: Path) -> list[tuple[str, str]]:
         if not (isinstance(x, dict) and isinstance(x.get("category"), str)
                 and isinstance(x.get("prompt"), str) and x["prompt"].strip()):  # fmt: skip
             raise UsageError(f"{path}: entry {i}: {shape}")
-        out.append((x["category"], x["prompt"]))
+        out.append(BenchPrompt(x["category"], (x["prompt"],), str(i)))
     return out
+
+
+def _load_jsonl(path: Path, text: str, shape: str) -> list[BenchPrompt]:
+    from specgguf.errors import UsageError
+
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            x = json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"{path}:{n}: not JSON ({e}); {shape}") from None
+        turns = x.get("turns") if isinstance(x, dict) else None
+        if not (isinstance(x, dict) and isinstance(x.get("category"), str)
+                and isinstance(turns, list) and turns
+                and all(isinstance(t, str) and t.strip() for t in turns)):  # fmt: skip
+            raise UsageError(f"{path}:{n}: {shape}")
+        category: str = x["category"]
+        column = SPEC_BENCH_COLUMNS.get(category, category)
+        out.append(BenchPrompt(column, tuple(turns), str(x.get("question_id", n))))
+    if not out:
+        raise UsageError(f"{path}: {shape}")
+    return out
+
+
+def sample_per_category(prompts: Sequence[BenchPrompt], n: int, seed: int) -> list[BenchPrompt]:
+    """A reproducible sample of ``n`` prompts per category (all of a smaller category), in
+    the file's order."""
+    rng = random.Random(seed)
+    keep: set[int] = set()
+    for cat in dict.fromkeys(p.category for p in prompts):
+        idx = [i for i, p in enumerate(prompts) if p.category == cat]
+        keep.update(idx if len(idx) <= n else rng.sample(idx, n))
+    return [p for i, p in enumerate(prompts) if i in keep]
 
 
 def run_one(
@@ -130,11 +206,32 @@ def run_one(
     """One greedy generation of ``n`` tokens with the drafter ``kind`` and draft length
     (or, for auto, the largest) ``k``, in deterministic mode or not; returns its
     statistics."""
+    return _generate(engine, ids, kind, k, n, deterministic).stats
+
+
+def _generate(
+    engine: Engine, prompt: Any, kind: str, k: int, n: int, deterministic: bool
+) -> GenerationResult:
     params = GenerationParams(
         n_predict=n, sampler=SamplerParams(temperature=0), drafter=kind, draft_max=k,
         deterministic=deterministic,
     )  # fmt: skip
-    return engine.generate(ids, params).run().stats
+    return engine.generate(prompt, params).run()
+
+
+def run_conversation(
+    engine: Engine, prompt: BenchPrompt, kind: str, k: int, n: int, *, deterministic: bool = False
+) -> GenerationStats:
+    """Every turn of ``prompt``, each of at most ``n`` tokens after the model's own earlier
+    answers, greedy; returns the statistics of all turns pooled."""
+    messages: list[dict[str, str]] = []
+    stats = GenerationStats()
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        res = _generate(engine, messages, kind, k, n, deterministic)
+        stats.add(res.stats)
+        messages.append({"role": "assistant", "content": res.text})
+    return stats
 
 
 @dataclasses.dataclass
@@ -165,7 +262,7 @@ def _share(part: float, whole: float) -> float:
 
 def run_bench(
     engine: Engine,
-    prompts: Sequence[tuple[str, str]],
+    prompts: Sequence[BenchPrompt],
     configs: Sequence[tuple[str, str, int]],
     *,
     n: int,
@@ -173,13 +270,12 @@ def run_bench(
     progress: Callable[[str], None] = lambda msg: None,
 ) -> dict[str, Any]:
     """Run every (prompt, configuration) ``rounds`` times, interleaved; returns the report
-    (``machine``, ``results`` with one entry per category and configuration, ``memory``).
-    A configuration named ``det-...`` runs in deterministic mode; its speedup is against
-    the target alone in normal mode."""
+    (``machine``, ``results`` with one entry per category and configuration and an
+    "overall" entry per configuration, ``memory``). A configuration named ``det-...`` runs
+    in deterministic mode; its speedup is against the target alone in normal mode."""
     from specgguf.llama.memory import kv_cache_bytes
     from specgguf.llama.runtime import build_info, platform_summary
 
-    ids = {cat: engine.prompt_ids([{"role": "user", "content": p}]) for cat, p in prompts}
     cells: dict[tuple[str, str], Cell] = {}
     t0 = time.perf_counter()
     # Timings measured now, in this run, for auto mode and for the cost-model limit.
@@ -188,15 +284,20 @@ def run_bench(
     if any(name.startswith("det-") for name, _, _ in configs):
         engine.timings(True, recalibrate=True)
     for r in range(rounds):
-        for cat, _ in prompts:
+        for p in prompts:
             for name, kind, k in configs:
-                progress(f"round {r + 1}/{rounds}: {cat} {name}")
-                s = run_one(engine, ids[cat], kind, k, n, deterministic=name.startswith("det-"))
-                cells.setdefault((cat, name), Cell(cat, name)).add(s)
+                progress(f"round {r + 1}/{rounds}: {p.category} {p.question_id} {name}")
+                det = name.startswith("det-")
+                s = run_conversation(engine, p, kind, k, n, deterministic=det)
+                cells.setdefault((p.category, name), Cell(p.category, name)).add(s)
+                cells.setdefault((OVERALL, name), Cell(OVERALL, name)).add(s)
     wall = time.perf_counter() - t0
     timings = engine.timings()
     results = []
-    for (cat, name), c in cells.items():
+    order = {c: i for i, c in enumerate(dict.fromkeys([p.category for p in prompts] + [OVERALL]))}
+    config_order = {name: i for i, (name, _, _) in enumerate(configs)}
+    for (cat, name), c in sorted(cells.items(), key=lambda kv: (order[kv[0][0]],
+                                 config_order[kv[0][1]])):  # fmt: skip
         s = c.stats
         base = cells.get((cat, "target"))
         row: dict[str, Any] = {
@@ -207,6 +308,7 @@ def run_bench(
             "acceptance_rate": round(s.acceptance_rate, 4),
             "per_token_acceptance": round(c.per_token_acceptance, 4),
             "mean_accepted": round(s.mean_accepted, 3),
+            "tokens_per_step": round(s.generated / s.steps, 3) if s.steps else 0.0,
             "tokens": s.generated,
             "steps": s.steps,
             "target_share": _share(s.target_seconds, s.seconds),
