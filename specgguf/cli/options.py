@@ -45,8 +45,9 @@ DrafterOpt = Annotated[
     str | None,
     typer.Option(
         "--drafter",
-        help="auto, model, ngram or none (the target alone). Default: auto, or with "
-        "--draft K the draft model (with -md) else n-gram lookup, at that fixed K.",
+        help="auto, model, ngram, suffix (matching over all text seen) or none (the target "
+        "alone). Default: auto, or with --draft K the draft model (with -md) else n-gram "
+        "lookup, at that fixed K.",
     ),
 ]
 CtxSizeDraftOpt = Annotated[
@@ -153,8 +154,10 @@ def engine_config(
         try:
             check_drafter(drafter)
         except UsageError:
+            from specgguf.engine.drafting import DRAFTERS
+
             raise UsageError(
-                f"--drafter must be auto, model, ngram or none, not {drafter!r}"
+                f"--drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}"
             ) from None
     if hf_repo is not None:
         if model is not None:

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from specgguf.errors import UsageError
-from specgguf.spec.drafters import ModelDrafter, NgramDrafter
+from specgguf.spec.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
 from specgguf.spec.planner import AUTO_DRAFT_MAX, AutoPlanner, FixedPlanner, Planner, Timings
 
 
@@ -25,6 +25,8 @@ class Drafting:
 
     model: ModelDrafter | None
     ngram: tuple[int, int]
+    #: suffix matching over everything this engine has seen (kept across generations)
+    suffix: SuffixDrafter
     #: the pair's timings, measured on first use, for normal (False) or deterministic
     #: (True) verification batches
     timings: Callable[[bool], Timings]
@@ -60,5 +62,6 @@ DRAFTERS: dict[str, PlannerFactory] = {
     "auto": _auto,
     "model": lambda d, s: FixedPlanner(d.require_model(), s.draft_max, p_min=s.p_min),
     "ngram": lambda d, s: FixedPlanner(NgramDrafter(*d.ngram), s.draft_max),
+    "suffix": lambda d, s: FixedPlanner(d.suffix, s.draft_max, p_min=s.p_min),
     "none": lambda d, s: FixedPlanner(None, 0),
 }

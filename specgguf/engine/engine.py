@@ -31,7 +31,7 @@ from specgguf.engine.preflight import Preflight, preflight
 from specgguf.errors import BackendError, UsageError
 from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
-from specgguf.spec.drafters import ModelDrafter
+from specgguf.spec.drafters import ModelDrafter, SuffixDrafter
 from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.spec.planner import Planner, Timings, calibrate
 
@@ -95,7 +95,9 @@ class Engine:
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
                     self.decoder.draft_capacity,
                 )  # fmt: skip
-            self.drafting = Drafting(model_drafter, (spec.ngram_min, spec.ngram_max), self.timings)
+            self.drafting = Drafting(
+                model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings
+            )
         except BaseException:
             self._stack.close()
             raise
