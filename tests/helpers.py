@@ -45,6 +45,7 @@ def load_engine(
     n_ctx: int = 4096,
     draft_max: int = 16,
     n_batch: int = 512,
+    deterministic: bool = False,
 ) -> Engine:
     """An engine over ``target`` (and ``draft``) with the checks on; ``draft_max`` sizes
     the largest draft length a generation may ask for."""
@@ -55,5 +56,6 @@ def load_engine(
             ModelConfig(target, n_ctx=n_ctx, n_batch=n_batch),
             ModelConfig(draft, n_ctx=n_ctx, n_batch=n_batch) if draft is not None else None,
             SpeculativeConfig(drafter=drafter, draft_max=draft_max),
+            deterministic=deterministic,
         )
     )

@@ -85,9 +85,7 @@ def test_tiny_models_greedy_and_seeded_sampling_bit_identical(tiny_models: dict[
     greedy = SamplerParams(temperature=0)
     sampled = SamplerParams(temperature=1.0, seed=5)
     with load_engine(tiny_models["target"], tiny_models["draft-partial"], drafter="auto",
-                     n_ctx=1024) as e:  # fmt: skip
-        e.config = e.config.__class__(**{**e.config.__dict__, "deterministic": True})
-        e._set_up_deterministic()
+                     n_ctx=1024, deterministic=True) as e:  # fmt: skip
         assert e.deterministic_rows >= 2
         for prompt in prompts:
             for sampler in (greedy, sampled):
@@ -145,9 +143,7 @@ def test_real_pair_deterministic_matrix(real_models: dict[str, Path]) -> None:
     # full matrix, 128 tokens and 3 runs each: scripts/determinism-check).
     target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
     greedy = SamplerParams(temperature=0)
-    with load_engine(target, draft, drafter="auto", n_ctx=2048) as e:
-        e.config = e.config.__class__(**{**e.config.__dict__, "deterministic": True})
-        e._set_up_deterministic()
+    with load_engine(target, draft, drafter="auto", n_ctx=2048, deterministic=True) as e:
         for name, text in PROMPTS.items():
             prompt = [{"role": "user", "content": text}]
             ref = None
