@@ -25,7 +25,8 @@ def test_bench_json_has_every_configuration_and_same_run_speedups(
     data = json.loads(res.stdout)
     assert set(data) >= {"machine", "results", "memory", "timings"}
     got = {(r["category"], r["config"]) for r in data["results"]}
-    configs = {"target", "model-K1", "model-K2", "ngram-K1", "ngram-K2", "auto"}
+    configs = {"target", "model-K1", "model-K2", "ngram-K1", "ngram-K2", "suffix-K1",
+               "suffix-K2", "auto"}  # fmt: skip
     assert got == {(c, k) for c in ("code-editing", "chat", "overall") for k in configs}
     for r in data["results"]:
         # both rounds pooled (and in "overall", both categories)
@@ -110,7 +111,7 @@ def test_bench_reads_spec_bench_and_pools_an_overall_row(
     assert res.returncode == 0, res.stderr.decode()
     rows = {(r["category"], r["config"]): r for r in json.loads(res.stdout)["results"]}
     assert {c for c, _ in rows} == {"multi-turn", "qa", "overall"}
-    for cfg in ("target", "ngram-K2", "auto"):
+    for cfg in ("target", "ngram-K2", "suffix-K2", "auto"):
         # One question per column; the multi-turn one counts both turns (up to 12 tokens).
         assert rows[("multi-turn", cfg)]["tokens"] > 6 >= rows[("qa", cfg)]["tokens"]
         parts = rows[("multi-turn", cfg)]["tokens"] + rows[("qa", cfg)]["tokens"]

@@ -107,6 +107,7 @@ def bench(
     if config.loads_draft:
         configs += [(f"model-K{k}", "model", k) for k in ks]
     configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
+    configs += [(f"suffix-K{k}", "suffix", k) for k in ks]
     configs.append(("auto", "auto", draft_max))
     if deterministic:
         configs += [("det-" + name, kind, k) for name, kind, k in configs]
@@ -176,7 +177,7 @@ def _plot_bench(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(cats), figsize=(4 * len(cats), 3.5), squeeze=False)
     for ax, cat in zip(axes[0], cats, strict=True):
         rows = [r for r in report["results"] if r["category"] == cat]
-        for kind in ("model", "ngram"):
+        for kind in ("model", "ngram", "suffix"):
             pts = sorted((int(r["config"].split("-K")[1]), r["speedup"]) for r in rows
                          if r["config"].startswith(kind + "-K"))  # fmt: skip
             if pts:
