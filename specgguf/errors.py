@@ -16,10 +16,12 @@ Exit codes (also in the README):
 3    model file problem: missing, unreadable, not GGUF, truncated, unknown alias
 4    incompatible vocabularies (``check``, ``run``)
 5    does not fit: memory, disk space, prompt longer than the context
-6    Hugging Face hub or mirror error: not found, network, offline and not cached
+6    network: the Hugging Face hub or a mirror (not found, offline and not cached), or an
+     RPC server that does not answer before loading
 7    access denied by the hub (gated or private repository, HTTP 401/403)
 8    integrity: a downloaded file failed its size or SHA-256 check
-9    llama.cpp backend error: a load or decode failed, an unsafe build
+9    llama.cpp backend error: a load or decode failed, an unsafe build, an RPC server lost
+     during generation
 130  interrupted (Ctrl-C)
 141  stdout closed early (a broken pipe, as in ``| head``)
 ==== ==========================================================================
@@ -35,6 +37,7 @@ EXIT_MODEL_FILE = 3
 EXIT_INCOMPATIBLE = 4
 EXIT_RESOURCES = 5
 EXIT_HUB = 6
+EXIT_NETWORK = EXIT_HUB  # the hub, a mirror, an RPC server
 EXIT_ACCESS = 7
 EXIT_INTEGRITY = 8
 EXIT_BACKEND = 9
@@ -164,13 +167,23 @@ class ResourceError(SpecggufError):
 
 class InsufficientMemoryError(ResourceError, MemoryError):
     """The models and KV caches clearly do not fit the memory available (bytes): the
-    machine's RAM, or with ``gpu`` the GPUs' free memory for the offloaded layers."""
+    machine's RAM, with ``gpu`` a local GPU's free memory for the offloaded layers, with
+    ``remote`` an RPC server's."""
 
-    def __init__(self, message: str, *, needed: int, available: int, gpu: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed: int,
+        available: int,
+        gpu: bool = False,
+        remote: bool = False,
+    ) -> None:
         super().__init__(message)
         self.needed = needed
         self.available = available
         self.gpu = gpu
+        self.remote = remote
 
 
 class InsufficientDiskError(ResourceError, OSError):
@@ -254,6 +267,33 @@ class BackendError(SpecggufError, RuntimeError):
     """llama.cpp failed: a model or context could not be created, a decode failed."""
 
     exit_code = EXIT_BACKEND
+
+
+class RpcServerError(SpecggufError, ConnectionError):
+    """An RPC server (llama.cpp's ``rpc-server``) that cannot be used, found before any
+    weights load: nothing listens, it does not answer the handshake in time, it speaks
+    another protocol version. ``endpoint`` is ``host:port``."""
+
+    exit_code = EXIT_NETWORK
+
+    def __init__(self, endpoint: str, reason: str, *, hint: str | None = None) -> None:
+        super().__init__(f"RPC server {endpoint}: {reason}", hint=hint)
+        self.endpoint = endpoint
+        self.reason = reason
+
+
+class RpcServerLost(BackendError):
+    """An RPC server that stopped answering after the models were loaded on it. llama.cpp
+    ends the process when this happens (``GGML_ABORT`` in ggml-rpc.cpp); this error is
+    what specgguf reports just before (``endpoints``: the servers found gone, or every
+    server in use when none could be singled out)."""
+
+    def __init__(self, endpoints: list[str], detail: str) -> None:
+        which = ", ".join(endpoints)
+        plural = "s" if len(endpoints) > 1 else ""
+        super().__init__(f"RPC server{plural} {which} stopped answering ({detail})")
+        self.endpoints = endpoints
+        self.detail = detail
 
 
 class Interrupted(SpecggufError):

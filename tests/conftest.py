@@ -6,7 +6,13 @@ and HF_HUB_OFFLINE is set; hub tests start their own server on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,3 +68,81 @@ def real_models() -> dict[str, Path]:
             )
         out[name] = path
     return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def require_rpc() -> None:
+    """Skip (fail with SPECGGUF_REQUIRE_RPC set, as in CI) unless this llama.cpp build has
+    the RPC backend and an rpc-server to go with it (scripts/install builds both)."""
+    from specgguf.llama import rpc
+
+    missing = None
+    if not rpc.supported():
+        missing = "this llama.cpp build has no RPC backend (scripts/install builds it in)"
+    elif rpc.server_binary() is None:
+        missing = "no rpc-server for this installation (scripts/install builds it)"
+    if missing:
+        if os.environ.get("SPECGGUF_REQUIRE_RPC"):
+            pytest.fail(f"SPECGGUF_REQUIRE_RPC is set but {missing}")
+        pytest.skip(missing)
+
+
+@contextlib.contextmanager
+def rpc_servers_running(n: int, *, threads: int = 1) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` rpc-servers (through ``specgguf rpc-server``) on free ports of 127.0.0.1,
+    each ready for a connection; stopped at the end. Each process has ``.endpoint``."""
+    require_rpc()
+    procs: list[subprocess.Popen[bytes]] = []
+    stack = contextlib.ExitStack()
+    try:
+        while len(procs) < n:
+            port = free_port()
+            # a file, not a pipe: a pipe nobody reads could fill and block the server
+            log = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115
+            p = subprocess.Popen(
+                [sys.executable, "-m", "specgguf", "rpc-server", "--port", str(port),
+                 "-t", str(threads)],
+                stdout=subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
+            p.endpoint = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and p.poll() is None:
+                with (
+                    contextlib.suppress(OSError),
+                    socket.create_connection(("127.0.0.1", port), timeout=1),
+                ):
+                    break
+                time.sleep(0.1)
+            else:
+                p.kill()
+                p.wait()
+                log.seek(0)
+                err = log.read().decode(errors="replace")
+                if "bind" in err or "socket" in err:
+                    continue  # the port was taken in between: another one
+                raise RuntimeError(f"rpc-server on port {port} did not start: {err[-500:]}")
+            procs.append(p)
+        yield procs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        stack.close()
+
+
+@pytest.fixture(scope="session")
+def rpc_servers() -> Iterator[list[str]]:
+    """Two rpc-servers on 127.0.0.1 for the whole session: their ``host:port``."""
+    with rpc_servers_running(2) as procs:
+        yield [p.endpoint for p in procs]  # type: ignore[attr-defined]

@@ -14,12 +14,14 @@ from specgguf.gguf.info import read_model_info
 from specgguf.gguf.tiny import CHATML_TEMPLATE
 from specgguf.hub import testmodels
 from specgguf.llama.memory import (
+    LOCAL,
     ModelMemory,
-    check_device_fits,
-    check_fits,
+    Place,
+    check_plan,
     kv_cache_bytes,
+    local_plan,
     model_memory,
-    offloaded_bytes,
+    place_model,
 )
 
 
@@ -114,23 +116,35 @@ def test_kv_cache_estimate_for_qwen(real_models: dict[str, Path]) -> None:
     assert m.weights == 1_117_320_768
 
 
-def test_check_fits_refuses_with_numbers() -> None:
+def test_check_plan_refuses_with_numbers() -> None:
     parts = [ModelMemory("t.gguf", 6 << 30, 1 << 30, 1 << 28)]
-    assert check_fits(parts, available=16 << 30) == parts[0].total
+    assert check_plan(local_plan(parts, available=16 << 30)) == parts[0].total
     with pytest.raises(InsufficientMemoryError) as ei:
-        check_fits(parts, available=4 << 30)
+        check_plan(local_plan(parts, available=4 << 30))
     msg = str(ei.value)
-    assert "need about 7.25 GiB" in msg and "4.00 GiB is available" in msg
-    assert "t.gguf: weights 6.00 GiB + KV cache 1.00 GiB" in msg
-    assert ei.value.exit_code == 5
+    assert "need about 7.25 GiB of memory" in msg and "4.00 GiB is available" in msg
+    assert "t.gguf: weights 6.00 GiB + KV cache 1.00 GiB + compute 0.25 GiB" in msg
+    assert ei.value.exit_code == 5 and not ei.value.gpu and not ei.value.remote
 
 
-def test_device_share_and_refusal() -> None:
-    part = ModelMemory("t.gguf", 8 << 30, 2 << 30, 0)
-    assert offloaded_bytes(part, -1, 40) == 10 << 30
-    assert offloaded_bytes(part, 20, 40) == 5 << 30
-    assert offloaded_bytes(part, 0, 40) == 0
-    assert check_device_fits([("t", 5 << 30)], 6 << 30) == 5 << 30
-    with pytest.raises(InsufficientMemoryError, match="GPU memory") as ei:
-        check_device_fits([("t", 10 << 30)], 6 << 30)
-    assert ei.value.gpu
+@pytest.mark.real_models
+def test_gpu_share_and_refusal(real_models: dict[str, Path]) -> None:
+    """Half the layers on a GPU: that GPU needs half the blocks (by the tensor table) and
+    half the KV cache; this machine's share stays the whole estimate, as without a GPU."""
+    info = read_model_info(real_models[testmodels.TARGET])
+    mem = model_memory(info, n_ctx=4096)
+    assert info.layout is not None and info.block_count == 28
+    gpu = Place("GPU0", "gpu", 6 << 30)
+    p = place_model(info, mem, [gpu], n_gpu_layers=14)
+    assert p.layers == (LOCAL,) * 15 + ("GPU0",) * 14  # layers 15..27 and the output
+    share = p.shares["GPU0"]
+    assert share.weights == sum(info.layout.blocks[15:]) + info.layout.output
+    assert share.kv_cache == mem.kv_cache // 28 * 13
+    assert p.need(LOCAL) == mem.total
+    small = Place("GPU0", "gpu", 100 << 20)
+    from specgguf.llama.memory import MemoryPlan
+
+    plan = MemoryPlan((Place(LOCAL, "local", 64 << 30), small), (p,))
+    with pytest.raises(InsufficientMemoryError, match="on GPU GPU0") as ei:
+        check_plan(plan)
+    assert ei.value.gpu and not ei.value.remote

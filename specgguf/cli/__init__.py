@@ -7,6 +7,6 @@ library, and prints."""
 # Importing a command module registers its commands; `--help` lists them in this order.
 # ruff: noqa: I001
 from specgguf.cli.app import app, main
-from specgguf.cli import doctor, info, run, pull, bench  # noqa: F401
+from specgguf.cli import doctor, info, run, pull, bench, plan, rpcserver  # noqa: F401
 
 __all__ = ["app", "main"]

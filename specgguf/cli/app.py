@@ -10,6 +10,7 @@ traceback. The library's warnings arrive through :mod:`logging` and are printed 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -31,6 +32,8 @@ from specgguf.errors import (
     Interrupted,
     ModelNotDownloadedError,
     OutputClosed,
+    RpcServerError,
+    RpcServerLost,
     SpecggufError,
     UnknownModelError,
 )
@@ -132,9 +135,18 @@ def hint(err: SpecggufError) -> str | None:
             return "raise -cd/--ctx-size-draft"
         return "raise -c/--ctx-size or shorten the prompt"
     if isinstance(err, InsufficientMemoryError):
+        if err.remote:
+            return ("more RPC servers (--rpc), fewer layers on the full one (-ts/--tensor-split"
+                    ", -ngl), a smaller -c; `specgguf plan` shows the split; --force loads "
+                    "anyway")  # fmt: skip
         if err.gpu:
             return "lower -ngl/-ngld; --force loads anyway"
         return "--force loads anyway; a smaller -c/--ctx-size helps"
+    if isinstance(err, RpcServerError):
+        return ("start it on that machine with `specgguf rpc-server` (see the README, "
+                "\"Targets bigger than one machine\"), or leave it out of --rpc")  # fmt: skip
+    if isinstance(err, RpcServerLost):
+        return "the text so far is on stdout; restart the server and run again"
     if isinstance(err, IncompatibleVocabError):
         return "`specgguf check TARGET DRAFT` gives the whole report; --no-check overrides"
     if isinstance(err, UnknownModelError):
@@ -164,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     debug = os.environ.get("SPECGGUF_DEBUG", "") not in ("", "0")
     setup_logging()
+    from specgguf.llama.rpc import set_lost_handler
+
+    set_lost_handler(_rpc_lost)
     try:
         app(args=argv, prog_name="specgguf")
         code = 0
@@ -185,6 +200,18 @@ def main(argv: list[str] | None = None) -> None:
         )
         code = EXIT_INTERNAL
     _exit(code)
+
+
+def _rpc_lost(err: RpcServerLost) -> None:
+    """An RPC server stopped answering after loading, and llama.cpp is about to abort the
+    process (from one of its threads): say so on one line and exit 9 first, the text
+    generated so far already on stdout (written and flushed piece by piece)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        _report(err)
+        sys.stderr.flush()
+    os._exit(err.exit_code)
 
 
 def _exit(code: int) -> None:

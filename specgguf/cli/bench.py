@@ -49,6 +49,12 @@ def bench(
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=256)] = 4096,
     threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
     no_repack: Annotated[bool, typer.Option("-nr", "--no-repack")] = False,
+    n_gpu_layers: o.NGpuLayersOpt = -1,
+    n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
+    rpc: o.RpcOpt = None,
+    tensor_split: o.TensorSplitOpt = None,
+    rpc_draft: o.RpcDraftOpt = None,
+    rpc_timeout: o.RpcTimeoutOpt = o.DEFAULT_TIMEOUT,
     deterministic: Annotated[
         bool,
         typer.Option(
@@ -101,7 +107,9 @@ def bench(
     config = o.engine_config(
         model=model, model_draft=model_draft, drafter="auto", draft=draft_max,
         ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry,
-        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
+        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft,
+        n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, rpc=rpc,
+        rpc_draft=rpc_draft, tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
     )  # fmt: skip
     configs = [("target", "none", 0)]
     if config.loads_draft:

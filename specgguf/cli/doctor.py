@@ -49,6 +49,10 @@ def doctor(
         t.add_row("CPU features", " ".join(p["cpu_flags"]) or "-")
         t.add_row("RAM", f"{size(p['ram_available'])} available of {size(p['ram_total'])}")
         t.add_row("AMX kernels built", "yes" if rep["amx_compiled"] else "no")
+        r = rep["rpc"]
+        server = f"rpc-server: {r['server']}" if r["server"] else "no rpc-server found"
+        t.add_row("RPC backend (--rpc)", f"yes ({server})" if r["supported"]
+                  else "no: reinstall with scripts/install")  # fmt: skip
         t.add_row("weight repacking", f"{'on' if rep['weight_repacking'] else 'off'} "
                   f"({rep['weight_repacking_reason']})")  # fmt: skip
         match = "" if rep["build_matches_machine"] else " (this build lacks it: reinstall)"

@@ -12,6 +12,7 @@ import typer
 
 from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from specgguf.errors import UsageError
+from specgguf.llama.rpc import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 
 RegistryOpt = Annotated[
     Path | None,
@@ -56,11 +57,16 @@ CtxSizeDraftOpt = Annotated[
 ]
 BatchSizeOpt = Annotated[int, typer.Option("-b", "--batch-size", min=1, help="Prompt batch size.")]
 NGpuLayersOpt = Annotated[
-    int, typer.Option("-ngl", "--n-gpu-layers", help="Target layers on the GPU (-1: all).")
+    int,
+    typer.Option(
+        "-ngl", "--n-gpu-layers", help="Target layers on the GPU or RPC servers (-1: all)."
+    ),
 ]
 NGpuLayersDraftOpt = Annotated[
     int,
-    typer.Option("-ngld", "--n-gpu-layers-draft", help="Draft layers on the GPU (-1: all)."),
+    typer.Option(
+        "-ngld", "--n-gpu-layers-draft", help="Draft layers on the GPU or RPC servers (-1: all)."
+    ),
 ]
 DraftPMinOpt = Annotated[
     float,
@@ -85,6 +91,75 @@ DeterministicOpt = Annotated[
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Load even when the models seem not to fit.")
 ]
+RpcOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rpc", metavar="HOST:PORT[,...]",
+        help="RPC servers (specgguf rpc-server) that take the target's layers, as "
+        "llama.cpp's --rpc; -ngl counts the layers on them (and on local GPUs), the rest "
+        "stay on this machine.",
+    ),
+]  # fmt: skip
+RpcDraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rpc-draft", metavar="HOST:PORT[,...]",
+        help="RPC servers for the draft's layers (default: none, the draft stays local).",
+    ),
+]  # fmt: skip
+TensorSplitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-ts", "--tensor-split", metavar="N0,N1,...",
+        help="Proportions of the target's offloaded layers per device: the --rpc servers "
+        "in order, then local GPUs (default: by free memory), as llama.cpp's -ts.",
+    ),
+]  # fmt: skip
+RpcTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--rpc-timeout", min=0.1, metavar="SECONDS",
+        help="Seconds an RPC server has to answer before loading, and its machine at the "
+        "network level while generating.",
+    ),
+]  # fmt: skip
+
+
+def parse_tensor_split(text: str | None) -> tuple[float, ...]:
+    """llama.cpp's ``-ts`` value: proportions separated by ``,`` or ``/``.
+
+    Raises:
+        UsageError: something that is not a number of 0 or more, or more than 16 of them.
+    """
+    from specgguf.engine.config import MAX_DEVICES
+
+    if not text:
+        return ()
+    try:
+        split = tuple(float(x) for x in text.replace("/", ",").split(","))
+    except ValueError:
+        split = ()
+    if not split or any(not x >= 0 or x == float("inf") for x in split):
+        raise UsageError(f"--tensor-split takes proportions of 0 or more like 3,1, not {text!r}")
+    if len(split) > MAX_DEVICES:
+        raise UsageError(f"--tensor-split takes at most {MAX_DEVICES} proportions")
+    return split
+
+
+def _servers(flag: str, text: str | None) -> tuple[str, ...]:
+    """RPC servers of ``flag`` as ``host:port`` strings.
+
+    Raises:
+        UsageError: a malformed list, named by its flag.
+    """
+    from specgguf.llama.rpc import parse_endpoints
+
+    if text is None:
+        return ()
+    try:
+        return tuple(str(ep) for ep in parse_endpoints(text))
+    except UsageError as e:
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def model_path(name: str, registry: Path | None = None) -> Path:
@@ -132,17 +207,24 @@ def engine_config(
     deterministic: bool = False,
     hf_repo: str | None = None,
     hf_repo_draft: str | None = None,
+    rpc: str | None = None,
+    rpc_draft: str | None = None,
+    tensor_split: str | None = None,
+    rpc_timeout: float | None = None,
     say: Callable[[str], None] = lambda msg: None,
 ) -> EngineConfig:
     """The engine configuration the flags ask for. ``hf_repo``/``hf_repo_draft`` name
     models on the hub as llama.cpp does (``org/name:QUANT``), pulled on first use. Without
     a target model, the registry's default pair (downloaded on first use). The drafter
     defaults to auto, or, with a fixed ``--draft K``, to the draft model when there is
-    one, else n-gram lookup.
+    one, else n-gram lookup. ``rpc`` (``HOST:PORT,...``) spreads the target over RPC
+    servers with ``tensor_split``; the draft stays local unless ``rpc_draft`` names
+    servers for it.
 
     Raises:
         UsageError: flags that do not combine (``--drafter model`` without a draft model,
-            a model given both as a file or alias and as -hf).
+            a model given both as a file or alias and as -hf, --rpc-draft without a draft
+            model, a malformed --rpc or --tensor-split).
         ModelNotFoundError, UnknownModelError: a model name that names nothing usable.
         HubError and the other download errors: pulling a model failed.
     """
@@ -184,18 +266,27 @@ def engine_config(
     if kind == "model" and model_draft is None:
         raise UsageError("--drafter model needs a draft model (-md/--model-draft)")
     repack = False if no_repack else None
+    split = parse_tensor_split(tensor_split)
+    servers = _servers("--rpc", rpc)
+    servers_draft = _servers("--rpc-draft", rpc_draft)
     target = ModelConfig(model_path(model, registry), n_ctx=ctx_size, n_batch=batch_size,
-                         n_gpu_layers=n_gpu_layers, n_threads=threads, repack=repack)  # fmt: skip
+                         n_gpu_layers=n_gpu_layers, n_threads=threads, repack=repack,
+                         rpc=servers, tensor_split=split)  # fmt: skip
     draft_model = None
     if model_draft is not None and kind in ("model", "auto"):
         draft_model = ModelConfig(
             model_path(model_draft, registry), n_ctx=ctx_size_draft or 0, n_batch=batch_size,
             n_gpu_layers=n_gpu_layers_draft, n_threads=threads, repack=repack,
+            rpc=servers_draft,
         )  # fmt: skip
+    elif servers_draft:
+        raise UsageError("--rpc-draft places the draft model's layers, and no draft model is "
+                         "loaded")  # fmt: skip
     spec = SpeculativeConfig(
         drafter=kind, draft_max=-1 if draft is None else draft, p_min=draft_p_min
     )
     if no_check and draft_model is not None:
         say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
     return EngineConfig(target, draft_model, spec, check_vocab=not no_check,
-                        check_memory=not force, deterministic=deterministic)  # fmt: skip
+                        check_memory=not force, deterministic=deterministic,
+                        rpc_timeout=rpc_timeout or DEFAULT_TIMEOUT)  # fmt: skip

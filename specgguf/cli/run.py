@@ -87,6 +87,10 @@ def run(
     no_check: o.NoCheckOpt = False,
     force: o.ForceOpt = False,
     deterministic: o.DeterministicOpt = False,
+    rpc: o.RpcOpt = None,
+    tensor_split: o.TensorSplitOpt = None,
+    rpc_draft: o.RpcDraftOpt = None,
+    rpc_timeout: o.RpcTimeoutOpt = o.DEFAULT_TIMEOUT,
     json_out: Annotated[
         bool, typer.Option("--json", help="One JSON object at the end instead of text.")
     ] = False,
@@ -99,7 +103,8 @@ def run(
     Without -m, the registry's default pair is used (and downloaded on first use).
 
     Exit codes: 0 done, 2 usage, 3 model file, 4 incompatible draft, 5 does not fit,
-    9 llama.cpp error, 130 interrupted, 141 stdout closed.
+    6 an RPC server does not answer, 9 llama.cpp error (an RPC server lost), 130
+    interrupted, 141 stdout closed.
     """
     from specgguf.cli.display import (
         live_allowed,
@@ -121,7 +126,8 @@ def run(
         ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
         draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry,
-        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
+        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, rpc=rpc,
+        rpc_draft=rpc_draft, tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
     )  # fmt: skip
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")

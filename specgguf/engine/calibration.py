@@ -1,8 +1,9 @@
 """Timings of the loaded pair on this machine, for auto mode's cost model: measured once
 (:func:`specgguf.spec.planner.calibrate`, a few seconds) and cached in
 ``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
-threads and the repacking setting. A cached calibration is checked against one fresh
-decode step first: one taken while the machine was busy would mislead every run after it.
+threads, the repacking setting and the layers' placement (RPC servers). A cached
+calibration is checked against one fresh decode step first: one taken while the machine
+was busy would mislead every run after it.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ def calibration_key(
     n_threads: int,
     repack: bool,
     rows_per_decode: int = 0,
+    *,
+    placement: str = "",
 ) -> str:
     """The cache key of one pair on one build: files by path, size and modification time,
-    and deterministic mode's rows per decode (0: off)."""
+    deterministic mode's rows per decode (0: off), and where the layers are (RPC servers
+    and the split; "" on this machine alone)."""
     parts = [build, _file_key(target), _file_key(draft) if draft else "-", str(n_threads),
              str(repack)] + ([f"rows={rows_per_decode}"] if rows_per_decode else [])  # fmt: skip
+    parts += [f"placement={placement}"] if placement else []
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

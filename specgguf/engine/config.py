@@ -12,11 +12,16 @@ length ``draft_max`` (``--draft-max``; K in formulas), ``p_min`` (``--draft-p-mi
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from specgguf.engine.drafting import DRAFTERS
 from specgguf.errors import UsageError
+from specgguf.llama.rpc import DEFAULT_TIMEOUT, parse_endpoints
 from specgguf.spec.planner import AUTO_DRAFT_MAX
+
+#: The most devices a tensor split can name (llama.cpp's ``llama_max_devices()``).
+MAX_DEVICES = 16
 
 #: A drafter's name: a key of :data:`specgguf.engine.drafting.DRAFTERS` ("auto", "model",
 #: "ngram", "none").
@@ -47,9 +52,18 @@ class ModelConfig:
         n_threads: CPU threads (None: the physical core count).
         repack: llama.cpp's weight repacking (extra buffer types; None: the build's safe
             default, see :func:`specgguf.llama.runtime.repack_policy`).
+        rpc: RPC servers (``host:port``, llama.cpp's ``rpc-server``; a comma-separated
+            string is split) whose devices take this model's layers, in this order, ahead
+            of this machine's GPUs (as llama.cpp orders them); ``n_gpu_layers`` counts the
+            layers on all these devices, the rest stay on this machine's CPU. Empty: this
+            machine only.
+        tensor_split: the proportions of the offloaded layers per device, in that order
+            (llama.cpp's ``--tensor-split``; missing entries are 0); empty or all zero:
+            proportional to each device's free memory, as llama.cpp splits.
 
     Raises:
-        UsageError: a negative or zero size.
+        UsageError: a negative or zero size, a malformed RPC endpoint, a negative or
+            non-finite proportion or more than ``MAX_DEVICES`` of them.
     """
 
     path: Path
@@ -58,9 +72,21 @@ class ModelConfig:
     n_gpu_layers: int = -1
     n_threads: int | None = None
     repack: bool | None = None
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
+        if self.rpc:
+            endpoints = tuple(str(e) for e in parse_endpoints(self.rpc))
+            object.__setattr__(self, "rpc", endpoints)
+        split = tuple(float(x) for x in self.tensor_split)
+        if any(not math.isfinite(x) or x < 0 for x in split) or len(split) > MAX_DEVICES:
+            raise UsageError(
+                f"a tensor split is up to {MAX_DEVICES} proportions of 0 or more, not "
+                f"{','.join(f'{x:g}' for x in split)}"
+            )
+        object.__setattr__(self, "tensor_split", split)
         if self.n_ctx < 0:
             raise UsageError(f"n_ctx must be 0 (the model's) or more, not {self.n_ctx}")
         if self.n_batch < 1:
@@ -121,9 +147,13 @@ class EngineConfig:
         deterministic: greedy output bit-identical whatever the drafter, the draft length
             and timings, and sampled output with a seed too (see README, "Exactness"):
             measured and set up at load, the default of every generation.
+        rpc_timeout: seconds an RPC server has to answer the handshake before loading,
+            and, after loading, for its machine to answer at the TCP level before the
+            connection is given up (see :mod:`specgguf.llama.rpc` for what llama.cpp
+            does not allow).
 
     Raises:
-        UsageError: the "model" drafter without a draft model.
+        UsageError: the "model" drafter without a draft model, a timeout of 0 or less.
     """
 
     target: ModelConfig
@@ -132,10 +162,19 @@ class EngineConfig:
     check_vocab: bool = True
     check_memory: bool = True
     deterministic: bool = False
+    rpc_timeout: float = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.speculative.drafter == "model" and self.draft is None:
             raise UsageError("the model drafter needs a draft model")
+        if not self.rpc_timeout > 0:
+            raise UsageError(f"the RPC timeout must be more than 0 s, not {self.rpc_timeout}")
+
+    @property
+    def rpc_servers(self) -> tuple[str, ...]:
+        """Every RPC server a loaded model uses (``host:port``), each once, in order."""
+        models = [self.target, *([self.draft] if self.loads_draft and self.draft else [])]
+        return tuple(dict.fromkeys(e for m in models for e in m.rpc))
 
     @property
     def loads_draft(self) -> bool:

@@ -88,6 +88,10 @@ class Engine:
                     self.draft_model, config.draft, self.preflight.n_ctx_draft, 1
                 )
                 model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
+            if config.rpc_servers:
+                from specgguf.llama.rpc import keep_alive, parse_endpoints
+
+                keep_alive(parse_endpoints(config.rpc_servers), config.rpc_timeout)
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
             if spec.draft_max > self.decoder.draft_capacity:
                 log.warning(
@@ -129,9 +133,15 @@ class Engine:
         return cls(config)
 
     def _load(self, m: ModelConfig) -> LlamaModel:
+        devices = None
+        if m.rpc:  # the servers answered in preflight
+            from specgguf.llama import rpc
+
+            devices = rpc.add_servers(rpc.parse_endpoints(m.rpc)) + rpc.local_devices()
         return self._stack.enter_context(
-            LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack)
-        )
+            LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack,
+                       devices=devices, tensor_split=m.tensor_split)
+        )  # fmt: skip
 
     def _context(
         self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int, *, reserve: int = 0
@@ -279,6 +289,8 @@ class Engine:
             self.draft_model.path if self.draft_model else None, self.n_threads,
             self.target_model.use_extra_bufts,
             self.deterministic_rows if deterministic else 0,
+            placement="|".join(m.placement for m in (self.target_model, self.draft_model)
+                               if m is not None),
         )  # fmt: skip
 
     def _calibration_ids(self) -> list[int]:
@@ -304,9 +316,12 @@ class Engine:
     def describe(self) -> dict[str, Any]:
         """What is loaded, JSON-able: model files, context sizes, drafter defaults."""
         spec = self.config.speculative
+        draft_rpc = self.config.draft.rpc if self.config.draft and self.draft_model else ()
         return {
             "target": str(self.target_model.path),
             "draft": str(self.draft_model.path) if self.draft_model else None,
+            "rpc": list(self.config.target.rpc),
+            "rpc_draft": list(draft_rpc),
             "n_ctx": self.n_ctx,
             "n_ctx_draft": self.n_ctx_draft,
             "drafter": spec.drafter,

@@ -1,28 +1,35 @@
 """Everything settled before any weights load: both models' metadata, the vocabulary check,
-and whether the models fit in memory."""
+the RPC servers (each one answers, and its free memory), and the memory plan: which layers
+go where, and whether every place holds its share."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
-from specgguf.engine.config import EngineConfig
-from specgguf.errors import IncompatibleVocabError
+from specgguf.engine.config import EngineConfig, ModelConfig
+from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
 from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.vocab import CompatReport, check_compatibility
 from specgguf.llama.memory import (
+    LOCAL,
+    MemoryPlan,
     ModelMemory,
-    check_device_fits,
-    check_fits,
+    Place,
+    available_memory,
+    check_plan,
     model_memory,
-    offloaded_bytes,
+    place_model,
 )
+from specgguf.llama.rpc import RpcServerInfo, parse_endpoints, probe
 
 
 @dataclasses.dataclass(frozen=True)
 class Preflight:
     """What was found before loading: model facts, the vocabulary report (None without a
-    draft model or without the check), the memory estimate (bytes), and the target's
-    context size (``n_ctx``, 0 resolved to the model's training context) and the draft's."""
+    draft model or without the check), the memory estimate (bytes) and plan, the RPC
+    servers' answers, and the target's context size (``n_ctx``, 0 resolved to the model's
+    training context) and the draft's."""
 
     target: ModelInfo
     draft: ModelInfo | None
@@ -31,16 +38,115 @@ class Preflight:
     memory_needed: int
     n_ctx: int
     n_ctx_draft: int
+    plan: MemoryPlan | None = None
+    servers: tuple[RpcServerInfo, ...] = ()
+
+
+def probe_servers(endpoints: Sequence[str], timeout: float) -> dict[str, RpcServerInfo]:
+    """Each RPC server's answer (:func:`specgguf.llama.rpc.probe`), by ``host:port``.
+
+    Raises:
+        RpcServerError: a server that does not answer, named.
+    """
+    return {str(ep): probe(ep, timeout=timeout) for ep in parse_endpoints(endpoints)} if \
+        endpoints else {}  # fmt: skip
+
+
+def server_places(info: RpcServerInfo) -> list[Place]:
+    """An RPC server's devices as places: ``host:port``, with ``#i`` when it has several."""
+    several = len(info.devices) > 1
+    return [
+        Place(f"{info.endpoint}#{d.index}" if several else str(info.endpoint), "rpc",
+              d.memory_free, d.memory_total)
+        for d in info.devices
+    ]  # fmt: skip
+
+
+def local_gpu_places() -> list[Place]:
+    """This machine's GPUs as llama.cpp uses them by default (integrated GPUs only when
+    there is no discrete one), with their free memory; none on CPU-only builds.
+
+    Raises:
+        BackendError: llama-cpp-python cannot be imported.
+    """
+    from specgguf.llama.runtime import build_info
+
+    info = build_info()
+    if not info.gpu_offload:
+        return []
+    gpus = [d for d in info.devices if d.kind == "gpu" and not d.name.startswith("RPC")]
+    chosen = gpus or [d for d in info.devices if d.kind == "igpu"]
+    return [Place(d.name, "gpu", d.memory_free, d.memory_total) for d in chosen]
+
+
+def model_devices(
+    m: ModelConfig, servers: Mapping[str, RpcServerInfo], gpus: Sequence[Place]
+) -> list[Place]:
+    """The devices a model's layers may go to, in llama.cpp's order: its RPC servers'
+    devices, then this machine's GPUs.
+
+    Raises:
+        UsageError: a tensor split with more proportions than the model has devices.
+    """
+    devices = [p for ep in m.rpc for p in server_places(servers[ep])] + list(gpus)
+    if len(m.tensor_split) > len(devices):
+        names = ", ".join(d.name for d in devices) or "none: no GPU and no RPC server"
+        raise UsageError(
+            f"{m.path.name}: a tensor split of {len(m.tensor_split)} proportions, but its "
+            f"layers have {len(devices)} devices to go to ({names})"
+        )
+    return devices
+
+
+def memory_plan(
+    config: EngineConfig,
+    target: ModelInfo,
+    draft: ModelInfo | None,
+    n_ctx: int,
+    n_ctx_draft: int,
+    *,
+    servers: Mapping[str, RpcServerInfo],
+    local_free: int | None = None,
+    gpus: Sequence[Place] | None = None,
+) -> MemoryPlan:
+    """Where each model's layers go and what every place needs (bytes), from metadata and
+    the servers' answers; ``local_free`` (bytes, default: psutil's available memory) and
+    ``gpus`` (default: this build's GPUs) stand in for this machine, to plan for another.
+
+    Raises:
+        UsageError: a tensor split longer than a model's device list.
+    """
+    gpus = local_gpu_places() if gpus is None else gpus
+    local = Place(LOCAL, "local", available_memory() if local_free is None else local_free)
+    places: dict[str, Place] = {LOCAL: local}
+    models = []
+    pairs = [(config.target, target, n_ctx)]
+    if draft is not None and config.draft is not None:
+        pairs.append((config.draft, draft, n_ctx_draft))
+    for m, info, ctx in pairs:
+        devices = model_devices(m, servers, gpus)
+        places.update({d.name: d for d in devices})
+        mem = model_memory(info, n_ctx=ctx)
+        models.append(
+            place_model(info, mem, devices, n_gpu_layers=m.n_gpu_layers,
+                        tensor_split=m.tensor_split)
+        )  # fmt: skip
+    return MemoryPlan(tuple(places.values()), tuple(models))
 
 
 def preflight(config: EngineConfig) -> Preflight:
-    """Read the models' metadata (no weights), check the vocabularies and the memory
-    estimate, as ``config`` asks. The draft is looked at only when it will be loaded.
+    """Read the models' metadata (no weights), check the vocabularies, ask every RPC server
+    for its version and free memory, and check the memory plan, as ``config`` asks. The
+    draft is looked at only when it will be loaded.
 
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
         IncompatibleVocabError: the draft cannot draft for the target (``check_vocab``).
-        InsufficientMemoryError: the models clearly do not fit (``check_memory``).
+        BackendError: RPC servers are given but this llama.cpp build has no RPC backend.
+        RpcServerError: an RPC server does not answer (named), before anything loads.
+        UsageError: a tensor split longer than a model's device list.
+        InsufficientMemoryError: some place clearly cannot hold its share
+            (``check_memory``).
     """
     draft = config.draft if config.loads_draft else None
     t_info = read_model_info(config.target.path)
@@ -52,6 +158,15 @@ def preflight(config: EngineConfig) -> Preflight:
             raise IncompatibleVocabError(
                 [f.message for f in compat.errors], target=config.target.path, draft=draft.path
             )
+    if config.rpc_servers:
+        from specgguf.llama.rpc import supported
+
+        if not supported():
+            raise BackendError(
+                "this llama.cpp build has no RPC backend (it was built without GGML_RPC=ON)",
+                hint="reinstall with scripts/install, which builds it in",
+            )
+    servers = probe_servers(config.rpc_servers, config.rpc_timeout)
     # 0: the model's training context
     n_ctx = config.target.n_ctx or t_info.context_length or 4096
     n_ctx_draft = n_ctx
@@ -59,24 +174,7 @@ def preflight(config: EngineConfig) -> Preflight:
     if d_info is not None and draft is not None:
         n_ctx_draft = draft.n_ctx or n_ctx
         parts.append(model_memory(d_info, n_ctx=n_ctx_draft))
-    needed = check_fits(parts) if config.check_memory else sum(p.total for p in parts)
-    if config.check_memory:
-        ngls = [config.target.n_gpu_layers, draft.n_gpu_layers if draft else 0]
-        _check_device(parts, [t_info, d_info], ngls)
-    return Preflight(t_info, d_info, compat, parts, needed, n_ctx, n_ctx_draft)
-
-
-def _check_device(parts: list[ModelMemory], infos: list[ModelInfo | None], ngls: list[int]) -> None:
-    """Device memory, where this build offloads to a GPU (skipped on CPU-only builds)."""
-    from specgguf.llama.runtime import build_info
-
-    info = build_info()
-    gpus = [d for d in info.devices if d.kind == "gpu"]
-    if not info.gpu_offload or not gpus:
-        return
-    offloaded = [
-        (part.name, offloaded_bytes(part, ngl, mi.block_count or 0))
-        for part, mi, ngl in zip(parts, infos, ngls, strict=False)
-        if mi is not None
-    ]
-    check_device_fits(offloaded, sum(d.memory_free for d in gpus))
+    plan = memory_plan(config, t_info, d_info, n_ctx, n_ctx_draft, servers=servers)
+    needed = check_plan(plan) if config.check_memory else plan.need(LOCAL)
+    return Preflight(t_info, d_info, compat, parts, needed, n_ctx, n_ctx_draft, plan,
+                     tuple(servers.values()))  # fmt: skip

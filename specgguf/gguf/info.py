@@ -7,8 +7,73 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import GGUFFormatError
-from specgguf.gguf.metadata import FILE_TYPES, GGUFMetadata
+from specgguf.gguf.metadata import FILE_TYPES, GGUFMetadata, TensorInfo
 from specgguf.gguf.vocab import VocabInfo, read_vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """A model's tensor bytes by where llama.cpp places them (``llama-model.cpp``,
+    ``load_tensors``): the input layer (``token_embd``, always on the CPU), each repeating
+    block ``blk.N`` (``blocks[N]``), the output layer (``output_norm`` and ``output``; where
+    the output shares the embedding, llama.cpp loads ``token_embd`` a second time for the
+    output layer: ``tied`` bytes of ``output`` are that copy), and tensors of none of these
+    (``other``, kept with the input). Bytes as the tensor types store them (ggml block
+    sizes), without the file's metadata and padding.
+    """
+
+    input: int
+    blocks: tuple[int, ...]
+    output: int
+    other: int
+    tied: int = 0
+
+    @property
+    def total(self) -> int:
+        """Every tensor once (the output's copy of the embedding not counted)."""
+        return self.input + sum(self.blocks) + self.output - self.tied + self.other
+
+
+def tensor_bytes(t: TensorInfo) -> int:
+    """Bytes of one tensor's data (ggml's block size and type size; gguf-py's table).
+
+    Raises:
+        KeyError: a ggml type id gguf-py does not know.
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+    return t.n_elements // block * type_size
+
+
+def weight_layout(tensors: list[TensorInfo], n_layer: int) -> WeightLayout | None:
+    """The bytes per placement of ``tensors`` (see :class:`WeightLayout`); None when a
+    tensor type is unknown (a newer ggml type), so that estimates fall back to file sizes."""
+    blocks = [0] * n_layer
+    inp = out = other = embd = 0
+    has_output = False
+    try:
+        for t in tensors:
+            n = tensor_bytes(t)
+            name = t.name
+            if name.startswith("blk."):
+                idx = name.split(".", 2)[1]
+                if idx.isdigit() and int(idx) < n_layer:
+                    blocks[int(idx)] += n
+                else:
+                    other += n  # e.g. a multi-token-prediction block past n_layer
+            elif name.startswith("token_embd."):
+                inp += n
+                embd += n if name == "token_embd.weight" else 0
+            elif name.startswith("output"):
+                out += n
+                has_output = has_output or name == "output.weight"
+            else:
+                other += n
+    except (KeyError, ValueError):
+        return None
+    tied = 0 if has_output else embd  # token_embd loaded again as the output (DUPLICATED)
+    return WeightLayout(inp, tuple(blocks), out + tied, other, tied)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +95,7 @@ class ModelInfo:
     template: str | None = dataclasses.field(repr=False)
     n_tensors: int
     file_size: int
+    layout: WeightLayout | None = dataclasses.field(repr=False)
     split_count: int
     shards: tuple[Path, ...]
     missing_shards: tuple[Path, ...]
@@ -91,7 +157,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
         present = [p for p in shards if p.is_file()]
         missing = tuple(p for p in shards if not p.is_file())
         n_tensors = meta.n_tensors
-        n_params: int | None = sum(t.n_elements for t in meta.tensors())
+        tensors = list(meta.tensors())
         file_size = meta.file_size
         for shard in present:
             if shard == meta.path:
@@ -99,8 +165,10 @@ def read_model_info(path: Path | str) -> ModelInfo:
             with GGUFMetadata.open(shard) as sm:
                 n_tensors += sm.n_tensors
                 file_size += sm.file_size
-                assert n_params is not None
-                n_params += sum(t.n_elements for t in sm.tensors())
+                tensors += sm.tensors()
+        n_params: int | None = sum(t.n_elements for t in tensors)
+        block_count = _int(meta.arch_key("block_count"))
+        layout = None if missing else weight_layout(tensors, block_count or 0)
         if missing:
             n_params = None
         ft = _int(meta.get("general.file_type"))
@@ -112,7 +180,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
             quantization=FILE_TYPES.get(ft, f"file_type {ft}") if ft is not None else None,
             n_params=n_params,
             context_length=_int(meta.arch_key("context_length")),
-            block_count=_int(meta.arch_key("block_count")),
+            block_count=block_count,
             embedding_length=_int(meta.arch_key("embedding_length")),
             head_count=_int(meta.arch_key("attention.head_count")),
             head_count_kv=_int(meta.arch_key("attention.head_count_kv")),
@@ -120,6 +188,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
             template=_str(meta.get("tokenizer.chat_template")),
             n_tensors=n_tensors,
             file_size=file_size,
+            layout=layout,
             split_count=meta.split_count,
             shards=tuple(shards),
             missing_shards=missing,

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError
-from specgguf.llama.runtime import llama, repack_policy
+from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_policy
 
 log = logging.getLogger("specgguf")
 _warned_repack = False
@@ -79,6 +79,16 @@ class _Native:
             pass
 
 
+def _placement(devices: Sequence[int], n_gpu_layers: int, tensor_split: Sequence[float]) -> str:
+    """``RPC0=10.0.0.2:50052,CUDA0=NVIDIA ...;ngl=-1;ts=3,1``: devices by name and
+    description (an RPC device's is its server), the layer count and the split."""
+    name = native_fn("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
+    desc = native_fn("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)
+    devs = ",".join(f"{(name(d) or b'').decode()}={(desc(d) or b'').decode()}" for d in devices)
+    split = ",".join(f"{x:g}" for x in tensor_split)
+    return f"{devs};ngl={n_gpu_layers};ts={split}"
+
+
 class LlamaModel(_Native):
     """A GGUF model loaded by llama.cpp (weights and vocabulary).
 
@@ -88,6 +98,11 @@ class LlamaModel(_Native):
             build can offload, which llama.cpp ignores on CPU-only builds).
         use_extra_bufts: weight repacking; None asks :func:`specgguf.llama.runtime.repack_policy`.
         vocab_only: load only the vocabulary (no weights).
+        devices: the devices (``ggml_backend_dev_t`` addresses) the layers may go to, in
+            order (``llama_model_params.devices``); None: llama.cpp's default choice, this
+            machine's GPUs (see :mod:`specgguf.llama.rpc` for RPC servers' devices).
+        tensor_split: the proportion of the offloaded layers per device, in that order
+            (``llama_model_params.tensor_split``); empty: by free memory.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist.
@@ -101,6 +116,8 @@ class LlamaModel(_Native):
         n_gpu_layers: int = -1,
         use_extra_bufts: bool | None = None,
         vocab_only: bool = False,
+        devices: Sequence[int] | None = None,
+        tensor_split: Sequence[float] = (),
     ) -> None:
         self._lc = lc = llama()
         self.path = Path(path)
@@ -118,12 +135,27 @@ class LlamaModel(_Native):
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
         params.use_extra_bufts = True if use_extra_bufts is None else use_extra_bufts
-        if params.use_extra_bufts and not vocab_only and not lc.llama_supports_gpu_offload():
+        #: whether layers may go to a device (a local GPU, an RPC server)
+        self.offloads = bool(devices) if devices is not None else local_gpu_offload()
+        #: where the layers go when the devices are given ("" for llama.cpp's default),
+        #: for cache keys of measured timings and invariances
+        self.placement = "" if devices is None else _placement(devices, n_gpu_layers, tensor_split)
+        if params.use_extra_bufts and not vocab_only and not self.offloads:
             # Repacked weights are copies: read the file instead of mapping it, or its pages
             # stay resident next to the copies (1.9 GB instead of 1.3 GB for a 1.1 GB file).
             params.load_mode = 0  # LLAMA_LOAD_MODE_NONE
         self.use_extra_bufts = bool(params.use_extra_bufts)
+        # Both arrays must outlive the load call: llama.cpp reads them during it.
+        dev_array = split_array = None
+        if devices is not None:
+            dev_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.addressof(dev_array)
+        if tensor_split:
+            n_max = int(lc.llama_max_devices())
+            split_array = (ctypes.c_float * n_max)(*list(tensor_split)[:n_max])
+            params.tensor_split = ctypes.cast(split_array, ctypes.POINTER(ctypes.c_float))
         model = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        del dev_array, split_array
         if not model:
             raise BackendError(f"llama.cpp could not load {self.path}")
         self._model = model
@@ -276,7 +308,7 @@ class LlamaContext(_Native):
         params.n_ctx = n_ctx + reserve if n_ctx > 0 else 0
         params.n_batch = n_batch
         if n_ubatch is None:
-            n_ubatch = 512 if lc.llama_supports_gpu_offload() else 128
+            n_ubatch = 512 if model.offloads else 128
         params.n_ubatch = min(n_batch, n_ubatch)
         params.n_outputs_max = min(n_outputs_max, n_batch)
         params.n_seq_max = 1

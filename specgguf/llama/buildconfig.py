@@ -8,6 +8,9 @@ The rules:
 - backend: ``metal`` on Apple silicon; ``cuda`` when ``nvidia-smi -L`` lists a GPU (a CUDA
   compiler alone, without a GPU, is not enough); ``rocm`` when ``rocminfo`` lists a gfx
   agent; ``vulkan`` only when asked; otherwise ``cpu``.
+- RPC: every build has ggml's RPC backend (``-DGGML_RPC=ON``, also added to a
+  ``CMAKE_ARGS`` given by a user unless it sets ``GGML_RPC``): it costs nothing unused,
+  and it is what ``--rpc`` and ``specgguf rpc-server`` need.
 - CPU flags: on x86-64 CPUs that report AMX (``amx_int8`` in /proc/cpuinfo), a native build
   compiles llama.cpp's AMX kernels, which crash at the first decode on some such machines
   (seen in VMs: a segmentation fault in ``ggml_backend_amx_mul_mat``). There the build
@@ -26,6 +29,9 @@ import subprocess
 import sys
 
 BACKENDS = ("cpu", "cuda", "metal", "rocm", "vulkan")
+
+#: ggml's RPC backend, in every build (llama.cpp's ``--rpc``; ``specgguf rpc-server``).
+RPC_CMAKE_ARG = "-DGGML_RPC=ON"
 
 #: (cpuinfo flag, ggml CMake option), in ggml's order.
 _X86_FEATURES = (
@@ -123,8 +129,18 @@ def cmake_args(backend: str, flags: frozenset[str], machine: str | None = None) 
     }
     if backend not in gpu:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    # specgguf never uses the multimodal (llava/mtmd) library: skipping it saves build time.
-    return [*gpu[backend], *cpu_cmake_args(flags, machine), "-DLLAVA_BUILD=OFF"]
+    # The RPC backend (ggml-rpc) lets a target's layers live on other machines' rpc-server
+    # processes; it costs nothing when unused, so every build has it. specgguf never uses
+    # the multimodal (llava/mtmd) library: skipping it saves build time.
+    return [*gpu[backend], *cpu_cmake_args(flags, machine), RPC_CMAKE_ARG, "-DLLAVA_BUILD=OFF"]
+
+
+def with_rpc(args: str) -> str:
+    """``CMAKE_ARGS`` given by a user, with the RPC backend added unless they set
+    ``GGML_RPC`` themselves (on or off)."""
+    if "GGML_RPC" in args:
+        return args
+    return f"{args} {RPC_CMAKE_ARG}".strip()
 
 
 def build_key(version: str, args: str) -> str:

@@ -2,7 +2,9 @@
 
 The report names the llama-cpp-python and llama.cpp versions, the backends compiled in,
 whether layers can be offloaded to a GPU, the CPU features, RAM and device memory, and the
-weight-repacking decision (see :mod:`specgguf.llama.runtime`). The smoke test writes a tiny GGUF
+weight-repacking decision (see :mod:`specgguf.llama.runtime`), and whether the build
+has llama.cpp's RPC backend and an ``rpc-server`` to go with it
+(:mod:`specgguf.llama.rpc`). The smoke test writes a tiny GGUF
 model, loads it with the settings ``run`` would use, and generates a few tokens, in a child
 process (:mod:`specgguf.llama.child`) so that a crashing build is reported instead of
 taking the caller down.
@@ -58,6 +60,7 @@ def report(smoke: bool = True) -> dict[str, Any]:
         BackendError: llama-cpp-python cannot be imported.
     """
     import specgguf
+    from specgguf.llama import rpc
     from specgguf.llama.buildconfig import detect_backend
 
     info = build_info()
@@ -81,6 +84,8 @@ def report(smoke: bool = True) -> dict[str, Any]:
         "platform": platform_summary(),
         "machine_backend": machine_backend,
         "install_hint": INSTALL_HINTS[names[machine_backend]],
+        "rpc": {"supported": rpc.supported(),
+                "server": str(server) if (server := rpc.server_binary()) else None},
         "build_matches_machine": machine_backend == "cpu"
         or bool(compiled & {machine_backend, "hip" if machine_backend == "rocm" else ""}),
         "env": {k: os.environ[k] for k in ("CMAKE_ARGS", "SPECGGUF_REPACK") if k in os.environ},

@@ -135,6 +135,7 @@ def _probe_key(model: LlamaModel, n_threads: int) -> str:
     st = Path(model.path).stat()
     parts = [build_key(build_info()), f"{Path(model.path).resolve()}:{st.st_size}:{st.st_mtime_ns}",
              str(model.use_extra_bufts), str(n_threads)]  # fmt: skip
+    parts += [model.placement] if model.placement else []  # layers on RPC servers
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

@@ -73,6 +73,34 @@ def llama() -> ModuleType:
     return lc
 
 
+def native_fn(name: str, restype: Any, *argtypes: Any) -> Any:
+    """A ctypes function for the C function ``name`` in the loaded llama.cpp libraries
+    (libllama and the ggml libraries it links), with its own types: not the shared
+    attribute of the library object, whose types other code may set.
+
+    Raises:
+        BackendError: llama-cpp-python cannot be imported.
+        AttributeError: no such function in this build.
+    """
+    proto = ctypes.CFUNCTYPE(restype, *argtypes)
+    return proto((name, llama()._lib))
+
+
+@functools.cache
+def local_gpu_offload() -> bool:
+    """Whether this build has a GPU on this machine to offload layers to.
+
+    ``llama_supports_gpu_offload()`` also answers yes for a CPU-only build with the RPC
+    backend (every build ``scripts/install`` makes), where nothing local is offloaded;
+    this asks for a GPU or integrated GPU device, as that function does otherwise.
+
+    Raises:
+        BackendError: llama-cpp-python cannot be imported.
+    """
+    by_type = native_fn("ggml_backend_dev_by_type", ctypes.c_void_p, ctypes.c_int)
+    return bool(by_type(1) or by_type(2))  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
+
+
 @dataclasses.dataclass(frozen=True)
 class Device:
     """A ggml backend device: ``kind`` is cpu, gpu, igpu or accel; memory in bytes."""
@@ -93,7 +121,7 @@ class BuildInfo:
     ggml_commit: str
     system_info: str  # llama_print_system_info(): "CPU : SSE3 = 1 | ... |"
     devices: tuple[Device, ...]
-    gpu_offload: bool
+    gpu_offload: bool  # a local GPU to offload to (RPC servers not counted)
     library: Path
 
     @property
@@ -187,7 +215,7 @@ def build_info() -> BuildInfo:
         ggml_commit=ggml_commit,
         system_info=lc.llama_print_system_info().decode("utf-8", errors="replace"),
         devices=tuple(devices),
-        gpu_offload=bool(lc.llama_supports_gpu_offload()),
+        gpu_offload=local_gpu_offload(),
         library=Path(lib._name),
     )
 
