@@ -13,7 +13,7 @@ import pytest
 
 import specgguf
 from specgguf import errors
-from specgguf.llama.buildconfig import build_key, cmake_args, cpu_cmake_args
+from specgguf.llama.buildconfig import build_key, cmake_args, cpu_cmake_args, with_rpc
 
 from .helpers import ROOT, run_cli
 
@@ -92,6 +92,16 @@ def test_cmake_args_per_backend_and_build_key() -> None:
         cmake_args("opencl", frozenset())
     assert build_key("0.3.36", "-DA=1") != build_key("0.3.36", "-DA=2")
     assert build_key("0.3.36", "-DA=1") == build_key("0.3.36", "-DA=1")
+
+
+def test_every_build_has_the_rpc_backend() -> None:
+    for backend in ("cpu", "cuda", "metal", "rocm", "vulkan"):
+        for flags in (frozenset(), AMX_XEON):
+            assert cmake_args(backend, flags, "x86_64").count("-DGGML_RPC=ON") == 1
+    # A user's CMAKE_ARGS gets it too, unless it says otherwise.
+    assert with_rpc("-DGGML_CUDA=on") == "-DGGML_CUDA=on -DGGML_RPC=ON"
+    assert with_rpc("") == "-DGGML_RPC=ON"
+    assert with_rpc("-DGGML_RPC=OFF -DGGML_CUDA=on") == "-DGGML_RPC=OFF -DGGML_CUDA=on"
 
 
 def test_install_script_builds_a_version_inside_the_declared_range() -> None:

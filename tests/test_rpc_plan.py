@@ -389,3 +389,22 @@ def test_keep_alive_sets_dead_peer_timeouts(fake: type[FakeServer]) -> None:
             assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             assert c.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 12000
+
+
+def test_flag_errors_name_the_flag(tiny_models: dict[str, Path]) -> None:
+    from .helpers import run_cli
+
+    m = str(tiny_models["target"])
+    for args, want in [
+        (["--rpc", "10.0.0.2"], "--rpc: an RPC server is HOST:PORT, not '10.0.0.2'"),
+        (["--rpc", "a:1", "-ts", "3,x"], "--tensor-split takes proportions"),
+        (["--rpc", "a:1", "-ts", "1,-1"], "--tensor-split takes proportions"),
+        (["--rpc-draft", "a:1", "--drafter", "none"], "--rpc-draft places the draft"),
+        (["--rpc", "a:1", "--rpc-timeout", "0"], "--rpc-timeout"),
+    ]:
+        res = run_cli("run", "-m", m, *args, "-n", "1", "hi")
+        assert res.returncode == 2, (args, res.stderr)
+        assert want in res.stderr.decode(), (args, res.stderr)
+    # A split without anywhere to put layers (no GPU, no server) is refused in preflight.
+    res = run_cli("plan", "-m", m, "-ts", "1,1", "--local-mem", "8")
+    assert res.returncode == 2 and "2 proportions" in res.stderr.decode(), res.stderr

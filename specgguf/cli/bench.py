@@ -138,6 +138,7 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
     t = Table(
         title=f"{Path(report['models']['target']).name} + "
         f"{Path(report['models']['draft']).name if report['models']['draft'] else 'no draft'}"
+        f"{_rpc_note(report['models'])}"
         f", {m['cpu']}, {m['threads']} threads, n={report['params']['n_predict']}, greedy",
         title_justify="left", box=None, header_style="bold",
     )  # fmt: skip
@@ -157,6 +158,13 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
     con.print(f"peak RSS {size(mem['peak_rss'])} = {mem['ratio']:.2f} x (model files "
               f"{size(mem['model_files'])} + KV caches {size(mem['kv_caches'])}); "
               f"{report['wall_seconds']:.0f} s", highlight=False)  # fmt: skip
+
+
+def _rpc_note(models: dict[str, Any]) -> str:
+    """`` (target over RPC: 10.0.0.2:50052, ...)`` when layers are on RPC servers."""
+    roles = (("target", "rpc"), ("draft", "rpc_draft"))
+    parts = [f"{role} over RPC: {', '.join(models[key])}" for role, key in roles if models.get(key)]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _check_plot_path(path: Path) -> None:

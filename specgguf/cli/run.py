@@ -159,7 +159,8 @@ def run(
                 "finish_reason": result.finish_reason,
                 "stats": {**result.stats.as_dict(), "target_alone_tokens_per_s":
                           round(alone, 3) if alone else None},
-                "models": {**{k: engine.describe()[k] for k in ("target", "draft")},
+                "models": {**{k: engine.describe()[k] for k in ("target", "draft", "rpc",
+                                                                 "rpc_draft")},
                            "drafter": config.speculative.drafter},
                 "params": {
                     "draft_max": result.stats.draft_max, "n_predict": n_predict,

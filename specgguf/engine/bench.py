@@ -343,7 +343,7 @@ def run_bench(
             "threads": engine.n_threads,
             "weight_repacking": engine.repack,
         },
-        "models": {"target": loaded["target"], "draft": loaded["draft"]},
+        "models": {k: loaded[k] for k in ("target", "draft", "rpc", "rpc_draft")},
         "params": {
             "n_predict": n,
             "rounds": rounds,
