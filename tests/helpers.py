@@ -57,3 +57,81 @@ def load_engine(
             SpeculativeConfig(drafter=drafter, draft_max=draft_max),
         )
     )
+
+
+class ServerProcess:
+    """``specgguf serve ARGS --port 0`` as a subprocess on 127.0.0.1: waits for its
+    "listening on" line on stderr and reads the port from it; stderr is collected in
+    ``stderr_lines`` (a thread drains it). Stop it with :meth:`stop` (a signal) or use it
+    as a context manager.
+
+    Raises:
+        RuntimeError: the server exited, or said nothing, before listening.
+    """
+
+    def __init__(
+        self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300
+    ) -> None:
+        import re
+        import threading
+        import time
+
+        self.args = ["serve", "--host", "127.0.0.1", "--port", "0", *args]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specgguf", *self.args], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+            cwd=ROOT, text=True,
+        )  # fmt: skip
+        self.stderr_lines: list[str] = []
+        ready = threading.Event()
+        self.url = ""
+
+        def drain() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.stderr_lines.append(line)
+                m = re.search(r"listening on (http://\S+)", line)
+                if m and not self.url:
+                    self.url = m[1]
+                    ready.set()
+            ready.set()
+
+        self._drain = threading.Thread(target=drain, daemon=True)
+        self._drain.start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.1) and time.monotonic() < deadline:
+            pass
+        if not self.url:
+            self.proc.kill()
+            self.proc.wait()
+            self._drain.join(5)
+            raise RuntimeError(f"specgguf serve did not start: {self.stderr}")
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.base_url = f"{self.url}/v1"
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    def stop(self, sig: int | None = None, timeout: float = 30) -> int:
+        """Send ``sig`` (default SIGTERM) and wait; returns the exit code (the process is
+        killed, and the test fails, if it does not exit within ``timeout`` seconds)."""
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM if sig is None else sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the server did not exit within {timeout} s") from None
+        self._drain.join(5)
+        return code
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.stop()

@@ -70,7 +70,9 @@ class GenerationParams:
     :class:`specgguf.engine.SpeculativeConfig`; the loop itself takes its drafter and draft
     length from the planner it is given): ``drafter`` ("auto", "model", "ngram", "none"),
     ``draft_max`` (the draft length K; with "auto" the largest), ``p_min`` (a draft model
-    stops drafting at a token it gives less than this probability).
+    stops drafting at a token it gives less than this probability), ``draft_min`` (a draft
+    shorter than this is not verified: the step runs the target alone, as llama.cpp's
+    ``--draft-min`` / its server's ``speculative.n_min`` do; 0: every draft is verified).
     """
 
     n_predict: int = -1
@@ -80,6 +82,7 @@ class GenerationParams:
     drafter: str | None = None
     draft_max: int | None = None
     p_min: float | None = None
+    draft_min: int = 0
 
 
 @dataclasses.dataclass
@@ -316,6 +319,9 @@ class SpeculativeDecoder:
             plan = planner.plan(history, k, sampler, rng)
             draft = plan.draft
             d = draft.tokens[:k]
+            if 0 < len(d) < params.draft_min:  # too short to be worth a verification
+                plan = dataclasses.replace(plan, drafter=None, draft=Draft([]))
+                draft, d = plan.draft, []
             t_verify = time.perf_counter()
             logits = target.eval([history[-1], *d], logits="all")
             t_verify = time.perf_counter() - t_verify
