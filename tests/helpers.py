@@ -1,13 +1,15 @@
-"""Helpers for tests that run the real ``specgguf`` entry point as a subprocess."""
+"""Helpers for tests (and scripts/) that run the real ``specgguf`` entry point as a
+subprocess: a command, a server, a timed chat completion."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specgguf.engine import Engine
@@ -135,3 +137,72 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         if self.proc.poll() is None:
             self.stop()
+
+
+@dataclasses.dataclass
+class Completion:
+    """One chat completion as a client saw it: the text, the chunk ids (one id when
+    nothing was mixed), seconds to the first text (``ttft``) and to the end, and the
+    server's ``usage`` and ``timings`` (llama.cpp's names), or its HTTP ``status`` and
+    error."""
+
+    status: int
+    text: str = ""
+    ids: set[str] = dataclasses.field(default_factory=set)
+    ttft: float = 0.0
+    seconds: float = 0.0
+    usage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finish_reason: str | None = None
+    error: Any = None
+
+
+def chat_completion(
+    base_url: str, body: dict[str, Any], *, stream: bool, timeout: float = 600
+) -> Completion:
+    """POST ``body`` to ``base_url``/chat/completions (streamed or not) with httpx and time
+    it; a non-200 answer is returned with its status and error, not raised."""
+    import json
+    import time
+
+    import httpx
+
+    url = f"{base_url}/chat/completions"
+    t0 = time.perf_counter()
+    if not stream:
+        r = httpx.post(url, json={**body, "stream": False}, timeout=timeout)
+        seconds = time.perf_counter() - t0
+        data = r.json()
+        if r.status_code != 200:
+            return Completion(r.status_code, seconds=seconds, error=data.get("error"))
+        choice = data["choices"][0]
+        return Completion(
+            200, choice["message"]["content"], {data["id"]}, seconds, seconds,
+            data.get("usage") or {}, data.get("timings") or {}, choice["finish_reason"],
+        )  # fmt: skip
+    out = Completion(200)
+    parts: list[str] = []
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            return Completion(r.status_code, error=r.json().get("error"))
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out.error = chunk["error"]
+                continue
+            out.ids.add(chunk["id"])
+            for choice in chunk.get("choices") or []:
+                text = choice.get("delta", {}).get("content") or ""
+                if text and not out.ttft:
+                    out.ttft = time.perf_counter() - t0
+                parts.append(text)
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            out.usage = chunk.get("usage") or out.usage
+            out.timings = chunk.get("timings") or out.timings
+    out.seconds = time.perf_counter() - t0
+    out.text = "".join(parts)
+    return out

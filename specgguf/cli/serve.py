@@ -82,8 +82,9 @@ def serve(
     statistics in every response.
 
     Without -m, the registry's default pair is used (and downloaded on first use). The
-    models load once; then one line on stderr says where the server listens. SIGINT or
-    SIGTERM stops it.
+    models load once; then one line on stderr says where the server listens. The sampling
+    flags and -n are the defaults of requests that do not set them. SIGINT or SIGTERM
+    stops it.
 
     Exit codes: 0 stopped, 2 usage (a taken port too), 3 model file, 4 incompatible draft,
     5 does not fit, 9 llama.cpp error.
