@@ -129,8 +129,8 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Jobs in the queue, not yet started."""
-        return len(self._waiting)
+        """Jobs in the queue, not yet started (cancelled ones not counted)."""
+        return sum(not job.cancelled for job in list(self._waiting))
 
     @property
     def busy(self) -> bool:
