@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import threading
 import time
@@ -26,6 +25,17 @@ PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10
 #: The tiny models ignore their prompt's meaning: fixed-length greedy output is the test.
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 SPEC = ["--drafter", "model", "--draft", "4"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loopback_only() -> Iterator[None]:
+    """Clients talk to 127.0.0.1 directly, never through a proxy from the environment."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                    "all_proxy"):  # fmt: skip
+            mp.delenv(var, raising=False)
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -697,12 +707,3 @@ def test_scheduler_runs_jobs_in_arrival_order_and_bounds_the_queue() -> None:
 
     asyncio.run(main())
     assert order == [1, 2]
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Loopback only: never through a proxy from the environment.
-    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    assert os.environ["NO_PROXY"]
