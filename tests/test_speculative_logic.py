@@ -330,3 +330,26 @@ def test_model_drafter_notices_a_cache_rolled_back_by_someone_else() -> None:
     draft_ctx.rollback(0)
     res = run(dec, [1, 2, 3, 4], n_predict=8, draft_max=4)
     assert res.tokens == truth([1, 2, 3, 4], 8) and res.stats.acceptance_rate == 1.0
+
+
+def test_drafts_shorter_than_draft_min_are_not_verified() -> None:
+    # The drafter proposes 2 tokens, then 5, alternating; with draft_min 3 only the drafts
+    # of 5 reach the target, and a skipped draft costs a plain one-token step.
+    sizes = iter([2, 5] * 20)
+
+    def script(history: Sequence[int], k: int) -> list[int]:
+        return truth(list(history), next(sizes))
+
+    dec, ctx = make(ScriptedDrafter(script))
+    res = run(dec, [1], n_predict=21, draft_max=8, draft_min=3)
+    assert res.tokens == truth([1], 21)
+    batches = [len(e[2]) for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+    assert batches == [1, 6, 1, 6, 1, 6], batches  # 1 + 6 tokens per pair of steps
+    assert (res.stats.drafted, res.stats.accepted) == (15, 15)
+    assert res.stats.by_drafter["none"].steps == 3
+    # Control: without draft_min every draft is verified.
+    sizes = iter([2, 5] * 20)
+    dec, ctx = make(ScriptedDrafter(script))
+    run(dec, [1], n_predict=20, draft_max=8)
+    batches = [len(e[2]) for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+    assert batches[:2] == [3, 6]

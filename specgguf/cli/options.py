@@ -1,4 +1,4 @@
-"""Options shared by the commands that load models (``run``, ``bench``, a server): one
+"""Options shared by the commands that load models (``run``, ``bench``, ``serve``): one
 definition each, and :func:`engine_config`, which turns them into one
 :class:`~specgguf.engine.EngineConfig`."""
 
@@ -13,6 +13,14 @@ import typer
 from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from specgguf.errors import UsageError
 
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-m",
+        "--model",
+        help="Target model: a .gguf file, an alias, or org/name:QUANT when cached.",
+    ),
+]
 RegistryOpt = Annotated[
     Path | None,
     typer.Option("--registry", help="An extra models.toml (adds to or overrides the registry)."),
@@ -41,6 +49,15 @@ ModelDraftOpt = Annotated[
         help="Draft model: a .gguf file, an alias, or org/name:QUANT when cached.",
     ),
 ]
+DraftOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--draft",
+        "--draft-max",
+        min=0,
+        help="Fixed draft length K per step (with --drafter auto: the largest K).",
+    ),
+]
 DrafterOpt = Annotated[
     str | None,
     typer.Option(
@@ -50,11 +67,15 @@ DrafterOpt = Annotated[
         "lookup, at that fixed K.",
     ),
 ]
+CtxSizeOpt = Annotated[
+    int, typer.Option("-c", "--ctx-size", min=0, help="Context size (0: the model's).")
+]
 CtxSizeDraftOpt = Annotated[
     int | None,
     typer.Option("-cd", "--ctx-size-draft", min=0, help="Draft context size (default: -c)."),
 ]
 BatchSizeOpt = Annotated[int, typer.Option("-b", "--batch-size", min=1, help="Prompt batch size.")]
+ThreadsOpt = Annotated[int | None, typer.Option("-t", "--threads", min=1, help="CPU threads.")]
 NGpuLayersOpt = Annotated[
     int, typer.Option("-ngl", "--n-gpu-layers", help="Target layers on the GPU (-1: all).")
 ]
@@ -71,6 +92,7 @@ DraftPMinOpt = Annotated[
         help="Stop drafting below this probability (auto mode: at least 0.5).",
     ),
 ]
+NoRepackOpt = Annotated[bool, typer.Option("-nr", "--no-repack", help="Disable weight repacking.")]
 NoCheckOpt = Annotated[
     bool, typer.Option("--no-check", help="Skip the vocabulary check (with a warning).")
 ]
@@ -86,6 +108,15 @@ ForceOpt = Annotated[
     bool, typer.Option("--force", help="Load even when the models seem not to fit.")
 ]
 
+QuietOpt = Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")]
+
+# Sampling settings (``serve``: the defaults of requests that do not set them).
+TempOpt = Annotated[float, typer.Option("--temp", min=0.0, help="Temperature (0: greedy).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Top-k (0: off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Top-p (1: off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p (0: off).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="RNG seed (-1: random).")]
+
 
 def model_path(name: str, registry: Path | None = None) -> Path:
     """A model argument as a path: a .gguf file, an alias of the registry or a hub
@@ -94,8 +125,7 @@ def model_path(name: str, registry: Path | None = None) -> Path:
     from specgguf.hub.download import resolve_model
     from specgguf.hub.registry import load_registry
 
-    path = Path(name).expanduser()
-    if path.exists() or name.endswith(".gguf"):
+    if is_model_file(name):
         return resolve_model(name)
     return resolve_model(name, registry=load_registry(registry))
 
@@ -110,6 +140,11 @@ def _pull_hf(ref: str, say: Callable[[str], None]) -> Path:
     if res.source != "cache":
         say(f"specgguf: {ref}: {res.path} ({res.size / 2**30:.2f} GiB, from {res.source})")
     return res.path
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a model argument names a file (it exists or ends in .gguf), not an alias."""
+    return name.endswith(".gguf") or Path(name).expanduser().exists()
 
 
 def engine_config(

@@ -21,48 +21,25 @@ def run(
         str | None,
         typer.Argument(help="The prompt; '-' or omitted with piped input reads stdin."),
     ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "-m",
-            "--model",
-            help="Target model: a .gguf file, an alias, or org/name:QUANT when cached.",
-        ),
-    ] = None,
+    model: o.ModelOpt = None,
     model_draft: o.ModelDraftOpt = None,
     hf_repo: o.HfRepoOpt = None,
     hf_repo_draft: o.HfRepoDraftOpt = None,
-    draft: Annotated[
-        int | None,
-        typer.Option(
-            "--draft",
-            "--draft-max",
-            min=0,
-            help="Fixed draft length K per step (with --drafter auto: the largest K).",
-        ),
-    ] = None,
+    draft: o.DraftOpt = None,
     drafter: o.DrafterOpt = None,
     n_predict: Annotated[
         int,
         typer.Option("-n", "--n-predict", min=-1, help="Tokens to generate (-1: until done)."),
     ] = -1,
-    ctx_size: Annotated[
-        int, typer.Option("-c", "--ctx-size", min=0, help="Context size (0: the model's).")
-    ] = 4096,
+    ctx_size: o.CtxSizeOpt = 4096,
     ctx_size_draft: o.CtxSizeDraftOpt = None,
     batch_size: o.BatchSizeOpt = 2048,
-    threads: Annotated[
-        int | None, typer.Option("-t", "--threads", min=1, help="CPU threads.")
-    ] = None,
-    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature (0: greedy).")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k (0: off).")] = 40,
-    top_p: Annotated[
-        float, typer.Option("--top-p", min=0.0, max=1.0, help="Top-p (1: off).")
-    ] = 0.95,
-    min_p: Annotated[
-        float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p (0: off).")
-    ] = 0.05,
-    seed: Annotated[int, typer.Option("--seed", help="RNG seed (-1: random).")] = -1,
+    threads: o.ThreadsOpt = None,
+    temp: o.TempOpt = 0.8,
+    top_k: o.TopKOpt = 40,
+    top_p: o.TopPOpt = 0.95,
+    min_p: o.MinPOpt = 0.05,
+    seed: o.SeedOpt = -1,
     n_gpu_layers: o.NGpuLayersOpt = -1,
     n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
     stop: Annotated[
@@ -81,16 +58,14 @@ def run(
         bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
     ] = False,
     draft_p_min: o.DraftPMinOpt = 0.0,
-    no_repack: Annotated[
-        bool, typer.Option("-nr", "--no-repack", help="Disable weight repacking.")
-    ] = False,
+    no_repack: o.NoRepackOpt = False,
     no_check: o.NoCheckOpt = False,
     force: o.ForceOpt = False,
     deterministic: o.DeterministicOpt = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="One JSON object at the end instead of text.")
     ] = False,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")] = False,
+    quiet: o.QuietOpt = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="llama.cpp's logs.")] = False,
     registry: o.RegistryOpt = None,
 ) -> None:

@@ -191,8 +191,8 @@ class Engine:
         ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
 
         Raises:
-            UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length,
-                the model drafter without a loaded draft model.
+            UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length
+                or minimum draft length, the model drafter without a loaded draft model.
         """
         spec = self.config.speculative
         kind = params.drafter or spec.drafter
@@ -202,6 +202,8 @@ class Engine:
             raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
         p_min = spec.p_min if params.p_min is None else params.p_min
         check_p_min(p_min)
+        if params.draft_min < 0:
+            raise UsageError(f"the minimum draft length must be 0 or more, not {params.draft_min}")
         det = self.config.deterministic if params.deterministic is None else params.deterministic
         return DRAFTERS[kind](self.drafting, DraftSettings(draft_max, p_min, bool(det)))
 
