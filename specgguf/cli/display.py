@@ -34,16 +34,18 @@ def live_allowed(stdout: IO[Any] | None = None, stderr: IO[Any] | None = None) -
     return stderr.isatty() and not (stdout.isatty() and _same_terminal(stdout, stderr))
 
 
-#: A forced configuration slower than this share of the target alone's rate is reported.
+#: A forced configuration slower than this share of the target alone's rate is reported,
+#: once it has generated at least ``LOSS_MIN_TOKENS`` (shorter runs are too noisy to tell).
 LOSS_MARGIN = 0.8
+LOSS_MIN_TOKENS = 16
 
 
 def speculation_lost(stats: GenerationStats, target_alone: float | None) -> bool:
     """Whether a run was clearly slower (``LOSS_MARGIN``) than the target alone would be
     (``target_alone``: tokens/s, see :meth:`specgguf.engine.Engine.target_alone_rate`)."""
-    return bool(
-        target_alone and stats.generated and stats.tokens_per_s < LOSS_MARGIN * target_alone
-    )
+    if not target_alone or stats.generated < LOSS_MIN_TOKENS:
+        return False
+    return stats.tokens_per_s < LOSS_MARGIN * target_alone
 
 
 def loss_line(stats: GenerationStats, target_alone: float) -> str:
@@ -153,7 +155,7 @@ class LiveStats:
             f"other {s.python_seconds / total:4.0%}",
             f"target alone ~{self.target_alone:.1f} tokens/s" if self.target_alone else "",
         )
-        if s.generated >= 16 and speculation_lost(s, self.target_alone):
+        if speculation_lost(s, self.target_alone):
             t.add_row("[bold red]slower than the target alone[/]", "try --drafter auto", "", "",
                       "", "")  # fmt: skip
         return t

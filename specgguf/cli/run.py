@@ -121,6 +121,10 @@ def run(
         result, interrupted = stream(gen, write=not json_out, live=live, target_alone=alone)
         if forced and alone is None and not interrupted:
             alone = engine.target_alone_rate()
+        if alone and result.stats.steps:
+            # The target alone pays this run's Python time per step too (on tiny models
+            # it is most of the time).
+            alone = 1.0 / (1.0 / alone + result.stats.python_seconds / result.stats.steps)
         if json_out:
             print_json({
                 "text": result.text,
