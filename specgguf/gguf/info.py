@@ -8,13 +8,19 @@ from typing import Any
 
 from specgguf.errors import GGUFFormatError, ModelLoadError
 from specgguf.gguf.loadcheck import load_findings
-from specgguf.gguf.metadata import FILE_TYPES, Finding, GGUFMetadata
+from specgguf.gguf.metadata import FILE_TYPES, Finding, GGUFMetadata, shown
 from specgguf.gguf.vocab import VocabInfo, read_vocab
+
+#: Shards of a split model looked for after this many are found missing: none (a split
+#: count can claim 65,535 shards).
+MAX_MISSING_SHARDS = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """Facts about one GGUF model (sizes in bytes; counts of parameters and tokens), and
+    """Facts about one GGUF model (sizes in bytes; counts of parameters and tokens; for a
+    split model, ``shards`` and ``missing_shards`` stop at the
+    :data:`MAX_MISSING_SHARDS`-th missing shard), and
     ``findings``: what llama.cpp would refuse (``error``) or warn about (``warning``) when
     loading it (:func:`specgguf.gguf.loadcheck.load_findings`), and metadata strings that
     are not UTF-8 (``warning``)."""
@@ -111,9 +117,14 @@ def read_model_info(path: Path | str) -> ModelInfo:
                 "(-00001-of-...) instead",
             )
         vocab = read_vocab(meta)
-        shards = meta.shard_paths()
-        present = [p for p in shards if p.is_file()]
-        missing = tuple(p for p in shards if not p.is_file())
+        shards: list[Path] = []
+        present: list[Path] = []
+        missing: list[Path] = []
+        for shard in meta.shard_paths():
+            shards.append(shard)
+            (present if shard.is_file() else missing).append(shard)
+            if len(missing) == MAX_MISSING_SHARDS:
+                break
         n_tensors = meta.n_tensors
         n_params: int | None = sum(t.n_elements for t in meta.tensors())
         file_size = meta.file_size
@@ -129,7 +140,9 @@ def read_model_info(path: Path | str) -> ModelInfo:
             n_params = None
         ft = _int(meta.get("general.file_type"))
         findings = [
-            Finding("warning", "utf8", f"{what} is not valid UTF-8 (llama.cpp does not check)")
+            Finding(
+                "warning", "utf8", f"{shown(what)} is not valid UTF-8 (llama.cpp does not check)"
+            )
             for what in meta.non_utf8_keys
         ]
         findings += load_findings(meta, vocab.findings)
@@ -151,7 +164,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
             file_size=file_size,
             split_count=meta.split_count,
             shards=tuple(shards),
-            missing_shards=missing,
+            missing_shards=tuple(missing),
             gguf_version=meta.version,
             findings=tuple(findings),
         )

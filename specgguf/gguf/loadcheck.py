@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from specgguf.gguf.metadata import Finding, GGUFMetadata, Severity, TensorInfo
+from specgguf.gguf.metadata import Finding, GGUFMetadata, Severity, TensorInfo, shown
 
 #: Architectures llama.cpp builds a model for: named in ``LLM_ARCH_NAMES``
 #: (src/llama-arch.cpp) and handled by ``llama_model_mapping`` (src/llama-model.cpp), which
@@ -205,7 +205,7 @@ def load_findings(meta: GGUFMetadata, vocab: Sequence[Finding] = ()) -> list[Fin
         out.add(
             "error",
             "architecture",
-            f"unknown architecture {arch!r}: this llama.cpp build cannot load it",
+            f"unknown architecture {shown(repr(arch))}: this llama.cpp build cannot load it",
         )
         return [*out, *vocab]
     if arch == "clip":
@@ -403,7 +403,7 @@ def _check_hparams(meta: GGUFMetadata, arch: str, out: _Findings) -> bool:
         out.add(
             "error",
             "rope-scaling",
-            f"{arch}.rope.scaling.type is {scaling!r}; llama.cpp knows "
+            f"{arch}.rope.scaling.type is {shown(repr(scaling))}; llama.cpp knows "
             f"{', '.join(sorted(ROPE_SCALING_TYPES))} and aborts on others",
         )
     heads = per_layer["{a}.attention.head_count"]

@@ -294,7 +294,7 @@ class GGUFMetadata:
                 if not key:
                     raise self._fail("an empty metadata key", key_at)
                 if key in self.kv:
-                    raise self._fail(f"duplicate metadata key {key!r}", key_at)
+                    raise self._fail(f"duplicate metadata key {shown(repr(key))}", key_at)
                 (vtype,) = struct.unpack_from("<I", buf, off)
                 off += 4
                 value, off = self._read_value(vtype, off, key)
@@ -352,17 +352,17 @@ class GGUFMetadata:
             etype, count = struct.unpack_from("<IQ", self._buf, off)
             start = off + 12
             if etype not in _MIN_SIZE or etype == T_ARRAY:
-                raise self._fail(f"{key}: unsupported array element type {etype}", off)
+                raise self._fail(f"{shown(key)}: unsupported array element type {etype}", off)
             if count * _MIN_SIZE[etype] > self.file_size - start:
                 raise self._fail(
-                    f"{key}: an array claims {count:,} elements, more than the "
+                    f"{shown(key)}: an array claims {count:,} elements, more than the "
                     f"{max(self.file_size - start, 0):,} bytes left in the file can hold "
                     "(truncated?)",
                     off,
                 )
             if count > GGUF_MAX_ARRAY_ELEMENTS:
                 raise self._fail(
-                    f"{key}: an array claims {count:,} elements, more than llama.cpp's "
+                    f"{shown(key)}: an array claims {count:,} elements, more than llama.cpp's "
                     f"limit of {GGUF_MAX_ARRAY_ELEMENTS:,}",
                     off,
                 )
@@ -373,7 +373,7 @@ class GGUFMetadata:
                 return ArrayRef(etype, count, start, end, offsets), end
             end = start + count * _MIN_SIZE[etype]
             return ArrayRef(etype, count, start, end), end
-        raise self._fail(f"{key}: unknown value type {vtype}", off - 4)
+        raise self._fail(f"{shown(key)}: unknown value type {vtype}", off - 4)
 
     def _walk_strings(
         self, off: int, count: int, key: str, *, keep: bool = True
@@ -412,14 +412,14 @@ class GGUFMetadata:
         for i in range(count):
             if off + 8 > self.file_size:
                 raise self._fail(
-                    f"{key}: the file ends inside a string array, at element {i:,} of "
+                    f"{shown(key)}: the file ends inside a string array, at element {i:,} of "
                     f"{count:,} (truncated?)",
                     off,
                 )
             (n,) = struct.unpack_from("<Q", self._buf, off)
             if n > GGUF_MAX_STRING_LENGTH or off + 8 + n > self.file_size:
                 raise self._fail(
-                    f"{key}: element {i:,} of {count:,} claims {n:,} bytes, past the end of "
+                    f"{shown(key)}: element {i:,} of {count:,} claims {n:,} bytes, past the end of "
                     "the file (truncated?)",
                     off,
                 )
@@ -609,21 +609,33 @@ class GGUFMetadata:
         n = self.get("split.no")
         return int(n) if self.kv_types.get("split.no") == "uint16" else 0
 
-    def shard_paths(self) -> list[Path]:
-        """Every shard of a split model, named as llama.cpp names them
-        (``stem-00001-of-00003.gguf``, ``llama_split_prefix`` in src/llama.cpp); ``[path]``
-        for a single file, or when this file's name does not fit its ``split.no`` and
-        ``split.count``."""
+    def shard_paths(self) -> Iterator[Path]:
+        """Every shard of a split model in order, named as llama.cpp names them
+        (``stem-00001-of-00003.gguf``, ``llama_split_prefix`` in src/llama.cpp); only
+        ``path`` for a single file, or when this file's name does not fit its ``split.no``
+        and ``split.count``. Lazy: ``split.count`` can be up to 65,535."""
         n = self.split_count
         postfix = f"-{self.split_no + 1:05d}-of-{n:05d}.gguf"
         name = self.path.name
         if n == 1 or not name.endswith(postfix):
-            return [self.path]
+            yield self.path
+            return
         stem = name[: -len(postfix)]
-        return [self.path.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+        for i in range(1, n + 1):
+            yield self.path.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf")
 
     def items(self) -> Iterator[tuple[str, Any]]:
         return iter(self.kv.items())
+
+
+def shown(name: str, limit: int = 80) -> str:
+    """A key or name from a file as a message shows it: as it is when printable, else
+    quoted with escapes (a key can hold a newline, which would break a one-line error);
+    past ``limit`` characters, cut, with its length (a corrupt key can be megabytes)."""
+    text = name if name.isprintable() else repr(name)
+    if len(text) > limit:
+        return f"{text[: limit - 20]}... ({len(name):,} characters)"
+    return text
 
 
 def _not_gguf_reason(head: bytes, size: int) -> str:

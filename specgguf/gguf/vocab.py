@@ -38,7 +38,7 @@ from typing import Any
 
 from specgguf.errors import ModelLoadError
 from specgguf.gguf.loadcheck import load_findings
-from specgguf.gguf.metadata import ArrayRef, Finding, GGUFMetadata, Severity
+from specgguf.gguf.metadata import ArrayRef, Finding, GGUFMetadata, Severity, shown
 
 __all__ = [
     "CompatReport",
@@ -306,8 +306,11 @@ def vocab_findings(
     def wrong_type(key: str, want: str) -> bool:
         have = meta.kv_types.get(key)
         if have is not None and have != want:
-            add("error", "key-type",
-                f"{key} is {have}; llama.cpp reads it as {want} and refuses the file")  # fmt: skip
+            add(
+                "error",
+                "key-type",
+                f"{key} is {have}; llama.cpp reads it as {want} and refuses the file",
+            )
             return True
         return False
 
@@ -322,15 +325,17 @@ def vocab_findings(
         wrong_type(f"{meta.architecture}.vocab_size", "uint32")
         return out
     if model not in _TOKENIZER_MODELS:
-        add("error", "tokenizer", f"unknown tokenizer model {model!r}")
+        add("error", "tokenizer", f"unknown tokenizer model {shown(repr(model))}")
         return out
     pre = meta.get("tokenizer.ggml.pre") or ""
     if model in _BPE_MODELS_WITH_MERGES:
         merges = meta.kv_types.get("tokenizer.ggml.merges")
         if merges is None and (model == "gemma4" or pre != "kimi-k2"):
-            add("error", "merges",
-                f"a BPE vocabulary ({model}) without tokenizer.ggml.merges: llama.cpp "
-                "refuses it")  # fmt: skip
+            add(
+                "error",
+                "merges",
+                f"a BPE vocabulary ({model}) without tokenizer.ggml.merges: llama.cpp refuses it",
+            )
             return out
         if merges is not None and merges != "array[string]":
             add("error", "merges", f"tokenizer.ggml.merges is {merges}, not array[string]")
@@ -338,12 +343,18 @@ def vocab_findings(
         if model == "gemma4":
             pre = "gemma4"
         if not pre:
-            add("warning", "pre-tokenizer",
+            add(
+                "warning",
+                "pre-tokenizer",
                 "no tokenizer.ggml.pre: llama.cpp uses 'default' and warns that generation "
-                "quality will be degraded")  # fmt: skip
+                "quality will be degraded",
+            )
         elif pre not in BPE_PRE_TOKENIZERS:
-            add("error", "pre-tokenizer",
-                f"unknown pre-tokenizer {pre!r}: this llama.cpp build refuses it")  # fmt: skip
+            add(
+                "error",
+                "pre-tokenizer",
+                f"unknown pre-tokenizer {shown(repr(pre))}: this llama.cpp build refuses it",
+            )
             return out
     if model == "t5" and (msg := _charsmap_problem(meta)):
         add("error", "charsmap", msg)
@@ -371,24 +382,33 @@ def vocab_findings(
             add("error", "key-type", f"{key} is {have}, not {' or '.join(types)}")
             return out
         if meta.get(key).count < n:
-            add("error", "key-type",
-                f"{key} has {meta.get(key).count:,} values for {n:,} tokens")  # fmt: skip
+            add("error", "key-type", f"{key} has {meta.get(key).count:,} values for {n:,} tokens")
             return out
     if dup := _duplicate_token(meta, tokens):
-        add("error", "duplicate-token",
+        add(
+            "error",
+            "duplicate-token",
             f"tokens {dup[0]} and {dup[1]} have the same text {dup[2]!r}: llama.cpp aborts "
-            "on such a vocabulary")  # fmt: skip
+            "on such a vocabulary",
+        )
         return out
     for key in _SPECIAL_ID_KEYS:
         if wrong_type(key, "uint32"):
             return out
         v = meta.get(key)
         if v is not None and v >= n:
-            add("warning", "special-token",
-                f"{key} is {v}, past the {n:,} tokens: llama.cpp ignores it")  # fmt: skip
-    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
-                "tokenizer.ggml.add_sep_token", "tokenizer.ggml.normalizer.lowercase",
-                "tokenizer.ggml.normalizer.strip_accents"):  # fmt: skip
+            add(
+                "warning",
+                "special-token",
+                f"{key} is {v}, past the {n:,} tokens: llama.cpp ignores it",
+            )
+    for key in (
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.add_eos_token",
+        "tokenizer.ggml.add_sep_token",
+        "tokenizer.ggml.normalizer.lowercase",
+        "tokenizer.ggml.normalizer.strip_accents",
+    ):
         if wrong_type(key, "bool"):
             return out
     suppress = meta.kv_types.get("tokenizer.ggml.suppress_tokens")
@@ -397,9 +417,12 @@ def vocab_findings(
         return out
     for name, flag, token in (("BOS", add_bos, bos), ("EOS", add_eos, eos)):
         if flag and token is None:
-            add("error", "special-token",
+            add(
+                "error",
+                "special-token",
                 f"add_{name.lower()} is set but the vocabulary has no {name} token: "
-                "llama.cpp aborts when it tokenizes a prompt")  # fmt: skip
+                "llama.cpp aborts when it tokenizes a prompt",
+            )
     return out
 
 
