@@ -6,7 +6,7 @@ all made from the tiny fixtures.
 Whatever the file, ``read_model_info`` and ``check_compatibility`` (either side) end in a
 valid result or a :class:`SpecggufError` with exit code 3 or 4 and a one-line message (under
 1,000 characters); never
-another exception, never more than 4 MiB of Python memory (tracemalloc) or a second per
+another exception, never more than 2 MiB of Python memory (tracemalloc) or a second per
 file; a format error's byte offset lies inside the file. A few through the real CLI.
 
 About 2,500 examples run by default (~60 s); ``SPECGGUF_FUZZ_EXAMPLES=N`` runs N in the main
@@ -38,7 +38,7 @@ from specgguf.gguf.vocab import check_compatibility
 from .helpers import run_cli
 
 N_EXAMPLES = int(os.environ.get("SPECGGUF_FUZZ_EXAMPLES", "2000"))
-MAX_BYTES = 4 << 20
+MAX_BYTES = 2 << 20
 SETTINGS = settings(
     max_examples=N_EXAMPLES,
     # The second per file is checked as CPU time in _ends_well: wall time on a shared
@@ -341,6 +341,8 @@ FOUND: dict[str, tuple[str, list[Mutation]]] = {
     # A key of 84,383 bytes of garbage: the message quoted all of it (4 MiB allocated for
     # an error line); names are now cut at 80 characters.
     "huge-garbage-key-in-message": ("draft-spm", [("int", 305, 8, 84383)]),
+    # Then a key of 117,776 characters: cut, but only after repr() of all of it (4.2 MB).
+    "huge-garbage-key-repr": ("draft-spm", [("int", 679, 8, 120288)]),
 }
 
 

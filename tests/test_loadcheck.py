@@ -41,6 +41,12 @@ def _keys(*kv: tuple[str, object, T, T | None]) -> TinySpec:
     return _r(_target(), set_keys=kv)
 
 
+def _t5(*kv: tuple[str, object, T, T | None]) -> TinySpec:
+    """The SentencePiece fixture's tokens as a T5 (UGM) vocabulary."""
+    spec = TinySpec(vocab=spm_vocab())
+    return _r(spec, set_keys=(("tokenizer.ggml.model", "t5", T.STRING, None), *kv))
+
+
 def _dup_tokens() -> TinySpec:
     tokens = list(gpt2_vocab().tokens)
     tokens[301] = tokens[300]
@@ -121,6 +127,16 @@ CASES: dict[str, Case] = {
         lambda: _r(_target(), drop_keys=frozenset({"tokenizer.ggml.pre"})),
         "warning", "pre-tokenizer", "",
     ),
+    "t5-charsmap-header-past-its-end": Case(
+        lambda: _t5(("tokenizer.ggml.precompiled_charsmap", [255] * 4 + [0] * 4, T.ARRAY,
+                     T.UINT8)),
+        "error", "charsmap", "Index out of array bounds in precompiled charsmap!",
+    ),
+    "t5-charsmap-not-bytes": Case(
+        lambda: _t5(("tokenizer.ggml.precompiled_charsmap", [1, 2], T.ARRAY, T.INT32)),
+        "error", "charsmap", "invalid gguf type for tokenizer.ggml.precompiled_charsmap",
+    ),
+    "t5-without-charsmap": Case(lambda: _t5(), "", "", ""),
     # llama_model_create (src/llama-model.cpp), llama_model_load (src/llama.cpp)
     "unknown-architecture": Case(
         lambda: _keys(("general.architecture", "nosucharch", T.STRING, None)),
@@ -203,6 +219,10 @@ CASES: dict[str, Case] = {
     "rms-epsilon-float64": Case(
         lambda: _keys(("llama.attention.layer_norm_rms_epsilon", 1e-5, T.FLOAT64, None)),
         "error", "key-type", "has wrong type f64 but expected type f32",
+    ),
+    "vocab-size-uint64": Case(
+        lambda: _keys(("llama.vocab_size", 512, T.UINT64, None)),
+        "error", "key-type", "key llama.vocab_size has wrong type u64 but expected type u32",
     ),
     "missing-ffn-up": Case(
         lambda: _r(_target(), drop_tensors=frozenset({"blk.1.ffn_up.weight"})),
@@ -625,3 +645,40 @@ def test_engine_refuses_before_any_llama_model(
     good = EngineConfig(ModelConfig(ok), ModelConfig(ok), SpeculativeConfig(drafter="model"))
     with pytest.raises(AssertionError, match="a model was loaded"):
         Engine(good)
+
+
+_TOKENIZE = """
+import sys
+from specgguf.llama.backend import LlamaModel
+with LlamaModel(sys.argv[1], vocab_only=True) as m:
+    print(m.tokenize("hello", add_special=True))
+"""
+
+
+def test_bos_to_add_but_none_aborts_when_tokenizing(tmp_path: Path) -> None:
+    """chatglm-bpe has no BOS in llama.cpp; with add_bos set, llama.cpp loads the file but
+    aborts on the first prompt: a load error here, before any weights load."""
+    spec = _keys(
+        ("tokenizer.ggml.pre", "chatglm-bpe", T.STRING, None),
+        ("tokenizer.ggml.add_bos_token", True, T.BOOL, None),
+    )
+    spec = _r(spec, drop_keys=frozenset({"tokenizer.ggml.bos_token_id"}))
+    path = write_tiny_model(tmp_path / "nobos.gguf", spec)[0]
+    info = read_model_info(path)
+    assert info.vocab.bos is None and info.vocab.add_bos
+    assert [f.code for f in info.load_errors] == ["special-token"]
+    assert "add_bos is set but the vocabulary has no BOS token" in info.load_errors[0].message
+    assert llama_cpp_load(path)[0] == 0  # it loads...
+    res = subprocess.run(
+        [sys.executable, "-c", _TOKENIZE, str(path)], capture_output=True, timeout=120, cwd=ROOT
+    )
+    assert res.returncode < 0  # ...and aborts on tokenizing
+    assert b"GGML_ASSERT(vocab.token_bos() != LLAMA_TOKEN_NULL) failed" in res.stderr
+    # the control: the same with add_bos unset tokenizes
+    ctl = _r(spec, set_keys=(spec.set_keys[0],))
+    ctl_path = write_tiny_model(tmp_path / "ctl.gguf", ctl)[0]
+    assert read_model_info(ctl_path).load_errors == []
+    ok = subprocess.run(
+        [sys.executable, "-c", _TOKENIZE, str(ctl_path)], capture_output=True, timeout=120, cwd=ROOT
+    )
+    assert ok.returncode == 0, ok.stderr

@@ -25,7 +25,8 @@ builds a model from it; :func:`load_findings` mirrors those checks, in llama.cpp
     falcon and llama-embed, ``rope.dimension_count`` equal to the head size.
 ``load_arch_hparams`` and ``load_arch_tensors`` (src/models/*.cpp), for the architectures
 in :data:`ARCH_TENSORS` only (llama, qwen2, qwen3, gemma3)
-    ``{arch}.attention.layer_norm_rms_epsilon`` present; the tensors created without
+    ``{arch}.attention.layer_norm_rms_epsilon`` present (a float32; for llama,
+    ``vocab_size`` a uint32); the tensors created without
     ``TENSOR_NOT_REQUIRED`` present; ``token_embd``, ``output_norm`` and ``output`` of the
     shape llama.cpp expects.
 
@@ -205,7 +206,7 @@ def load_findings(meta: GGUFMetadata, vocab: Sequence[Finding] = ()) -> list[Fin
         out.add(
             "error",
             "architecture",
-            f"unknown architecture {shown(repr(arch))}: this llama.cpp build cannot load it",
+            f"unknown architecture {shown(arch, quote=True)}: this llama.cpp build cannot load it",
         )
         return [*out, *vocab]
     if arch == "clip":
@@ -403,7 +404,7 @@ def _check_hparams(meta: GGUFMetadata, arch: str, out: _Findings) -> bool:
         out.add(
             "error",
             "rope-scaling",
-            f"{arch}.rope.scaling.type is {shown(repr(scaling))}; llama.cpp knows "
+            f"{arch}.rope.scaling.type is {shown(scaling, quote=True)}; llama.cpp knows "
             f"{', '.join(sorted(ROPE_SCALING_TYPES))} and aborts on others",
         )
     heads = per_layer["{a}.attention.head_count"]
@@ -425,6 +426,8 @@ def _check_hparams(meta: GGUFMetadata, arch: str, out: _Findings) -> bool:
             out.add("error", "missing-key", f"{key} is missing; llama.cpp needs it")
         else:
             _check_key_types(meta, {key: "float32"}, arch, out)
+    if arch == "llama":  # llama_model_llama::load_arch_hparams reads it as uint32
+        _check_key_types(meta, {"{a}.vocab_size": "uint32"}, arch, out)
     return len(out) == n_before
 
 

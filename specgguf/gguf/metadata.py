@@ -290,11 +290,11 @@ class GGUFMetadata:
                 key_at = off
                 key, off, utf8 = self._read_str(off, name=True)
                 if not utf8:
-                    self.non_utf8_keys.append(f"key {key!r}")
+                    self.non_utf8_keys.append(f"key {shown(key)}")
                 if not key:
                     raise self._fail("an empty metadata key", key_at)
                 if key in self.kv:
-                    raise self._fail(f"duplicate metadata key {shown(repr(key))}", key_at)
+                    raise self._fail(f"duplicate metadata key {shown(key, quote=True)}", key_at)
                 (vtype,) = struct.unpack_from("<I", buf, off)
                 off += 4
                 value, off = self._read_value(vtype, off, key)
@@ -437,7 +437,7 @@ class GGUFMetadata:
                 at = off
                 name, off, utf8 = self._read_str(off, name=True)
                 if not utf8:
-                    self.non_utf8_keys.append(f"tensor name {name!r}")
+                    self.non_utf8_keys.append(f"tensor name {shown(name)}")
                 n_name = off - at - 8
                 if n_name >= GGML_MAX_NAME:
                     raise self._fail(
@@ -628,12 +628,14 @@ class GGUFMetadata:
         return iter(self.kv.items())
 
 
-def shown(name: str, limit: int = 80) -> str:
-    """A key or name from a file as a message shows it: as it is when printable, else
-    quoted with escapes (a key can hold a newline, which would break a one-line error);
-    past ``limit`` characters, cut, with its length (a corrupt key can be megabytes)."""
-    text = name if name.isprintable() else repr(name)
-    if len(text) > limit:
+def shown(name: str, limit: int = 80, *, quote: bool = False) -> str:
+    """A key or name from a file as a message shows it: as it is when printable (quoted
+    with ``quote``), else quoted with escapes (a key can hold a newline, which would break
+    a one-line error); past ``limit`` characters, cut, with its length (a corrupt key can
+    be megabytes)."""
+    head = name[:limit]  # cut first: repr() of a long name would take megabytes
+    text = head if head.isprintable() and not quote else repr(head)
+    if len(name) > limit or len(text) > limit:
         return f"{text[: limit - 20]}... ({len(name):,} characters)"
     return text
 

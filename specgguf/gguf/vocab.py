@@ -325,7 +325,7 @@ def vocab_findings(
         wrong_type(f"{meta.architecture}.vocab_size", "uint32")
         return out
     if model not in _TOKENIZER_MODELS:
-        add("error", "tokenizer", f"unknown tokenizer model {shown(repr(model))}")
+        add("error", "tokenizer", f"unknown tokenizer model {shown(model, quote=True)}")
         return out
     pre = meta.get("tokenizer.ggml.pre") or ""
     if model in _BPE_MODELS_WITH_MERGES:
@@ -353,7 +353,7 @@ def vocab_findings(
             add(
                 "error",
                 "pre-tokenizer",
-                f"unknown pre-tokenizer {shown(repr(pre))}: this llama.cpp build refuses it",
+                f"unknown pre-tokenizer {shown(pre, quote=True)}: this llama.cpp build refuses it",
             )
             return out
     if model == "t5" and (msg := _charsmap_problem(meta)):
