@@ -49,7 +49,6 @@ __all__ = [
     "check_compatibility",
     "compare_vocabs",
     "read_vocab",
-    "require_loadable",
     "vocab_findings",
 ]
 
@@ -208,14 +207,14 @@ def read_vocab(meta: GGUFMetadata) -> VocabInfo:
     vtype = _VOCAB_TYPES.get(model, f"unknown ({model})")
     tokens = meta.get("tokenizer.ggml.tokens")
     tokens = tokens if isinstance(tokens, ArrayRef) and tokens.offsets is not None else None
-    n = tokens.count if tokens is not None else _uint(meta.arch_key("vocab_size")) or 0
+    n = tokens.count if tokens is not None else _nonneg_int(meta.arch_key("vocab_size")) or 0
 
     def special(key: str, default: int | None) -> int | None:
         # llama.cpp disables a default id out of range, and keeps the default when the
         # stored id is out of range.
         if default is not None and default >= n:
             default = None
-        v = _uint(meta.get(f"tokenizer.ggml.{key}"))
+        v = _nonneg_int(meta.get(f"tokenizer.ggml.{key}"))
         return v if v is not None and v < n else default
 
     d_bos, d_eos = _DEFAULT_SPECIAL.get(model, (None, None))
@@ -269,7 +268,7 @@ def read_vocab(meta: GGUFMetadata) -> VocabInfo:
     )
 
 
-def _uint(v: Any) -> int | None:
+def _nonneg_int(v: Any) -> int | None:
     """``v`` when it is a non-negative int (not a bool), else None."""
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
@@ -546,18 +545,19 @@ def check_compatibility(target: Path | str, draft: Path | str) -> CompatReport:
     Raises:
         ModelNotFoundError: a file does not exist.
         GGUFFormatError: a file is not a readable GGUF file (the message says why).
-        ModelLoadError: llama.cpp would refuse to load a file (:func:`require_loadable`).
+        ModelLoadError: llama.cpp would refuse to load a file (what
+            :func:`specgguf.gguf.loadcheck.load_findings` finds, vocabulary included).
     """
     t0 = time.perf_counter()
     with GGUFMetadata.open(target) as tm, GGUFMetadata.open(draft) as dm:
         t, d = read_vocab(tm), read_vocab(dm)
-        require_loadable(tm, t)
-        require_loadable(dm, d)
+        _require_loadable(tm, t)
+        _require_loadable(dm, d)
         report = compare_vocabs(t, d, started=t0)
     return report
 
 
-def require_loadable(meta: GGUFMetadata, vocab: VocabInfo) -> None:
+def _require_loadable(meta: GGUFMetadata, vocab: VocabInfo) -> None:
     """Raise when llama.cpp would refuse the model whose first file is ``meta``.
 
     Raises:
