@@ -208,3 +208,33 @@ def chat_completion(
     out.seconds = time.perf_counter() - t0
     out.text = "".join(parts)
     return out
+
+
+_LOAD_SCRIPT = """
+import logging, sys
+from specgguf.errors import BackendError
+from specgguf.llama.backend import LlamaModel
+log = logging.getLogger("specgguf.llama_cpp")
+log.setLevel(logging.DEBUG)
+log.addHandler(logging.StreamHandler(sys.stderr))
+try:
+    with LlamaModel(sys.argv[1], n_gpu_layers=0, use_extra_bufts=False,
+                    vocab_only=sys.argv[2] == "vocab"):
+        pass
+except BackendError:
+    sys.exit(3)
+"""
+
+
+def llama_cpp_load(path: Path, *, vocab_only: bool = False) -> tuple[int, str]:
+    """Load ``path`` with llama.cpp itself, in a child process (an abort ends only the
+    child): the exit status (0 loaded, 3 llama.cpp refused, negative: killed by a signal,
+    as GGML_ASSERT's abort does) and llama.cpp's log, the oracle of what it refuses."""
+    res = subprocess.run(
+        [sys.executable, "-c", _LOAD_SCRIPT, str(path), "vocab" if vocab_only else "all"],
+        capture_output=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
+    return res.returncode, res.stderr.decode(errors="replace")

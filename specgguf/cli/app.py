@@ -29,6 +29,7 @@ from specgguf.errors import (
     IncompatibleVocabError,
     InsufficientMemoryError,
     Interrupted,
+    ModelLoadError,
     ModelNotDownloadedError,
     OutputClosed,
     SpecggufError,
@@ -139,6 +140,8 @@ def hint(err: SpecggufError) -> str | None:
         return "`specgguf check TARGET DRAFT` gives the whole report; --no-check overrides"
     if isinstance(err, UnknownModelError):
         return "`specgguf list` shows the known aliases and pairs"
+    if isinstance(err, ModelLoadError) and err.path is not None:
+        return f"`specgguf info {err.path}` lists every problem"
     if isinstance(err, ModelNotDownloadedError):
         return f"`specgguf pull {err.alias}` downloads it"
     if isinstance(err, ChatTemplateError):

@@ -39,12 +39,17 @@ def preflight(config: EngineConfig) -> Preflight:
 
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
+        ModelLoadError: llama.cpp would refuse to load the target or the draft (what its
+            loader checks in the metadata and tensor directory; always checked).
         IncompatibleVocabError: the draft cannot draft for the target (``check_vocab``).
         InsufficientMemoryError: the models clearly do not fit (``check_memory``).
     """
     draft = config.draft if config.loads_draft else None
     t_info = read_model_info(config.target.path)
     d_info = read_model_info(draft.path) if draft is not None else None
+    t_info.require_loadable()
+    if d_info is not None:
+        d_info.require_loadable()
     compat = None
     if draft is not None and config.check_vocab:
         compat = check_compatibility(config.target.path, draft.path)
