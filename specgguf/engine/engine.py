@@ -85,11 +85,13 @@ class Engine:
                 self.draft_model = self._load(config.draft)
                 # The draft only ever needs the logits of its last position.
                 self.draft_ctx = self._context(
-                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1
+                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1, draft=True
                 )
                 model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
-            if spec.draft_max > self.decoder.draft_capacity:
+            # Said when the batch size is what clamps the draft length; a context smaller
+            # than the draft length limits each step by the room left, as it should.
+            if spec.draft_max >= config.target.n_batch:
                 log.warning(
                     "a draft length of %d does not fit a verification batch of %d tokens: "
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
@@ -134,7 +136,14 @@ class Engine:
         )
 
     def _context(
-        self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int, *, reserve: int = 0
+        self,
+        model: LlamaModel,
+        m: ModelConfig,
+        n_ctx: int,
+        outputs: int,
+        *,
+        reserve: int = 0,
+        draft: bool = False,
     ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
@@ -143,7 +152,10 @@ class Engine:
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
-            log.warning(
+            # Said for a draft context (a small -cd is a choice worth knowing the cost of);
+            # the target keeps to the size asked for, which is all a user sees of it.
+            log.log(
+                logging.WARNING if draft else logging.INFO,
                 "%s: llama.cpp allocated a context of %d tokens for the %d asked for; "
                 "generation keeps to %d", model.path.name, ctx.n_ctx_allocated, n_ctx, ctx.n_ctx,
             )  # fmt: skip
