@@ -25,7 +25,13 @@ from typing import Any
 
 from specgguf.engine.calibration import calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
-from specgguf.engine.config import EngineConfig, ModelConfig, check_drafter, check_p_min
+from specgguf.engine.config import (
+    EngineConfig,
+    ModelConfig,
+    check_draft_min,
+    check_drafter,
+    check_p_min,
+)
 from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
 from specgguf.engine.preflight import Preflight, preflight
 from specgguf.errors import BackendError, UsageError
@@ -185,12 +191,13 @@ class Engine:
     # -- generation -------------------------------------------------------------------
 
     def planner(self, params: GenerationParams) -> Planner:
-        """The planner of one generation: the drafter, draft length and p_min of
-        ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
+        """The planner of one generation: the drafter, draft length, minimum draft length
+        and p_min of ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
 
         Raises:
             UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length,
-                the model drafter without a loaded draft model.
+                a minimum draft length above the draft length, the model drafter without a
+                loaded draft model.
         """
         spec = self.config.speculative
         kind = params.drafter or spec.drafter
@@ -200,8 +207,12 @@ class Engine:
             raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
         p_min = spec.p_min if params.p_min is None else params.p_min
         check_p_min(p_min)
+        draft_min = spec.draft_min if params.draft_min is None else params.draft_min
+        if kind != "none":
+            check_draft_min(draft_min, draft_max)
         det = self.config.deterministic if params.deterministic is None else params.deterministic
-        return DRAFTERS[kind](self.drafting, DraftSettings(draft_max, p_min, bool(det)))
+        settings = DraftSettings(draft_max, p_min, bool(det), draft_min)
+        return DRAFTERS[kind](self.drafting, settings)
 
     def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
         """Start a generation: iterate the result for text pieces; ``result`` holds the
@@ -309,6 +320,7 @@ class Engine:
             "n_ctx_draft": self.n_ctx_draft,
             "drafter": spec.drafter,
             "draft_max": spec.draft_max,
+            "draft_min": spec.draft_min,
             "p_min": spec.p_min,
         }
 
