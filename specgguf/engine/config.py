@@ -49,6 +49,9 @@ class ModelConfig:
         n_threads: CPU threads (None: the physical core count).
         repack: llama.cpp's weight repacking (extra buffer types; None: the build's safe
             default, see :func:`specgguf.llama.runtime.repack_policy`).
+        devices: the backend devices to offload to, by ggml name (``CUDA0``, ``Vulkan1``;
+            llama.cpp's ``--device``); () none: the CPU only; None: llama.cpp's default
+            (every GPU).
 
     Raises:
         UsageError: a negative or zero size.
@@ -60,9 +63,12 @@ class ModelConfig:
     n_gpu_layers: int = -1
     n_threads: int | None = None
     repack: bool | None = None
+    devices: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
         if self.n_ctx < 0:
             raise UsageError(f"n_ctx must be 0 (the model's) or more, not {self.n_ctx}")
         if self.n_batch < 1:

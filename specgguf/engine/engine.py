@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from specgguf.engine.calibration import calibration_key, load_calibration, pair_timings
@@ -56,8 +58,10 @@ class Engine:
 
     Loading runs :func:`specgguf.engine.preflight.preflight` first (files, vocabularies,
     memory; pass one already made as ``checked``), then loads the target and, for the
-    model and auto drafters, the draft. Owns every native resource (models, contexts,
-    batches) and frees them in :meth:`close` or at the end of a ``with`` block.
+    model and auto drafters, the draft; ``on_load_progress(path, share)`` is called as each
+    model's weights load (share from 0.0 to 1.0; an exception in it aborts the load). Owns
+    every native resource (models, contexts, batches) and frees them in :meth:`close` or at
+    the end of a ``with`` block.
 
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
@@ -66,8 +70,15 @@ class Engine:
         BackendError: llama.cpp could not load a model or create a context.
     """
 
-    def __init__(self, config: EngineConfig, *, checked: Preflight | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        checked: Preflight | None = None,
+        on_load_progress: Callable[[Path, float], None] | None = None,
+    ) -> None:
         self.config = config
+        self._on_load_progress = on_load_progress
         self.preflight = checked or preflight(config)
         self._timings: dict[bool, Timings] = {}  # by deterministic mode
         #: deterministic mode's most rows per decode (0: the engine was not set up for it)
@@ -133,9 +144,11 @@ class Engine:
         return cls(config)
 
     def _load(self, m: ModelConfig) -> LlamaModel:
-        return self._stack.enter_context(
-            LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack)
-        )
+        report = self._on_load_progress
+        progress = functools.partial(report, m.path) if report is not None else None
+        model = LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack,
+                           devices=m.devices, progress=progress)  # fmt: skip
+        return self._stack.enter_context(model)
 
     def _context(
         self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int, *, reserve: int = 0
