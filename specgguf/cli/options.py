@@ -311,6 +311,7 @@ def engine_config(
         drafter = kind_of_type
         if note:
             say(note)
+    devices = _devices(device_draft)
     if no_draft and (model_draft is not None or hf_repo_draft is not None):
         raise UsageError("--no-draft and a draft model (-md/-hfd) exclude each other")
     if no_draft and drafter == "model":
@@ -354,7 +355,6 @@ def engine_config(
                          n_gpu_layers=n_gpu_layers, n_threads=threads, repack=repack)  # fmt: skip
     draft_model = None
     if draft_path is not None and kind in ("model", "auto"):
-        devices = _devices(device_draft)
         draft_model = ModelConfig(
             draft_path, n_ctx=ctx_size_draft or 0, n_batch=batch_size,
             n_gpu_layers=0 if devices == () else n_gpu_layers_draft, n_threads=threads,
