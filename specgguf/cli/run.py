@@ -69,6 +69,10 @@ def run(
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="Never generate end-of-generation tokens.")
     ] = False,
+    prompt_opt: Annotated[
+        str | None,
+        typer.Option("-p", "--prompt", help="The prompt, as llama.cpp takes it (or the argument)."),
+    ] = None,
     file: Annotated[
         Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")
     ] = None,
@@ -127,6 +131,10 @@ def run(
     )  # fmt: skip
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
+    if prompt_opt is not None:
+        if prompt is not None:
+            raise UsageError("give the prompt as an argument or with -p/--prompt, not both")
+        prompt = prompt_opt
     text = read_prompt(prompt, file)
     checked = preflight(config)  # before any weights load; the template too
     messages = [{"role": "system", "content": system}] if system is not None else []
