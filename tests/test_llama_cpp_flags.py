@@ -278,3 +278,13 @@ def test_a_real_target_reports_its_load_on_stderr(real_models: dict[str, Path]) 
     assert re.search(rb"specgguf: loaded qwen2.5-coder-1.5b\S* \(1\.04 GiB\) in \S+ s",
                      res.stderr), res.stderr  # fmt: skip
     assert os.path.getsize(real_models[TARGET]) >= 2**30
+
+
+def test_prompt_with_p_as_llama_cpp_takes_it(tiny_models: dict[str, Path]) -> None:
+    base = ["run", "-m", str(tiny_models["target"]), "--temp", "0", "-n", "6", "--json"]
+    by_flag = run_cli(*base, "-p", "hello")
+    by_arg = run_cli(*base, "hello")
+    assert by_flag.returncode == by_arg.returncode == 0, by_flag.stderr
+    assert json.loads(by_flag.stdout)["tokens"] == json.loads(by_arg.stdout)["tokens"]
+    both = run_cli(*base, "-p", "hello", "there")
+    assert both.returncode == errors.EXIT_USAGE and b"-p/--prompt, not both" in both.stderr
