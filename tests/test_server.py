@@ -449,20 +449,31 @@ def test_form_content_type_is_read_as_json(server: ServerProcess) -> None:
 def test_chat_template_that_raises_gives_400_with_its_message(
     tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]
 ) -> None:
+    # A template that refuses a system message is given it merged into the first user
+    # message (as llama.cpp's minja polyfill does); one that refuses the conversation itself
+    # answers 400 with the template's own words.
     template = (
         "{% if messages[0]['role'] == 'system' %}"
         "{{ raise_exception('System role not supported') }}{% endif %}"
-        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+        "{% for m in messages %}"
+        "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
     )
     spec = dataclasses.replace(fixture_specs()["target"], chat_template=template)
     path = write_tiny_model(tmp_path_factory.mktemp("tmpl") / "no-system.gguf", spec)[0]
     with ServerProcess("-m", str(path), "-c", "512", "--drafter", "none", env=env) as s:
-        sys_msg = [{"role": "system", "content": "x"}, *USER]
-        err = error_of(post(s, "/chat/completions", {"messages": sys_msg, "max_tokens": 2}), 400)
-        assert "System role not supported" in err["message"]
+        twice = [*USER, *USER]
+        err = error_of(post(s, "/chat/completions", {"messages": twice, "max_tokens": 2}), 400)
+        assert "Conversation roles must alternate" in err["message"]
         assert err["code"] == "chat_template_error"
         ok = post(s, "/chat/completions", {"messages": USER, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+        sys_msg = [{"role": "system", "content": "be brief"}, *USER]
+        merged = post(s, "/chat/completions", {"messages": sys_msg, "max_tokens": 2})
+        assert merged.status_code == 200, merged.text
+        alone = ok.json()["usage"]["prompt_tokens"]
+        assert merged.json()["usage"]["prompt_tokens"] > alone  # the system text was sent
 
 
 # -- security ---------------------------------------------------------------------------------

@@ -21,8 +21,13 @@ def serve(
     model_draft: o.ModelDraftOpt = None,
     hf_repo: o.HfRepoOpt = None,
     hf_repo_draft: o.HfRepoDraftOpt = None,
-    draft: o.DraftOpt = None,
+    draft: o.DraftMaxOpt = None,
+    draft_min: o.DraftMinOpt = 0,
     drafter: o.DrafterOpt = None,
+    spec_type: o.SpecTypeOpt = None,
+    device_draft: o.DeviceDraftOpt = None,
+    no_draft: o.NoDraftOpt = False,
+    draft_search: o.DraftSearchOpt = None,
     n_predict: Annotated[
         int,
         typer.Option(
@@ -107,8 +112,10 @@ def serve(
         model=model, model_draft=model_draft, drafter=drafter, draft=draft, ctx_size=ctx_size,
         ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
-        draft_p_min=draft_p_min, no_check=no_check, force=force, registry=registry,
-        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
+        draft_p_min=draft_p_min, draft_min=draft_min, spec_type=spec_type,
+        device_draft=device_draft, no_draft=no_draft, draft_search=draft_search or (),
+        no_check=no_check, force=force, registry=registry, deterministic=deterministic,
+        hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
     )  # fmt: skip
     checked = preflight(config)  # before any weights load
     sock = bind(host, port)  # a taken port is reported before loading too

@@ -6,7 +6,9 @@ checked here, once, when the object is made: a bad value raises :class:`UsageErr
 message that names the setting, not a command-line flag.
 
 Names follow llama.cpp: ``n_ctx``, ``n_batch``, ``n_gpu_layers``, ``n_threads``, the draft
-length ``draft_max`` (``--draft-max``; K in formulas), ``p_min`` (``--draft-p-min``).
+length ``draft_max`` (``--spec-draft-n-max``, formerly ``--draft-max``; K in formulas), the
+shortest draft verified ``draft_min`` (``--spec-draft-n-min``), ``p_min``
+(``--spec-draft-p-min``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class ModelConfig:
         n_threads: CPU threads (None: the physical core count).
         repack: llama.cpp's weight repacking (extra buffer types; None: the build's safe
             default, see :func:`specgguf.llama.runtime.repack_policy`).
+        devices: the backend devices to offload to, by ggml name (``CUDA0``, ``Vulkan1``;
+            llama.cpp's ``--device``); () none: the CPU only; None: llama.cpp's default
+            (every GPU).
 
     Raises:
         UsageError: a negative or zero size.
@@ -58,9 +63,12 @@ class ModelConfig:
     n_gpu_layers: int = -1
     n_threads: int | None = None
     repack: bool | None = None
+    devices: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
         if self.n_ctx < 0:
             raise UsageError(f"n_ctx must be 0 (the model's) or more, not {self.n_ctx}")
         if self.n_batch < 1:
@@ -83,10 +91,14 @@ class SpeculativeConfig:
         p_min: a draft model stops drafting at a token it gives less than this probability
             (auto mode uses at least ``AutoPlanner.P_STOP``).
         ngram_min, ngram_max: the n-gram lengths the lookup drafter tries, longest first.
+        draft_min: the shortest draft that is verified (llama.cpp's n_min): a step with
+            room for fewer drafts, or whose drafter proposes fewer, runs without drafts;
+            0: no minimum.
 
     Raises:
         UsageError: an unknown drafter, a draft length below -1, p_min outside [0, 1],
-            n-gram lengths not 1 <= ngram_min <= ngram_max.
+            n-gram lengths not 1 <= ngram_min <= ngram_max, a minimum draft length below 0
+            or above the draft length.
     """
 
     drafter: DrafterKind = "auto"
@@ -94,6 +106,7 @@ class SpeculativeConfig:
     p_min: float = 0.0
     ngram_min: int = 2
     ngram_max: int = 8
+    draft_min: int = 0
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
@@ -102,6 +115,8 @@ class SpeculativeConfig:
         elif self.draft_max < 0:
             raise UsageError(f"the draft length must be 0 or more, not {self.draft_max}")
         check_p_min(self.p_min)
+        if self.drafter != "none":
+            check_draft_min(self.draft_min, self.draft_max)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UsageError(
                 f"n-gram lengths need 1 <= min <= max, not {self.ngram_min}, {self.ngram_max}"
@@ -153,3 +168,15 @@ def check_p_min(p_min: float) -> None:
     """Raises UsageError unless 0 <= p_min <= 1."""
     if not 0.0 <= p_min <= 1.0:
         raise UsageError(f"p_min must be between 0 and 1, not {p_min}")
+
+
+def check_draft_min(draft_min: int, draft_max: int) -> None:
+    """Raises UsageError unless 0 <= draft_min <= draft_max (a minimum above the draft
+    length would never let a draft through)."""
+    if draft_min < 0:
+        raise UsageError(f"the minimum draft length must be 0 or more, not {draft_min}")
+    if draft_min > draft_max:
+        raise UsageError(
+            f"the minimum draft length ({draft_min}) is larger than the draft length "
+            f"({draft_max}): no draft would ever be verified"
+        )

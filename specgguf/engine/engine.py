@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from specgguf.engine.calibration import calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
-from specgguf.engine.config import EngineConfig, ModelConfig, check_drafter, check_p_min
+from specgguf.engine.config import (
+    EngineConfig,
+    ModelConfig,
+    check_draft_min,
+    check_drafter,
+    check_p_min,
+)
 from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
 from specgguf.engine.preflight import Preflight, preflight
 from specgguf.errors import BackendError, UsageError
@@ -50,8 +58,10 @@ class Engine:
 
     Loading runs :func:`specgguf.engine.preflight.preflight` first (files, vocabularies,
     memory; pass one already made as ``checked``), then loads the target and, for the
-    model and auto drafters, the draft. Owns every native resource (models, contexts,
-    batches) and frees them in :meth:`close` or at the end of a ``with`` block.
+    model and auto drafters, the draft; ``on_load_progress(path, share)`` is called as each
+    model's weights load (share from 0.0 to 1.0; an exception in it aborts the load). Owns
+    every native resource (models, contexts, batches) and frees them in :meth:`close` or at
+    the end of a ``with`` block.
 
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
@@ -60,8 +70,15 @@ class Engine:
         BackendError: llama.cpp could not load a model or create a context.
     """
 
-    def __init__(self, config: EngineConfig, *, checked: Preflight | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        checked: Preflight | None = None,
+        on_load_progress: Callable[[Path, float], None] | None = None,
+    ) -> None:
         self.config = config
+        self._on_load_progress = on_load_progress
         self.preflight = checked or preflight(config)
         self._timings: dict[bool, Timings] = {}  # by deterministic mode
         #: deterministic mode's most rows per decode (0: the engine was not set up for it)
@@ -131,9 +148,11 @@ class Engine:
         return cls(config)
 
     def _load(self, m: ModelConfig) -> LlamaModel:
-        return self._stack.enter_context(
-            LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack)
-        )
+        report = self._on_load_progress
+        progress = functools.partial(report, m.path) if report is not None else None
+        model = LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack,
+                           devices=m.devices, progress=progress)  # fmt: skip
+        return self._stack.enter_context(model)
 
     def _context(
         self,
@@ -199,12 +218,13 @@ class Engine:
     # -- generation -------------------------------------------------------------------
 
     def planner(self, params: GenerationParams) -> Planner:
-        """The planner of one generation: the drafter, draft length and p_min of
-        ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
+        """The planner of one generation: the drafter, draft length, minimum draft length
+        and p_min of ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
 
         Raises:
-            UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length
-                or minimum draft length, the model drafter without a loaded draft model.
+            UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length,
+                a minimum draft length above the draft length, the model drafter without a
+                loaded draft model.
         """
         spec = self.config.speculative
         kind = params.drafter or spec.drafter
@@ -214,10 +234,12 @@ class Engine:
             raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
         p_min = spec.p_min if params.p_min is None else params.p_min
         check_p_min(p_min)
-        if params.draft_min < 0:
-            raise UsageError(f"the minimum draft length must be 0 or more, not {params.draft_min}")
+        draft_min = spec.draft_min if params.draft_min is None else params.draft_min
+        if kind != "none":
+            check_draft_min(draft_min, draft_max)
         det = self.config.deterministic if params.deterministic is None else params.deterministic
-        return DRAFTERS[kind](self.drafting, DraftSettings(draft_max, p_min, bool(det)))
+        settings = DraftSettings(draft_max, p_min, bool(det), draft_min)
+        return DRAFTERS[kind](self.drafting, settings)
 
     def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
         """Start a generation: iterate the result for text pieces; ``result`` holds the
@@ -325,6 +347,7 @@ class Engine:
             "n_ctx_draft": self.n_ctx_draft,
             "drafter": spec.drafter,
             "draft_max": spec.draft_max,
+            "draft_min": spec.draft_min,
             "p_min": spec.p_min,
         }
 

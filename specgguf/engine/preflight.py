@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from specgguf.engine.config import EngineConfig
-from specgguf.errors import IncompatibleVocabError
+from specgguf.errors import IncompatibleVocabError, UsageError
 from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.vocab import CompatReport, check_compatibility
 from specgguf.llama.memory import (
@@ -43,8 +43,12 @@ def preflight(config: EngineConfig) -> Preflight:
             loader checks in the metadata and tensor directory; always checked).
         IncompatibleVocabError: the draft cannot draft for the target (``check_vocab``).
         InsufficientMemoryError: the models clearly do not fit (``check_memory``).
+        UsageError: a device name that this llama.cpp build does not have.
     """
     draft = config.draft if config.loads_draft else None
+    for m in (config.target, draft):
+        if m is not None and m.devices:
+            check_devices(m.devices)
     t_info = read_model_info(config.target.path)
     d_info = read_model_info(draft.path) if draft is not None else None
     t_info.require_loadable()
@@ -85,3 +89,15 @@ def _check_device(parts: list[ModelMemory], infos: list[ModelInfo | None], ngls:
         if mi is not None
     ]
     check_device_fits(offloaded, sum(d.memory_free for d in gpus))
+
+
+def check_devices(names: tuple[str, ...]) -> None:
+    """Raises UsageError unless every name is a device (not the CPU) of this build, as
+    llama.cpp's ``parse_device_list`` requires; before anything loads."""
+    from specgguf.llama.runtime import build_info
+
+    known = [d.name for d in build_info().devices if d.kind != "cpu"]
+    for name in names:
+        if name not in known:
+            have = f"devices: {', '.join(known)}" if known else "it has none besides the CPU"
+            raise UsageError(f"no device {name!r} to offload to in this llama.cpp build ({have})")

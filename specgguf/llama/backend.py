@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -28,7 +28,7 @@ from typing import Any, Literal, Self
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError
+from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError, UsageError
 from specgguf.llama.runtime import llama, repack_policy
 
 log = logging.getLogger("specgguf")
@@ -88,9 +88,15 @@ class LlamaModel(_Native):
             build can offload, which llama.cpp ignores on CPU-only builds).
         use_extra_bufts: weight repacking; None asks :func:`specgguf.llama.runtime.repack_policy`.
         vocab_only: load only the vocabulary (no weights).
+        devices: backend devices to offload to, by ggml name (``CUDA0``); () none: the CPU
+            only; None: llama.cpp's default (common/arg.cpp ``parse_device_list``).
+        progress: called with the share of the weights loaded (0.0 to 1.0) as llama.cpp
+            loads them (``llama_model_params.progress_callback``); an exception raised in
+            it (Ctrl-C) aborts the load and is raised again here.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist.
+        UsageError: a device name this build does not have (or a CPU device).
         BackendError: llama.cpp could not load the file.
     """
 
@@ -101,6 +107,8 @@ class LlamaModel(_Native):
         n_gpu_layers: int = -1,
         use_extra_bufts: bool | None = None,
         vocab_only: bool = False,
+        devices: Sequence[str] | None = None,
+        progress: Callable[[float], None] | None = None,
     ) -> None:
         self._lc = lc = llama()
         self.path = Path(path)
@@ -123,7 +131,19 @@ class LlamaModel(_Native):
             # stay resident next to the copies (1.9 GB instead of 1.3 GB for a 1.1 GB file).
             params.load_mode = 0  # LLAMA_LOAD_MODE_NONE
         self.use_extra_bufts = bool(params.use_extra_bufts)
+        # Both kept alive until llama_model_load_from_file returns.
+        device_array = _device_array(lc, devices) if devices is not None else None
+        if device_array is not None:
+            params.devices = ctypes.cast(device_array, ctypes.c_void_p)
+        raised: list[BaseException] = []
+        callback = _progress_callback(lc, progress, raised) if progress is not None else None
+        if callback is not None:
+            params.progress_callback = callback
         model = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        if raised:
+            if model:
+                lc.llama_model_free(model)
+            raise raised[0]
         if not model:
             raise BackendError(f"llama.cpp could not load {self.path}")
         self._model = model
@@ -234,6 +254,53 @@ class LlamaModel(_Native):
         if self._model is not None:
             self._lc.llama_model_free(self._model)
             self._model = None
+
+
+def _device_array(lc: Any, names: Sequence[str]) -> Any:
+    """A NULL-terminated ``ggml_backend_dev_t[]`` of the devices ``names`` names, as
+    llama.cpp's ``parse_device_list`` builds it (CPU devices are refused there too).
+
+    Raises:
+        UsageError: a name this build has no (non-CPU) device for.
+    """
+    lib = lc._lib
+    lib.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    handles = []
+    for name in names:
+        dev = lib.ggml_backend_dev_by_name(name.encode())
+        if not dev or lib.ggml_backend_dev_type(dev) == 0:  # GGML_BACKEND_DEVICE_TYPE_CPU
+            from specgguf.llama.runtime import build_info
+
+            known = [d.name for d in build_info().devices if d.kind != "cpu"]
+            raise UsageError(
+                f"no device {name!r} to offload to in this llama.cpp build "
+                f"({'devices: ' + ', '.join(known) if known else 'it has none besides the CPU'})"
+            )
+        handles.append(dev)
+    return (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+
+
+def _progress_callback(
+    lc: Any, progress: Callable[[float], None], raised: list[BaseException]
+) -> Any:
+    """``progress`` as a ``llama_progress_callback``: an exception in it (Ctrl-C during a
+    long load) is kept in ``raised`` and stops the load (returning false)."""
+
+    @lc.llama_progress_callback  # type: ignore[untyped-decorator]
+    def callback(value: float, user_data: ctypes.c_void_p) -> bool:
+        if raised:
+            return False
+        try:
+            progress(float(value))
+        except BaseException as e:  # ctypes cannot pass it through: raised after the load
+            raised.append(e)
+            return False
+        return True
+
+    return callback
 
 
 class LlamaContext(_Native):

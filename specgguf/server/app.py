@@ -183,8 +183,8 @@ class _Service:
                 f"speculative.n_max: at most {spec.draft_max} (the largest draft length "
                 "this server was started with)", param="speculative.n_max",
             )  # fmt: skip
-        n_min = req.spec_n_min or 0
-        if n_min > (spec.draft_max if n_max is None else n_max):
+        n_min = req.spec_n_min
+        if n_min is not None and n_min > (spec.draft_max if n_max is None else n_max):
             raise bad_request(
                 "speculative.n_min: the minimum draft length exceeds the maximum "
                 "(speculative.n_max)", param="speculative.n_min",

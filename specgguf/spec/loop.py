@@ -72,14 +72,13 @@ class GenerationParams:
     Speculative settings for this generation, each None for the engine's own (see
     :class:`specgguf.engine.SpeculativeConfig`; the loop itself takes its drafter and draft
     length from the planner it is given): ``drafter`` ("auto", "model", "ngram", "none"),
-    ``draft_max`` (the draft length K; with "auto" the largest), ``p_min`` (a draft model
-    stops drafting at a token it gives less than this probability), ``draft_min`` (a draft
-    shorter than this is not verified: the step runs the target alone, as llama.cpp's
-    ``--draft-min`` / its server's ``speculative.n_min`` do; 0: every draft is verified),
-    ``deterministic`` (output independent of the drafter, the draft length and timings:
-    drafts are greedy point masses, and sampled tokens come from draws keyed by their
-    output position, see :mod:`specgguf.spec.sampling`; the engine also fixes the
-    verification batch shapes).
+    ``draft_max`` (the draft length K; with "auto" the largest), ``draft_min`` (the
+    shortest draft that is verified, llama.cpp's ``speculative.n_min``: shorter drafts are
+    dropped and the step runs without them), ``p_min`` (a draft model stops drafting at a
+    token it gives less than this probability), ``deterministic``
+    (output independent of the drafter, the draft length and timings: drafts are greedy
+    point masses, and sampled tokens come from draws keyed by their output position, see
+    :mod:`specgguf.spec.sampling`; the engine also fixes the verification batch shapes).
     """
 
     n_predict: int = -1
@@ -90,7 +89,7 @@ class GenerationParams:
     draft_max: int | None = None
     p_min: float | None = None
     deterministic: bool | None = None
-    draft_min: int = 0
+    draft_min: int | None = None
 
 
 @dataclasses.dataclass
@@ -331,9 +330,6 @@ class SpeculativeDecoder:
             plan = planner.plan(history, k, draft_sampler, rng)
             draft = plan.draft
             d = draft.tokens[:k]
-            if 0 < len(d) < params.draft_min:  # too short to be worth a verification
-                plan = dataclasses.replace(plan, drafter=None, draft=Draft([]))
-                draft, d = plan.draft, []
             t_verify = time.perf_counter()
             logits = target.eval([history[-1], *d], logits="all")
             t_verify = time.perf_counter() - t_verify
