@@ -13,7 +13,8 @@ Exit codes (also in the README):
 0    success (``check``: the pair is compatible)
 1    unexpected internal error
 2    usage error: bad flags or arguments, malformed registry file
-3    model file problem: missing, unreadable, not GGUF, truncated, unknown alias
+3    model file problem: missing, unreadable, not GGUF, truncated, unknown alias, or a
+     file llama.cpp would refuse to load
 4    incompatible vocabularies (``check``, ``run``)
 5    does not fit: memory, disk space, prompt longer than the context
 6    network: the Hugging Face hub or a mirror (not found, offline and not cached), or an
@@ -138,6 +139,21 @@ class ChatTemplateError(ModelFileError):
 class ChatInputError(UsageError):
     """A conversation the model's chat template refuses (the template's own
     ``raise_exception``, e.g. roles that do not alternate); ``message`` quotes it."""
+
+
+class ModelLoadError(ModelFileError, ValueError):
+    """A GGUF file that llama.cpp would refuse to load (or abort on), found from its
+    metadata and tensor directory before any weights load.
+
+    ``reasons`` lists every problem found, the first one (the one llama.cpp meets first)
+    first.
+    """
+
+    def __init__(self, path: Path | str, reasons: list[str]) -> None:
+        first = reasons[0] if reasons else "unknown reason"
+        more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+        super().__init__(f"{path}: llama.cpp cannot load this file: {first}{more}", path=path)
+        self.reasons = reasons
 
 
 class IncompatibleVocabError(SpecggufError, ValueError):

@@ -1,13 +1,15 @@
-"""Helpers for tests that run the real ``specgguf`` entry point as a subprocess."""
+"""Helpers for tests (and scripts/) that run the real ``specgguf`` entry point as a
+subprocess: a command, a server, a timed chat completion."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specgguf.engine import Engine
@@ -59,3 +61,180 @@ def load_engine(
             deterministic=deterministic,
         )
     )
+
+
+class ServerProcess:
+    """``specgguf serve ARGS --port 0`` as a subprocess on 127.0.0.1: waits for its
+    "listening on" line on stderr and reads the port from it; stderr is collected in
+    ``stderr_lines`` (a thread drains it). Stop it with :meth:`stop` (a signal) or use it
+    as a context manager.
+
+    Raises:
+        RuntimeError: the server exited, or said nothing, before listening.
+    """
+
+    def __init__(
+        self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300
+    ) -> None:
+        import re
+        import threading
+        import time
+
+        self.args = ["serve", "--host", "127.0.0.1", "--port", "0", *args]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specgguf", *self.args], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+            cwd=ROOT, text=True,
+        )  # fmt: skip
+        self.stderr_lines: list[str] = []
+        ready = threading.Event()
+        self.url = ""
+
+        def drain() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.stderr_lines.append(line)
+                m = re.search(r"listening on (http://\S+)", line)
+                if m and not self.url:
+                    self.url = m[1]
+                    ready.set()
+            ready.set()
+
+        self._drain = threading.Thread(target=drain, daemon=True)
+        self._drain.start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.1) and time.monotonic() < deadline:
+            pass
+        if not self.url:
+            self.proc.kill()
+            self.proc.wait()
+            self._drain.join(5)
+            raise RuntimeError(f"specgguf serve did not start: {self.stderr}")
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.base_url = f"{self.url}/v1"
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    def stop(self, sig: int | None = None, timeout: float = 30) -> int:
+        """Send ``sig`` (default SIGTERM) and wait; returns the exit code (the process is
+        killed, and the test fails, if it does not exit within ``timeout`` seconds)."""
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM if sig is None else sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the server did not exit within {timeout} s") from None
+        self._drain.join(5)
+        return code
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.stop()
+
+
+@dataclasses.dataclass
+class Completion:
+    """One chat completion as a client saw it: the text, the chunk ids (one id when
+    nothing was mixed), seconds to the first text (``ttft``) and to the end, and the
+    server's ``usage`` and ``timings`` (llama.cpp's names), or its HTTP ``status`` and
+    error."""
+
+    status: int
+    text: str = ""
+    ids: set[str] = dataclasses.field(default_factory=set)
+    ttft: float = 0.0
+    seconds: float = 0.0
+    usage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finish_reason: str | None = None
+    error: Any = None
+
+
+def chat_completion(
+    base_url: str, body: dict[str, Any], *, stream: bool, timeout: float = 600
+) -> Completion:
+    """POST ``body`` to ``base_url``/chat/completions (streamed or not) with httpx and time
+    it; a non-200 answer is returned with its status and error, not raised."""
+    import json
+    import time
+
+    import httpx
+
+    url = f"{base_url}/chat/completions"
+    t0 = time.perf_counter()
+    if not stream:
+        r = httpx.post(url, json={**body, "stream": False}, timeout=timeout)
+        seconds = time.perf_counter() - t0
+        data = r.json()
+        if r.status_code != 200:
+            return Completion(r.status_code, seconds=seconds, error=data.get("error"))
+        choice = data["choices"][0]
+        return Completion(
+            200, choice["message"]["content"], {data["id"]}, seconds, seconds,
+            data.get("usage") or {}, data.get("timings") or {}, choice["finish_reason"],
+        )  # fmt: skip
+    out = Completion(200)
+    parts: list[str] = []
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            return Completion(r.status_code, error=r.json().get("error"))
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out.error = chunk["error"]
+                continue
+            out.ids.add(chunk["id"])
+            for choice in chunk.get("choices") or []:
+                text = choice.get("delta", {}).get("content") or ""
+                if text and not out.ttft:
+                    out.ttft = time.perf_counter() - t0
+                parts.append(text)
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            out.usage = chunk.get("usage") or out.usage
+            out.timings = chunk.get("timings") or out.timings
+    out.seconds = time.perf_counter() - t0
+    out.text = "".join(parts)
+    return out
+
+
+_LOAD_SCRIPT = """
+import logging, sys
+from specgguf.errors import BackendError
+from specgguf.llama.backend import LlamaModel
+log = logging.getLogger("specgguf.llama_cpp")
+log.setLevel(logging.DEBUG)
+log.addHandler(logging.StreamHandler(sys.stderr))
+try:
+    with LlamaModel(sys.argv[1], n_gpu_layers=0, use_extra_bufts=False,
+                    vocab_only=sys.argv[2] == "vocab"):
+        pass
+except BackendError:
+    sys.exit(3)
+"""
+
+
+def llama_cpp_load(path: Path, *, vocab_only: bool = False) -> tuple[int, str]:
+    """Load ``path`` with llama.cpp itself, in a child process (an abort ends only the
+    child): the exit status (0 loaded, 3 llama.cpp refused, negative: killed by a signal,
+    as GGML_ASSERT's abort does) and llama.cpp's log, the oracle of what it refuses."""
+    res = subprocess.run(
+        [sys.executable, "-c", _LOAD_SCRIPT, str(path), "vocab" if vocab_only else "all"],
+        capture_output=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
+    return res.returncode, res.stderr.decode(errors="replace")

@@ -123,7 +123,7 @@ def test_incompatible_draft_is_exit_4_with_one_line(tiny_models: dict[str, Path]
     [
         ("missing", errors.EXIT_MODEL_FILE, "model file not found"),
         ("not-gguf", errors.EXIT_MODEL_FILE, "an HTML page"),
-        ("long-prompt", errors.EXIT_RESOURCES, "tokens, which does not fit a context of"),
+        ("long-prompt", errors.EXIT_RESOURCES, "which does not fit the target's context of"),
         ("no-prompt", errors.EXIT_USAGE, "no prompt"),
         ("bad-drafter", errors.EXIT_USAGE, "--drafter must be"),
     ],

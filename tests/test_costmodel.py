@@ -295,3 +295,26 @@ def test_model_drafter_reports_where_it_stopped() -> None:
     # A fixed drafter's p_min reaches the drafter (llama.cpp's --draft-p-min).
     assert FixedPlanner(drafter, 8, p_min=0.5).plan([1, 2], 8, greedy, rng).draft.tokens == [3, 4]
     assert len(FixedPlanner(drafter, 8).plan([1, 2], 8, greedy, rng).draft.tokens) == 8
+
+
+@pytest.mark.parametrize("draft_min", [5, 8])
+def test_auto_planner_verifies_no_draft_shorter_than_draft_min(draft_min: int) -> None:
+    def run(minimum: int) -> tuple[list[int], list[int]]:
+        target = FakeContext(one_hot_rule(target_next, V), V)
+        model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
+        planner = AutoPlanner(Timings(dict(FLAT_10MS.verify), 0.001), model=model,
+                              ngram=NgramDrafter(2, 6), draft_max=16, draft_min=minimum,
+                              learn_timings=False)  # fmt: skip
+        dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
+        params = GenerationParams(n_predict=90, sampler=SamplerParams(temperature=0))
+        res = dec.generate([1, 2, 3], params, planner).run()
+        lengths = [len(e[2]) - 1 for e in target.log if e[0] == "eval" and e[3] == "all"]
+        return res.tokens, lengths
+
+    tokens, lengths = run(draft_min)
+    assert tokens == _truth([1, 2, 3], 90)
+    drafted = [k for k in lengths if k]
+    assert drafted and min(drafted) >= draft_min
+    # Control: without a minimum the planner starts with shorter drafts (exploration: 4).
+    _, free = run(0)
+    assert min(k for k in free if k) < draft_min

@@ -94,7 +94,7 @@ BAD_FILES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     ),
     "truncated-late": (
         lambda p, t: _truncated(t, p, 5000),
-        "tokenizer.ggml.tokens: the file ends inside a string array (truncated?)",
+        "tokenizer.ggml.tokens: the file ends inside a string array, at element 403 of 512",
     ),
     "huge-kv-count": (
         lambda p, t: p.write_bytes(_header(3, 0, 2**60) + bytes(100)),
@@ -124,7 +124,63 @@ BAD_FILES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
         lambda p, t: p.write_bytes(_header(3, 0, 2) + _kv_string("general.name", "x")[:-3]),
         "truncated",
     ),
+    "json": (
+        lambda p, t: p.write_bytes(b'{"error": "Repository not found"}\n'),
+        "a JSON document, not a GGUF file",
+    ),
+    "zip": (lambda p, t: _zip(p), "a zip archive, not a GGUF file"),
+    **{
+        f"legacy-{magic}": (
+            lambda p, t, magic=magic: p.write_bytes(magic.encode()[::-1] + bytes(60)),
+            "a legacy GGML file (before GGUF)",
+        )
+        for magic in ("ggml", "ggmf", "ggjt")
+    },
+    "unknown-value-type": (
+        lambda p, t: p.write_bytes(_header(3, 0, 1) + _kv("k", 13) + bytes(16)),
+        "k: unknown value type 13",
+    ),
+    "unknown-array-type": (
+        lambda p, t: p.write_bytes(
+            _header(3, 0, 1) + _kv("k", 9) + struct.pack("<IQ", 13, 1) + bytes(16)
+        ),
+        "k: unsupported array element type 13",
+    ),
+    "array-of-arrays": (
+        lambda p, t: p.write_bytes(
+            _header(3, 0, 1) + _kv("k", 9) + struct.pack("<IQ", 9, 1) + bytes(16)
+        ),
+        "k: unsupported array element type 9",
+    ),
+    "key-with-a-newline": (
+        lambda p, t: p.write_bytes(_header(3, 0, 1) + _kv("a\nb", 13) + bytes(16)),
+        "'a\\nb': unknown value type 13",
+    ),
+    "truncated-tensor-infos": (
+        lambda p, t: p.write_bytes(t.read_bytes()[: _in_tensor_infos(t)]),
+        "the file ends inside the tensor infos (truncated?)",
+    ),
 }
+
+
+def _kv(key: str, vtype: int) -> bytes:
+    """A key and its value type (the value left to the caller)."""
+    return struct.pack("<Q", len(key.encode())) + key.encode() + struct.pack("<I", vtype)
+
+
+def _zip(path: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("model.gguf", b"GGUF")
+
+
+def _in_tensor_infos(path: Path) -> int:
+    """A byte inside the 5th tensor info's shape, located by gguf-py's reader."""
+    from gguf import GGUFReader
+
+    t = GGUFReader(path).tensors[4]
+    return int(t.field.offset) + 8 + len(t.name.encode()) + 4 + 3
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))

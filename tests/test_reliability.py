@@ -155,9 +155,13 @@ def test_a_forced_configuration_slower_than_the_target_alone_is_reported(
     res = run_cli(*args)
     err = res.stderr.decode()
     assert res.returncode == 0, err
-    assert "speculation made this run slower" in err and "1000000.0 tokens/s" in err
+    assert "speculation made this run slower" in err
     out = json.loads(run_cli(*args, "--json").stdout)
-    assert out["stats"]["target_alone_tokens_per_s"] == pytest.approx(1e6)
+    # the planted rate, with this run's Python time per step added to its decode time
+    s = out["stats"]
+    expected = 1 / (1e-6 + s["python_seconds"] / s["steps"])
+    assert s["target_alone_tokens_per_s"] == pytest.approx(expected, rel=0.01)
+    assert s["tokens_per_s"] < 0.8 * s["target_alone_tokens_per_s"]
     save_calibration(key, Timings({1: 10.0}, 0.0))  # a target alone at 0.1 tokens/s
     assert "speculation made this run slower" not in run_cli(*args).stderr.decode()
     # auto mode is not compared: it never speculates where it loses

@@ -35,7 +35,7 @@ class Decoder:
 
     def generate(self, prompt: list[int], params: GenerationParams) -> Generation:
         drafter: Drafter | None = self.drafter  # type: ignore[assignment]
-        planner = FixedPlanner(drafter, params.draft_max or 0)
+        planner = FixedPlanner(drafter, params.draft_max or 0, draft_min=params.draft_min or 0)
         return self.dec.generate(prompt, params, planner)
 
 
@@ -330,3 +330,88 @@ def test_model_drafter_notices_a_cache_rolled_back_by_someone_else() -> None:
     draft_ctx.rollback(0)
     res = run(dec, [1, 2, 3, 4], n_predict=8, draft_max=4)
     assert res.tokens == truth([1, 2, 3, 4], 8) and res.stats.acceptance_rate == 1.0
+
+
+def test_drafts_shorter_than_draft_min_are_not_verified_alternating() -> None:
+    # The drafter proposes 2 tokens, then 5, alternating; with draft_min 3 only the drafts
+    # of 5 reach the target, and a skipped draft costs a plain one-token step.
+    sizes = iter([2, 5] * 20)
+
+    def script(history: Sequence[int], k: int) -> list[int]:
+        return truth(list(history), next(sizes))
+
+    dec, ctx = make(ScriptedDrafter(script))
+    res = run(dec, [1], n_predict=21, draft_max=8, draft_min=3)
+    assert res.tokens == truth([1], 21)
+    batches = [len(e[2]) for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+    assert batches == [1, 6, 1, 6, 1, 6], batches  # 1 + 6 tokens per pair of steps
+    assert (res.stats.drafted, res.stats.accepted) == (15, 15)
+    assert res.stats.by_drafter["none"].steps == 3
+    # Control: without draft_min every draft is verified.
+    sizes = iter([2, 5] * 20)
+    dec, ctx = make(ScriptedDrafter(script))
+    run(dec, [1], n_predict=20, draft_max=8)
+    batches = [len(e[2]) for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+    assert batches[:2] == [3, 6]
+
+
+# --- the minimum draft length (llama.cpp's --spec-draft-n-min) ---------------------------
+
+
+def _verified_draft_lengths(ctx: FakeContext) -> list[int]:
+    """Draft lengths of the target's verifications: each is [last token, d1..dK]."""
+    return [len(e[2]) - 1 for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+
+
+def _run_fixed(drafter: object, draft_min: int, **kw: object):  # type: ignore[no-untyped-def]
+    ctx = FakeContext(one_hot_rule(target_next, V), V)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+    planner = FixedPlanner(drafter, 4, draft_min=draft_min)  # type: ignore[arg-type]
+    params = GenerationParams(sampler=GREEDY, **kw)  # type: ignore[arg-type]
+    return dec.generate([1], params, planner).run(), ctx
+
+
+def test_drafts_shorter_than_draft_min_are_not_verified() -> None:
+    # The drafter only ever finds 2 tokens: with a minimum of 3 nothing is verified.
+    two = ScriptedDrafter(lambda h, k: truth(list(h), 2))
+    res, ctx = _run_fixed(two, 3, n_predict=12)
+    assert res.tokens == truth([1], 12)
+    assert res.stats.drafted == 0 and res.stats.steps == 12
+    assert set(_verified_draft_lengths(ctx)) == {0}
+    # Control: a minimum of 2 lets the same drafts through, and they are accepted.
+    res, ctx = _run_fixed(ScriptedDrafter(lambda h, k: truth(list(h), 2)), 2, n_predict=12)
+    assert res.tokens == truth([1], 12)
+    assert res.stats.accepted == res.stats.drafted > 0 and res.stats.steps == 4
+    assert set(_verified_draft_lengths(ctx)) == {2}
+
+
+def test_a_step_with_room_for_fewer_than_draft_min_drafts_does_not_draft() -> None:
+    # n_predict 8, K 4: the first step yields 5 tokens and leaves room for a draft of 2.
+    drafter = oracle_drafter()
+    res, ctx = _run_fixed(drafter, 4, n_predict=8)
+    assert res.tokens == truth([1], 8)
+    assert _verified_draft_lengths(ctx) == [4, 0, 0, 0]
+    assert drafter.ks == [4]  # the drafter was not even asked once room fell below 4
+    # Control: without a minimum, the second step drafts the 2 tokens that fit.
+    res, ctx = _run_fixed(oracle_drafter(), 0, n_predict=8)
+    assert _verified_draft_lengths(ctx) == [4, 2]
+
+
+def test_a_draft_model_that_stops_early_is_dropped_below_draft_min() -> None:
+    # A draft model sure of its first token only (p_min stops it after one token).
+    def rule(prefix: Sequence[int]) -> np.ndarray:
+        row = np.zeros(V, np.float32)
+        row[target_next(prefix)] = 10.0 if prefix[-1] % 2 else 0.5
+        return row
+
+    def run_model(draft_min: int) -> list[int]:
+        ctx = FakeContext(one_hot_rule(target_next, V), V)
+        drafter = ModelDrafter(FakeContext(rule, V), V)  # type: ignore[arg-type]
+        dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+        planner = FixedPlanner(drafter, 4, p_min=0.5, draft_min=draft_min)
+        res = dec.generate([1], GenerationParams(n_predict=16, sampler=GREEDY), planner).run()
+        assert res.tokens == truth([1], 16)
+        return _verified_draft_lengths(ctx)
+
+    assert max(run_model(0)) == 1  # drafts of one token are verified without a minimum
+    assert set(run_model(2)) == {0}  # and dropped with a minimum of 2

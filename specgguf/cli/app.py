@@ -16,9 +16,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Annotated, ParamSpec, TypeVar
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
+import typer.core
 
 from specgguf import __version__
 from specgguf.errors import (
@@ -30,6 +31,7 @@ from specgguf.errors import (
     IncompatibleVocabError,
     InsufficientMemoryError,
     Interrupted,
+    ModelLoadError,
     ModelNotDownloadedError,
     OutputClosed,
     RpcServerError,
@@ -51,6 +53,34 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+class GroupedCommand(typer.core.TyperCommand):
+    """A command whose ``--help`` lists its options in sections, by the ``rich_help_panel``
+    each option names (in plain text, as Click prints help): the options without one
+    under "Options", then one section per panel in the order they first appear. Used for
+    the speculative options, whose llama.cpp names (current and former) share one line."""
+
+    # Typer passes its own (vendored) Click's context and formatter.
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        args: list[tuple[str, str]] = []
+        sections: dict[str, list[tuple[str, str]]] = {"Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append(record)
+            else:
+                panel = getattr(param, "rich_help_panel", None) or "Options"
+                sections.setdefault(panel, []).append(record)
+        if args:
+            with formatter.section("Arguments"):
+                formatter.write_dl(args)
+        for title, rows in sections.items():
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 def handled(fn: Callable[P, R]) -> Callable[P, R]:
@@ -151,6 +181,8 @@ def hint(err: SpecggufError) -> str | None:
         return "`specgguf check TARGET DRAFT` gives the whole report; --no-check overrides"
     if isinstance(err, UnknownModelError):
         return "`specgguf list` shows the known aliases and pairs"
+    if isinstance(err, ModelLoadError) and err.path is not None:
+        return f"`specgguf info {err.path}` lists every problem"
     if isinstance(err, ModelNotDownloadedError):
         return f"`specgguf pull {err.alias}` downloads it"
     if isinstance(err, ChatTemplateError):

@@ -10,24 +10,30 @@ from typing import Annotated, Any
 import typer
 
 from specgguf.cli import options as o
-from specgguf.cli.app import app, handled
+from specgguf.cli.app import GroupedCommand, app, handled
 from specgguf.cli.output import print_json, size, stderr_say, stdout_console
 
 
-@app.command()
+@app.command(cls=GroupedCommand)
 @handled
 def bench(
     model: Annotated[
         str | None, typer.Option("-m", "--model", help="Target model (default: the default pair).")
     ] = None,
-    model_draft: Annotated[
-        str | None, typer.Option("-md", "-d", "--model-draft", help="Draft model.")
-    ] = None,
     hf_repo: o.HfRepoOpt = None,
+    model_draft: o.ModelDraftOpt = None,
     hf_repo_draft: o.HfRepoDraftOpt = None,
     draft: Annotated[
-        str, typer.Option("--draft", help="Draft lengths to try, comma-separated.")
+        str,
+        typer.Option(
+            "--draft",
+            "--spec-draft-n-max",
+            help="Draft lengths to try, comma-separated.",
+            rich_help_panel=o.SPEC,
+        ),
     ] = "1,2,4,8",
+    no_draft: o.NoDraftOpt = False,
+    draft_search: o.DraftSearchOpt = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
@@ -74,6 +80,7 @@ def bench(
     """Measure the target alone, each drafter at each draft length, and auto mode, on a
     prompt set with categories, interleaved in one process; speedups are relative to the
     target alone in the same run."""
+    from specgguf.cli.display import LoadProgress
     from specgguf.engine import Engine
     from specgguf.engine.bench import (
         builtin_prompts,
@@ -109,7 +116,8 @@ def bench(
         ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry,
         deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft,
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, rpc=rpc,
-        rpc_draft=rpc_draft, tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
+        rpc_draft=rpc_draft, tensor_split=tensor_split, rpc_timeout=rpc_timeout,
+        no_draft=no_draft, draft_search=draft_search or (), say=say,
     )  # fmt: skip
     configs = [("target", "none", 0)]
     if config.loads_draft:
@@ -119,7 +127,9 @@ def bench(
     configs.append(("auto", "auto", draft_max))
     if deterministic:
         configs += [("det-" + name, kind, k) for name, kind, k in configs]
-    with Engine(config) as engine:
+    with LoadProgress({}) as load_progress:
+        engine = Engine(config, on_load_progress=load_progress)
+    with engine:
         report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
                            progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip
     if json_out:

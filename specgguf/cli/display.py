@@ -13,6 +13,7 @@ import collections
 import os
 import sys
 import time
+from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
@@ -34,16 +35,18 @@ def live_allowed(stdout: IO[Any] | None = None, stderr: IO[Any] | None = None) -
     return stderr.isatty() and not (stdout.isatty() and _same_terminal(stdout, stderr))
 
 
-#: A forced configuration slower than this share of the target alone's rate is reported.
+#: A forced configuration slower than this share of the target alone's rate is reported,
+#: once it has generated at least ``LOSS_MIN_TOKENS`` (shorter runs are too noisy to tell).
 LOSS_MARGIN = 0.8
+LOSS_MIN_TOKENS = 16
 
 
 def speculation_lost(stats: GenerationStats, target_alone: float | None) -> bool:
     """Whether a run was clearly slower (``LOSS_MARGIN``) than the target alone would be
     (``target_alone``: tokens/s, see :meth:`specgguf.engine.Engine.target_alone_rate`)."""
-    return bool(
-        target_alone and stats.generated and stats.tokens_per_s < LOSS_MARGIN * target_alone
-    )
+    if not target_alone or stats.generated < LOSS_MIN_TOKENS:
+        return False
+    return stats.tokens_per_s < LOSS_MARGIN * target_alone
 
 
 def loss_line(stats: GenerationStats, target_alone: float) -> str:
@@ -153,7 +156,7 @@ class LiveStats:
             f"other {s.python_seconds / total:4.0%}",
             f"target alone ~{self.target_alone:.1f} tokens/s" if self.target_alone else "",
         )
-        if s.generated >= 16 and speculation_lost(s, self.target_alone):
+        if speculation_lost(s, self.target_alone):
             t.add_row("[bold red]slower than the target alone[/]", "try --drafter auto", "", "",
                       "", "")  # fmt: skip
         return t
@@ -188,3 +191,78 @@ def stream(
         return gen.interrupt(), True
     assert gen.result is not None
     return gen.result, False
+
+
+#: Models at least this large (bytes, all shards) report their loading on stderr.
+LOAD_REPORT_BYTES = 1 << 30
+
+
+class LoadProgress:
+    """Loading progress on stderr, for models of at least ``LOAD_REPORT_BYTES``, so that a
+    40 GB target does not look hung: on a terminal a Rich bar per model (llama.cpp's
+    progress callback, through :class:`specgguf.engine.Engine`'s ``on_load_progress``),
+    otherwise one line per model when it has loaded ("specgguf: loaded X (1.04 GiB) in
+    2.31 s"). Nothing with ``quiet``. Use as a context manager around loading; the
+    instance is the callback."""
+
+    def __init__(
+        self, sizes: dict[Path, int], *, quiet: bool = False, live: bool | None = None
+    ) -> None:
+        self.sizes = sizes
+        self.quiet = quiet
+        self.live = sys.stderr.isatty() if live is None else live
+        self._progress: Any = None
+        self._tasks: dict[Path, Any] = {}
+        self._started: dict[Path, float] = {}
+        self._done: set[Path] = set()
+
+    def _size(self, path: Path) -> int:
+        if path not in self.sizes:
+            try:
+                self.sizes[path] = path.stat().st_size
+            except OSError:
+                self.sizes[path] = 0
+        return self.sizes[path]
+
+    def __enter__(self) -> LoadProgress:
+        return self
+
+    def __call__(self, path: Path, share: float) -> None:
+        size = self._size(path)
+        if self.quiet or size < LOAD_REPORT_BYTES or path in self._done:
+            return
+        self._started.setdefault(path, time.perf_counter())
+        if self.live:
+            self._draw(path, share, size)
+        if share >= 1.0:
+            self._done.add(path)
+            if not self.live:
+                seconds = time.perf_counter() - self._started[path]
+                print(f"specgguf: loaded {path.name} ({size / 2**30:.2f} GiB) in {seconds:.2f} s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+
+    def _draw(self, path: Path, share: float, size: int) -> None:
+        if self._progress is None:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("loading {task.description}"), BarColumn(),
+                DownloadColumn(binary_units=True), TimeElapsedColumn(),
+                console=Console(stderr=True), transient=False,
+            )  # fmt: skip
+            self._progress.start()
+        if path not in self._tasks:
+            self._tasks[path] = self._progress.add_task(path.name, total=size)
+        self._progress.update(self._tasks[path], completed=min(1.0, share) * size)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

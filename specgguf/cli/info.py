@@ -9,7 +9,15 @@ import typer
 
 from specgguf.cli.app import app, handled
 from specgguf.cli.options import RegistryOpt, model_path
-from specgguf.cli.output import count, num, print_json, size, stdout_console, tok
+from specgguf.cli.output import (
+    count,
+    num,
+    print_json,
+    size,
+    stderr_say,
+    stdout_console,
+    tok,
+)
 
 
 @app.command()
@@ -23,11 +31,14 @@ def info(
 ) -> None:
     """Show what a GGUF model holds, from its metadata alone (no weights load).
 
-    Exits 3 when the file is missing or not a readable GGUF file.
+    Problems that would make llama.cpp refuse the file are printed on stderr (in JSON,
+    under "findings"). Exits 3 when the file is missing or not a readable GGUF file.
     """
     from specgguf.gguf.info import read_model_info
 
-    mi = read_model_info(model_path(model, registry)).as_dict()
+    info = read_model_info(model_path(model, registry))
+    mi = info.as_dict()
+    _print_findings(info.findings)
     if json_out:
         print_json(mi)
         return
@@ -70,6 +81,16 @@ def info(
     stdout_console().print(t)
 
 
+def _print_findings(findings: Any) -> None:
+    """One stderr line per finding: what llama.cpp would refuse, then warnings."""
+    say = stderr_say()
+    for f in findings:
+        if f.severity == "error":
+            say(f"specgguf: warning: llama.cpp cannot load this file: {f.message}")
+        elif f.severity == "warning":
+            say(f"specgguf: warning: {f.message}")
+
+
 @app.command()
 @handled
 def check(
@@ -80,7 +101,8 @@ def check(
 ) -> None:
     """Tell whether DRAFT can draft for TARGET, from their vocabularies (no weights load).
 
-    Exit codes: 0 compatible, 4 incompatible, 3 a file is missing or unreadable.
+    Exit codes: 0 compatible, 4 incompatible, 3 a file is missing, unreadable, or one
+    llama.cpp would refuse to load.
     """
     from specgguf.errors import EXIT_INCOMPATIBLE
     from specgguf.gguf.vocab import check_compatibility

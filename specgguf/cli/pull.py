@@ -4,6 +4,7 @@ what the local cache holds."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -41,8 +42,6 @@ def pull(
     Exit codes: 6 hub error or not found, 7 access refused (gated/private), 5 not enough
     disk, 8 integrity check failed, 4 the pulled pair is incompatible.
     """
-    from pathlib import Path
-
     from specgguf.errors import EXIT_INCOMPATIBLE, UsageError
     from specgguf.gguf.vocab import check_compatibility
     from specgguf.hub.download import PullResult, resolve_hf
@@ -98,6 +97,23 @@ def pull(
 @app.command(name="list")
 @handled
 def list_models(
+    drafts_for: Annotated[
+        str | None,
+        typer.Option(
+            "--drafts-for",
+            metavar="TARGET",
+            help="Instead: the models on disk that can draft for TARGET (a .gguf file, an "
+            "alias or org/name:QUANT), best first, with the reason for each one rejected.",
+        ),
+    ] = None,
+    draft_search: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--draft-search",
+            metavar="DIR",
+            help="With --drafts-for: also search under DIR (repeatable).",
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     registry: RegistryOpt = None,
 ) -> None:
@@ -108,6 +124,13 @@ def list_models(
     from specgguf.hub.download import local_listing
     from specgguf.hub.registry import load_registry
 
+    if drafts_for is not None:
+        _list_drafts(drafts_for, draft_search or [], json_out=json_out, registry=registry)
+        return
+    if draft_search:
+        from specgguf.errors import UsageError
+
+        raise UsageError("--draft-search goes with --drafts-for TARGET")
     reg = load_registry(registry)
     models, pairs = local_listing(reg)
     if json_out:
@@ -135,3 +158,32 @@ def list_models(
                   size(p["size"]) if p["size"] else "?", "yes" if p["present"] else "no",
                   p["note"] or "")  # fmt: skip
     con.print(t)
+
+
+def _list_drafts(target: str, dirs: list[Path], *, json_out: bool, registry: Path | None) -> None:
+    """``list --drafts-for``: every model on disk as a draft for ``target``, best first."""
+    from rich.table import Table
+
+    from specgguf.cli.options import model_path
+    from specgguf.hub.drafts import count, find_drafts
+    from specgguf.hub.registry import load_registry
+
+    path = model_path(target, registry)
+    found = find_drafts(path, search_dirs=dirs, registry=load_registry(registry), check_all=True)
+    if json_out:
+        print_json(found.as_dict())
+        return
+    con = stdout_console()
+    title = (
+        f"drafts for {path.name} ({count(found.target_params)} parameters): "
+        f"{found.n_files} GGUF model(s) on disk, searched in {found.seconds:.2f} s"
+    )
+    t = Table(title=title, title_justify="left", box=None, header_style="bold")
+    for col in ("verdict", "draft", "params", "quant", "size", "found in", "why"):
+        t.add_column(col)
+    for c in found.candidates:
+        t.add_row(c.verdict, c.path.name, count(c.n_params), c.quantization or "-",
+                  size(c.file_size), c.source, c.reason)  # fmt: skip
+    con.print(t)
+    if not found.candidates:
+        con.print(f"searched: {', '.join(str(p) for p in found.places)}")

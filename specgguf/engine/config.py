@@ -6,7 +6,9 @@ checked here, once, when the object is made: a bad value raises :class:`UsageErr
 message that names the setting, not a command-line flag.
 
 Names follow llama.cpp: ``n_ctx``, ``n_batch``, ``n_gpu_layers``, ``n_threads``, the draft
-length ``draft_max`` (``--draft-max``; K in formulas), ``p_min`` (``--draft-p-min``).
+length ``draft_max`` (``--spec-draft-n-max``, formerly ``--draft-max``; K in formulas), the
+shortest draft verified ``draft_min`` (``--spec-draft-n-min``), ``p_min``
+(``--spec-draft-p-min``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class ModelConfig:
         tensor_split: the proportions of the offloaded layers per device, in that order
             (llama.cpp's ``--tensor-split``; missing entries are 0); empty or all zero:
             proportional to each device's free memory, as llama.cpp splits.
+        devices: this machine's backend devices to offload to, by ggml name (``CUDA0``,
+            ``Vulkan1``; llama.cpp's ``--device``); () none: the CPU only (and the ``rpc``
+            servers); None: llama.cpp's default (every GPU). The ``rpc`` servers' devices
+            come first in either case.
 
     Raises:
         UsageError: a negative or zero size, a malformed RPC endpoint, a negative or
@@ -74,9 +80,12 @@ class ModelConfig:
     repack: bool | None = None
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
+    devices: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
         if self.rpc:
             endpoints = tuple(str(e) for e in parse_endpoints(self.rpc))
             object.__setattr__(self, "rpc", endpoints)
@@ -109,10 +118,14 @@ class SpeculativeConfig:
         p_min: a draft model stops drafting at a token it gives less than this probability
             (auto mode uses at least ``AutoPlanner.P_STOP``).
         ngram_min, ngram_max: the n-gram lengths the lookup drafter tries, longest first.
+        draft_min: the shortest draft that is verified (llama.cpp's n_min): a step with
+            room for fewer drafts, or whose drafter proposes fewer, runs without drafts;
+            0: no minimum.
 
     Raises:
         UsageError: an unknown drafter, a draft length below -1, p_min outside [0, 1],
-            n-gram lengths not 1 <= ngram_min <= ngram_max.
+            n-gram lengths not 1 <= ngram_min <= ngram_max, a minimum draft length below 0
+            or above the draft length.
     """
 
     drafter: DrafterKind = "auto"
@@ -120,6 +133,7 @@ class SpeculativeConfig:
     p_min: float = 0.0
     ngram_min: int = 2
     ngram_max: int = 8
+    draft_min: int = 0
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
@@ -128,6 +142,8 @@ class SpeculativeConfig:
         elif self.draft_max < 0:
             raise UsageError(f"the draft length must be 0 or more, not {self.draft_max}")
         check_p_min(self.p_min)
+        if self.drafter != "none":
+            check_draft_min(self.draft_min, self.draft_max)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UsageError(
                 f"n-gram lengths need 1 <= min <= max, not {self.ngram_min}, {self.ngram_max}"
@@ -192,3 +208,15 @@ def check_p_min(p_min: float) -> None:
     """Raises UsageError unless 0 <= p_min <= 1."""
     if not 0.0 <= p_min <= 1.0:
         raise UsageError(f"p_min must be between 0 and 1, not {p_min}")
+
+
+def check_draft_min(draft_min: int, draft_max: int) -> None:
+    """Raises UsageError unless 0 <= draft_min <= draft_max (a minimum above the draft
+    length would never let a draft through)."""
+    if draft_min < 0:
+        raise UsageError(f"the minimum draft length must be 0 or more, not {draft_min}")
+    if draft_min > draft_max:
+        raise UsageError(
+            f"the minimum draft length ({draft_min}) is larger than the draft length "
+            f"({draft_max}): no draft would ever be verified"
+        )

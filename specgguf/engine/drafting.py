@@ -40,11 +40,13 @@ class Drafting:
 
 @dataclasses.dataclass(frozen=True)
 class DraftSettings:
-    """One generation's drafting: the draft length, p_min, and deterministic mode."""
+    """One generation's drafting: the draft length, p_min, deterministic mode, and the
+    shortest draft worth verifying (``draft_min``; 0: any)."""
 
     draft_max: int
     p_min: float = 0.0
     deterministic: bool = False
+    draft_min: int = 0
 
 
 PlannerFactory = Callable[[Drafting, DraftSettings], Planner]
@@ -54,14 +56,19 @@ def _auto(d: Drafting, s: DraftSettings) -> Planner:
     return AutoPlanner(
         d.timings(s.deterministic), model=d.model, ngram=NgramDrafter(*d.ngram),
         draft_max=s.draft_max, draft_max_model=min(AUTO_DRAFT_MAX, s.draft_max), p_min=s.p_min,
+        draft_min=s.draft_min,
     )  # fmt: skip
 
 
 #: Drafter kind -> the planner for one generation.
 DRAFTERS: dict[str, PlannerFactory] = {
     "auto": _auto,
-    "model": lambda d, s: FixedPlanner(d.require_model(), s.draft_max, p_min=s.p_min),
-    "ngram": lambda d, s: FixedPlanner(NgramDrafter(*d.ngram), s.draft_max),
-    "suffix": lambda d, s: FixedPlanner(d.suffix, s.draft_max, p_min=s.p_min),
+    "model": lambda d, s: FixedPlanner(
+        d.require_model(), s.draft_max, p_min=s.p_min, draft_min=s.draft_min
+    ),
+    "ngram": lambda d, s: FixedPlanner(NgramDrafter(*d.ngram), s.draft_max, draft_min=s.draft_min),
+    "suffix": lambda d, s: FixedPlanner(
+        d.suffix, s.draft_max, p_min=s.p_min, draft_min=s.draft_min
+    ),
     "none": lambda d, s: FixedPlanner(None, 0),
 }

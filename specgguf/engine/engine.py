@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from specgguf.engine.calibration import calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
-from specgguf.engine.config import EngineConfig, ModelConfig, check_drafter, check_p_min
+from specgguf.engine.config import (
+    EngineConfig,
+    ModelConfig,
+    check_draft_min,
+    check_drafter,
+    check_p_min,
+)
 from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
 from specgguf.engine.preflight import Preflight, preflight
 from specgguf.errors import BackendError, UsageError
@@ -50,8 +58,10 @@ class Engine:
 
     Loading runs :func:`specgguf.engine.preflight.preflight` first (files, vocabularies,
     memory; pass one already made as ``checked``), then loads the target and, for the
-    model and auto drafters, the draft. Owns every native resource (models, contexts,
-    batches) and frees them in :meth:`close` or at the end of a ``with`` block.
+    model and auto drafters, the draft; ``on_load_progress(path, share)`` is called as each
+    model's weights load (share from 0.0 to 1.0; an exception in it aborts the load). Owns
+    every native resource (models, contexts, batches) and frees them in :meth:`close` or at
+    the end of a ``with`` block.
 
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
@@ -60,8 +70,15 @@ class Engine:
         BackendError: llama.cpp could not load a model or create a context.
     """
 
-    def __init__(self, config: EngineConfig, *, checked: Preflight | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        checked: Preflight | None = None,
+        on_load_progress: Callable[[Path, float], None] | None = None,
+    ) -> None:
         self.config = config
+        self._on_load_progress = on_load_progress
         self.preflight = checked or preflight(config)
         self._timings: dict[bool, Timings] = {}  # by deterministic mode
         #: deterministic mode's most rows per decode (0: the engine was not set up for it)
@@ -85,7 +102,7 @@ class Engine:
                 self.draft_model = self._load(config.draft)
                 # The draft only ever needs the logits of its last position.
                 self.draft_ctx = self._context(
-                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1
+                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1, draft=True
                 )
                 model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
             if config.rpc_servers:
@@ -93,7 +110,9 @@ class Engine:
 
                 keep_alive(parse_endpoints(config.rpc_servers), config.rpc_timeout)
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
-            if spec.draft_max > self.decoder.draft_capacity:
+            # Said when the batch size is what clamps the draft length; a context smaller
+            # than the draft length limits each step by the room left, as it should.
+            if spec.draft_max >= config.target.n_batch:
                 log.warning(
                     "a draft length of %d does not fit a verification batch of %d tokens: "
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
@@ -133,18 +152,28 @@ class Engine:
         return cls(config)
 
     def _load(self, m: ModelConfig) -> LlamaModel:
-        devices = None
-        if m.rpc:  # the servers answered in preflight
+        devices: list[str | int] | None = None if m.devices is None else list(m.devices)
+        if m.rpc:  # the servers answered in preflight; their devices come first
             from specgguf.llama import rpc
 
-            devices = rpc.add_servers(rpc.parse_endpoints(m.rpc)) + rpc.local_devices()
-        return self._stack.enter_context(
-            LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack,
-                       devices=devices, tensor_split=m.tensor_split)
-        )  # fmt: skip
+            local = rpc.local_devices() if devices is None else devices
+            devices = [*rpc.add_servers(rpc.parse_endpoints(m.rpc)), *local]
+        report = self._on_load_progress
+        progress = functools.partial(report, m.path) if report is not None else None
+        model = LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack,
+                           devices=devices, tensor_split=m.tensor_split,
+                           progress=progress)  # fmt: skip
+        return self._stack.enter_context(model)
 
     def _context(
-        self, model: LlamaModel, m: ModelConfig, n_ctx: int, outputs: int, *, reserve: int = 0
+        self,
+        model: LlamaModel,
+        m: ModelConfig,
+        n_ctx: int,
+        outputs: int,
+        *,
+        reserve: int = 0,
+        draft: bool = False,
     ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
@@ -153,7 +182,10 @@ class Engine:
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
-            log.warning(
+            # Said for a draft context (a small -cd is a choice worth knowing the cost of);
+            # the target keeps to the size asked for, which is all a user sees of it.
+            log.log(
+                logging.WARNING if draft else logging.INFO,
                 "%s: llama.cpp allocated a context of %d tokens for the %d asked for; "
                 "generation keeps to %d", model.path.name, ctx.n_ctx_allocated, n_ctx, ctx.n_ctx,
             )  # fmt: skip
@@ -197,12 +229,13 @@ class Engine:
     # -- generation -------------------------------------------------------------------
 
     def planner(self, params: GenerationParams) -> Planner:
-        """The planner of one generation: the drafter, draft length and p_min of
-        ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
+        """The planner of one generation: the drafter, draft length, minimum draft length
+        and p_min of ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
 
         Raises:
             UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length,
-                the model drafter without a loaded draft model.
+                a minimum draft length above the draft length, the model drafter without a
+                loaded draft model.
         """
         spec = self.config.speculative
         kind = params.drafter or spec.drafter
@@ -212,8 +245,12 @@ class Engine:
             raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
         p_min = spec.p_min if params.p_min is None else params.p_min
         check_p_min(p_min)
+        draft_min = spec.draft_min if params.draft_min is None else params.draft_min
+        if kind != "none":
+            check_draft_min(draft_min, draft_max)
         det = self.config.deterministic if params.deterministic is None else params.deterministic
-        return DRAFTERS[kind](self.drafting, DraftSettings(draft_max, p_min, bool(det)))
+        settings = DraftSettings(draft_max, p_min, bool(det), draft_min)
+        return DRAFTERS[kind](self.drafting, settings)
 
     def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
         """Start a generation: iterate the result for text pieces; ``result`` holds the
@@ -326,6 +363,7 @@ class Engine:
             "n_ctx_draft": self.n_ctx_draft,
             "drafter": spec.drafter,
             "draft_max": spec.draft_max,
+            "draft_min": spec.draft_min,
             "p_min": spec.p_min,
         }
 

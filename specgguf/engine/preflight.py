@@ -79,16 +79,34 @@ def local_gpu_places() -> list[Place]:
     return [Place(d.name, "gpu", d.memory_free, d.memory_total) for d in chosen]
 
 
+def named_places(names: Sequence[str]) -> list[Place]:
+    """This machine's devices of those ggml names (``ModelConfig.devices``, checked by
+    :func:`check_devices`), in that order, with their free memory.
+
+    Raises:
+        BackendError: llama-cpp-python cannot be imported.
+    """
+    from specgguf.llama.runtime import build_info
+
+    by_name = {d.name: d for d in build_info().devices if d.kind != "cpu"}
+    return [
+        Place(n, "gpu", by_name[n].memory_free, by_name[n].memory_total)
+        for n in names
+        if n in by_name
+    ]
+
+
 def model_devices(
     m: ModelConfig, servers: Mapping[str, RpcServerInfo], gpus: Sequence[Place]
 ) -> list[Place]:
     """The devices a model's layers may go to, in llama.cpp's order: its RPC servers'
-    devices, then this machine's GPUs.
+    devices, then this machine's GPUs (``gpus``, or the ones ``m.devices`` names).
 
     Raises:
         UsageError: a tensor split with more proportions than the model has devices.
     """
-    devices = [p for ep in m.rpc for p in server_places(servers[ep])] + list(gpus)
+    local = list(gpus) if m.devices is None else named_places(m.devices)
+    devices = [p for ep in m.rpc for p in server_places(servers[ep])] + local
     if len(m.tensor_split) > len(devices):
         names = ", ".join(d.name for d in devices) or "none: no GPU and no RPC server"
         raise UsageError(
@@ -141,16 +159,25 @@ def preflight(config: EngineConfig) -> Preflight:
 
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
+        ModelLoadError: llama.cpp would refuse to load the target or the draft (what its
+            loader checks in the metadata and tensor directory; always checked).
         IncompatibleVocabError: the draft cannot draft for the target (``check_vocab``).
         BackendError: RPC servers are given but this llama.cpp build has no RPC backend.
         RpcServerError: an RPC server does not answer (named), before anything loads.
-        UsageError: a tensor split longer than a model's device list.
+        UsageError: a device name that this llama.cpp build does not have; a tensor split
+            longer than a model's device list.
         InsufficientMemoryError: some place clearly cannot hold its share
             (``check_memory``).
     """
     draft = config.draft if config.loads_draft else None
+    for m in (config.target, draft):
+        if m is not None and m.devices:
+            check_devices(m.devices)
     t_info = read_model_info(config.target.path)
     d_info = read_model_info(draft.path) if draft is not None else None
+    t_info.require_loadable()
+    if d_info is not None:
+        d_info.require_loadable()
     compat = None
     if draft is not None and config.check_vocab:
         compat = check_compatibility(config.target.path, draft.path)
@@ -178,3 +205,15 @@ def preflight(config: EngineConfig) -> Preflight:
     needed = check_plan(plan) if config.check_memory else plan.need(LOCAL)
     return Preflight(t_info, d_info, compat, parts, needed, n_ctx, n_ctx_draft, plan,
                      tuple(servers.values()))  # fmt: skip
+
+
+def check_devices(names: tuple[str, ...]) -> None:
+    """Raises UsageError unless every name is a device (not the CPU) of this build, as
+    llama.cpp's ``parse_device_list`` requires; before anything loads."""
+    from specgguf.llama.runtime import build_info
+
+    known = [d.name for d in build_info().devices if d.kind != "cpu"]
+    for name in names:
+        if name not in known:
+            have = f"devices: {', '.join(known)}" if known else "it has none besides the CPU"
+            raise UsageError(f"no device {name!r} to offload to in this llama.cpp build ({have})")

@@ -6,9 +6,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from specgguf.errors import GGUFFormatError
-from specgguf.gguf.metadata import FILE_TYPES, GGUFMetadata, TensorInfo
+from specgguf.errors import GGUFFormatError, ModelLoadError
+from specgguf.gguf.loadcheck import load_findings
+from specgguf.gguf.metadata import FILE_TYPES, Finding, GGUFMetadata, TensorInfo, shown
 from specgguf.gguf.vocab import VocabInfo, read_vocab
+
+#: Shards of a split model looked for after this many are found missing: none (a split
+#: count can claim 65,535 shards).
+MAX_MISSING_SHARDS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,12 @@ def weight_layout(tensors: list[TensorInfo], n_layer: int) -> WeightLayout | Non
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """Facts about one GGUF model (sizes in bytes; counts of parameters and tokens)."""
+    """Facts about one GGUF model (sizes in bytes; counts of parameters and tokens; for a
+    split model, ``shards`` and ``missing_shards`` stop at the
+    :data:`MAX_MISSING_SHARDS`-th missing shard), and
+    ``findings``: what llama.cpp would refuse (``error``) or warn about (``warning``) when
+    loading it (:func:`specgguf.gguf.loadcheck.load_findings`), and metadata strings that
+    are not UTF-8 (``warning``)."""
 
     path: Path
     architecture: str | None
@@ -100,10 +110,25 @@ class ModelInfo:
     shards: tuple[Path, ...]
     missing_shards: tuple[Path, ...]
     gguf_version: int
+    findings: tuple[Finding, ...] = ()
 
     @property
     def has_chat_template(self) -> bool:
         return self.template is not None
+
+    @property
+    def load_errors(self) -> list[Finding]:
+        """The findings that make llama.cpp refuse the file (empty when it loads)."""
+        return [f for f in self.findings if f.severity == "error"]
+
+    def require_loadable(self) -> None:
+        """Raise when llama.cpp would refuse the file.
+
+        Raises:
+            ModelLoadError: with the message of every error finding.
+        """
+        if self.load_errors:
+            raise ModelLoadError(self.path, [f.message for f in self.load_errors])
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -126,6 +151,8 @@ class ModelInfo:
             "shards": [str(p) for p in self.shards],
             "missing_shards": [str(p) for p in self.missing_shards],
             "gguf_version": self.gguf_version,
+            "llama_cpp_loadable": not self.load_errors,
+            "findings": [dataclasses.asdict(f) for f in self.findings],
         }
 
 
@@ -141,6 +168,9 @@ def read_model_info(path: Path | str) -> ModelInfo:
     """Read :class:`ModelInfo` from ``path`` (for a split model, from its first shard; the
     other shards add their tensor counts, sizes and parameters when present).
 
+    Problems that would make llama.cpp refuse the file are not raised but listed in
+    ``findings`` (:meth:`ModelInfo.require_loadable` raises for them).
+
     Raises:
         ModelNotFoundError: ``path`` does not exist.
         GGUFFormatError: ``path`` (or a present shard) is not a readable GGUF file.
@@ -153,9 +183,14 @@ def read_model_info(path: Path | str) -> ModelInfo:
                 "(-00001-of-...) instead",
             )
         vocab = read_vocab(meta)
-        shards = meta.shard_paths()
-        present = [p for p in shards if p.is_file()]
-        missing = tuple(p for p in shards if not p.is_file())
+        shards: list[Path] = []
+        present: list[Path] = []
+        missing: list[Path] = []
+        for shard in meta.shard_paths():
+            shards.append(shard)
+            (present if shard.is_file() else missing).append(shard)
+            if len(missing) == MAX_MISSING_SHARDS:
+                break
         n_tensors = meta.n_tensors
         tensors = list(meta.tensors())
         file_size = meta.file_size
@@ -172,11 +207,18 @@ def read_model_info(path: Path | str) -> ModelInfo:
         if missing:
             n_params = None
         ft = _int(meta.get("general.file_type"))
+        findings = [
+            Finding(
+                "warning", "utf8", f"{shown(what)} is not valid UTF-8 (llama.cpp does not check)"
+            )
+            for what in meta.non_utf8_keys
+        ]
+        findings += load_findings(meta, vocab.findings)
         return ModelInfo(
             path=meta.path,
             architecture=meta.architecture,
-            name=meta.get("general.name"),
-            size_label=meta.get("general.size_label"),
+            name=_str(meta.get("general.name")),
+            size_label=_str(meta.get("general.size_label")),
             quantization=FILE_TYPES.get(ft, f"file_type {ft}") if ft is not None else None,
             n_params=n_params,
             context_length=_int(meta.arch_key("context_length")),
@@ -191,6 +233,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
             layout=layout,
             split_count=meta.split_count,
             shards=tuple(shards),
-            missing_shards=missing,
+            missing_shards=tuple(missing),
             gguf_version=meta.version,
+            findings=tuple(findings),
         )

@@ -12,6 +12,20 @@ and string arrays are walked once to find their element offsets. Every length an
 checked against the bytes left in the file before it is used, so a corrupt header cannot
 make the reader allocate more than the file holds.
 
+:meth:`GGUFMetadata.open` refuses (``GGUFFormatError``) every file that llama.cpp's GGUF
+reader refuses (``gguf_init_from_reader`` in ggml/src/gguf.cpp, llama-cpp-python 0.3.36):
+bad magic or version; counts and lengths past the end of the file or past llama.cpp's limits
+(strings and arrays of at most 2**30 bytes or elements); an empty or duplicate key; an
+unknown value or array element type; ``general.alignment`` not a uint32 power of two; a
+tensor name of 64 bytes or more, or a duplicate one; more than 4 dimensions, a negative one,
+or an element count past int64; an unknown or removed ggml type; a row not a multiple of the
+type's block size; a data section that starts past the end of the file; tensor data offsets
+not in order (each tensor must start where the previous one ends, padded to the alignment).
+What llama.cpp's model loader refuses after that is in :mod:`specgguf.gguf.loadcheck`.
+
+Strings are not required to be UTF-8 (llama.cpp does not check): a value that is not is
+read with U+FFFD in place of the bad bytes and listed in :attr:`GGUFMetadata.non_utf8_keys`.
+
 GGUF keys are spelled as in GGUF (``tokenizer.ggml.tokens``); the names are written out
 here rather than taken from gguf-py's ``Keys`` to keep that import off this fast path.
 """
@@ -21,17 +35,25 @@ from __future__ import annotations
 import array
 import dataclasses
 import mmap
-import re
 import struct
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from specgguf.errors import GGUFFormatError, ModelNotFoundError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
+
+# llama.cpp's limits (ggml/src/gguf.cpp, ggml/include/ggml.h).
+GGUF_MAX_STRING_LENGTH = 1 << 30
+GGUF_MAX_ARRAY_ELEMENTS = 1 << 30
+GGUF_DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64
+_INT64_MAX = (1 << 63) - 1
+_SIZE_MAX = (1 << 64) - 1
 
 # GGUF value types (ggml/include/gguf.h, enum gguf_type).
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
@@ -62,10 +84,25 @@ FILE_TYPES = {
     37: "TQ2_0", 38: "MXFP4",
 }  # fmt: skip
 
+#: ggml tensor types: id -> (name, elements per block, bytes per block), from ``type_traits``
+#: in ggml/src/ggml.c. Ids 4, 5, 31-33 and 36-38 were removed from ggml (block size 0 there)
+#: and, like ids from ``GGML_TYPE_COUNT`` (43) on, are refused by llama.cpp.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
+}  # fmt: skip
+GGML_TYPE_COUNT = 43
+
 #: String arrays whose element offsets are kept while parsing (random access by id).
 _INDEXED = frozenset({"tokenizer.ggml.tokens"})
-
-_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # Smallest encoding of one element, used to bound counts by the bytes left in the file.
 _MIN_SIZE = {t: struct.calcsize("<" + f) for t, f in _SCALAR_FMT.items()} | {
@@ -94,9 +131,26 @@ class ArrayRef:
         return f"array[{_TYPE_NAMES.get(self.elem_type, '?')}]"
 
 
+Severity = Literal["error", "warning", "info"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One result of a check: ``code`` names the rule, ``message`` says what is wrong.
+
+    For a file's own checks, ``error`` means llama.cpp refuses (or aborts on) the file and
+    ``warning`` that it loads it but warns or ignores a value.
+    """
+
+    severity: Severity
+    code: str
+    message: str
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """One tensor's name, shape (ggml order: ne[0] first), ggml type id, data offset."""
+    """One tensor's name, shape (ggml order: ne[0] first), ggml type id, and data offset
+    (bytes from the start of the data section)."""
 
     name: str
     shape: tuple[int, ...]
@@ -109,6 +163,14 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def n_bytes(self) -> int:
+        """Size of the data in bytes (``ggml_nbytes`` for a contiguous tensor)."""
+        _, block, size = GGML_TYPES[self.ggml_type]
+        if any(d <= 0 for d in self.shape):
+            return 0
+        return self.n_elements // block * size
 
 
 class GGUFMetadata:
@@ -133,7 +195,13 @@ class GGUFMetadata:
         self.kv: dict[str, Any] = {}
         self.kv_types: dict[str, str] = {}
         self.kv_end = 0
-        self._tensors: list[TensorInfo] | None = None
+        #: Byte alignment of the tensor data (``general.alignment``, default 32).
+        self.alignment = GGUF_DEFAULT_ALIGNMENT
+        #: Absolute file offset of the tensor data section (0 without tensors).
+        self.data_offset = 0
+        #: Keys whose string value (or key itself) is not valid UTF-8 (read with U+FFFD).
+        self.non_utf8_keys: list[str] = []
+        self._tensors: list[TensorInfo] = []
 
     # -- construction -------------------------------------------------------------------
 
@@ -157,6 +225,7 @@ class GGUFMetadata:
         meta = cls(path, buf, size)
         try:
             meta._parse_header()
+            meta._parse_tensors()
         except BaseException:
             meta.close()
             raise
@@ -175,6 +244,8 @@ class GGUFMetadata:
     # -- parsing ------------------------------------------------------------------------
 
     def _fail(self, reason: str, offset: int | None = None) -> GGUFFormatError:
+        if offset is not None:  # never past the end: where the bad item starts, at most
+            offset = min(offset, self.file_size)
         return GGUFFormatError(self.path, reason, offset=offset)
 
     def _parse_header(self) -> None:
@@ -201,22 +272,29 @@ class GGUFMetadata:
         self.version = version
         self.n_tensors, self.n_kv = struct.unpack_from("<QQ", buf, 8)
         left = size - 24
-        if self.n_kv * 13 > left:  # key length (8) + 1 byte + type (4) at the very least
+        if self.n_kv * 14 > left:  # key length (8) + 1 byte + type (4) + 1 byte at least
             raise self._fail(
                 f"the header claims {self.n_kv:,} key-value pairs, more than a file of "
                 f"{size:,} bytes can hold",
-                8,
+                16,
             )
-        if self.n_tensors * 28 > left:  # name length + n_dims + type + offset at least
+        if self.n_tensors * 24 > left:  # name length + n_dims + type + offset at least
             raise self._fail(
                 f"the header claims {self.n_tensors:,} tensors, more than a file of "
                 f"{size:,} bytes can hold",
-                16,
+                8,
             )
         off = 24
         try:
             for _ in range(self.n_kv):
-                key, off = self._read_str(off)
+                key_at = off
+                key, off, utf8 = self._read_str(off, name=True)
+                if not utf8:
+                    self.non_utf8_keys.append(f"key {shown(key)}")
+                if not key:
+                    raise self._fail("an empty metadata key", key_at)
+                if key in self.kv:
+                    raise self._fail(f"duplicate metadata key {shown(key, quote=True)}", key_at)
                 (vtype,) = struct.unpack_from("<I", buf, off)
                 off += 4
                 value, off = self._read_value(vtype, off, key)
@@ -227,19 +305,38 @@ class GGUFMetadata:
         except struct.error:
             raise self._fail("the file ends inside the metadata (truncated?)", off) from None
         self.kv_end = off
+        if "general.alignment" in self.kv:
+            align = self.kv["general.alignment"]
+            have = self.kv_types["general.alignment"]
+            if have != "uint32":
+                raise self._fail(f"general.alignment must be a uint32, not {have}")
+            if align == 0 or align & (align - 1):
+                raise self._fail(f"general.alignment {align} is not a power of 2")
+            self.alignment = align
 
-    def _read_str(self, off: int) -> tuple[str, int]:
+    def _read_str(self, off: int, *, name: bool = False) -> tuple[str, int, bool]:
+        """The string at ``off`` (a uint64 length, then bytes), the offset after it, and
+        whether it was valid UTF-8 (llama.cpp does not check). Bad bytes become U+FFFD in
+        a value; in a name (``name``: a key or tensor name) they are kept distinct as
+        surrogate escapes, so that two different names never read as one."""
         (n,) = struct.unpack_from("<Q", self._buf, off)
         end = off + 8 + n
         if end > self.file_size:
             raise self._fail(
                 f"a string claims {n:,} bytes, past the end of the file (truncated?)", off
             )
+        if n > GGUF_MAX_STRING_LENGTH:
+            raise self._fail(
+                f"a string claims {n:,} bytes, more than llama.cpp's limit of "
+                f"{GGUF_MAX_STRING_LENGTH:,}",
+                off,
+            )
         raw = self._buf[off + 8 : end]
         try:
-            return raw.decode("utf-8"), end
+            return raw.decode("utf-8"), end, True
         except UnicodeDecodeError:
-            raise self._fail("a metadata string is not valid UTF-8", off) from None
+            errors = "surrogateescape" if name else "replace"
+            return raw.decode("utf-8", errors=errors), end, False
 
     def _read_value(self, vtype: int, off: int, key: str) -> tuple[Any, int]:
         fmt = _SCALAR_FMT.get(vtype)
@@ -247,16 +344,26 @@ class GGUFMetadata:
             (v,) = struct.unpack_from("<" + fmt, self._buf, off)
             return v, off + struct.calcsize("<" + fmt)
         if vtype == T_STRING:
-            return self._read_str(off)
+            value, end, utf8 = self._read_str(off)
+            if not utf8:
+                self.non_utf8_keys.append(key)
+            return value, end
         if vtype == T_ARRAY:
             etype, count = struct.unpack_from("<IQ", self._buf, off)
             start = off + 12
             if etype not in _MIN_SIZE or etype == T_ARRAY:
-                raise self._fail(f"{key}: unsupported array element type {etype}", off)
+                raise self._fail(f"{shown(key)}: unsupported array element type {etype}", off)
             if count * _MIN_SIZE[etype] > self.file_size - start:
                 raise self._fail(
-                    f"{key}: an array claims {count:,} elements, more than the "
-                    f"{self.file_size - start:,} bytes left in the file can hold (truncated?)",
+                    f"{shown(key)}: an array claims {count:,} elements, more than the "
+                    f"{max(self.file_size - start, 0):,} bytes left in the file can hold "
+                    "(truncated?)",
+                    off,
+                )
+            if count > GGUF_MAX_ARRAY_ELEMENTS:
+                raise self._fail(
+                    f"{shown(key)}: an array claims {count:,} elements, more than llama.cpp's "
+                    f"limit of {GGUF_MAX_ARRAY_ELEMENTS:,}",
                     off,
                 )
             if etype == T_STRING:
@@ -266,7 +373,7 @@ class GGUFMetadata:
                 return ArrayRef(etype, count, start, end, offsets), end
             end = start + count * _MIN_SIZE[etype]
             return ArrayRef(etype, count, start, end), end
-        raise self._fail(f"{key}: unknown value type {vtype}", off - 4)
+        raise self._fail(f"{shown(key)}: unknown value type {vtype}", off - 4)
 
     def _walk_strings(
         self, off: int, count: int, key: str, *, keep: bool = True
@@ -275,11 +382,13 @@ class GGUFMetadata:
         where they end.
 
         The hot loop of the reader (two 151,936-entry arrays per Qwen file): one
-        ``unpack_from`` per element; a length that runs past the end surfaces as a
-        ``struct.error`` at the next element or in the final bound check.
+        ``unpack_from`` per element, with no bound check; a length that runs past the end
+        surfaces at the next element or at the end, and the array is then walked again,
+        checking each element, to name the first bad one.
         """
         unpack = struct.Struct("<Q").unpack_from
         buf = self._buf
+        start = off
         offsets = array.array("q", bytes(8 * (count + 1))) if keep else None
         try:
             if offsets is not None:
@@ -289,15 +398,132 @@ class GGUFMetadata:
             else:
                 for _ in range(count):
                     off += 8 + unpack(buf, off)[0]
-        except struct.error:
-            raise self._fail(
-                f"{key}: the file ends inside a string array (truncated?)", off
-            ) from None
+        except (struct.error, OverflowError):
+            off = self.file_size + 1
         if off > self.file_size:
-            raise self._fail(f"{key}: a string runs past the end of the file (truncated?)", off)
+            self._bad_string(start, count, key)
         if offsets is not None:
             offsets[count] = off
         return offsets, off
+
+    def _bad_string(self, off: int, count: int, key: str) -> None:
+        """Raise for the first element of a string array that runs past the end of the
+        file or past llama.cpp's string limit (the slow path of :meth:`_walk_strings`)."""
+        for i in range(count):
+            if off + 8 > self.file_size:
+                raise self._fail(
+                    f"{shown(key)}: the file ends inside a string array, at element {i:,} of "
+                    f"{count:,} (truncated?)",
+                    off,
+                )
+            (n,) = struct.unpack_from("<Q", self._buf, off)
+            if n > GGUF_MAX_STRING_LENGTH or off + 8 + n > self.file_size:
+                raise self._fail(
+                    f"{shown(key)}: element {i:,} of {count:,} claims {n:,} bytes, past the end of "
+                    "the file (truncated?)",
+                    off,
+                )
+            off += 8 + n
+        raise AssertionError("_bad_string found no bad string")  # pragma: no cover
+
+    def _parse_tensors(self) -> None:
+        """The tensor infos that follow the metadata, checked as llama.cpp checks them."""
+        buf, off = self._buf, self.kv_end
+        out: list[TensorInfo] = []
+        seen: set[str] = set()
+        where: list[int] = []  # offset of each tensor info, for error messages
+        try:
+            for _ in range(self.n_tensors):
+                at = off
+                name, off, utf8 = self._read_str(off, name=True)
+                if not utf8:
+                    self.non_utf8_keys.append(f"tensor name {shown(name)}")
+                n_name = off - at - 8
+                if n_name >= GGML_MAX_NAME:
+                    raise self._fail(
+                        f"tensor name {name[:40]!r}... is {n_name} bytes long; llama.cpp "
+                        f"allows at most {GGML_MAX_NAME - 1}",
+                        at,
+                    )
+                if name in seen:
+                    raise self._fail(f"duplicate tensor name {name!r}", at)
+                seen.add(name)
+                (n_dims,) = struct.unpack_from("<I", buf, off)
+                if n_dims > GGML_MAX_DIMS:
+                    raise self._fail(
+                        f"tensor {name!r} claims {n_dims} dimensions; llama.cpp allows at "
+                        f"most {GGML_MAX_DIMS}",
+                        off,
+                    )
+                shape = struct.unpack_from(f"<{n_dims}q", buf, off + 4)
+                self._check_shape(name, shape, off)
+                off += 4 + 8 * n_dims
+                ggml_type, offset = struct.unpack_from("<iQ", buf, off)
+                self._check_type(name, shape, ggml_type, off)
+                off += 12
+                where.append(at)
+                out.append(TensorInfo(name, tuple(shape), ggml_type, offset))
+        except struct.error:
+            raise self._fail("the file ends inside the tensor infos (truncated?)", off) from None
+        self._tensors = out
+        if not out:
+            return
+        # The data section starts at the next multiple of the alignment.
+        self.data_offset = -(-off // self.alignment) * self.alignment
+        if self.data_offset > self.file_size:
+            raise self._fail(
+                f"the tensor data would start at byte {self.data_offset:,}, past the end of "
+                f"the file ({self.file_size:,} bytes; truncated?)",
+                off,
+            )
+        expected = 0
+        for t, at in zip(out, where, strict=True):
+            if t.offset != expected:
+                raise self._fail(
+                    f"tensor {t.name!r} has data offset {t.offset:,}, expected {expected:,} "
+                    "(llama.cpp needs the tensors stored in order, each padded to "
+                    f"{self.alignment} bytes)",
+                    at,
+                )
+            expected += -(-t.n_bytes // self.alignment) * self.alignment
+
+    def _check_shape(self, name: str, shape: Sequence[int], off: int) -> None:
+        """Non-negative dimensions whose running product fits int64 (llama.cpp's test)."""
+        for j, d in enumerate(shape):
+            if d < 0:
+                raise self._fail(f"tensor {name!r}: dimension {j} is negative ({d})", off)
+        ne = [*shape, *[1] * (GGML_MAX_DIMS - len(shape))]
+        n = ne[0]
+        for d in ne[1:]:
+            if d > 1 and _INT64_MAX // d < n:
+                raise self._fail(
+                    f"tensor {name!r}: shape {tuple(shape)} has more elements than int64 holds",
+                    off,
+                )
+            n *= d
+
+    def _check_type(self, name: str, shape: Sequence[int], ggml_type: int, off: int) -> None:
+        """A ggml type llama.cpp knows, rows a multiple of its block, a size that fits."""
+        if ggml_type not in GGML_TYPES:
+            why = (
+                "removed from ggml"
+                if 0 <= ggml_type < GGML_TYPE_COUNT
+                else f"llama.cpp knows 0..{GGML_TYPE_COUNT - 1}"
+            )
+            raise self._fail(f"tensor {name!r} has unknown ggml type {ggml_type} ({why})", off)
+        type_name, block, size = GGML_TYPES[ggml_type]
+        ne0 = shape[0] if shape else 1
+        if ne0 % block:
+            raise self._fail(
+                f"tensor {name!r} of type {type_name} has rows of {ne0} elements, not a "
+                f"multiple of its block size {block}",
+                off,
+            )
+        n = 1
+        for d in shape:
+            n *= d
+        if n // block > _SIZE_MAX // size:
+            raise self._fail(f"tensor {name!r}: its size in bytes does not fit 64 bits", off)
 
     def _offsets(self, ref: ArrayRef) -> Sequence[int]:
         """Element offsets of a string array, walking it again if they were not kept."""
@@ -356,30 +582,9 @@ class GGUFMetadata:
         return struct.unpack_from(fmt, self._buf, ref.start + i * _MIN_SIZE[ref.elem_type])[0]
 
     def tensors(self) -> list[TensorInfo]:
-        """The tensor infos that follow the metadata (names, shapes, types; no data).
-
-        Raises:
-            GGUFFormatError: the tensor-info section is truncated or corrupt.
-        """
-        if self._tensors is not None:
-            return self._tensors
-        buf, off = self._buf, self.kv_end
-        out: list[TensorInfo] = []
-        try:
-            for _ in range(self.n_tensors):
-                name, off = self._read_str(off)
-                (n_dims,) = struct.unpack_from("<I", buf, off)
-                if n_dims > 8:
-                    raise self._fail(f"tensor {name!r} claims {n_dims} dimensions", off)
-                shape = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
-                off += 4 + 8 * n_dims
-                ggml_type, offset = struct.unpack_from("<IQ", buf, off)
-                off += 12
-                out.append(TensorInfo(name, tuple(shape), ggml_type, offset))
-        except struct.error:
-            raise self._fail("the file ends inside the tensor infos (truncated?)", off) from None
-        self._tensors = out
-        return out
+        """The tensor infos that follow the metadata (names, shapes, types; no data),
+        read and checked when the file was opened."""
+        return self._tensors
 
     # -- convenient facts -----------------------------------------------------------------
 
@@ -394,28 +599,45 @@ class GGUFMetadata:
 
     @property
     def split_count(self) -> int:
+        """``split.count`` (1 when absent, or not the uint16 llama.cpp reads)."""
         n = self.get("split.count")
-        return int(n) if isinstance(n, int) and n > 0 else 1
+        return int(n) if self.kv_types.get("split.count") == "uint16" and n > 0 else 1
 
     @property
     def split_no(self) -> int:
+        """``split.no``, 0-based (0 when absent, or not the uint16 llama.cpp reads)."""
         n = self.get("split.no")
-        return int(n) if isinstance(n, int) else 0
+        return int(n) if self.kv_types.get("split.no") == "uint16" else 0
 
-    def shard_paths(self) -> list[Path]:
-        """Every shard of a split model, named as llama.cpp names them
-        (``stem-00001-of-00003.gguf``); ``[path]`` for a single file."""
+    def shard_paths(self) -> Iterator[Path]:
+        """Every shard of a split model in order, named as llama.cpp names them
+        (``stem-00001-of-00003.gguf``, ``llama_split_prefix`` in src/llama.cpp); only
+        ``path`` for a single file, or when this file's name does not fit its ``split.no``
+        and ``split.count``. Lazy: ``split.count`` can be up to 65,535."""
         n = self.split_count
-        if n == 1:
-            return [self.path]
-        m = _SPLIT_RE.match(self.path.name)
-        if m is None:
-            return [self.path]
-        stem = m["stem"]
-        return [self.path.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+        postfix = f"-{self.split_no + 1:05d}-of-{n:05d}.gguf"
+        name = self.path.name
+        if n == 1 or not name.endswith(postfix):
+            yield self.path
+            return
+        stem = name[: -len(postfix)]
+        for i in range(1, n + 1):
+            yield self.path.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf")
 
     def items(self) -> Iterator[tuple[str, Any]]:
         return iter(self.kv.items())
+
+
+def shown(name: str, limit: int = 80, *, quote: bool = False) -> str:
+    """A key or name from a file as a message shows it: as it is when printable (quoted
+    with ``quote``), else quoted with escapes (a key can hold a newline, which would break
+    a one-line error); past ``limit`` characters, cut, with its length (a corrupt key can
+    be megabytes)."""
+    head = name[:limit]  # cut first: repr() of a long name would take megabytes
+    text = head if head.isprintable() and not quote else repr(head)
+    if len(name) > limit or len(text) > limit:
+        return f"{text[: limit - 20]}... ({len(name):,} characters)"
+    return text
 
 
 def _not_gguf_reason(head: bytes, size: int) -> str:

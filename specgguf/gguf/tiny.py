@@ -26,7 +26,8 @@ from pathlib import Path
 # GGUF keys are spelled as in GGUF through gguf-py's constants.
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, TokenType
+from gguf.gguf_writer import GGUFValue
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox
@@ -222,6 +223,12 @@ class TinySpec:
     chat_template: str | None = CHATML_TEMPLATE
     architecture: str = "llama"
     split_max_tensors: int = 0
+    #: Variants for tests of what llama.cpp refuses, applied after everything else is
+    #: added: keys left out, keys added or replaced as (key, value, GGUF type, element type
+    #: of an array or None), tensors left out.
+    drop_keys: frozenset[str] = frozenset()
+    set_keys: tuple[tuple[str, object, GGUFValueType, GGUFValueType | None], ...] = ()
+    drop_tensors: frozenset[str] = frozenset()
 
 
 def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
@@ -315,7 +322,13 @@ def write_tiny_model(path: Path, spec: TinySpec) -> list[Path]:
     writer.add_add_eos_token(v.add_eos)
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
+    for key in spec.drop_keys:
+        writer.kv_data[0].pop(key, None)
+    for key, value, vtype, sub_type in spec.set_keys:
+        writer.kv_data[0][key] = GGUFValue(value=value, type=vtype, sub_type=sub_type)
     for name, arr in _tensors(spec, n_vocab):
+        if name in spec.drop_tensors:
+            continue
         if arr.ndim == 2 and spec.quant != GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(arr, spec.quant), raw_dtype=spec.quant)
         else:

@@ -21,6 +21,10 @@ beyond llama.cpp
 
 Special-token ids and the ``add_bos``/``add_eos`` flags follow llama.cpp's defaults when a
 file lacks the key (src/llama-vocab.cpp, ``llama_vocab::impl::load``).
+
+:func:`vocab_findings` mirrors what that same ``load`` refuses (or warns about) in one
+file's tokenizer section, so that a vocabulary llama.cpp cannot load is found before any
+weights load: see its docstring for the list.
 """
 
 from __future__ import annotations
@@ -30,9 +34,23 @@ import dataclasses
 import struct
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from specgguf.gguf.metadata import ArrayRef, GGUFMetadata
+from specgguf.errors import ModelLoadError
+from specgguf.gguf.loadcheck import load_findings
+from specgguf.gguf.metadata import ArrayRef, Finding, GGUFMetadata, Severity, shown
+
+__all__ = [
+    "CompatReport",
+    "Finding",
+    "Severity",
+    "TokenDiff",
+    "VocabInfo",
+    "check_compatibility",
+    "compare_vocabs",
+    "read_vocab",
+    "vocab_findings",
+]
 
 #: llama.cpp's limits (common/speculative.cpp).
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -76,7 +94,49 @@ HYBRID_ARCHS = frozenset({
     "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
 })  # fmt: skip
 
-Severity = Literal["error", "warning", "info"]
+# Tokenizer models llama.cpp knows (llama_vocab::impl::load).
+_TOKENIZER_MODELS = frozenset(_VOCAB_TYPES) | {"test"}
+_BPE_MODELS_WITH_MERGES = frozenset({"gpt2", "hybriddna", "whitespace", "gemma4"})
+
+# BPE pre-tokenizers llama.cpp knows (the tokenizer_pre branches of llama_vocab::impl::load).
+BPE_PRE_TOKENIZERS = frozenset({
+    "a.x-4.0", "afmoe", "bailingmoe", "bailingmoe2", "bloom", "chameleon", "chatglm-bpe",
+    "codeshell", "cohere2moe", "command-r", "dbrx", "deepseek-coder", "deepseek-llm",
+    "deepseek-r1-qwen", "deepseek-v3", "default", "exaone", "exaone-moe", "exaone4",
+    "f2llmv2", "falcon", "falcon-h1", "falcon3", "gemma4", "gigachat", "glm4", "glm5",
+    "gpt-2", "gpt-4o", "gpt3-finnish", "granite-docling", "granite-embed-multi-311m",
+    "granite-embed-multi-97m", "grok-2", "hunyuan", "hunyuan-dense", "hy_v4", "jais",
+    "jais-2", "jina-de", "jina-es", "jina-v1-en", "jina-v2-code", "jina-v2-de", "jina-v2-es",
+    "jina-v5-nano", "joyai-llm", "kanana2", "kimi-k2", "kormo", "laguna", "lfm2", "llada-moe",
+    "llama-bpe", "llama-v3", "llama3", "llama4", "megrez", "mellum", "mellum2", "midm-2.0",
+    "minerva-7b", "minicpm5", "minimax-m2", "modern-bert", "mpt", "olmo", "phi-2", "pixtral",
+    "poro-chat", "qwen2", "qwen35", "refact", "roberta-bpe", "sarvam-moe", "seed-coder",
+    "smaug-bpe", "smollm", "solar-open", "spark2_5", "stablelm2", "starcoder", "superbpe",
+    "talkie", "tekken", "tiny_aya", "trillion", "ufakzeka", "viking", "whitespace", "youtu",
+})  # fmt: skip
+
+# Special-token ids llama.cpp reads as uint32 (llama_vocab::impl::load, special_token_types).
+_SPECIAL_ID_KEYS = tuple(
+    f"tokenizer.ggml.{k}_token_id"
+    for k in (
+        "bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask", "fim_pre",
+        "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep", "prefix", "suffix", "middle",
+    )
+)  # fmt: skip
+# Keys llama.cpp reads with get_key and a fixed type.
+_VOCAB_KEY_TYPES = {
+    "tokenizer.ggml.model": "string",
+    "tokenizer.ggml.pre": "string",
+    "tokenizer.ggml.token_type_count": "uint32",
+    "tokenizer.ggml.add_space_prefix": "bool",
+    "tokenizer.ggml.remove_extra_whitespaces": "bool",
+    **dict.fromkeys(_SPECIAL_ID_KEYS, "uint32"),
+    "tokenizer.ggml.add_bos_token": "bool",
+    "tokenizer.ggml.add_eos_token": "bool",
+    "tokenizer.ggml.add_sep_token": "bool",
+    "tokenizer.ggml.normalizer.lowercase": "bool",
+    "tokenizer.ggml.normalizer.strip_accents": "bool",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +163,8 @@ class VocabInfo:
     tokens: ArrayRef | None = dataclasses.field(repr=False, compare=False, default=None)
     #: Texts of the special tokens, read while the file was open.
     special_texts: dict[int, str] = dataclasses.field(repr=False, default_factory=dict)
+    #: What llama.cpp's vocabulary loader refuses or warns about (:func:`vocab_findings`).
+    findings: tuple[Finding, ...] = ()
 
     def text(self, token: int | None) -> str | None:
         """The stored text of ``token`` (``tokenizer.ggml.tokens[token]``), or None.
@@ -145,14 +207,15 @@ def read_vocab(meta: GGUFMetadata) -> VocabInfo:
     vtype = _VOCAB_TYPES.get(model, f"unknown ({model})")
     tokens = meta.get("tokenizer.ggml.tokens")
     tokens = tokens if isinstance(tokens, ArrayRef) and tokens.offsets is not None else None
-    n = tokens.count if tokens is not None else int(meta.arch_key("vocab_size") or 0)
+    n = tokens.count if tokens is not None else _nonneg_int(meta.arch_key("vocab_size")) or 0
 
     def special(key: str, default: int | None) -> int | None:
-        v = meta.get(f"tokenizer.ggml.{key}")
-        # llama.cpp keeps the default when the stored id is out of range.
-        if isinstance(v, int) and 0 <= v < max(n, 1) and not isinstance(v, bool):
-            return v
-        return default
+        # llama.cpp disables a default id out of range, and keeps the default when the
+        # stored id is out of range.
+        if default is not None and default >= n:
+            default = None
+        v = _nonneg_int(meta.get(f"tokenizer.ggml.{key}"))
+        return v if v is not None and v < n else default
 
     d_bos, d_eos = _DEFAULT_SPECIAL.get(model, (None, None))
     if vtype == "bpe" and pre in _BPE_NO_BOS_PRE:
@@ -201,7 +264,200 @@ def read_vocab(meta: GGUFMetadata) -> VocabInfo:
         meta=meta,
         tokens=tokens,
         special_texts=texts,
+        findings=tuple(vocab_findings(meta, bos=bos, eos=eos, add_bos=add_bos, add_eos=add_eos)),
     )
+
+
+def _nonneg_int(v: Any) -> int | None:
+    """``v`` when it is a non-negative int (not a bool), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def vocab_findings(
+    meta: GGUFMetadata,
+    *,
+    bos: int | None = None,
+    eos: int | None = None,
+    add_bos: bool = False,
+    add_eos: bool = False,
+) -> list[Finding]:
+    """What llama.cpp refuses (``error``) or warns about (``warning``) in a file's
+    tokenizer section, in the order ``llama_vocab::impl::load`` (src/llama-vocab.cpp)
+    checks it; ``bos``/``eos``/``add_bos``/``add_eos`` are the effective values
+    (:func:`read_vocab`).
+
+    Errors: ``tokenizer.ggml.model`` missing or unknown; a key of the wrong GGUF type (the
+    special-token ids are uint32, the flags bool); a BPE vocabulary (``gpt2``,
+    ``hybriddna``, ``whitespace``, ``gemma4``) without ``tokenizer.ggml.merges`` (only the
+    ``kimi-k2`` pre-tokenizer goes without) or with merges that are not strings; an unknown
+    BPE pre-tokenizer; a T5 ``precompiled_charsmap`` that is not bytes or whose header
+    points past its end; no token list, or one that is not strings; scores or token types
+    of the wrong type or shorter than the token list; two tokens with the same text
+    (llama.cpp aborts); BOS or EOS to be added but absent (llama.cpp aborts when
+    tokenizing). Warnings: a BPE vocabulary without a pre-tokenizer; a special-token id
+    out of range (llama.cpp ignores it).
+    """
+    out: list[Finding] = []
+
+    def add(sev: Severity, code: str, msg: str) -> None:
+        out.append(Finding(sev, code, msg))
+
+    def wrong_type(key: str, want: str) -> bool:
+        have = meta.kv_types.get(key)
+        if have is not None and have != want:
+            add(
+                "error",
+                "key-type",
+                f"{key} is {have}; llama.cpp reads it as {want} and refuses the file",
+            )
+            return True
+        return False
+
+    model = meta.get("tokenizer.ggml.model")
+    if "tokenizer.ggml.model" not in meta.kv:
+        add("error", "tokenizer", "no tokenizer.ggml.model: llama.cpp needs a tokenizer")
+        return out
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.token_type_count"):
+        if wrong_type(key, _VOCAB_KEY_TYPES[key]):
+            return out
+    if model in ("none", "no_vocab"):
+        wrong_type(f"{meta.architecture}.vocab_size", "uint32")
+        return out
+    if model not in _TOKENIZER_MODELS:
+        add("error", "tokenizer", f"unknown tokenizer model {shown(model, quote=True)}")
+        return out
+    pre = meta.get("tokenizer.ggml.pre") or ""
+    if model in _BPE_MODELS_WITH_MERGES:
+        merges = meta.kv_types.get("tokenizer.ggml.merges")
+        if merges is None and (model == "gemma4" or pre != "kimi-k2"):
+            add(
+                "error",
+                "merges",
+                f"a BPE vocabulary ({model}) without tokenizer.ggml.merges: llama.cpp refuses it",
+            )
+            return out
+        if merges is not None and merges != "array[string]":
+            add("error", "merges", f"tokenizer.ggml.merges is {merges}, not array[string]")
+            return out
+        if model == "gemma4":
+            pre = "gemma4"
+        if not pre:
+            add(
+                "warning",
+                "pre-tokenizer",
+                "no tokenizer.ggml.pre: llama.cpp uses 'default' and warns that generation "
+                "quality will be degraded",
+            )
+        elif pre not in BPE_PRE_TOKENIZERS:
+            add(
+                "error",
+                "pre-tokenizer",
+                f"unknown pre-tokenizer {shown(pre, quote=True)}: this llama.cpp build refuses it",
+            )
+            return out
+    if model == "t5" and (msg := _charsmap_problem(meta)):
+        add("error", "charsmap", msg)
+        return out
+    for key in ("tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces"):
+        if wrong_type(key, "bool"):
+            return out
+    tokens_type = meta.kv_types.get("tokenizer.ggml.tokens")
+    if tokens_type is None:
+        add("error", "tokens", "no tokenizer.ggml.tokens: llama.cpp needs the token list")
+        return out
+    if tokens_type != "array[string]":
+        add("error", "tokens", f"tokenizer.ggml.tokens is {tokens_type}, not array[string]")
+        return out
+    tokens: ArrayRef = meta.get("tokenizer.ggml.tokens")
+    n = tokens.count
+    for key, types in (
+        ("tokenizer.ggml.scores", ("array[int32]", "array[float32]")),
+        ("tokenizer.ggml.token_type", ("array[int32]",)),
+    ):
+        have = meta.kv_types.get(key)
+        if have is None:
+            continue
+        if have not in types:
+            add("error", "key-type", f"{key} is {have}, not {' or '.join(types)}")
+            return out
+        if meta.get(key).count < n:
+            add("error", "key-type", f"{key} has {meta.get(key).count:,} values for {n:,} tokens")
+            return out
+    if dup := _duplicate_token(meta, tokens):
+        add(
+            "error",
+            "duplicate-token",
+            f"tokens {dup[0]} and {dup[1]} have the same text {dup[2]!r}: llama.cpp aborts "
+            "on such a vocabulary",
+        )
+        return out
+    for key in _SPECIAL_ID_KEYS:
+        if wrong_type(key, "uint32"):
+            return out
+        v = meta.get(key)
+        if v is not None and v >= n:
+            add(
+                "warning",
+                "special-token",
+                f"{key} is {v}, past the {n:,} tokens: llama.cpp ignores it",
+            )
+    for key in (
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.add_eos_token",
+        "tokenizer.ggml.add_sep_token",
+        "tokenizer.ggml.normalizer.lowercase",
+        "tokenizer.ggml.normalizer.strip_accents",
+    ):
+        if wrong_type(key, "bool"):
+            return out
+    suppress = meta.kv_types.get("tokenizer.ggml.suppress_tokens")
+    if suppress is not None and suppress != "array[int32]":
+        add("error", "key-type", f"tokenizer.ggml.suppress_tokens is {suppress}, not array[int32]")
+        return out
+    for name, flag, token in (("BOS", add_bos, bos), ("EOS", add_eos, eos)):
+        if flag and token is None:
+            add(
+                "error",
+                "special-token",
+                f"add_{name.lower()} is set but the vocabulary has no {name} token: "
+                "llama.cpp aborts when it tokenizes a prompt",
+            )
+    return out
+
+
+def _charsmap_problem(meta: GGUFMetadata) -> str | None:
+    """A T5 tokenizer's precompiled_charsmap as llama.cpp checks it: bytes, a uint32 size
+    of the XCDA blob first, the blob inside the array."""
+    key = "tokenizer.ggml.precompiled_charsmap"
+    have = meta.kv_types.get(key)
+    if have is None:
+        return None
+    if have not in ("array[int8]", "array[uint8]"):
+        return f"{key} is {have}, not an array of bytes"
+    ref: ArrayRef = meta.get(key)
+    if ref.count < 4:
+        return f"{key} holds {ref.count} bytes, too few for its header"
+    (blob,) = struct.unpack("<I", meta.span(ref, 0, 4))
+    if blob + 4 >= ref.count:
+        return f"{key}: its header claims {blob:,} bytes, past its end ({ref.count:,} bytes)"
+    return None
+
+
+def _duplicate_token(meta: GGUFMetadata, tokens: ArrayRef) -> tuple[int, int, str] | None:
+    """Two ids with the same text, as llama.cpp sees them (an empty text reads as
+    ``[EMPTY_<id>]``), or None. llama.cpp's ``token_to_id`` map would then be smaller than
+    the token list, which ends the process (GGML_ASSERT in llama_vocab::impl::load)."""
+    texts = meta.strings(tokens)
+    unique = set(texts)  # ~40 ms for Qwen2.5's 151,936 tokens: the cost of this check
+    if len(unique) == len(texts) and b"" not in unique:
+        return None
+    seen: dict[bytes, int] = {}
+    for i, t in enumerate(texts):
+        key = bytes(t) or f"[EMPTY_{i}]".encode()
+        if key in seen:
+            return seen[key], i, key.decode("utf-8", errors="replace")
+        seen[key] = i
+    return None
 
 
 def _ids_with_texts(meta: GGUFMetadata, tokens: ArrayRef, texts: tuple[str, ...]) -> set[int]:
@@ -222,15 +478,6 @@ def _ids_with_texts(meta: GGUFMetadata, tokens: ArrayRef, texts: tuple[str, ...]
                 found.add(i)
             pos = raw.find(needle, pos + 1)
     return found
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """One result of the check: ``code`` names the rule, ``message`` says what differs."""
-
-    severity: Severity
-    code: str
-    message: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,11 +545,29 @@ def check_compatibility(target: Path | str, draft: Path | str) -> CompatReport:
     Raises:
         ModelNotFoundError: a file does not exist.
         GGUFFormatError: a file is not a readable GGUF file (the message says why).
+        ModelLoadError: llama.cpp would refuse to load a file (what
+            :func:`specgguf.gguf.loadcheck.load_findings` finds, vocabulary included).
     """
     t0 = time.perf_counter()
     with GGUFMetadata.open(target) as tm, GGUFMetadata.open(draft) as dm:
-        report = compare_vocabs(read_vocab(tm), read_vocab(dm), started=t0)
+        t, d = read_vocab(tm), read_vocab(dm)
+        _require_loadable(tm, t)
+        _require_loadable(dm, d)
+        report = compare_vocabs(t, d, started=t0)
     return report
+
+
+def _require_loadable(meta: GGUFMetadata, vocab: VocabInfo) -> None:
+    """Raise when llama.cpp would refuse the model whose first file is ``meta``.
+
+    Raises:
+        ModelLoadError: with every error of
+            :func:`specgguf.gguf.loadcheck.load_findings` (and ``vocab.findings``).
+        GGUFFormatError: a shard of a split model is not a readable GGUF file.
+    """
+    errors = [f.message for f in load_findings(meta, vocab.findings) if f.severity == "error"]
+    if errors:
+        raise ModelLoadError(meta.path, errors)
 
 
 def _show(text: str | None) -> str:

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -28,7 +28,7 @@ from typing import Any, Literal, Self
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError
+from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError, UsageError
 from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_policy
 
 log = logging.getLogger("specgguf")
@@ -98,14 +98,19 @@ class LlamaModel(_Native):
             build can offload, which llama.cpp ignores on CPU-only builds).
         use_extra_bufts: weight repacking; None asks :func:`specgguf.llama.runtime.repack_policy`.
         vocab_only: load only the vocabulary (no weights).
-        devices: the devices (``ggml_backend_dev_t`` addresses) the layers may go to, in
-            order (``llama_model_params.devices``); None: llama.cpp's default choice, this
-            machine's GPUs (see :mod:`specgguf.llama.rpc` for RPC servers' devices).
+        devices: the devices the layers may go to, in order (``llama_model_params.devices``):
+            a ggml device name (``CUDA0``) or a ``ggml_backend_dev_t`` address (an RPC
+            server's device, see :mod:`specgguf.llama.rpc`); () none: the CPU only; None:
+            llama.cpp's default, this machine's GPUs (common/arg.cpp ``parse_device_list``).
         tensor_split: the proportion of the offloaded layers per device, in that order
             (``llama_model_params.tensor_split``); empty: by free memory.
+        progress: called with the share of the weights loaded (0.0 to 1.0) as llama.cpp
+            loads them (``llama_model_params.progress_callback``); an exception raised in
+            it (Ctrl-C) aborts the load and is raised again here.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist.
+        UsageError: a device name this build does not have (or a CPU device).
         BackendError: llama.cpp could not load the file.
     """
 
@@ -116,8 +121,9 @@ class LlamaModel(_Native):
         n_gpu_layers: int = -1,
         use_extra_bufts: bool | None = None,
         vocab_only: bool = False,
-        devices: Sequence[int] | None = None,
+        devices: Sequence[str | int] | None = None,
         tensor_split: Sequence[float] = (),
+        progress: Callable[[float], None] | None = None,
     ) -> None:
         self._lc = lc = llama()
         self.path = Path(path)
@@ -135,27 +141,38 @@ class LlamaModel(_Native):
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
         params.use_extra_bufts = True if use_extra_bufts is None else use_extra_bufts
+        handles = _device_handles(lc, devices) if devices is not None else None
         #: whether layers may go to a device (a local GPU, an RPC server)
-        self.offloads = bool(devices) if devices is not None else local_gpu_offload()
+        self.offloads = bool(handles) if handles is not None else local_gpu_offload()
         #: where the layers go when the devices are given ("" for llama.cpp's default),
         #: for cache keys of measured timings and invariances
-        self.placement = "" if devices is None else _placement(devices, n_gpu_layers, tensor_split)
+        self.placement = "" if handles is None else _placement(handles, n_gpu_layers, tensor_split)
         if params.use_extra_bufts and not vocab_only and not self.offloads:
             # Repacked weights are copies: read the file instead of mapping it, or its pages
             # stay resident next to the copies (1.9 GB instead of 1.3 GB for a 1.1 GB file).
             params.load_mode = 0  # LLAMA_LOAD_MODE_NONE
         self.use_extra_bufts = bool(params.use_extra_bufts)
-        # Both arrays must outlive the load call: llama.cpp reads them during it.
-        dev_array = split_array = None
-        if devices is not None:
-            dev_array = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
-            params.devices = ctypes.addressof(dev_array)
+        # The arrays and the callback must outlive the load call: llama.cpp reads them
+        # during it.
+        device_array = None
+        if handles is not None:
+            device_array = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+            params.devices = ctypes.cast(device_array, ctypes.c_void_p)
+        split_array = None
         if tensor_split:
             n_max = int(lc.llama_max_devices())
             split_array = (ctypes.c_float * n_max)(*list(tensor_split)[:n_max])
             params.tensor_split = ctypes.cast(split_array, ctypes.POINTER(ctypes.c_float))
+        raised: list[BaseException] = []
+        callback = _progress_callback(lc, progress, raised) if progress is not None else None
+        if callback is not None:
+            params.progress_callback = callback
         model = lc.llama_model_load_from_file(str(self.path).encode(), params)
-        del dev_array, split_array
+        del device_array, split_array
+        if raised:
+            if model:
+                lc.llama_model_free(model)
+            raise raised[0]
         if not model:
             raise BackendError(f"llama.cpp could not load {self.path}")
         self._model = model
@@ -266,6 +283,57 @@ class LlamaModel(_Native):
         if self._model is not None:
             self._lc.llama_model_free(self._model)
             self._model = None
+
+
+def _device_handles(lc: Any, names: Sequence[str | int]) -> list[int]:
+    """The ``ggml_backend_dev_t`` addresses of the devices ``names`` names, as llama.cpp's
+    ``parse_device_list`` finds them (CPU devices are refused there too); an int is a
+    device's address already (an RPC server's device), taken as it is.
+
+    Raises:
+        UsageError: a name this build has no (non-CPU) device for.
+    """
+    lib = lc._lib
+    lib.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    handles: list[int] = []
+    for name in names:
+        if isinstance(name, int):
+            handles.append(name)
+            continue
+        dev = lib.ggml_backend_dev_by_name(name.encode())
+        if not dev or lib.ggml_backend_dev_type(dev) == 0:  # GGML_BACKEND_DEVICE_TYPE_CPU
+            from specgguf.llama.runtime import build_info
+
+            known = [d.name for d in build_info().devices if d.kind != "cpu"]
+            raise UsageError(
+                f"no device {name!r} to offload to in this llama.cpp build "
+                f"({'devices: ' + ', '.join(known) if known else 'it has none besides the CPU'})"
+            )
+        handles.append(int(dev))
+    return handles
+
+
+def _progress_callback(
+    lc: Any, progress: Callable[[float], None], raised: list[BaseException]
+) -> Any:
+    """``progress`` as a ``llama_progress_callback``: an exception in it (Ctrl-C during a
+    long load) is kept in ``raised`` and stops the load (returning false)."""
+
+    @lc.llama_progress_callback  # type: ignore[untyped-decorator]
+    def callback(value: float, user_data: ctypes.c_void_p) -> bool:
+        if raised:
+            return False
+        try:
+            progress(float(value))
+        except BaseException as e:  # ctypes cannot pass it through: raised after the load
+            raised.append(e)
+            return False
+        return True
+
+    return callback
 
 
 class LlamaContext(_Native):

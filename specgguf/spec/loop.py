@@ -72,8 +72,10 @@ class GenerationParams:
     Speculative settings for this generation, each None for the engine's own (see
     :class:`specgguf.engine.SpeculativeConfig`; the loop itself takes its drafter and draft
     length from the planner it is given): ``drafter`` ("auto", "model", "ngram", "none"),
-    ``draft_max`` (the draft length K; with "auto" the largest), ``p_min`` (a draft model
-    stops drafting at a token it gives less than this probability), ``deterministic``
+    ``draft_max`` (the draft length K; with "auto" the largest), ``draft_min`` (the
+    shortest draft that is verified, llama.cpp's ``speculative.n_min``: shorter drafts are
+    dropped and the step runs without them), ``p_min`` (a draft model stops drafting at a
+    token it gives less than this probability), ``deterministic``
     (output independent of the drafter, the draft length and timings: drafts are greedy
     point masses, and sampled tokens come from draws keyed by their output position, see
     :mod:`specgguf.spec.sampling`; the engine also fixes the verification batch shapes).
@@ -87,6 +89,7 @@ class GenerationParams:
     draft_max: int | None = None
     p_min: float | None = None
     deterministic: bool | None = None
+    draft_min: int | None = None
 
 
 @dataclasses.dataclass

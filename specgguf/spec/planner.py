@@ -104,13 +104,14 @@ class Timings:
 
 
 def best_k(
-    a: float, timings: Timings, k_max: int, *, draft_cost: float | None = None
+    a: float, timings: Timings, k_max: int, *, draft_cost: float | None = None, k_min: int = 1
 ) -> tuple[int, float]:
-    """The draft length maximising E(K) / C(K), and that rate (tokens/s). ``draft_cost``
-    overrides t_draft (0 for n-gram lookup)."""
+    """The draft length maximising E(K) / C(K), and that rate (tokens/s); K is 0 (no
+    drafts) or between ``k_min`` and ``k_max``. ``draft_cost`` overrides t_draft (0 for
+    n-gram lookup)."""
     td = timings.draft if draft_cost is None else draft_cost
     best, rate = 0, 1.0 / timings.verify_time(1)
-    for k in range(1, max(0, k_max) + 1):
+    for k in range(max(1, k_min), max(0, k_max) + 1):
         r = expected_tokens(a, k) / (k * td + timings.verify_time(k + 1))
         if r > rate:
             best, rate = k, r
@@ -264,14 +265,21 @@ class Planner(Protocol):
 
 class FixedPlanner:
     """One drafter (or none: the target alone) with a fixed draft length K (``--draft K``)
-    and, for a draft model, the probability below which drafting stops (``p_min``)."""
+    and, for a draft model, the probability below which drafting stops (``p_min``).
+
+    A draft shorter than ``draft_min`` tokens is not verified: the step runs without
+    drafts, as llama.cpp's ``--spec-draft-n-min`` does (tools/server: a step whose room
+    for drafts is below n_min does not draft; a shorter draft is ignored)."""
 
     wants_confidence = False
 
-    def __init__(self, drafter: Drafter | None, draft_max: int, *, p_min: float = 0.0) -> None:
+    def __init__(
+        self, drafter: Drafter | None, draft_max: int, *, p_min: float = 0.0, draft_min: int = 0
+    ) -> None:
         self.drafter = drafter
         self.draft_max = draft_max if drafter is not None else 0
         self.p_min = p_min
+        self.draft_min = draft_min
         self.drafters = [drafter] if drafter else []
 
     def reset(self) -> None:
@@ -281,9 +289,11 @@ class FixedPlanner:
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> Plan:
-        if self.drafter is None or k_max <= 0:
+        if self.drafter is None or k_max <= 0 or k_max < self.draft_min:
             return Plan(None, Draft([]), math.nan)
         draft = self.drafter.propose(history, k_max, sampler, rng, p_min=self.p_min)
+        if len(draft.tokens) < self.draft_min:
+            return Plan(None, Draft([]), math.nan)
         return Plan(self.drafter, draft, math.nan)
 
     def observe(
@@ -322,6 +332,8 @@ class AutoPlanner:
         draft_max_model: the largest draft length for the draft model.
         p_min: a draft model stops at a token it gives less than this probability, or
             ``P_STOP`` if that is higher.
+        draft_min: drafts shorter than this are neither planned nor verified (as
+            :class:`FixedPlanner`); 0 or 1: no minimum.
     """
 
     wants_confidence = True
@@ -351,9 +363,11 @@ class AutoPlanner:
         draft_max: int = AUTO_DRAFT_MAX,
         draft_max_model: int = AUTO_DRAFT_MAX,
         p_min: float = 0.0,
+        draft_min: int = 0,
         learn_timings: bool = True,
     ) -> None:
         self.timings = timings
+        self.draft_min = max(1, draft_min)
         self.learn_timings = learn_timings
         self.model = model
         self.ngram = ngram
@@ -415,18 +429,19 @@ class AutoPlanner:
             acc.tick()
         base_rate = 1.0 / t.verify_time(1)
         best = Plan(None, Draft([]), base_rate)
-        if k_max <= 0:
+        k_min = self.draft_min
+        if k_max < k_min:
             return best
         threshold = base_rate * self.MARGIN
         ngram_plan: tuple[int, float, list[int], int] | None = None
         if self.ngram is not None:
             cand = self.ngram.propose(history, k_max, sampler, rng)
-            if cand.tokens:
+            if len(cand.tokens) >= k_min:
                 bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.ngram.last_match))
                 prior = self.NGRAM_PRIOR[bucket] * self.confidence
                 a = self.acc_ngram[bucket].rate_with(prior)
-                cap = min(len(cand.tokens), int(2 * self.ngram_len[bucket]) + 4)
-                k, rate = best_k(a, t, cap, draft_cost=0.0)
+                cap = min(len(cand.tokens), max(k_min, int(2 * self.ngram_len[bucket]) + 4))
+                k, rate = best_k(a, t, cap, draft_cost=0.0, k_min=k_min)
                 if k > 0 and rate > threshold:
                     ngram_plan = (k, rate, cand.tokens, bucket)
         model_plan: tuple[int, float] | None = None
@@ -443,7 +458,7 @@ class AutoPlanner:
                 # a draft model that pays; short drafts keep a wrong guess cheap.
                 a_acc = _upper(a_acc, self.acc_model.trials)
                 a_cont = _upper(a_cont, self.cont_model.trials)
-                k_top = min(k_top, 4)
+                k_top = min(k_top, max(4, k_min))
             first = self._first_eval_cost(history)
             best_model = (0, 0.0)
             # Draft token i is proposed when the i before it passed P_STOP (a_cont^i) and
@@ -455,7 +470,7 @@ class AutoPlanner:
                 proposed += a_cont**k
                 step = first + evals * t.draft + self._verify_time(1.0 + proposed)
                 rate = expected_tokens(c, k) / step
-                if rate > best_model[1]:
+                if k >= k_min and rate > best_model[1]:
                     best_model = (k, rate)
             self.idle_model += 1
             # Hysteresis: a draft model in use stays while it pays at all, for leaving it
@@ -470,7 +485,7 @@ class AutoPlanner:
             ):
                 # The confidence proxy says "almost": measure instead of guessing. It
                 # underestimates agreement on code (0.93 against 0.98 measured).
-                model_plan = (min(4, best_model[0] or 4), best_model[1])
+                model_plan = (max(k_min, min(4, best_model[0] or 4)), best_model[1])
         # n-gram estimates rest on few, mixed matches; a draft model in step has measured
         # acceptance and loses step when n-gram drafts are taken: n-gram must clearly win.
         switch = self.SWITCH_MARGIN if in_use else 1.0
@@ -491,6 +506,12 @@ class AutoPlanner:
             self._streak += 1
             self._model_steps += 1
             draft = self.model.propose(history, k, sampler, rng, p_min=self.p_min)
+            if len(draft.tokens) < k_min:
+                # Stopped early (an unsure token): too short to verify. What it learnt
+                # about the draft's continuation counts; the step runs without drafts.
+                m = len(draft.tokens)
+                self.cont_model.observe(m + self.model.last_stopped, m)
+                return best
             return Plan(self.model, draft, rate)
         return best
 

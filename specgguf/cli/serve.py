@@ -1,0 +1,153 @@
+"""``specgguf serve``: flags in, one engine configuration, the engine loaded once, an
+OpenAI-compatible HTTP server over it (:mod:`specgguf.server`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specgguf.cli import options as o
+from specgguf.cli.app import app, handled, setup_logging
+from specgguf.cli.output import stderr_say
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+@handled
+def serve(
+    model: o.ModelOpt = None,
+    model_draft: o.ModelDraftOpt = None,
+    hf_repo: o.HfRepoOpt = None,
+    hf_repo_draft: o.HfRepoDraftOpt = None,
+    draft: o.DraftMaxOpt = None,
+    draft_min: o.DraftMinOpt = 0,
+    drafter: o.DrafterOpt = None,
+    spec_type: o.SpecTypeOpt = None,
+    device_draft: o.DeviceDraftOpt = None,
+    no_draft: o.NoDraftOpt = False,
+    draft_search: o.DraftSearchOpt = None,
+    n_predict: Annotated[
+        int,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            min=-1,
+            help="Tokens per response when a request sets no max_tokens (-1: until done).",
+        ),
+    ] = -1,
+    ctx_size: o.CtxSizeOpt = 4096,
+    ctx_size_draft: o.CtxSizeDraftOpt = None,
+    batch_size: o.BatchSizeOpt = 2048,
+    threads: o.ThreadsOpt = None,
+    temp: o.TempOpt = 0.8,
+    top_k: o.TopKOpt = 40,
+    top_p: o.TopPOpt = 0.95,
+    min_p: o.MinPOpt = 0.05,
+    seed: o.SeedOpt = -1,
+    n_gpu_layers: o.NGpuLayersOpt = -1,
+    n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
+    draft_p_min: o.DraftPMinOpt = 0.0,
+    no_repack: o.NoRepackOpt = False,
+    no_check: o.NoCheckOpt = False,
+    force: o.ForceOpt = False,
+    deterministic: o.DeterministicOpt = False,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to listen on (loopback unless told).")
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="Port to listen on (0: any free one).")
+    ] = 8080,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="SPECGGUF_API_KEY",
+            show_envvar=True,
+            help="Require 'Authorization: Bearer KEY' on every endpoint but /health.",
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            "--max-queue",
+            min=0,
+            help="Requests that may wait while one generates; more get 503.",
+        ),
+    ] = 16,
+    quiet: o.QuietOpt = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "-v", "--verbose", help="llama.cpp's logs, and each request's prompt and completion."
+        ),
+    ] = False,
+    registry: o.RegistryOpt = None,
+) -> None:
+    """Serve the models over HTTP with an OpenAI-compatible API (chat and text
+    completions, streamed or whole), one request at a time, with the speculative
+    statistics in every response.
+
+    Without -m, the registry's default pair is used (and downloaded on first use). The
+    models load once; then one line on stderr says where the server listens. The sampling
+    flags and -n are the defaults of requests that do not set them. SIGINT or SIGTERM
+    stops it.
+
+    Exit codes: 0 stopped, 2 usage (a taken port too), 3 model file, 4 incompatible draft,
+    5 does not fit, 9 llama.cpp error.
+    """
+    from specgguf.engine import Engine, preflight
+    from specgguf.server import ServerSettings, bind, serve
+    from specgguf.server.listen import is_loopback
+    from specgguf.spec.sampling import SamplerParams
+
+    setup_logging(verbose=verbose, quiet=quiet)
+    # One line per request (INFO); with -v the text of prompts and completions (DEBUG).
+    logging.getLogger("specgguf.server").setLevel(
+        logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
+    )
+    say = stderr_say(quiet)
+    config = o.engine_config(
+        model=model, model_draft=model_draft, drafter=drafter, draft=draft, ctx_size=ctx_size,
+        ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
+        n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
+        draft_p_min=draft_p_min, draft_min=draft_min, spec_type=spec_type,
+        device_draft=device_draft, no_draft=no_draft, draft_search=draft_search or (),
+        no_check=no_check, force=force, registry=registry, deterministic=deterministic,
+        hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
+    )  # fmt: skip
+    checked = preflight(config)  # before any weights load
+    sock = bind(host, port)  # a taken port is reported before loading too
+    if not is_loopback(sock) and not api_key:
+        say(
+            f"specgguf: warning: listening on {host} without --api-key: anyone who can "
+            "reach this address can use the server"
+        )
+    # The model's name: the alias it was loaded by, else its file name.
+    target = config.target.path
+    alias = model if model and not o.is_model_file(model) else None
+    settings = ServerSettings(
+        model_id=alias or target.name,
+        model_aliases=tuple(n for n in (alias, target.name, target.stem) if n),
+        n_predict=n_predict,
+        sampler=SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                              seed=None if seed < 0 else seed),
+        api_key=api_key or None, max_queue=max_queue, log_text=verbose,
+    )  # fmt: skip
+    try:
+        with Engine(config, checked=checked) as engine:
+            if config.speculative.drafter == "auto":
+                engine.timings()  # calibrate now, not in the first request
+
+            def ready(url: str) -> None:
+                d = engine.describe()
+                draft_name = Path(d["draft"]).name if d["draft"] else "none"
+                say(
+                    f"specgguf: listening on {url} (model {settings.model_id}, draft "
+                    f"{draft_name}, drafter {d['drafter']}, n_ctx {d['n_ctx']})"
+                )
+
+            serve(engine, settings, sock, on_ready=ready)
+    finally:
+        sock.close()

@@ -1,0 +1,219 @@
+"""The engine boundary of the server: requests become :class:`Job` objects that one worker
+thread runs on the engine, one at a time, in arrival order, from a bounded queue.
+
+The HTTP side (asyncio) never touches llama.cpp. It submits a job and reads its events
+(text pieces, then the result or an error) from an :class:`asyncio.Queue` that the worker
+feeds through ``loop.call_soon_threadsafe``; llama.cpp's calls release the GIL, so the
+event loop keeps serving other requests (``/health``, ``/metrics``, queueing, 503s) while
+a generation runs. :meth:`Job.cancel` (a client went away) ends a waiting job at once and
+a running one before its next speculative step (:meth:`Generation.cancel`).
+
+Batching later: everything above this module talks to :meth:`Scheduler.submit` and a
+job's events only. Serving several sequences in one llama.cpp context (batched
+verification across requests, as llama-server's slots) replaces :meth:`Scheduler._work`:
+instead of iterating one generation, the worker takes up to n_seq jobs from the same
+queue and advances them together, one speculative step each per target batch (each
+sequence's last token and drafts under its own ``seq_id``; per-sequence rollback with
+``llama_memory_seq_rm``), emitting the same events per job. The job, its events, the
+queue, cancellation and the HTTP layer stay as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Literal
+
+from specgguf.spec.loop import Generation, GenerationParams, GenerationResult
+
+if TYPE_CHECKING:
+    from specgguf.engine import Engine
+
+log = logging.getLogger("specgguf.server")
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` waiting jobs already."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler was closed: it takes no new jobs, and ended the waiting ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a job reports: a text ``piece``; at the end either ``done`` (with ``result``)
+    or ``error`` (with ``error``). A job that was cancelled before it started ends with
+    ``done`` and no result."""
+
+    kind: Literal["piece", "done", "error"]
+    text: str = ""
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+class Job:
+    """One request's generation: token ids and parameters in, events out.
+
+    Create it on the event loop that will read its events (:meth:`events`). ``cancel`` may
+    be called from any thread.
+    """
+
+    def __init__(self, prompt: list[int], params: GenerationParams) -> None:
+        self.prompt = prompt
+        self.params = params
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._generation: Generation | None = None
+        self.cancelled = False
+        self.started = threading.Event()
+
+    def cancel(self) -> None:
+        """End the job: a waiting one never starts, a running one stops before its next
+        speculative step (its result has finish reason "interrupted")."""
+        with self._lock:
+            self.cancelled = True
+            if self._generation is not None:
+                self._generation.cancel()
+
+    def _emit(self, event: Event) -> None:
+        """From the worker thread: hand an event to the event loop (dropped when the loop
+        has closed: nobody is listening)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The job's events in order, ending with its ``done`` or ``error`` event."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if event.kind != "piece":
+                return
+
+
+class Scheduler:
+    """Runs jobs on ``engine`` one at a time in arrival order on one worker thread.
+
+    Args:
+        engine: the loaded engine (only the worker thread generates with it).
+        max_queue: the most jobs that may wait while one runs; :meth:`submit` raises
+            :class:`QueueFull` beyond it.
+        on_result: called on the worker thread with every finished generation's result
+            (cancelled ones included), e.g. to count tokens.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue: int,
+        *,
+        on_result: Callable[[GenerationResult], None] | None = None,
+    ) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be 0 or more, not {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.on_result = on_result
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="specgguf-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Jobs in the queue, not yet started (cancelled ones not counted)."""
+        return sum(not job.cancelled for job in list(self._waiting))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running."""
+        return self._running is not None
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` behind the others.
+
+        Raises:
+            QueueFull: ``max_queue`` jobs are waiting already.
+            ShuttingDown: the scheduler was closed.
+        """
+        with self._cond:
+            if self._closed:
+                raise ShuttingDown()
+            self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
+            # One job runs, up to max_queue wait their turn.
+            if len(self._waiting) + (self._running is not None) > self.max_queue:
+                raise QueueFull()
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Take no more jobs, end the waiting ones (an ``error`` event with
+        :class:`ShuttingDown`) and cancel the running one. Returns at once; :meth:`join`
+        waits for the worker."""
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            running = self._running
+            self._cond.notify_all()
+        for job in waiting:
+            job.cancel()
+            job._emit(Event("error", error=ShuttingDown()))
+        if running is not None:
+            running.cancel()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the worker to finish its job and stop; True when it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- the worker thread ------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if not self._waiting:
+                    return  # closed and drained
+                job = self._waiting.popleft()
+                self._running = job
+            try:
+                self._run(job)
+            except Exception as e:  # never lose the worker: the job reports the error
+                log.exception("the engine's worker failed")
+                job._emit(Event("error", error=e))
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        with job._lock:
+            if job.cancelled:
+                job._emit(Event("done"))
+                return
+            try:
+                gen = self.engine.generate(job.prompt, job.params)
+            except Exception as e:  # a bad setting the request checks did not catch
+                job._emit(Event("error", error=e))
+                return
+            job._generation = gen
+        job.started.set()
+        try:
+            for piece in gen:
+                job._emit(Event("piece", text=piece))
+        except Exception as e:  # llama.cpp failed (BackendError) or a bug: the job ends
+            job._emit(Event("error", error=e))
+            return
+        result = gen.result
+        assert result is not None
+        if self.on_result is not None:
+            self.on_result(result)
+        job._emit(Event("done", result=result))
