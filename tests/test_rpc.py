@@ -9,6 +9,7 @@ same kernels, so the same logits, bit for bit.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
@@ -28,7 +29,7 @@ from specgguf.spec.loop import GenerationParams
 from specgguf.spec.sampling import SamplerParams
 
 from .conftest import free_port, require_rpc, rpc_servers_running
-from .helpers import ROOT, run_cli
+from .helpers import ROOT, ServerProcess, run_cli
 
 GREEDY = SamplerParams(temperature=0.0)
 PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
@@ -204,8 +205,6 @@ def test_cli_run_over_rpc_and_plan(
         PROMPTS[0],
     )
     assert res.returncode == 0, res.stderr.decode()
-    import json
-
     out = json.loads(res.stdout)
     assert out["tokens"] == local_tokens[PROMPTS[0]][:20]
     plan = run_cli(
@@ -222,11 +221,46 @@ def test_cli_run_over_rpc_and_plan(
     ]
 
 
+def test_serve_over_rpc_answers_as_local_run(
+    tiny_models: dict[str, Path], rpc_servers: list[str]
+) -> None:
+    """`specgguf serve --rpc` (two layers on the servers, the output on the second): a
+    greedy completion equal to `specgguf run`'s on this machine alone; a control prompt
+    answers differently."""
+    import httpx
+
+    models = ["-m", str(tiny_models["target"]), "-md", str(tiny_models["draft-partial"]),
+              "-c", "512", "-nr", "--drafter", "model", "--draft", "4"]  # fmt: skip
+    body = {"model": "tiny", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with ServerProcess(*models, "--rpc", ",".join(rpc_servers), "-ngl", "2") as s:
+        assert f"target over RPC {','.join(rpc_servers)}" in s.stderr
+        texts = [
+            httpx.post(f"{s.base_url}/completions", json={**body, "prompt": p}, timeout=120)
+            .raise_for_status()
+            .json()["choices"][0]["text"]
+            for p in PROMPTS[:2]
+        ]
+    local = run_cli("run", *models, "--raw", "--temp", "0", "-n", "20", "--ignore-eos",
+                    "--json", PROMPTS[0])  # fmt: skip
+    assert local.returncode == 0, local.stderr.decode()
+    assert texts[0] == json.loads(local.stdout)["text"]
+    assert texts[0] and texts[1] != texts[0]
+
+
+def test_serve_refuses_a_dead_server_before_listening(tiny_models: dict[str, Path]) -> None:
+    require_rpc()
+    port = free_port()
+    res = run_cli("serve", "--port", "0", "-m", str(tiny_models["target"]), "--no-draft",
+                  "--rpc", f"127.0.0.1:{port}", "--rpc-timeout", "2")  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 6, err
+    assert f"RPC server 127.0.0.1:{port}: connection refused" in err
+    assert "listening" not in err and "Traceback" not in err
+
+
 def test_doctor_reports_rpc() -> None:
     require_rpc()
     res = run_cli("doctor", "--json", "--no-smoke")
-    import json
-
     rep = json.loads(res.stdout)
     assert rep["rpc"]["supported"] is True and rep["rpc"]["server"]
     assert rep["gpu_offload"] is False or rep["devices"]  # RPC alone is no local GPU

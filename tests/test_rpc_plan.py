@@ -408,3 +408,43 @@ def test_flag_errors_name_the_flag(tiny_models: dict[str, Path]) -> None:
     # A split without anywhere to put layers (no GPU, no server) is refused in preflight.
     res = run_cli("plan", "-m", m, "-ts", "1,1", "--local-mem", "8")
     assert res.returncode == 2 and "2 proportions" in res.stderr.decode(), res.stderr
+
+
+def test_named_local_devices_follow_the_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-devd names this machine's devices; the RPC servers' devices still come first, as
+    llama.cpp orders them, and "none" leaves the servers alone."""
+    import dataclasses
+
+    from specgguf.engine.preflight import model_devices
+    from specgguf.llama import runtime
+
+    gib = 1 << 30
+    fake = [runtime.Device("CPU", "cpu", "cpu", 64 * gib, 64 * gib)] + [
+        runtime.Device(f"CUDA{i}", "gpu", "gpu", (i + 1) * gib, 24 * gib) for i in range(2)
+    ]
+    real = runtime.build_info()
+    monkeypatch.setattr(
+        runtime, "build_info", lambda: dataclasses.replace(real, devices=tuple(fake))
+    )
+    ep = rpc.parse_endpoints("10.0.0.2:50052")[0]
+    servers = {str(ep): rpc.RpcServerInfo(ep, rpc.RPC_PROTO_VERSION, (rpc.RpcDevice(0, gib, gib),))}
+    gpus = [Place("CUDA0", "gpu", gib, 24 * gib), Place("CUDA1", "gpu", 2 * gib, 24 * gib)]
+
+    def names(**kw: object) -> list[str]:
+        m = ModelConfig(tmp_path / "m.gguf", rpc=(str(ep),), **kw)  # type: ignore[arg-type]
+        return [p.name for p in model_devices(m, servers, gpus)]
+
+    assert names() == [str(ep), "CUDA0", "CUDA1"]
+    assert names(devices=("CUDA1",)) == [str(ep), "CUDA1"]
+    assert names(devices=()) == [str(ep)]
+    only = ModelConfig(tmp_path / "m.gguf", rpc=(str(ep),), devices=("CUDA1",))
+    (cuda1,) = model_devices(only, servers, [])[1:]
+    assert cuda1.free == 2 * gib  # its own free memory, not the default list's
+    with pytest.raises(UsageError, match="2 devices"):
+        model_devices(
+            ModelConfig(tmp_path / "m.gguf", rpc=(str(ep),), devices=("CUDA1",),
+                        tensor_split=(1, 1, 1)),
+            servers, gpus,
+        )  # fmt: skip

@@ -53,6 +53,10 @@ def serve(
     no_check: o.NoCheckOpt = False,
     force: o.ForceOpt = False,
     deterministic: o.DeterministicOpt = False,
+    rpc: o.RpcOpt = None,
+    tensor_split: o.TensorSplitOpt = None,
+    rpc_draft: o.RpcDraftOpt = None,
+    rpc_timeout: o.RpcTimeoutOpt = o.DEFAULT_TIMEOUT,
     host: Annotated[
         str, typer.Option("--host", help="Address to listen on (loopback unless told).")
     ] = "127.0.0.1",
@@ -94,8 +98,12 @@ def serve(
     flags and -n are the defaults of requests that do not set them. SIGINT or SIGTERM
     stops it.
 
+    With --rpc, the target's layers go to RPC servers (`specgguf rpc-server`), each
+    asked before anything loads; a server lost while serving ends the server (exit 9).
+
     Exit codes: 0 stopped, 2 usage (a taken port too), 3 model file, 4 incompatible draft,
-    5 does not fit, 9 llama.cpp error.
+    5 does not fit, 6 an RPC server does not answer, 9 llama.cpp error (an RPC server
+    lost).
     """
     from specgguf.engine import Engine, preflight
     from specgguf.server import ServerSettings, bind, serve
@@ -115,7 +123,8 @@ def serve(
         draft_p_min=draft_p_min, draft_min=draft_min, spec_type=spec_type,
         device_draft=device_draft, no_draft=no_draft, draft_search=draft_search or (),
         no_check=no_check, force=force, registry=registry, deterministic=deterministic,
-        hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, say=say,
+        hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, rpc=rpc, rpc_draft=rpc_draft,
+        tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
     )  # fmt: skip
     checked = preflight(config)  # before any weights load
     sock = bind(host, port)  # a taken port is reported before loading too
@@ -143,9 +152,14 @@ def serve(
             def ready(url: str) -> None:
                 d = engine.describe()
                 draft_name = Path(d["draft"]).name if d["draft"] else "none"
+                servers = "".join(
+                    f", {role} over RPC {','.join(d[key])}"
+                    for role, key in (("target", "rpc"), ("draft", "rpc_draft"))
+                    if d[key]
+                )
                 say(
                     f"specgguf: listening on {url} (model {settings.model_id}, draft "
-                    f"{draft_name}, drafter {d['drafter']}, n_ctx {d['n_ctx']})"
+                    f"{draft_name}, drafter {d['drafter']}, n_ctx {d['n_ctx']}{servers})"
                 )
 
             serve(engine, settings, sock, on_ready=ready)
