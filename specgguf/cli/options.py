@@ -201,6 +201,7 @@ RpcDraftOpt = Annotated[
     typer.Option(
         "--rpc-draft", metavar="HOST:PORT[,...]",
         help="RPC servers for the draft's layers (default: none, the draft stays local).",
+        rich_help_panel=SPEC,
     ),
 ]  # fmt: skip
 TensorSplitOpt = Annotated[

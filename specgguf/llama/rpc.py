@@ -50,7 +50,6 @@ import os
 import shutil
 import socket
 import struct
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -410,9 +409,9 @@ def _on_abort(message: bytes | None) -> None:
         else:
             log.critical("%s", err)
         return
-    # Any other abort: what ggml prints without a callback.
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    # Any other abort: what ggml prints without a callback, through the log (the
+    # library never prints; with no handler, logging's last resort writes it to stderr).
+    log.critical("%s", text.rstrip("\n"))
     with contextlib.suppress(AttributeError, OSError):
         _fn("ggml_print_backtrace", None)()
 
