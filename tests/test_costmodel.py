@@ -29,10 +29,93 @@ FLAT_10MS = Timings({1: 0.010, 2: 0.010, 17: 0.010}, draft=0.001)
 
 def test_expected_tokens_formula() -> None:
     assert expected_tokens(0.5, 0) == 1.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     assert expected_tokens(0.0, 8) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.9, 3) == pytest.approx((1 - 0.9**4) / 0.1)
+    assert expected_tokens(0.9, 3) == pytest.approx(3.439)  # 1 + 0.9 + 0.81 + 0.729
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens(0.7, -1) == 1.0
+
+
+#: A small timing table for numbers worked out by hand: t_verify(1..4, 8) and t_draft.
+HAND = {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.030}
+
+
+def test_cost_model_against_hand_computed_numbers() -> None:
+    t = Timings(dict(HAND), draft=0.002)
+    # Interpolation between calibrated sizes and extrapolation past the last two.
+    assert t.verify_time(3) == pytest.approx(0.014)  # halfway from 0.012 to 0.016
+    assert t.verify_time(5) == pytest.approx(0.0195)  # 0.016 + 1/4 * 0.014
+    assert t.verify_time(6) == pytest.approx(0.023)
+    assert t.verify_time(10) == pytest.approx(0.037)  # 0.016 + 6/4 * 0.014
+    assert t.verify_time(0) == pytest.approx(0.010)  # below the table: its first size
+    # Rates E(K) / (K * 0.002 + t_verify(K + 1)) at a = 0.8:
+    #   K=0: 1/0.010 = 100; K=1: 1.8/0.014 = 128.57; K=2: 2.44/0.018 = 135.56;
+    #   K=3: 2.952/0.022 = 134.18; K=4: 3.3616/0.0275 = 122.24 -> K = 2.
+    assert best_k(0.8, t, 4) == (2, pytest.approx(135.5556, rel=1e-5))
+    assert best_k(0.8, t, 1) == (1, pytest.approx(128.5714, rel=1e-5))
+    assert best_k(0.8, t, 0) == (0, pytest.approx(100.0))
+    # a = 0.3: K=1: 1.3/0.014 = 92.86 < 100: no speculation...
+    assert best_k(0.3, t, 4) == (0, pytest.approx(100.0))
+    # ...but free drafts (n-gram lookup): K=1: 1.3/0.012 = 108.33, K=2: 1.39/0.014 = 99.29.
+    assert best_k(0.3, t, 4, draft_cost=0.0) == (1, pytest.approx(108.3333, rel=1e-5))
+    # Online corrections: decode steps 1.25x slower; batches clipped to 0.8x.
+    t.observe_verify(1, 0.0125, weight=1.0)
+    t.observe_verify(3, 0.007, weight=1.0)
+    assert t.scale_single == pytest.approx(1.25) and t.scale_batch == pytest.approx(0.8)
+    assert t.verify_time(1) == pytest.approx(0.0125) and t.verify_time(3) == pytest.approx(0.0112)
+    t.observe_draft(0.004, weight=0.25)
+    assert t.draft == pytest.approx(0.0025)  # 0.002 + 0.25 * (0.004 - 0.002)
+
+
+def test_acceptance_counts_against_hand_computed_numbers() -> None:
+    acc = Acceptance()  # prior 0.6 worth 2 trials, decay 0.9, fade 0.97
+    assert acc.rate == pytest.approx(0.6)
+    acc.observe(drafted=4, accepted=2)  # 2 successes, 3 trials (the first rejection)
+    assert acc.rate == pytest.approx(0.64)  # (2 + 1.2) / (3 + 2)
+    acc.observe(drafted=4, accepted=4)  # 0.9 * 2 + 4 = 5.8 of 0.9 * 3 + 4 = 6.7
+    assert acc.rate == pytest.approx(7.0 / 8.7)
+    acc.observe(drafted=0, accepted=0)  # nothing drafted: nothing learned
+    assert acc.rate == pytest.approx(7.0 / 8.7)
+    acc.tick()  # 5.626 of 6.499
+    assert acc.rate_with(0.5) == pytest.approx(6.626 / 8.499)
+    assert (acc.successes, acc.trials) == (pytest.approx(5.626), pytest.approx(6.499))
+
+
+def test_planner_draft_model_rate_against_hand_computed_numbers() -> None:
+    # Nothing measured yet, past the optimistic first steps: the draft model's tokens are
+    # accepted at the prior 0.95 and pass P_STOP at the target's confidence 0.9, so
+    # c = 0.855. The model holds nothing, the history is one token: the first evaluation
+    # costs t_draft * t_verify(1) / t_verify(1) = 0.002 s.
+    #   K=1: proposed 0.9, step 0.002 + t_verify(1.9) = 0.002 + 0.0118 = 0.0138,
+    #        rate 1.855 / 0.0138 = 134.42
+    #   K=2: proposed 1.71 after 0.9 evaluations, step 0.002 + 0.0018 + t_verify(2.71)
+    #        = 0.0038 + 0.01342 = 0.01722, rate 2.586025 / 0.01722 = 150.18
+    model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
+    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    planner._model_steps = AutoPlanner.EXPLORE_STEPS
+    greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
+    assert planner._verify_time(2.71) == pytest.approx(0.01342)
+    assert planner._first_eval_cost([1]) == pytest.approx(0.002)
+    for k_max, k, rate in ((2, 2, 150.1757), (1, 1, 134.4203)):
+        planner.confidence = 0.9
+        plan = planner.plan([1], k_max, greedy, rng)
+        assert plan.drafter is model and len(plan.draft.tokens) == k
+        assert plan.expected_rate == pytest.approx(rate, rel=1e-5)
+    # Confidence 0.3 (c = 0.285): K=1 at 1.285 / (0.002 + t_verify(1.3) = 0.0106) = 101.98,
+    # K=2 at 1.366225 / (0.0026 + t_verify(1.39) = 0.01078) = 102.11. A model in use (in
+    # step, it drafted before) stays while it beats the target alone (100)...
+    planner.confidence = 0.3
+    plan = planner.plan([1], 2, greedy, rng)
+    assert plan.drafter is model and len(plan.draft.tokens) == 2
+    assert plan.expected_rate == pytest.approx(102.1095, rel=1e-5)
+    # ...one 12 tokens behind pays a catch-up of 0.2 * (t_verify(12) - t_verify(2)) =
+    # 0.0064 more and is not used: the target alone, at 100 tokens/s.
+    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    planner._model_steps = AutoPlanner.EXPLORE_STEPS
+    planner.confidence = 0.3
+    plan = planner.plan([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 2, greedy, rng)
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
 
 
 def test_k_choice_with_fake_timings() -> None:
@@ -168,17 +251,23 @@ def test_catch_up_is_spread_only_over_the_models_runs() -> None:
     # A draft model 100 tokens behind pays a batched catch-up before drafting. Charged
     # whole at first; spread over the mean run of consecutive model steps once runs are
     # long, so that an occasional model step between long n-gram runs is not favoured.
+    # By hand, with HAND's table and t_draft 0.002: the draft costs 0.2 of a target decode
+    # step; 100 tokens cost 0.2 * t_verify(100) = 0.2 * (0.016 + 96/4 * 0.014) = 0.0704.
     model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
-    timings = Timings({1: 0.010, 2: 0.015, 9: 0.030, 17: 0.050}, 0.004)
-    planner = AutoPlanner(timings, model=model, learn_timings=False)
+    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
     history = list(range(100))
-    per = timings.draft / timings.verify[1]
-    whole = per * timings._curve(100)
-    assert planner._first_eval_cost(history) == pytest.approx(whole)
+    assert planner._first_eval_cost(history) == pytest.approx(0.0704)
+    # Spread over a mean run of 8 steps: 0.2 * 0.012 + 0.2 * (0.352 - 0.012) / 8 = 0.0109;
+    # over 4: 0.0194; the spread never goes beyond CATCH_UP_HORIZON (8) steps.
     planner.mean_streak = 8.0
-    spread = per * (timings._curve(2) + (timings._curve(100) - timings._curve(2)) / 8)
-    assert planner._first_eval_cost(history) == pytest.approx(spread)
-    assert planner._first_eval_cost(history[:2]) == pytest.approx(per * timings._curve(2))
+    assert planner._first_eval_cost(history) == pytest.approx(0.0109)
+    planner.mean_streak = 4.0
+    assert planner._first_eval_cost(history) == pytest.approx(0.0194)
+    planner.mean_streak = 20.0
+    assert planner._first_eval_cost(history) == pytest.approx(0.0109)
+    # Two tokens behind or fewer is a normal step: 0.2 * t_verify(2) = 0.0024.
+    assert planner._first_eval_cost(history[:2]) == pytest.approx(0.0024)
+    assert planner._first_eval_cost(history[:1]) == pytest.approx(0.002)
 
 
 def test_planner_probes_a_draft_model_that_nearly_pays() -> None:

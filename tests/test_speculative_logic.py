@@ -330,3 +330,91 @@ def test_model_drafter_notices_a_cache_rolled_back_by_someone_else() -> None:
     draft_ctx.rollback(0)
     res = run(dec, [1, 2, 3, 4], n_predict=8, draft_max=4)
     assert res.tokens == truth([1, 2, 3, 4], 8) and res.stats.acceptance_rate == 1.0
+
+
+def test_ngram_drafter_prefers_the_most_recent_occurrence() -> None:
+    # "1 2" occurred twice before the end: after position 2 (then 7) and after position
+    # 7 (then 8 9 1): the later one is proposed.
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(1, 3)
+    assert d.propose([5, 1, 2, 7, 1, 2, 8, 9, 1, 2], 3, GREEDY, rng).tokens == [8, 9, 1]
+    assert d.last_match == 2
+
+
+def test_ngram_drafter_prefers_the_longest_match() -> None:
+    # The suffix "4 1 2" occurred once (then 7 3 2); its shorter suffix "1 2" and "2"
+    # occurred later too (then 8 and 8 4 1): the longest n-gram wins.
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(1, 3)
+    assert d.propose([4, 1, 2, 7, 3, 2, 8, 4, 1, 2], 3, GREEDY, rng).tokens == [7, 3, 2]
+    assert d.last_match == 3
+
+
+def test_ngram_drafter_limits_and_incremental_index() -> None:
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(2, 3)
+    # A 1-gram match is below n_min: nothing.
+    assert d.propose([1, 5, 6, 1], 4, GREEDY, rng).tokens == [] and d.last_match == 0
+    # The continuation stops at the end of the history; k bounds it too; k = 0: nothing.
+    d = NgramDrafter(2, 3)
+    assert d.propose([1, 2, 3, 1, 2], 8, GREEDY, rng).tokens == [3, 1, 2]
+    assert d.propose([1, 2, 3, 1, 2], 2, GREEDY, rng).tokens == [3, 1]
+    assert d.propose([1, 2, 3, 1, 2], 0, GREEDY, rng).tokens == []
+    # The index follows the history as it grows, one call at a time, as in a generation:
+    # the same answers as a fresh drafter that sees the whole history at once.
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8]
+    grown = NgramDrafter(1, 4)
+    for end in range(1, len(seq) + 1):
+        fresh = NgramDrafter(1, 4).propose(seq[:end], 5, GREEDY, rng).tokens
+        assert grown.propose(seq[:end], 5, GREEDY, rng).tokens == fresh, end
+    # A history that is not an extension of the last one needs reset(), as the loop does.
+    grown.reset()
+    assert grown.propose([7, 7], 3, GREEDY, rng).tokens == [7]
+    with pytest.raises(ValueError):
+        NgramDrafter(3, 2)
+    with pytest.raises(ValueError):
+        NgramDrafter(0, 2)
+
+
+def brute_force_ngram(history: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup by its definition: for n from n_max down to n_min, the latest earlier
+    start j of the last n tokens; propose what follows it."""
+    size = len(history)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = list(history[size - n :])
+        for j in range(size - n - 1, -1, -1):
+            if list(history[j : j + n]) == suffix:
+                return list(history[j + n : j + n + k])
+    return []
+
+
+def test_ngram_drafter_against_brute_force() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        vocab = int(rng.integers(2, 6))
+        seq = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+        n_min = int(rng.integers(1, 4))
+        n_max = n_min + int(rng.integers(0, 4))
+        k = int(rng.integers(1, 9))
+        got = NgramDrafter(n_min, n_max).propose(seq, k, GREEDY, rng).tokens
+        assert got == brute_force_ngram(seq, k, n_min, n_max), (trial, seq, n_min, n_max, k)
+
+
+def test_rejected_steps_counts_steps_whose_draft_was_cut() -> None:
+    # Every third draft position is wrong: with K = 4 the two full steps keep two drafts
+    # and the target's correction (rejected steps); the last step, clamped to K = 2 by
+    # n_predict, is accepted whole and not counted. With K = 2 every draft is right.
+    res = run(make(oracle_drafter(wrong_every=3))[0], [1, 2], n_predict=9, draft_max=4)
+    assert res.stats.rejected_steps == 2 and res.stats.steps == 3
+    res = run(make(oracle_drafter(wrong_every=3))[0], [1, 2], n_predict=9, draft_max=2)
+    assert res.stats.rejected_steps == 0 and res.stats.accepted == res.stats.drafted
+    # A rejection at the first position: every step with a draft is a rejected step (the
+    # last, with one token left to generate, has none).
+    res = run(make(oracle_drafter(wrong_every=1))[0], [1], n_predict=6, draft_max=3)
+    assert res.stats.rejected_steps == res.stats.by_drafter["scripted"].steps == 5
+    assert res.stats.steps == 6 and res.stats.accepted == 0
+    # Pooled statistics add them up.
+    total = res.stats.__class__()
+    total.add(res.stats)
+    total.add(res.stats)
+    assert total.rejected_steps == 10 and total.as_dict()["rejected_steps"] == 10
