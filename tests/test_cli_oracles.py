@@ -144,7 +144,9 @@ def test_backend_failure_is_exit_9(tmp_path: Path) -> None:
 
 
 def test_internal_error_is_exit_1_with_one_line(
-    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tiny_models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # A bug (an exception that is not a SpecggufError) is one line and exit 1, with the
     # way to get the traceback; with SPECGGUF_DEBUG set, the traceback itself.
@@ -175,8 +177,8 @@ def test_doctor_failed_smoke_test_is_exit_9(
     from specgguf.llama import doctor
     from specgguf.llama.child import ChildResult
 
-    monkeypatch.setattr(doctor, "run_child",
-                        lambda *a, **kw: ChildResult(False, {}, 0.5, "crashed with SIGILL"))  # fmt: skip
+    failed = ChildResult(False, {}, 0.5, "crashed with SIGILL")
+    monkeypatch.setattr(doctor, "run_child", lambda *a, **kw: failed)
     with pytest.raises(SystemExit) as ei:
         main(["doctor", "--json"])
     assert ei.value.code == errors.EXIT_BACKEND

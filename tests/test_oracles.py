@@ -11,7 +11,6 @@ against itself.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from specgguf.spec.planner import FixedPlanner
 from specgguf.spec.sampling import SamplerParams, distribution
 
 from .fakes import FakeContext, FakeVocab
+from .helpers import llama_cpp_chain
 from .test_sampling import chi2_critical
 
 V = 4
@@ -51,10 +51,10 @@ def test_sampled_speculation_follows_the_exact_joint_of_two_tokens() -> None:
 
     Power: judging the second position with the first position's q (a planted bug)
     moves 6% of the probability mass here (chi-square non-centrality 0.075 per draw: about
-    1,500 at 20,000 draws against a critical value near 45), and so does any other error
+    750 at 10,000 draws against a critical value near 45), and so does any other error
     at position 2, which the first draft token is accepted into 94% of the time.
     """
-    n = 20_000
+    n = 10_000
     prompt = [0]
     p1 = softmax(TARGET[0])
     exact = {(x, y): float(p1[x] * softmax(TARGET[x])[y]) for x in range(V) for y in range(V)}
@@ -87,35 +87,6 @@ def test_sampled_speculation_follows_the_exact_joint_of_two_tokens() -> None:
 
 
 # --- distribution() against llama.cpp's sampler chain ----------------------------------
-
-
-def llama_cpp_chain(logits: npt.NDArray[np.float32], params: SamplerParams) -> dict[int, float]:
-    """The candidates and probabilities llama.cpp's chain top_k -> top_p -> min_p -> temp
-    leaves (common/sampling.cpp's order), with a softmax over the remaining logits (what
-    ``llama_sampler_init_dist`` samples from). Filters that are off are not added, as in
-    common/sampling.cpp."""
-    import llama_cpp as lc
-
-    n = logits.shape[0]
-    data = (lc.llama_token_data * n)()
-    for i, v in enumerate(logits.tolist()):
-        data[i].id, data[i].logit, data[i].p = i, v, 0.0
-    cur = lc.llama_token_data_array(data=data, size=n, selected=-1, sorted=False)
-    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-    try:
-        if params.top_k > 0:
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(params.top_k))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(params.top_p, 1))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(params.min_p, 1))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(params.temperature))
-        lc.llama_sampler_apply(chain, ctypes.byref(cur))
-        ids = [int(cur.data[i].id) for i in range(cur.size)]
-        z = np.array([cur.data[i].logit for i in range(cur.size)], np.float64)
-    finally:
-        lc.llama_sampler_free(chain)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    return dict(zip(ids, p.tolist(), strict=True))
 
 
 GRID = [
