@@ -384,3 +384,111 @@ def test_model_drafter_reports_where_it_stopped() -> None:
     # A fixed drafter's p_min reaches the drafter (llama.cpp's --draft-p-min).
     assert FixedPlanner(drafter, 8, p_min=0.5).plan([1, 2], 8, greedy, rng).draft.tokens == [3, 4]
     assert len(FixedPlanner(drafter, 8).plan([1, 2], 8, greedy, rng).draft.tokens) == 8
+
+
+class Clock:
+    """A fake ``time.perf_counter``: advanced only by the fake contexts' evaluations."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ClockedContext(FakeContext):
+    """A fake model whose evaluation of n tokens takes ``base + per_token * n`` seconds
+    on ``clock``, and ``hiccup`` seconds more for the second evaluation of each
+    size (a machine hiccup that the minimum of the repeats must drop)."""
+
+    def __init__(
+        self, clock: Clock, base: float, per_token: float, hiccup: float = 0.5, **kw: int
+    ) -> None:
+        super().__init__(one_hot_rule(target_next, V), V, **kw)
+        self.clock, self.base, self.per_token, self.hiccup = clock, base, per_token, hiccup
+        self.seen: dict[int, int] = {}
+
+    def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+        n = len(tokens)
+        self.seen[n] = self.seen.get(n, 0) + 1
+        self.clock.now += (
+            self.base + self.per_token * n + (self.hiccup if self.seen[n] == 2 else 0.0)
+        )
+        return super().eval(tokens, logits=logits)
+
+
+def test_calibrate_measures_each_batch_size_and_the_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specgguf.spec import planner as planner_module
+    from specgguf.spec.planner import calibrate
+
+    clock = Clock()
+    monkeypatch.setattr(planner_module.time, "perf_counter", clock)
+    target = ClockedContext(clock, 0.010, 0.001, n_ctx=40, n_batch=16)
+    draft = ClockedContext(clock, 0.002, 0.0, n_ctx=64)
+    t = calibrate(target, draft, [5, 6, 7], sizes=(1, 2, 4, 9, 13, 17, 25), repeats=3)
+    # Sizes past the batch (16) are not measured; each is its own minimum over 3 repeats
+    # (the second evaluation of each size is 0.5 s slower and is dropped).
+    assert sorted(t.verify) == [1, 2, 4, 9, 13]
+    for n, s in t.verify.items():
+        assert s == pytest.approx(0.010 + 0.001 * n), n
+    assert t.draft == pytest.approx(0.002)
+    # Both caches are left empty; the prefix (room 40 - 13 - 1 = 26 tokens of the given
+    # ids) was evaluated first, and every measured batch started after it.
+    assert target.n_past == 0 and draft.n_past == 0
+    first = next(e for e in target.log if e[0] == "eval")
+    assert first == ("eval", 0, ([5, 6, 7] * 9)[:26], "none")
+    measured = [e for e in target.log if e[0] == "eval" and e[3] == "all"]
+    assert all(e[1] == 26 for e in measured)
+    assert {len(e[2]) for e in measured} == {1, 2, 4, 9, 13}
+    assert len([e for e in measured if len(e[2]) == 4]) == 3  # the repeats
+    assert measured[-1][2] == ([5, 6, 7] * 5)[:13]
+    # Before each measurement the other model ran one token (it evicts the caches).
+    draft_evals = [e for e in draft.log if e[0] == "eval" and e[3] == "last"]
+    assert len(draft_evals) >= 1 + 5 * 3 and all(len(e[2]) == 1 for e in draft_evals[:16])
+    # Without a draft model: no draft time; a context of 8 leaves sizes up to 7.
+    small = ClockedContext(clock, 0.010, 0.001, n_ctx=8, n_batch=64)
+    t = calibrate(small, None, [], repeats=2)
+    assert sorted(t.verify) == [1, 2, 3, 4, 5, 7] and t.draft == 0.0
+    assert next(e for e in small.log if e[0] == "eval")[2] == [0]  # no ids: token 0
+    # A target whose outputs are fewer than its batch is measured up to its outputs.
+    narrow = ClockedContext(clock, 0.010, 0.001, n_ctx=64, n_batch=64)
+    narrow.n_outputs_max = 3  # type: ignore[attr-defined]
+    assert sorted(calibrate(narrow, None, [1], repeats=1).verify) == [1, 2, 3]
+    # Nothing fits: size 1 only.
+    tiny = ClockedContext(clock, 0.010, 0.001, n_ctx=2, n_batch=1)
+    assert sorted(calibrate(tiny, None, [1], repeats=1).verify) == [1]
+
+
+def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from specgguf.spec import drafters as drafters_module
+
+    clock = Clock()
+    monkeypatch.setattr(drafters_module.time, "perf_counter", clock)
+    ctx = ClockedContext(clock, 0.004, 0.001, hiccup=0.0, n_ctx=64)
+    drafter = ModelDrafter(ctx, V)  # type: ignore[arg-type]
+    greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
+    # First call: the history (5 tokens) in one evaluation, then 3 one-token evaluations.
+    draft = drafter.propose([1, 2, 3, 4, 5], 4, greedy, rng)
+    assert draft.tokens == [6, 7, 8, 9] and draft.dists is None
+    assert drafter.last_token_seconds == pytest.approx(0.005)  # the catch-up excluded
+    assert drafter.seconds == pytest.approx(0.009 + 3 * 0.005)
+    # A one-token draft in step (the last token only): its one evaluation is its cost.
+    drafter.propose([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1, greedy, rng)
+    assert drafter.last_token_seconds == pytest.approx(0.006)  # 2 tokens: 9 and 10
+    # A draft never takes more than half the draft's context.
+    small = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V, n_ctx=10), V)  # type: ignore[arg-type]
+    assert len(small.propose([1, 2], 8, greedy, rng).tokens) == 5
+    # Sampled drafting keeps each token's distribution, all different here.
+    sampled = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    draft = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V).propose(  # type: ignore[arg-type]
+        [1, 2], 3, sampled, np.random.default_rng(1)
+    )
+    assert draft.dists is not None and len(draft.dists) == 3 == len(draft.tokens)
+    for q, t in zip(draft.dists, draft.tokens, strict=True):
+        assert q.prob(t) > 0 and q.ids.size == V
+    assert len({int(q.ids[0]) for q in draft.dists}) == 3
+    # Nothing to draft from, or nothing asked: no draft and no evaluation.
+    assert drafter.propose([], 4, greedy, rng).tokens == []
+    assert drafter.propose([1, 2], 0, greedy, rng).tokens == []
