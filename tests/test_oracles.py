@@ -147,3 +147,29 @@ def test_top_k_keeps_exactly_the_k_largest_and_ties_stay_sorted() -> None:
         z = np.sort(logits)[::-1][:k].astype(np.float64)
         np.testing.assert_allclose(d.probs, softmax(z), rtol=1e-12)
     assert math.isclose(float(d.probs.sum()), 1.0)
+
+
+def test_distribution_orders_ties_by_token_id_and_survives_large_logits() -> None:
+    from specgguf.spec.sampling import keyed_uniform, sample_at
+
+    # 64 tokens, four values repeated: within equal logits, ascending ids (a stable sort),
+    # so that keyed draws (sample_at) pick the same token on every platform.
+    logits = np.array([float(i % 4) for i in range(64)], np.float32)
+    d = distribution(logits, PLAIN)
+    assert _ids(d.ids[:16]) == list(range(3, 64, 4))
+    assert _ids(d.ids[16:32]) == list(range(2, 64, 4))
+    # Logits far from 0 (a model without final normalisation): no overflow, same p.
+    big = np.array([1000.0, 999.0, 998.0], np.float32)
+    d = distribution(big, SamplerParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))
+    np.testing.assert_allclose(d.probs, softmax(np.array([2.0, 0.0, -2.0])), rtol=1e-12)
+    assert sample_at(d, 0.0) == 0 and sample_at(d, 0.999999) == 2
+    # Keyed draws: in [0, 1), a function of (seed, index); None draws afresh.
+    u = keyed_uniform(None, 3)
+    assert 0.0 <= u < 1.0
+    assert keyed_uniform(7, 3) == keyed_uniform(7, 3) != keyed_uniform(7, 4)
+    with pytest.raises(ValueError) as ei:
+        distribution(logits, SamplerParams(temperature=0.0))
+    assert str(ei.value) == "greedy decoding has no sampling distribution"
+    with pytest.raises(ValueError) as ei:
+        distribution(np.full(3, -np.inf, np.float32), PLAIN)
+    assert str(ei.value) == "no finite logit to sample from"

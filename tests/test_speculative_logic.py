@@ -211,7 +211,8 @@ def test_draft_tokens_beyond_target_vocab_are_never_proposed() -> None:
 
 
 def test_seeded_sampling_is_reproducible() -> None:
-    params = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    # Temperature 5 flattens the fake target (top-1 probability 0.18): draws matter.
+    params = SamplerParams(temperature=5.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
 
     def go(seed: int, k: int) -> list[int]:
         p = GenerationParams(n_predict=25, draft_max=k, sampler=params.__class__(
@@ -597,3 +598,15 @@ def test_deterministic_mode_drafts_greedily_and_keys_draws_by_output_position() 
         assert drafter.greedy and all(drafter.greedy)  # point-mass drafts
     # Output position i draws with the key (seed, i), whatever the prompt's length.
     assert outs[0] == outs[1]
+
+
+def test_statistics_as_json_are_rounded_as_documented() -> None:
+    from specgguf.spec.loop import GenerationStats
+
+    s = GenerationStats(generated=7, steps=3, drafted=3, accepted=2, seconds=1 / 3)
+    s.target_seconds, s.draft_seconds, s.prompt_seconds = 1 / 7, 1 / 9, 1 / 6
+    d = s.as_dict()
+    assert d["acceptance_rate"] == 0.6667 and d["mean_accepted"] == 0.6667
+    assert d["tokens_per_s"] == 21.0 and d["python_seconds"] == 0.0794
+    assert (d["seconds"], d["target_seconds"], d["draft_seconds"], d["prompt_seconds"]) == (
+        0.3333, 0.1429, 0.1111, 0.1667)  # fmt: skip

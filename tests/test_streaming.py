@@ -139,3 +139,8 @@ def test_nothing_after_a_stop_and_empty_stop_strings_ignored() -> None:
     assert ts.text == "a"
     plain = TextStream([""])
     assert plain.push(b"abc") == "abc" and not plain.stopped
+
+
+def test_a_stop_string_that_occurs_twice_cuts_at_its_first_occurrence() -> None:
+    ts = TextStream(["b"])
+    assert ts.push(b"abab") == "a" and ts.text == "a"
