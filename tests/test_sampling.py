@@ -102,6 +102,23 @@ def test_rejection_sampling_output_follows_p() -> None:
     # chi2_vs refuses such counts, so a wrong acceptance rule fails this test.
 
 
+def test_a_draft_token_outside_q_is_judged_as_a_point_mass() -> None:
+    # Token 5 is not in Q's support: a drafter that proposes it anyway is treated as a
+    # deterministic drafter, accepted with probability p(5) = 0.05, and the output follows p.
+    p, q = dist(P), dist(Q)
+    rng = np.random.default_rng(5)
+    n = 40_000
+    counts: Counter[int] = Counter()
+    accepted = 0
+    for _ in range(n):
+        ok, y = accept_or_resample(p, q, 5, rng)
+        accepted += ok
+        counts[y] += 1
+    assert accepted / n == pytest.approx(P[5], abs=0.005)
+    stat, df = chi2_vs(counts, P, n)
+    assert stat < chi2_critical(df), (stat, df, counts)
+
+
 def test_point_mass_draft_output_follows_p() -> None:
     p = dist(P)
     rng = np.random.default_rng(1)
