@@ -492,3 +492,23 @@ def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
     # Nothing to draft from, or nothing asked: no draft and no evaluation.
     assert drafter.propose([], 4, greedy, rng).tokens == []
     assert drafter.propose([1, 2], 0, greedy, rng).tokens == []
+
+
+def test_timings_curve_edges_upper_bound_and_outliers_by_hand() -> None:
+    from specgguf.spec.planner import _drop_outliers, _upper
+
+    t = Timings({2: 0.1, 6: 0.3})
+    assert t.verify_time(3) == pytest.approx(0.15) and t.verify_time(5) == pytest.approx(0.25)
+    assert t.verify_time(8) == pytest.approx(0.4)  # slope 0.05 per token past 6
+    assert t.verify_time(1) == pytest.approx(0.1)  # below the table: its first size
+    one = Timings({4: 0.02})  # a single size: proportional to the batch
+    assert one.verify_time(8) == pytest.approx(0.04) and one.verify_time(4) == 0.02
+    assert _upper(0.5, 2.0) == pytest.approx(0.75)  # 0.5 + sqrt(0.25 / 4)
+    assert _upper(0.99, 0.0) == 1.0
+    assert _upper(0.0, 5.0) == 0.0
+    # The first size is never replaced; exactly 1.5 times the larger ones is kept; the
+    # two next sizes are compared, not only the next.
+    assert _drop_outliers({1: 1.0, 2: 0.1, 3: 0.1}) == {1: 1.0, 2: 0.1, 3: 0.1}
+    assert _drop_outliers({1: 0.1, 2: 0.3, 3: 0.2, 4: 0.2})[2] == 0.3
+    assert _drop_outliers({1: 0.1, 2: 0.5, 3: 0.2, 4: 0.4, 5: 0.4})[2] == 0.5
+    assert _drop_outliers({1: 0.1, 2: 0.7, 3: 0.2, 4: 0.4})[2] == pytest.approx(0.15)

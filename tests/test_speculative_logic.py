@@ -610,3 +610,13 @@ def test_statistics_as_json_are_rounded_as_documented() -> None:
     assert d["tokens_per_s"] == 21.0 and d["python_seconds"] == 0.0794
     assert (d["seconds"], d["target_seconds"], d["draft_seconds"], d["prompt_seconds"]) == (
         0.3333, 0.1429, 0.1111, 0.1667)  # fmt: skip
+
+
+def test_ngram_drafter_with_a_single_length() -> None:
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(2, 2)
+    assert d.propose([1, 2, 9, 3, 1, 2], 2, GREEDY, rng).tokens == [9, 3]
+    assert d.last_match == 2
+    # Only n = 2: the trailing 1-gram "2" alone, matched earlier, is not enough.
+    assert NgramDrafter(2, 2).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == []
+    assert NgramDrafter(1, 1).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == [5, 1, 2]
