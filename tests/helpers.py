@@ -1,8 +1,10 @@
-"""Helpers for tests (and scripts/) that run the real ``specgguf`` entry point as a
-subprocess: a command, a server, a timed chat completion."""
+"""Helpers for tests (and scripts/): the real ``specgguf`` entry point as a subprocess (a
+command, a server, a timed chat completion), an engine over given models, and llama.cpp's
+own sampler chain as an oracle."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import subprocess
@@ -11,8 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
 if TYPE_CHECKING:
     from specgguf.engine import Engine
+    from specgguf.spec.sampling import SamplerParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,3 +244,32 @@ def llama_cpp_load(path: Path, *, vocab_only: bool = False) -> tuple[int, str]:
         cwd=ROOT,
     )
     return res.returncode, res.stderr.decode(errors="replace")
+
+
+def llama_cpp_chain(logits: npt.NDArray[np.float32], params: SamplerParams) -> dict[int, float]:
+    """The candidates and probabilities llama.cpp's chain top_k -> top_p -> min_p -> temp
+    leaves (common/sampling.cpp's order), with a softmax over the remaining logits (what
+    ``llama_sampler_init_dist`` samples from). Filters that are off are not added, as in
+    common/sampling.cpp."""
+    import llama_cpp as lc
+
+    n = logits.shape[0]
+    data = (lc.llama_token_data * n)()
+    for i, v in enumerate(logits.tolist()):
+        data[i].id, data[i].logit, data[i].p = i, v, 0.0
+    cur = lc.llama_token_data_array(data=data, size=n, selected=-1, sorted=False)
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    try:
+        if params.top_k > 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(params.top_k))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(params.top_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(params.min_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(params.temperature))
+        lc.llama_sampler_apply(chain, ctypes.byref(cur))
+        ids = [int(cur.data[i].id) for i in range(cur.size)]
+        z = np.array([cur.data[i].logit for i in range(cur.size)], np.float64)
+    finally:
+        lc.llama_sampler_free(chain)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return dict(zip(ids, p.tolist(), strict=True))

@@ -29,10 +29,93 @@ FLAT_10MS = Timings({1: 0.010, 2: 0.010, 17: 0.010}, draft=0.001)
 
 def test_expected_tokens_formula() -> None:
     assert expected_tokens(0.5, 0) == 1.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     assert expected_tokens(0.0, 8) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.9, 3) == pytest.approx((1 - 0.9**4) / 0.1)
+    assert expected_tokens(0.9, 3) == pytest.approx(3.439)  # 1 + 0.9 + 0.81 + 0.729
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens(0.7, -1) == 1.0
+
+
+#: A small timing table for numbers worked out by hand: t_verify(1..4, 8) and t_draft.
+HAND = {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.030}
+
+
+def test_cost_model_against_hand_computed_numbers() -> None:
+    t = Timings(dict(HAND), draft=0.002)
+    # Interpolation between calibrated sizes and extrapolation past the last two.
+    assert t.verify_time(3) == pytest.approx(0.014)  # halfway from 0.012 to 0.016
+    assert t.verify_time(5) == pytest.approx(0.0195)  # 0.016 + 1/4 * 0.014
+    assert t.verify_time(6) == pytest.approx(0.023)
+    assert t.verify_time(10) == pytest.approx(0.037)  # 0.016 + 6/4 * 0.014
+    assert t.verify_time(0) == pytest.approx(0.010)  # below the table: its first size
+    # Rates E(K) / (K * 0.002 + t_verify(K + 1)) at a = 0.8:
+    #   K=0: 1/0.010 = 100; K=1: 1.8/0.014 = 128.57; K=2: 2.44/0.018 = 135.56;
+    #   K=3: 2.952/0.022 = 134.18; K=4: 3.3616/0.0275 = 122.24 -> K = 2.
+    assert best_k(0.8, t, 4) == (2, pytest.approx(135.5556, rel=1e-5))
+    assert best_k(0.8, t, 1) == (1, pytest.approx(128.5714, rel=1e-5))
+    assert best_k(0.8, t, 0) == (0, pytest.approx(100.0))
+    # a = 0.3: K=1: 1.3/0.014 = 92.86 < 100: no speculation...
+    assert best_k(0.3, t, 4) == (0, pytest.approx(100.0))
+    # ...but free drafts (n-gram lookup): K=1: 1.3/0.012 = 108.33, K=2: 1.39/0.014 = 99.29.
+    assert best_k(0.3, t, 4, draft_cost=0.0) == (1, pytest.approx(108.3333, rel=1e-5))
+    # Online corrections: decode steps 1.25x slower; batches clipped to 0.8x.
+    t.observe_verify(1, 0.0125, weight=1.0)
+    t.observe_verify(3, 0.007, weight=1.0)
+    assert t.scale_single == pytest.approx(1.25) and t.scale_batch == pytest.approx(0.8)
+    assert t.verify_time(1) == pytest.approx(0.0125) and t.verify_time(3) == pytest.approx(0.0112)
+    t.observe_draft(0.004, weight=0.25)
+    assert t.draft == pytest.approx(0.0025)  # 0.002 + 0.25 * (0.004 - 0.002)
+
+
+def test_acceptance_counts_against_hand_computed_numbers() -> None:
+    acc = Acceptance()  # prior 0.6 worth 2 trials, decay 0.9, fade 0.97
+    assert acc.rate == pytest.approx(0.6)
+    acc.observe(drafted=4, accepted=2)  # 2 successes, 3 trials (the first rejection)
+    assert acc.rate == pytest.approx(0.64)  # (2 + 1.2) / (3 + 2)
+    acc.observe(drafted=4, accepted=4)  # 0.9 * 2 + 4 = 5.8 of 0.9 * 3 + 4 = 6.7
+    assert acc.rate == pytest.approx(7.0 / 8.7)
+    acc.observe(drafted=0, accepted=0)  # nothing drafted: nothing learned
+    assert acc.rate == pytest.approx(7.0 / 8.7)
+    acc.tick()  # 5.626 of 6.499
+    assert acc.rate_with(0.5) == pytest.approx(6.626 / 8.499)
+    assert (acc.successes, acc.trials) == (pytest.approx(5.626), pytest.approx(6.499))
+
+
+def test_planner_draft_model_rate_against_hand_computed_numbers() -> None:
+    # Nothing measured yet, past the optimistic first steps: the draft model's tokens are
+    # accepted at the prior 0.95 and pass P_STOP at the target's confidence 0.9, so
+    # c = 0.855. The model holds nothing, the history is one token: the first evaluation
+    # costs t_draft * t_verify(1) / t_verify(1) = 0.002 s.
+    #   K=1: proposed 0.9, step 0.002 + t_verify(1.9) = 0.002 + 0.0118 = 0.0138,
+    #        rate 1.855 / 0.0138 = 134.42
+    #   K=2: proposed 1.71 after 0.9 evaluations, step 0.002 + 0.0018 + t_verify(2.71)
+    #        = 0.0038 + 0.01342 = 0.01722, rate 2.586025 / 0.01722 = 150.18
+    model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
+    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    planner._model_steps = AutoPlanner.EXPLORE_STEPS
+    greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
+    assert planner._verify_time(2.71) == pytest.approx(0.01342)
+    assert planner._first_eval_cost([1]) == pytest.approx(0.002)
+    for k_max, k, rate in ((2, 2, 150.1757), (1, 1, 134.4203)):
+        planner.confidence = 0.9
+        plan = planner.plan([1], k_max, greedy, rng)
+        assert plan.drafter is model and len(plan.draft.tokens) == k
+        assert plan.expected_rate == pytest.approx(rate, rel=1e-5)
+    # Confidence 0.3 (c = 0.285): K=1 at 1.285 / (0.002 + t_verify(1.3) = 0.0106) = 101.98,
+    # K=2 at 1.366225 / (0.0026 + t_verify(1.39) = 0.01078) = 102.11. A model in use (in
+    # step, it drafted before) stays while it beats the target alone (100)...
+    planner.confidence = 0.3
+    plan = planner.plan([1], 2, greedy, rng)
+    assert plan.drafter is model and len(plan.draft.tokens) == 2
+    assert plan.expected_rate == pytest.approx(102.1095, rel=1e-5)
+    # ...one 12 tokens behind pays a catch-up of 0.2 * (t_verify(12) - t_verify(2)) =
+    # 0.0064 more and is not used: the target alone, at 100 tokens/s.
+    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    planner._model_steps = AutoPlanner.EXPLORE_STEPS
+    planner.confidence = 0.3
+    plan = planner.plan([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 2, greedy, rng)
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
 
 
 def test_k_choice_with_fake_timings() -> None:
@@ -168,17 +251,23 @@ def test_catch_up_is_spread_only_over_the_models_runs() -> None:
     # A draft model 100 tokens behind pays a batched catch-up before drafting. Charged
     # whole at first; spread over the mean run of consecutive model steps once runs are
     # long, so that an occasional model step between long n-gram runs is not favoured.
+    # By hand, with HAND's table and t_draft 0.002: the draft costs 0.2 of a target decode
+    # step; 100 tokens cost 0.2 * t_verify(100) = 0.2 * (0.016 + 96/4 * 0.014) = 0.0704.
     model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
-    timings = Timings({1: 0.010, 2: 0.015, 9: 0.030, 17: 0.050}, 0.004)
-    planner = AutoPlanner(timings, model=model, learn_timings=False)
+    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
     history = list(range(100))
-    per = timings.draft / timings.verify[1]
-    whole = per * timings._curve(100)
-    assert planner._first_eval_cost(history) == pytest.approx(whole)
+    assert planner._first_eval_cost(history) == pytest.approx(0.0704)
+    # Spread over a mean run of 8 steps: 0.2 * 0.012 + 0.2 * (0.352 - 0.012) / 8 = 0.0109;
+    # over 4: 0.0194; the spread never goes beyond CATCH_UP_HORIZON (8) steps.
     planner.mean_streak = 8.0
-    spread = per * (timings._curve(2) + (timings._curve(100) - timings._curve(2)) / 8)
-    assert planner._first_eval_cost(history) == pytest.approx(spread)
-    assert planner._first_eval_cost(history[:2]) == pytest.approx(per * timings._curve(2))
+    assert planner._first_eval_cost(history) == pytest.approx(0.0109)
+    planner.mean_streak = 4.0
+    assert planner._first_eval_cost(history) == pytest.approx(0.0194)
+    planner.mean_streak = 20.0
+    assert planner._first_eval_cost(history) == pytest.approx(0.0109)
+    # Two tokens behind or fewer is a normal step: 0.2 * t_verify(2) = 0.0024.
+    assert planner._first_eval_cost(history[:2]) == pytest.approx(0.0024)
+    assert planner._first_eval_cost(history[:1]) == pytest.approx(0.002)
 
 
 def test_planner_probes_a_draft_model_that_nearly_pays() -> None:
@@ -318,3 +407,131 @@ def test_auto_planner_verifies_no_draft_shorter_than_draft_min(draft_min: int) -
     # Control: without a minimum the planner starts with shorter drafts (exploration: 4).
     _, free = run(0)
     assert min(k for k in free if k) < draft_min
+
+
+class Clock:
+    """A fake ``time.perf_counter``: advanced only by the fake contexts' evaluations."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ClockedContext(FakeContext):
+    """A fake model whose evaluation of n tokens takes ``base + per_token * n`` seconds
+    on ``clock``, and ``hiccup`` seconds more for the second evaluation of each
+    size (a machine hiccup that the minimum of the repeats must drop)."""
+
+    def __init__(
+        self, clock: Clock, base: float, per_token: float, hiccup: float = 0.5, **kw: int
+    ) -> None:
+        super().__init__(one_hot_rule(target_next, V), V, **kw)
+        self.clock, self.base, self.per_token, self.hiccup = clock, base, per_token, hiccup
+        self.seen: dict[int, int] = {}
+
+    def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+        n = len(tokens)
+        self.seen[n] = self.seen.get(n, 0) + 1
+        self.clock.now += (
+            self.base + self.per_token * n + (self.hiccup if self.seen[n] == 2 else 0.0)
+        )
+        return super().eval(tokens, logits=logits)
+
+
+def test_calibrate_measures_each_batch_size_and_the_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specgguf.spec import planner as planner_module
+    from specgguf.spec.planner import calibrate
+
+    clock = Clock()
+    monkeypatch.setattr(planner_module.time, "perf_counter", clock)
+    target = ClockedContext(clock, 0.010, 0.001, n_ctx=40, n_batch=16)
+    draft = ClockedContext(clock, 0.002, 0.0, n_ctx=64)
+    t = calibrate(target, draft, [5, 6, 7], sizes=(1, 2, 4, 9, 13, 17, 25), repeats=3)
+    # Sizes past the batch (16) are not measured; each is its own minimum over 3 repeats
+    # (the second evaluation of each size is 0.5 s slower and is dropped).
+    assert sorted(t.verify) == [1, 2, 4, 9, 13]
+    for n, s in t.verify.items():
+        assert s == pytest.approx(0.010 + 0.001 * n), n
+    assert t.draft == pytest.approx(0.002)
+    # Both caches are left empty; the prefix (room 40 - 13 - 1 = 26 tokens of the given
+    # ids) was evaluated first, and every measured batch started after it.
+    assert target.n_past == 0 and draft.n_past == 0
+    first = next(e for e in target.log if e[0] == "eval")
+    assert first == ("eval", 0, ([5, 6, 7] * 9)[:26], "none")
+    measured = [e for e in target.log if e[0] == "eval" and e[3] == "all"]
+    assert all(e[1] == 26 for e in measured)
+    assert {len(e[2]) for e in measured} == {1, 2, 4, 9, 13}
+    assert len([e for e in measured if len(e[2]) == 4]) == 3  # the repeats
+    assert measured[-1][2] == ([5, 6, 7] * 5)[:13]
+    # Before each measurement the other model ran one token (it evicts the caches).
+    draft_evals = [e for e in draft.log if e[0] == "eval" and e[3] == "last"]
+    assert len(draft_evals) >= 1 + 5 * 3 and all(len(e[2]) == 1 for e in draft_evals[:16])
+    # Without a draft model: no draft time; a context of 8 leaves sizes up to 7.
+    small = ClockedContext(clock, 0.010, 0.001, n_ctx=8, n_batch=64)
+    t = calibrate(small, None, [], repeats=2)
+    assert sorted(t.verify) == [1, 2, 3, 4, 5, 7] and t.draft == 0.0
+    assert next(e for e in small.log if e[0] == "eval")[2] == [0]  # no ids: token 0
+    # A target whose outputs are fewer than its batch is measured up to its outputs.
+    narrow = ClockedContext(clock, 0.010, 0.001, n_ctx=64, n_batch=64)
+    narrow.n_outputs_max = 3  # type: ignore[attr-defined]
+    assert sorted(calibrate(narrow, None, [1], repeats=1).verify) == [1, 2, 3]
+    # Nothing fits: size 1 only.
+    tiny = ClockedContext(clock, 0.010, 0.001, n_ctx=2, n_batch=1)
+    assert sorted(calibrate(tiny, None, [1], repeats=1).verify) == [1]
+
+
+def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from specgguf.spec import drafters as drafters_module
+
+    clock = Clock()
+    monkeypatch.setattr(drafters_module.time, "perf_counter", clock)
+    ctx = ClockedContext(clock, 0.004, 0.001, hiccup=0.0, n_ctx=64)
+    drafter = ModelDrafter(ctx, V)  # type: ignore[arg-type]
+    greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
+    # First call: the history (5 tokens) in one evaluation, then 3 one-token evaluations.
+    draft = drafter.propose([1, 2, 3, 4, 5], 4, greedy, rng)
+    assert draft.tokens == [6, 7, 8, 9] and draft.dists is None
+    assert drafter.last_token_seconds == pytest.approx(0.005)  # the catch-up excluded
+    assert drafter.seconds == pytest.approx(0.009 + 3 * 0.005)
+    # A one-token draft in step (the last token only): its one evaluation is its cost.
+    drafter.propose([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1, greedy, rng)
+    assert drafter.last_token_seconds == pytest.approx(0.006)  # 2 tokens: 9 and 10
+    # A draft never takes more than half the draft's context.
+    small = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V, n_ctx=10), V)  # type: ignore[arg-type]
+    assert len(small.propose([1, 2], 8, greedy, rng).tokens) == 5
+    # Sampled drafting keeps each token's distribution, all different here.
+    sampled = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    draft = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V).propose(  # type: ignore[arg-type]
+        [1, 2], 3, sampled, np.random.default_rng(1)
+    )
+    assert draft.dists is not None and len(draft.dists) == 3 == len(draft.tokens)
+    for q, t in zip(draft.dists, draft.tokens, strict=True):
+        assert q.prob(t) > 0 and q.ids.size == V
+    assert len({int(q.ids[0]) for q in draft.dists}) == 3
+    # Nothing to draft from, or nothing asked: no draft and no evaluation.
+    assert drafter.propose([], 4, greedy, rng).tokens == []
+    assert drafter.propose([1, 2], 0, greedy, rng).tokens == []
+
+
+def test_timings_curve_edges_upper_bound_and_outliers_by_hand() -> None:
+    from specgguf.spec.planner import _drop_outliers, _upper
+
+    t = Timings({2: 0.1, 6: 0.3})
+    assert t.verify_time(3) == pytest.approx(0.15) and t.verify_time(5) == pytest.approx(0.25)
+    assert t.verify_time(8) == pytest.approx(0.4)  # slope 0.05 per token past 6
+    assert t.verify_time(1) == pytest.approx(0.1)  # below the table: its first size
+    one = Timings({4: 0.02})  # a single size: proportional to the batch
+    assert one.verify_time(8) == pytest.approx(0.04) and one.verify_time(4) == 0.02
+    assert _upper(0.5, 2.0) == pytest.approx(0.75)  # 0.5 + sqrt(0.25 / 4)
+    assert _upper(0.99, 0.0) == 1.0
+    assert _upper(0.0, 5.0) == 0.0
+    # The first size is never replaced; exactly 1.5 times the larger ones is kept; the
+    # two next sizes are compared, not only the next.
+    assert _drop_outliers({1: 1.0, 2: 0.1, 3: 0.1}) == {1: 1.0, 2: 0.1, 3: 0.1}
+    assert _drop_outliers({1: 0.1, 2: 0.3, 3: 0.2, 4: 0.2})[2] == 0.3
+    assert _drop_outliers({1: 0.1, 2: 0.5, 3: 0.2, 4: 0.4, 5: 0.4})[2] == 0.5
+    assert _drop_outliers({1: 0.1, 2: 0.7, 3: 0.2, 4: 0.4})[2] == pytest.approx(0.15)

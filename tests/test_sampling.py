@@ -20,7 +20,7 @@ from specgguf.spec.sampling import (
     sample,
 )
 
-from .helpers import load_engine
+from .helpers import llama_cpp_chain, load_engine
 
 
 def chi2_critical(df: int, z: float = 3.719) -> float:
@@ -31,22 +31,46 @@ def chi2_critical(df: int, z: float = 3.719) -> float:
 
 
 def chi2_vs(counts: Counter[int], probs: dict[int, float], n: int) -> tuple[float, int]:
-    """Goodness of fit; bins with expected count < 5 are pooled."""
-    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
-    for t, p in probs.items():
-        e = n * p
-        if e < 5:
-            pool_e += e
-            pool_o += counts.get(t, 0)
-            continue
-        stat += (counts.get(t, 0) - e) ** 2 / e
-        df += 1
+    """Goodness of fit of ``counts`` (n draws) to ``probs``: (statistic, degrees of
+    freedom). Bins with an expected count below 5 are merged, smallest first, into groups
+    of at least 5, whose observed counts are merged with them; a remainder joins the last
+    group. Every draw must fall in ``probs``' support."""
     outside = n - sum(counts.get(t, 0) for t in probs)
     assert outside == 0, f"{outside} draws outside p's support"
-    if pool_e >= 5:
-        stat += (pool_o - pool_e) ** 2 / pool_e
-        df += 1
-    return stat, df
+    groups: list[list[float]] = []  # [expected, observed]
+    pool = [0.0, 0.0]
+    for t, p in sorted(probs.items(), key=lambda item: item[1]):
+        pool[0] += n * p
+        pool[1] += counts.get(t, 0)
+        if pool[0] >= 5:
+            groups.append(pool)
+            pool = [0.0, 0.0]
+    if pool[1] or pool[0]:
+        if groups:
+            groups[-1][0] += pool[0]
+            groups[-1][1] += pool[1]
+        else:
+            groups.append(pool)
+    stat = sum((o - e) ** 2 / e for e, o in groups if e > 0)
+    return stat, len(groups) - 1
+
+
+def test_chi2_vs_merges_small_bins_with_their_counts() -> None:
+    # Expected 2, 2, 2 (n = 100): one group of 6 holding all three bins' draws, plus the
+    # large bin. Dropping the small bins' draws would hide 10 draws where 6 are expected.
+    probs = {0: 0.02, 1: 0.02, 2: 0.02, 3: 0.94}
+    stat, df = chi2_vs(Counter({0: 4, 1: 3, 2: 3, 3: 90}), probs, 100)
+    assert df == 1
+    assert stat == pytest.approx((10 - 6) ** 2 / 6 + (90 - 94) ** 2 / 94)
+    # A remainder below 5 joins the last group: expected 3 + 3 make a group, the 4 left
+    # join it: one group of 10, df 0.
+    stat, df = chi2_vs(Counter({0: 1, 1: 1, 2: 8}), {0: 0.3, 1: 0.3, 2: 0.4}, 10)
+    assert (stat, df) == (0.0, 0)
+    # Small bins merged in a group of their own: expected 3 + 3 = 6, observed 0 + 12.
+    stat, df = chi2_vs(Counter({0: 0, 1: 12, 2: 88}), {0: 0.03, 1: 0.03, 2: 0.94}, 100)
+    assert df == 1 and stat == pytest.approx(36 / 6 + 36 / 94)
+    with pytest.raises(AssertionError, match="outside"):
+        chi2_vs(Counter({0: 1, 9: 1}), {0: 1.0}, 2)
 
 
 P = {0: 0.05, 1: 0.40, 2: 0.25, 3: 0.15, 4: 0.10, 5: 0.05}
@@ -78,16 +102,44 @@ def test_rejection_sampling_output_follows_p() -> None:
     # chi2_vs refuses such counts, so a wrong acceptance rule fails this test.
 
 
+def test_a_draft_token_outside_q_is_judged_as_a_point_mass() -> None:
+    # Token 5 is not in Q's support: a drafter that proposes it anyway is treated as a
+    # deterministic drafter, accepted with probability p(5) = 0.05, and the output follows p.
+    p, q = dist(P), dist(Q)
+    rng = np.random.default_rng(5)
+    n = 40_000
+    counts: Counter[int] = Counter()
+    accepted = 0
+    for _ in range(n):
+        ok, y = accept_or_resample(p, q, 5, rng)
+        accepted += ok
+        counts[y] += 1
+    assert accepted / n == pytest.approx(P[5], abs=0.005)
+    stat, df = chi2_vs(counts, P, n)
+    assert stat < chi2_critical(df), (stat, df, counts)
+
+
 def test_point_mass_draft_output_follows_p() -> None:
     p = dist(P)
     rng = np.random.default_rng(1)
     n = 100_000
     counts: Counter[int] = Counter()
+    accepted: Counter[int] = Counter()
     for i in range(n):
         x = (2, 5, 0)[i % 3]  # a deterministic drafter's guesses, right or wrong
-        counts[accept_point_mass(p, x, rng)[1]] += 1
+        ok, y = accept_point_mass(p, x, rng)
+        counts[y] += 1
+        accepted[x] += ok
+        assert not ok or y == x
     stat, df = chi2_vs(counts, P, n)
     assert stat < chi2_critical(df), (stat, df, counts)
+    # A guess x is accepted with probability p(x) (3 sigma bounds over n / 3 guesses each).
+    for x in (2, 5, 0):
+        rate, m = accepted[x] / (n / 3), n / 3
+        assert abs(rate - P[x]) < 3 * math.sqrt(P[x] * (1 - P[x]) / m) + 1e-3, (x, rate)
+    # A point mass at x accepts x always.
+    one = Distribution(np.array([4], np.int64), np.array([1.0]))
+    assert all(accept_point_mass(one, 4, rng) == (True, 4) for _ in range(100))
 
 
 def test_distribution_follows_llama_cpp_chain_order() -> None:
@@ -115,17 +167,18 @@ def _first_two_exact(
     target: Path, prompt: str, sampler: SamplerParams
 ) -> tuple[dict[int, float], dict[int, float]]:
     """The exact distributions of the first and second generated token: p1 after the
-    prompt, and sum over x of p1(x) * p2(. | x)."""
+    prompt, and sum over x of p1(x) * p2(. | x), each from llama.cpp's own sampler chain
+    (not from the :func:`distribution` under test)."""
     with LlamaModel(target) as m, m.new_context(n_ctx=128) as ctx:
         ids = m.tokenize(prompt)
-        p1 = distribution(ctx.eval(ids, logits="last")[-1].copy(), sampler)
+        p1 = llama_cpp_chain(ctx.eval(ids, logits="last")[-1].copy(), sampler)
         second: dict[int, float] = {}
-        for x, px in zip(p1.ids.tolist(), p1.probs.tolist(), strict=True):
+        for x, px in p1.items():
             ctx.rollback(len(ids))
-            p2 = distribution(ctx.eval([x], logits="last")[-1].copy(), sampler)
-            for y, py in zip(p2.ids.tolist(), p2.probs.tolist(), strict=True):
+            p2 = llama_cpp_chain(ctx.eval([x], logits="last")[-1].copy(), sampler)
+            for y, py in p2.items():
                 second[y] = second.get(y, 0.0) + px * py
-    return dict(zip(p1.ids.tolist(), p1.probs.tolist(), strict=True)), second
+    return p1, second
 
 
 class _NoEog:

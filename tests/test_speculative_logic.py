@@ -157,6 +157,7 @@ def test_drafter_that_returns_nothing() -> None:
     res = run(make(drafter)[0], [5], n_predict=12, draft_max=8)
     assert res.tokens == truth([5], 12)
     assert res.stats.drafted == 0 and res.stats.steps == 12
+    assert set(res.stats.by_drafter) == {"none"}  # steps without drafts count as "none"
 
 
 def test_prompt_that_does_not_fit_is_refused_before_any_evaluation() -> None:
@@ -210,7 +211,8 @@ def test_draft_tokens_beyond_target_vocab_are_never_proposed() -> None:
 
 
 def test_seeded_sampling_is_reproducible() -> None:
-    params = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    # Temperature 5 flattens the fake target (top-1 probability 0.18): draws matter.
+    params = SamplerParams(temperature=5.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
 
     def go(seed: int, k: int) -> list[int]:
         p = GenerationParams(n_predict=25, draft_max=k, sampler=params.__class__(
@@ -415,3 +417,291 @@ def test_a_draft_model_that_stops_early_is_dropped_below_draft_min() -> None:
 
     assert max(run_model(0)) == 1  # drafts of one token are verified without a minimum
     assert set(run_model(2)) == {0}  # and dropped with a minimum of 2
+
+
+def test_ngram_drafter_prefers_the_most_recent_occurrence() -> None:
+    # "1 2" occurred twice before the end: after position 2 (then 7) and after position
+    # 7 (then 8 9 1): the later one is proposed.
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(1, 3)
+    assert d.propose([5, 1, 2, 7, 1, 2, 8, 9, 1, 2], 3, GREEDY, rng).tokens == [8, 9, 1]
+    assert d.last_match == 2
+
+
+def test_ngram_drafter_prefers_the_longest_match() -> None:
+    # The suffix "4 1 2" occurred once (then 7 3 2); its shorter suffix "1 2" and "2"
+    # occurred later too (then 8 and 8 4 1): the longest n-gram wins.
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(1, 3)
+    assert d.propose([4, 1, 2, 7, 3, 2, 8, 4, 1, 2], 3, GREEDY, rng).tokens == [7, 3, 2]
+    assert d.last_match == 3
+
+
+def test_ngram_drafter_limits_and_incremental_index() -> None:
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(2, 3)
+    # A 1-gram match is below n_min: nothing.
+    assert d.propose([1, 5, 6, 1], 4, GREEDY, rng).tokens == [] and d.last_match == 0
+    # The continuation stops at the end of the history; k bounds it too; k = 0: nothing.
+    d = NgramDrafter(2, 3)
+    assert d.propose([1, 2, 3, 1, 2], 8, GREEDY, rng).tokens == [3, 1, 2]
+    assert d.propose([1, 2, 3, 1, 2], 2, GREEDY, rng).tokens == [3, 1]
+    assert d.propose([1, 2, 3, 1, 2], 0, GREEDY, rng).tokens == []
+    # The index follows the history as it grows, one call at a time, as in a generation:
+    # the same answers as a fresh drafter that sees the whole history at once.
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8]
+    grown = NgramDrafter(1, 4)
+    for end in range(1, len(seq) + 1):
+        fresh = NgramDrafter(1, 4).propose(seq[:end], 5, GREEDY, rng).tokens
+        assert grown.propose(seq[:end], 5, GREEDY, rng).tokens == fresh, end
+    # A history that is not an extension of the last one needs reset(), as the loop does.
+    grown.reset()
+    assert grown.propose([7, 7], 3, GREEDY, rng).tokens == [7]
+    with pytest.raises(ValueError):
+        NgramDrafter(3, 2)
+    with pytest.raises(ValueError):
+        NgramDrafter(0, 2)
+
+
+def brute_force_ngram(history: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup by its definition: for n from n_max down to n_min, the latest earlier
+    start j of the last n tokens; propose what follows it."""
+    size = len(history)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = list(history[size - n :])
+        for j in range(size - n - 1, -1, -1):
+            if list(history[j : j + n]) == suffix:
+                return list(history[j + n : j + n + k])
+    return []
+
+
+def test_ngram_drafter_against_brute_force() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        vocab = int(rng.integers(2, 6))
+        seq = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+        n_min = int(rng.integers(1, 4))
+        n_max = n_min + int(rng.integers(0, 4))
+        k = int(rng.integers(1, 9))
+        got = NgramDrafter(n_min, n_max).propose(seq, k, GREEDY, rng).tokens
+        assert got == brute_force_ngram(seq, k, n_min, n_max), (trial, seq, n_min, n_max, k)
+
+
+def test_rejected_steps_counts_steps_whose_draft_was_cut() -> None:
+    # Every third draft position is wrong: with K = 4 the two full steps keep two drafts
+    # and the target's correction (rejected steps); the last step, clamped to K = 2 by
+    # n_predict, is accepted whole and not counted. With K = 2 every draft is right.
+    res = run(make(oracle_drafter(wrong_every=3))[0], [1, 2], n_predict=9, draft_max=4)
+    assert res.stats.rejected_steps == 2 and res.stats.steps == 3
+    res = run(make(oracle_drafter(wrong_every=3))[0], [1, 2], n_predict=9, draft_max=2)
+    assert res.stats.rejected_steps == 0 and res.stats.accepted == res.stats.drafted
+    # A rejection at the first position: every step with a draft is a rejected step (the
+    # last, with one token left to generate, has none).
+    res = run(make(oracle_drafter(wrong_every=1))[0], [1], n_predict=6, draft_max=3)
+    assert res.stats.rejected_steps == res.stats.by_drafter["scripted"].steps == 5
+    assert res.stats.steps == 6 and res.stats.accepted == 0
+    # Pooled statistics add them up.
+    total = res.stats.__class__()
+    total.add(res.stats)
+    total.add(res.stats)
+    assert total.rejected_steps == 10 and total.as_dict()["rejected_steps"] == 10
+
+
+# --- what mutation testing found untested in the loop ------------------------------------
+
+
+class TimedContext(FakeContext):
+    """A fake target whose every evaluation counts 0.25 s of model time."""
+
+    def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+        self.eval_seconds += 0.25
+        return super().eval(tokens, logits=logits)
+
+
+def test_statistics_of_a_generation() -> None:
+    ctx = TimedContext(one_hot_rule(target_next, V), V)
+    drafter = oracle_drafter(wrong_every=3)
+    dec = Decoder(ctx, FakeVocab(V), drafter)
+    res = dec.generate([1, 2, 3], GenerationParams(n_predict=9, draft_max=4, sampler=GREEDY)).run()
+    s = res.stats
+    assert s.prompt_tokens == 3 and s.generated == 9 and s.draft_max == 4
+    # The prompt's evaluation (0.25 s) is prompt time; three verifications are generation.
+    assert s.target_seconds == 0.75 and s.draft_seconds == 0.0
+    assert 0.0 <= s.prompt_seconds < 5.0 and 0.0 <= s.seconds < 5.0
+    assert s.last_draft == 2 and s.last_drafter == "scripted"  # the last step: K = 2
+    d = s.as_dict()
+    assert d["target_seconds"] == 0.75 and d["generated"] == 9 and d["rejected_steps"] == 2
+    assert d["by_drafter"] == {"scripted": [3, 10, 6]}
+    assert d["acceptance_rate"] == 0.6 and d["mean_accepted"] == 2.0
+    assert d["python_seconds"] == 0.0  # the fake's model time exceeds the wall time
+    assert d["tokens_per_s"] == round(9 / s.seconds, 3)
+    assert set(d) >= {f.name for f in s.__dataclass_fields__.values()}
+
+
+def test_statistics_pool_with_add() -> None:
+    from specgguf.spec.loop import DrafterStats, GenerationStats
+
+    a = GenerationStats(prompt_tokens=3, prompt_seconds=0.5, generated=10, steps=4, drafted=8,
+                        accepted=6, seconds=2.0, target_seconds=1.5, draft_seconds=0.25,
+                        draft_max=4, rejected_steps=1, last_draft=3, last_drafter="model",
+                        by_drafter={"model": DrafterStats(4, 8, 6)})  # fmt: skip
+    b = GenerationStats(prompt_tokens=2, prompt_seconds=0.25, generated=5, steps=5, drafted=2,
+                        accepted=1, seconds=1.0, target_seconds=0.5, draft_seconds=0.125,
+                        draft_max=8, rejected_steps=1, last_draft=1, last_drafter="ngram",
+                        by_drafter={"ngram": DrafterStats(1, 2, 1),
+                                    "none": DrafterStats(4)})  # fmt: skip
+    a.add(b)
+    assert (a.prompt_tokens, a.prompt_seconds, a.generated, a.steps, a.drafted, a.accepted) == (
+        5, 0.75, 15, 9, 10, 7)  # fmt: skip
+    assert (a.seconds, a.target_seconds, a.draft_seconds, a.rejected_steps) == (3.0, 2.0, 0.375, 2)
+    assert a.draft_max == 8 and (a.last_draft, a.last_drafter) == (3, "model")
+    assert a.by_drafter == {"model": DrafterStats(4, 8, 6), "ngram": DrafterStats(1, 2, 1),
+                            "none": DrafterStats(4, 0, 0)}  # fmt: skip
+    a.add(b)
+    assert a.by_drafter["ngram"] == DrafterStats(2, 4, 2) and a.draft_max == 8
+    assert a.python_seconds == pytest.approx(4.0 - 2.5 - 0.5)
+    assert a.tokens_per_s == pytest.approx(20 / 4.0) and a.mean_accepted == pytest.approx(8 / 14)
+    empty = GenerationStats()
+    assert (empty.acceptance_rate, empty.mean_accepted, empty.tokens_per_s) == (0.0, 0.0, 0.0)
+
+
+def test_interrupt_keeps_what_was_committed() -> None:
+    dec, _ = make(oracle_drafter())
+    gen = dec.generate([1], GenerationParams(n_predict=40, draft_max=4, sampler=GREEDY))
+    first = next(gen)
+    res = gen.interrupt()
+    assert res.finish_reason == "interrupted" and res.text == first
+    assert res.tokens == truth([1], 5) and res.stats.generated == 5
+    assert gen.interrupt() is res  # a second interrupt changes nothing
+    # After the end, interrupt returns the finished result.
+    done = dec.generate([1], GenerationParams(n_predict=3, sampler=GREEDY))
+    final = done.run()
+    assert done.interrupt() is final and final.finish_reason == "length"
+
+
+def test_generate_without_a_planner_is_the_target_alone() -> None:
+    ctx = FakeContext(one_hot_rule(target_next, V), V)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+    res = dec.generate([4], GenerationParams(n_predict=6, sampler=GREEDY)).run()
+    assert res.tokens == truth([4], 6) and res.stats.steps == 6 and res.stats.drafted == 0
+    assert res.stats.draft_max == 0 and set(res.stats.by_drafter) == {"none"}
+    with pytest.raises(UsageError) as ei:
+        dec.generate([], GenerationParams())
+    assert str(ei.value) == "the prompt is empty: nothing to continue from"
+
+
+def test_n_predict_0_and_a_one_token_prompt() -> None:
+    dec, ctx = make(oracle_drafter())
+    res = run(dec, [7], n_predict=0, draft_max=4)
+    assert res.tokens == [] and res.text == "" and res.finish_reason == "length"
+    assert res.stats.steps == 0
+    # A one-token prompt has nothing to evaluate before the first step.
+    dec, ctx = make(oracle_drafter())
+    run(dec, [7], n_predict=3, draft_max=2)
+    evals = [e for e in ctx.log if e[0] == "eval"]
+    assert evals[0] == ("eval", 0, [7, 8, 9], "all")
+
+
+def test_last_step_drafts_everything_the_context_leaves() -> None:
+    # Prompt 10, context 20: one step of K = 9 fills it (K + 1 = 10 new tokens).
+    drafter = oracle_drafter()
+    dec, _ = make(drafter, n_ctx=20)
+    res = run(dec, list(range(1, 11)), draft_max=16)
+    assert drafter.ks == [9] and res.stats.steps == 1 and len(res.tokens) == 10
+
+
+def test_ignore_eos_takes_the_next_best_token() -> None:
+    # The target's favourite is EOS after 6 tokens; its second choice is token 0 (the
+    # one_hot_rule gives (EOS + 1) % V logit 5). With --ignore-eos the output goes on.
+    def to_eos(prefix: Sequence[int]) -> int:
+        return EOS if len(prefix) == 6 else prefix[-1] % 30 + 1
+
+    for drafter in (None, oracle_drafter()):
+        ctx = FakeContext(one_hot_rule(to_eos, V), V)
+        dec = Decoder(ctx, FakeVocab(V, eog_ids=[EOS]), drafter)
+        params = GenerationParams(n_predict=6, draft_max=3, sampler=GREEDY, ignore_eos=True)
+        res = dec.generate([1, 2, 3], params).run()
+        assert res.tokens == [4, 5, 6, 0, 1, 2] and res.finish_reason == "length"
+        stop = dec.generate([1, 2, 3], GenerationParams(n_predict=6, draft_max=3,
+                                                         sampler=GREEDY)).run()  # fmt: skip
+        assert stop.tokens == [4, 5, 6] and stop.finish_reason == "stop"
+    # Sampled: EOS never appears, whatever the seed.
+    ctx = FakeContext(one_hot_rule(to_eos, V), V)
+    dec = Decoder(ctx, FakeVocab(V, eog_ids=[EOS]), oracle_drafter())
+    for seed in range(20):
+        sampler = SamplerParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+        params = GenerationParams(n_predict=5, draft_max=2, sampler=sampler, ignore_eos=True)
+        res = dec.generate([1, 2, 3], params).run()
+        assert EOS not in res.tokens and len(res.tokens) == 5
+
+
+def test_text_held_for_a_stop_string_is_released_at_the_end() -> None:
+    # The output ends (n_predict) on "e", which could start the stop string "ef": the
+    # end of generation releases it.
+    dec, _ = make(oracle_drafter())
+    gen = dec.generate([1], GenerationParams(n_predict=3, draft_max=4, sampler=GREEDY,
+                                             stop=("ef",)))  # fmt: skip
+    pieces = list(gen)
+    assert gen.result is not None and gen.result.text == "cde" == "".join(pieces)
+    assert pieces[-1] == "e" and gen.result.finish_reason == "length"
+
+
+def test_an_auto_planner_learns_from_the_loop() -> None:
+    from specgguf.spec.planner import AutoPlanner, Timings
+
+    ctx = FakeContext(one_hot_rule(target_next, V), V)
+    model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
+    # Calibrated at 10 s per step: the fake runs far faster, so the learned corrections
+    # fall to their floor of 0.8.
+    timings = Timings({1: 10.0, 2: 10.0, 17: 10.0}, draft=1.0)
+    planner = AutoPlanner(timings, model=model, ngram=NgramDrafter(2, 4))
+    dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+    res = dec.generate([1, 2, 3], GenerationParams(n_predict=60, sampler=GREEDY), planner).run()
+    assert res.tokens == truth([1, 2, 3], 60)
+    assert timings.scale_single < 1.0 or timings.scale_batch < 1.0
+    assert min(timings.scale_single, timings.scale_batch) >= 0.8
+    # The target's confidence (top-1 probability 0.99 here) reached the planner.
+    assert planner.confidence > 0.95
+
+
+def test_deterministic_mode_drafts_greedily_and_keys_draws_by_output_position() -> None:
+    from specgguf.spec.drafters import Draft
+
+    class Recording(ScriptedDrafter):
+        def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
+            self.greedy = [*getattr(self, "greedy", []), sampler.greedy]
+            return Draft(self.script(history, k)[:k])
+
+    flat = FakeContext(lambda kv: np.zeros(V, np.float32), V)  # the same p everywhere
+    sampler = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    outs = []
+    for prompt in ([1], [1, 2, 3, 4, 5]):
+        drafter = Recording(lambda h, k: [0] * k)
+        dec = Decoder(flat, FakeVocab(V), drafter)
+        params = GenerationParams(n_predict=12, draft_max=3, sampler=sampler, deterministic=True)
+        outs.append(dec.generate(prompt, params).run().tokens)
+        assert drafter.greedy and all(drafter.greedy)  # point-mass drafts
+    # Output position i draws with the key (seed, i), whatever the prompt's length.
+    assert outs[0] == outs[1]
+
+
+def test_statistics_as_json_are_rounded_as_documented() -> None:
+    from specgguf.spec.loop import GenerationStats
+
+    s = GenerationStats(generated=7, steps=3, drafted=3, accepted=2, seconds=1 / 3)
+    s.target_seconds, s.draft_seconds, s.prompt_seconds = 1 / 7, 1 / 9, 1 / 6
+    d = s.as_dict()
+    assert d["acceptance_rate"] == 0.6667 and d["mean_accepted"] == 0.6667
+    assert d["tokens_per_s"] == 21.0 and d["python_seconds"] == 0.0794
+    assert (d["seconds"], d["target_seconds"], d["draft_seconds"], d["prompt_seconds"]) == (
+        0.3333, 0.1429, 0.1111, 0.1667)  # fmt: skip
+
+
+def test_ngram_drafter_with_a_single_length() -> None:
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(2, 2)
+    assert d.propose([1, 2, 9, 3, 1, 2], 2, GREEDY, rng).tokens == [9, 3]
+    assert d.last_match == 2
+    # Only n = 2: the trailing 1-gram "2" alone, matched earlier, is not enough.
+    assert NgramDrafter(2, 2).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == []
+    assert NgramDrafter(1, 1).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == [5, 1, 2]

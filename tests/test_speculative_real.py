@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -43,31 +44,62 @@ def baseline(real_models: dict[str, Path]) -> dict[str, list[int]]:
         }
 
 
-def single_and_batched(
-    model: LlamaModel, prompt_ids: list[int], tokens: list[int], i: int, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The target's logits for the token at output position ``i`` after ``tokens[:i]``:
-    evaluated one token at a time (as the target alone does), and as the last row of a
-    verification-shaped batch of up to ``k + 1`` tokens."""
+def target_alone_logits(
+    model: LlamaModel, prompt_ids: list[int], tokens: list[int], i: int
+) -> np.ndarray:
+    """The target alone's logits for the token at output position ``i`` after
+    ``tokens[:i]``: evaluated one token at a time, as the target alone does."""
     seq = [*prompt_ids, *tokens[:i]]
     with model.new_context(n_ctx=512) as ctx:
         ctx.eval(prompt_ids[:-1], logits="none")
         for t in seq[len(prompt_ids) - 1 :]:
             single = ctx.eval([t], logits="last")[-1].copy()
-        width = min(k + 1, i + 1)
-        ctx.rollback(len(seq) - width)
-        batched = ctx.eval(seq[-width:], logits="all")[-1].copy()
-    return single, batched
+    return single
+
+
+class RecordingTarget:
+    """Wraps the target context's ``eval`` to keep each verification batch: its first
+    position, its tokens and the logits llama.cpp returned for it."""
+
+    def __init__(self, ctx: object) -> None:
+        self.ctx = ctx
+        self.calls: list[tuple[int, list[int], np.ndarray]] = []
+        self._eval = ctx.eval  # type: ignore[attr-defined]
+
+    def __enter__(self) -> RecordingTarget:
+        def eval(tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+            n_past = self.ctx.n_past  # type: ignore[attr-defined]
+            out = self._eval(tokens, logits=logits)
+            if logits == "all":
+                self.calls.append((n_past, list(tokens), out.copy()))
+            return out
+
+        self.ctx.eval = eval  # type: ignore[attr-defined]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.ctx.eval  # type: ignore[attr-defined]
+
+    def row_for(self, position: int) -> tuple[np.ndarray, int, int]:
+        """The logits row that predicted the token after absolute ``position``, in the
+        last batch that covered it (the one its token was committed from), with that
+        batch's size and the row's index in it."""
+        for n_past, tokens, rows in reversed(self.calls):
+            if n_past <= position < n_past + len(tokens):
+                return rows[position - n_past], len(tokens), position - n_past
+        raise AssertionError(f"no verification batch covered position {position}")
 
 
 def test_real_pair_greedy_equivalence(
     real_models: dict[str, Path], baseline: dict[str, list[int]]
 ) -> None:
     """Speculative greedy output equals the target alone's, except where llama.cpp's
-    batched and one-token kernels disagree by more than the target's top-2 logit gap.
+    batched and one-token kernels flipped a near-tie.
 
-    Each difference is reported with its position, the gap and the kernel noise there;
-    a difference the noise does not explain fails the test.
+    A difference is allowed only where the verification batch that decided the token,
+    recorded as it ran, gives the speculative token the larger logit while the target
+    alone's one-token logits give the target alone's: the allowance is that batch's
+    own noise on the two tokens, and any other difference (a logic error) fails.
     """
     target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
     flips = []
@@ -75,8 +107,9 @@ def test_real_pair_greedy_equivalence(
         for p in PROMPTS:
             ids = e.tokenize(chat(p))
             for k in (2, 4, 8):
-                res = e.generate(ids, GenerationParams(n_predict=N, draft_max=k,
-                                                       sampler=GREEDY)).run()  # fmt: skip
+                with RecordingTarget(e.target_ctx) as rec:
+                    res = e.generate(ids, GenerationParams(n_predict=N, draft_max=k,
+                                                           sampler=GREEDY)).run()  # fmt: skip
                 base = baseline[p]
                 if res.tokens == base:
                     continue
@@ -84,15 +117,22 @@ def test_real_pair_greedy_equivalence(
                     (j for j, (a, b) in enumerate(zip(res.tokens, base, strict=False)) if a != b),
                     min(len(res.tokens), len(base)),
                 )
-                single, batched = single_and_batched(e.target_model, ids, base, i, k)
-                top2 = np.sort(single)[-2:]
-                gap = float(top2[1] - top2[0])
-                noise = float(np.abs(single - batched).max())
+                assert i < len(res.tokens) and i < len(base), (
+                    f"K={k}, prompt {p[:28]!r}: one output ends early at {i} with no "
+                    f"differing token ({len(res.tokens)} against {len(base)} tokens)"
+                )
+                a, b = base[i], res.tokens[i]
+                single = target_alone_logits(e.target_model, ids, base, i)
+                batched, width, row = rec.row_for(len(ids) + i - 1)
+                gap = float(single[a] - single[b])
+                noise = abs(float((batched[a] - batched[b]) - (single[a] - single[b])))
                 msg = (f"K={k}, prompt {p[:28]!r}: first difference at token {i} "
-                       f"(target alone {base[i]}, speculative {res.tokens[i]}), top-2 logit gap "
-                       f"{gap:.3g}, batched-vs-single kernel difference {noise:.3g}")  # fmt: skip
-                assert int(single.argmax()) == base[i], msg
-                assert gap <= max(noise, 1e-3), "not explained by kernel noise: " + msg
+                       f"(target alone {a}, speculative {b}), logit gap {gap:.3g} one token "
+                       f"at a time, changed by {noise:.3g} in row {row} of the "
+                       f"{width}-token verification batch")  # fmt: skip
+                assert int(single.argmax()) == a, msg
+                assert int(batched.argmax()) == b, "not what the verification batch chose: " + msg
+                assert 0.0 <= gap <= noise, msg
                 flips.append(msg)
     if flips:
         warnings.warn("near-ties flipped by llama.cpp kernel noise: " + "; ".join(flips),
@@ -103,18 +143,26 @@ def test_real_pair_exact_where_kernels_are_batch_invariant(
     real_models: dict[str, Path], baseline: dict[str, list[int]]
 ) -> None:
     """Where the batched and one-token kernels are bit-identical (probed on this build),
-    speculative output must equal the target alone's exactly, on every prompt."""
+    speculative output must equal the target alone's exactly, on every prompt. When real
+    models are required (CI), a build where no K can be checked fails: the exactness
+    claim would otherwise go untested."""
     target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
     with load_engine(target, draft, n_ctx=512) as e:
         noise = batch_invariance(e.target_model, e.tokenize(chat(PROMPTS[0])), [3, 5, 9])
         exact_ks = [k for k in (2, 4, 8) if noise[k + 1] == 0.0]
         if not exact_ks:
-            pytest.skip(f"no verification batch size is bit-identical on this build: {noise}")
+            msg = f"no verification batch size is bit-identical on this build: {noise}"
+            if os.environ.get("SPECGGUF_REQUIRE_REAL_MODELS"):
+                pytest.fail(msg + " (real models are required: nothing was checked)")
+            pytest.skip(msg)
+        checked = 0
         for p in PROMPTS:
             for k in exact_ks:
                 res = e.generate(chat(p), GenerationParams(n_predict=N, draft_max=k,
                                                            sampler=GREEDY)).run()  # fmt: skip
                 assert res.tokens == baseline[p], (k, p, noise)
+                checked += res.stats.drafted > 0
+        assert checked, "the draft model never drafted: speculation was not checked"
 
 
 def test_real_pair_accepts_drafts_and_ngram_matches_baseline(

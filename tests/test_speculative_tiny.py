@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from specgguf.llama.backend import LlamaModel
 from specgguf.spec.loop import GenerationParams
 from specgguf.spec.sampling import SamplerParams
 
@@ -15,13 +16,39 @@ GREEDY = SamplerParams(temperature=0.0)
 PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
 
 
+def greedy_alone(path: Path, prompt_ids: list[int], n: int) -> list[int]:
+    """The target alone, greedily, written out independently of the speculative decoder:
+    the prompt in one batch, then one token at a time, argmax, until an end-of-generation
+    token (llama.cpp's own list) or ``n`` tokens."""
+    out: list[int] = []
+    with LlamaModel(path) as model, model.new_context(n_ctx=512) as ctx:
+        logits = ctx.eval(prompt_ids, logits="last")
+        while len(out) < n:
+            tok = int(logits[-1].argmax())
+            if tok in model.eog_ids:
+                break
+            out.append(tok)
+            logits = ctx.eval([tok], logits="last")
+    return out
+
+
 @pytest.fixture(scope="module")
 def baseline(tiny_models: dict[str, Path]) -> dict[str, list[int]]:
     with load_engine(tiny_models["target"], drafter="none", n_ctx=512) as e:
-        return {
-            p: e.generate(p, GenerationParams(n_predict=48, sampler=GREEDY)).run().tokens
-            for p in PROMPTS
-        }
+        ids = {p: e.prompt_ids(p) for p in PROMPTS}  # the engine's prompt rendering
+    out = {p: greedy_alone(tiny_models["target"], ids[p], 48) for p in PROMPTS}
+    assert all(len(t) >= 8 for t in out.values()), out
+    return out
+
+
+def test_target_alone_through_the_decoder_equals_the_plain_loop(
+    tiny_models: dict[str, Path], baseline: dict[str, list[int]]
+) -> None:
+    with load_engine(tiny_models["target"], drafter="none", n_ctx=512) as e:
+        for p in PROMPTS:
+            res = e.generate(p, GenerationParams(n_predict=48, sampler=GREEDY)).run()
+            assert res.tokens == baseline[p]
+            assert res.stats.drafted == 0 and res.stats.steps >= len(res.tokens)
 
 
 @pytest.mark.parametrize("draft", ["draft-identical", "draft-partial", "draft-pad128"])

@@ -94,3 +94,53 @@ def test_emoji_at_a_rejection() -> None:
         assert stats.accepted < stats.drafted  # the wrong halves were really rejected
     _, baseline, _ = generate(None, 0)
     assert baseline == EXPECTED
+
+
+def test_finish_releases_a_held_stop_string_prefix() -> None:
+    # "E" could start "END", so push holds it back; at the end of generation it is text.
+    ts = TextStream(["END"])
+    assert ts.push(b"abcE") == "abc"
+    assert ts.finish() == "E"
+    assert ts.text == "abcE" and not ts.stopped
+    # finish() is also where a stop string completed by the last bytes is cut.
+    ts = TextStream(["END"])
+    assert ts.push(b"xEN") == "x"
+    assert ts.push(b"D") == "" and ts.stop_string == "END"
+    assert ts.finish() == "" and ts.text == "x"
+
+
+def test_the_earliest_of_several_stop_strings_wins() -> None:
+    # "b" starts before "xyz" does: the output ends before "b", whatever the list order.
+    for stops in (["xyz", "b"], ["b", "xyz"]):
+        ts = TextStream(stops)
+        assert ts.push(b"abxyz") == "a"
+        assert ts.stop_string == "b" and ts.text == "a"
+    # The one that starts first wins, though listed last and longer.
+    ts = TextStream(["cd", "abcdef"])
+    assert ts.push(b"zabcdef") == "z" and ts.stop_string == "abcdef"
+
+
+def test_held_suffix_is_the_longest_that_could_start_any_stop_string() -> None:
+    ts = TextStream(["abcd", "cx"])
+    # "abc" could become "abcd"; "c" alone could become "cx": the longer hold wins.
+    assert ts.push(b"zzabc") == "zz"
+    assert ts.push(b"y") == "abcy"
+    ts = TextStream(["xy", "xxxy"])
+    assert ts.push(b"qxxx") == "q"  # "xxx" could still become "xxxy"
+    assert ts.push(b"x") == "x"  # "xxxx": "xxx" is still a prefix of "xxxy"
+    # "xxxy" starts before "xy": the earliest stop string cuts.
+    assert ts.push(b"y") == "" and ts.stop_string == "xxxy" and ts.text == "qx"
+
+
+def test_nothing_after_a_stop_and_empty_stop_strings_ignored() -> None:
+    ts = TextStream(["", "S"])
+    assert ts.push(b"aSb") == "a"
+    assert ts.push(b"more") == "" and ts.finish() == ""
+    assert ts.text == "a"
+    plain = TextStream([""])
+    assert plain.push(b"abc") == "abc" and not plain.stopped
+
+
+def test_a_stop_string_that_occurs_twice_cuts_at_its_first_occurrence() -> None:
+    ts = TextStream(["b"])
+    assert ts.push(b"abab") == "a" and ts.text == "a"
