@@ -164,6 +164,15 @@ def test_what_a_verification_teaches() -> None:
     assert (p.cont_model.successes, p.cont_model.trials) == (3.0, 3.0)
     assert p.timings.draft == pytest.approx(0.0021)
     assert p.timings.scale_batch == pytest.approx(1.01)
+    # An empty model draft teaches no draft time; a one-token draft does.
+    model.last_token_seconds = 0.012
+    p.observe(Plan(model, Draft([]), 0.0), 0, 0.010)
+    assert p.timings.draft == pytest.approx(0.0021)
+    p.observe(Plan(model, Draft([1]), 0.0), 1, 0.012)
+    assert p.timings.draft == pytest.approx(0.0021 + 0.05 * (0.012 - 0.0021))
+    p.timings.draft = 0.0021
+    p.acc_model = type(p.acc_model)(prior=0.95, successes=2.0, trials=3.0)
+    p.cont_model = type(p.cont_model)(successes=3.0, trials=3.0)
     # Stopped at an unsure token after 2: the continuation failed once more.
     model.last_stopped = True
     model.last_token_seconds = 0.0  # not measured: t_draft unchanged
@@ -217,3 +226,223 @@ def test_fixed_planner_limits() -> None:
     alone = FixedPlanner(None, 5)
     assert alone.draft_max == 0 and alone.drafters == []
     assert alone.plan([1], 5, GREEDY, RNG).drafter is None
+
+
+def test_ngram_replaces_a_draft_model_in_use_only_when_clearly_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The model holds the history (one token behind); no optimistic steps. Confidence 0.7:
+    # the model's best is K=7 at 140.73 tokens/s (a_acc 0.95, a_cont 0.7), n-gram lookup
+    # after a 4-token match K=3 at E(0.7, 3) / 0.016 = 158.31: 1.125 times faster, which
+    # takes over a model not in use but not one in use (1.25 needed). Confidence 0.9: the
+    # model's best is K=4 at 161.37, n-gram K=3 at 214.94: 1.33 times, it takes over.
+    monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
+    for steps, conf, kind, n, rate in (
+        (1, 0.7, "model", 7, 140.7310),
+        (0, 0.7, "ngram", 3, e(0.7, 3) / 0.016),
+        (1, 0.9, "ngram", 3, e(0.9, 3) / 0.016),
+    ):
+        model = model_drafter()
+        model.prefill(history)
+        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, ngram=NgramDrafter(1, 8),
+                        learn_timings=False)  # fmt: skip
+        p._model_steps, p._streak, p.confidence = steps, 3, conf
+        plan = p.plan(history, 16, GREEDY, RNG)
+        assert plan.drafter is not None and plan.drafter.name == kind, (steps, conf)
+        assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate, rel=1e-5)
+        # A run of 3 model steps ends when n-gram lookup takes over: mean 1 -> 2.
+        want = (2.0, 0) if kind == "ngram" else (1.0, 4)
+        assert (p.mean_streak, p._streak) == want
+
+
+def test_the_draft_model_length_and_sync_limits() -> None:
+    # Confidence 0.9 after the optimistic steps: the model's best is K=4 (161.37), or
+    # K=2 (150.18) when draft_max_model is 2.
+    for cap, n, rate in ((16, 4, 161.3663), (2, 2, 150.1757)):
+        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(),
+                        draft_max_model=cap, learn_timings=False)  # fmt: skip
+        p._model_steps, p.confidence = AutoPlanner.EXPLORE_STEPS, 0.9
+        plan = p.plan([1], 16, GREEDY, RNG)
+        assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate, rel=1e-5)
+    # A model 8 tokens behind counts as in step: judged optimistically (as in
+    # test_a_draft_model_is_judged_optimistically_in_its_first_steps, with a catch-up of
+    # 0.2 * t_verify(2) + 0.2 * (t_verify(8) - t_verify(2)) = 0.006 s): K=4 at 154.36.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    plan = p.plan(list(range(1, 9)), 16, GREEDY, RNG)
+    assert plan.draft.tokens == [9, 10, 11, 12]
+    assert plan.expected_rate == pytest.approx(154.3568, rel=1e-5)
+    # 9 behind: judged plainly (a_acc 0.95, a_cont 0.6, catch-up 0.0067 s): K=11 at
+    # 102.46, below the margin: the target alone.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    assert p.plan(list(range(1, 10)), 16, GREEDY, RNG).drafter is None
+
+
+def three_way(prefix: Sequence[int]) -> np.ndarray:
+    """Token 10 after 1 (sure), then a tie of three (1/3 each: below P_STOP)."""
+    row = np.full(V, -100.0, np.float32)
+    if prefix[-1] == 1:
+        row[10] = 0.0
+    else:
+        row[20] = row[21] = row[22] = 0.0
+    return row
+
+
+def test_a_model_draft_that_stops_below_draft_min_is_dropped_and_counted() -> None:
+    model = ModelDrafter(FakeContext(three_way, V), V)  # type: ignore[arg-type]
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, draft_min=3, learn_timings=False)
+    p.confidence = 0.9
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
+    # One token passed P_STOP, the next did not: 1 success of 2 trials.
+    assert (p.cont_model.successes, p.cont_model.trials) == (1.0, 2.0)
+    assert p.acc_model.trials == 0.0 and (p._model_steps, p._streak) == (1, 1)
+
+
+def test_optimistic_drafts_are_at_most_4_and_time_units_do_not_matter() -> None:
+    # Flat 10 ms verification, t_draft 2 ms, optimistic rates 1 and 0.94641 (as above):
+    # K=1..4 at 162.20, 204.57, 235.26, 258.47 tokens/s, still rising, cut at K = 4.
+    p = AutoPlanner(Timings(dict(FLAT), 0.002), model=model_drafter(), learn_timings=False)
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert len(plan.draft.tokens) == 4 and plan.expected_rate == pytest.approx(258.4675, rel=1e-5)
+    # The same machine 1000 times slower: the same choice at a thousandth of the rate.
+    slow = {n: 1000 * s for n, s in HAND.items()}
+    p = AutoPlanner(Timings(slow, 2.0), model=model_drafter(), learn_timings=False)
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert len(plan.draft.tokens) == 4
+    assert plan.expected_rate == pytest.approx(0.1789537, rel=1e-5)
+
+
+def test_a_probe_drafts_the_best_k_up_to_4_only_while_nothing_was_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not in use, judged plainly (a_acc 0.95, a_cont = confidence), HAND's timings:
+    # confidence 0.3: best K=2 at 102.11 tokens/s, below the margin (105) but above
+    # 0.85 of it (89.25): after PROBE_EVERY idle steps a probe of K=2. Confidence 0.05:
+    # K=1 at 86.57, no probe. Measured before (2 trials, fading by 0.97 a step: still
+    # above 1 after 20 steps): no probe either.
+    monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
+
+    def kinds(conf: float, trials: float = 0.0) -> list[int]:
+        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+        p.acc_model.successes, p.acc_model.trials = 0.95 * trials, trials
+        out = []
+        for _ in range(AutoPlanner.PROBE_EVERY + 4):
+            p.confidence = conf
+            plan = p.plan([1], 16, GREEDY, RNG)
+            out.append(len(plan.draft.tokens))
+            if plan.drafter is not None:
+                break
+        return out
+
+    assert kinds(0.3) == [0] * (AutoPlanner.PROBE_EVERY - 1) + [2]
+    assert kinds(0.05) == [0] * (AutoPlanner.PROBE_EVERY + 4)
+    assert kinds(0.3, trials=2.0) == [0] * (AutoPlanner.PROBE_EVERY + 4)
+
+
+def test_a_model_far_behind_is_not_in_use() -> None:
+    # Past its optimistic steps, 9 tokens behind (not in step): judged against the
+    # margin, 102.46 (K=11, as above) is not enough, though it beats the target alone.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p._model_steps = AutoPlanner.EXPLORE_STEPS
+    assert p.plan(list(range(1, 10)), 16, GREEDY, RNG).drafter is None
+    # In step (one behind) at the same estimate: kept, it beats the target alone.
+    model = model_drafter()
+    model.prefill(list(range(1, 10)))
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    p._model_steps = AutoPlanner.EXPLORE_STEPS
+    p.confidence = 0.3
+    plan = p.plan(list(range(1, 10)), 16, GREEDY, RNG)
+    assert plan.drafter is model and plan.expected_rate == pytest.approx(102.1095, rel=1e-5)
+
+
+def test_ngram_k_respects_draft_min_and_costs_no_draft_time() -> None:
+    # As in test_ngram_drafts_are_judged_by_their_match_length (K=3 at 214.94), with a
+    # draft model's time in the timings (n-gram drafts cost none of it) and draft_min 4:
+    # K=4 at 4.0951 / 0.0195 = 210.01.
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
+    for draft_min, n, rate in ((0, 3, 3.439 / 0.016), (4, 4, 4.0951 / 0.0195)):
+        p = AutoPlanner(Timings(dict(HAND), 0.05), ngram=NgramDrafter(1, 8),
+                        draft_min=draft_min, learn_timings=False)  # fmt: skip
+        p.confidence = 0.9
+        plan = p.plan(history, 16, GREEDY, RNG)
+        assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate)
+    # A continuation exactly draft_min long is drafted (1-token match, a = 0.18, FLAT).
+    p = ngram_planner(FLAT, draft_min=3)
+    assert p.plan([5, 6, 9, 1, 6], 16, GREEDY, RNG).draft.tokens == [9, 1, 6]
+
+
+def test_sampled_model_drafts_carry_their_distributions() -> None:
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    sampled = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    plan = p.plan([1], 16, sampled, np.random.default_rng(5))
+    assert plan.drafter is p.model and plan.draft.dists is not None
+    assert len(plan.draft.dists) == len(plan.draft.tokens) == 4
+
+
+def test_best_k_minimum_and_ties() -> None:
+    from specgguf.spec.planner import best_k
+
+    # HAND at a = 0.8 (test_cost_model_against_hand_computed_numbers): K=2 is best
+    # (135.56); from K=3 on: K=3 at 2.952 / 0.022 = 134.18.
+    t = Timings(dict(HAND), draft=0.002)
+    assert best_k(0.8, t, 4, k_min=3) == (3, pytest.approx(2.952 / 0.022))
+    # Drafts that gain nothing (a = 0, free, flat timings) tie with the target alone:
+    # no drafts.
+    assert best_k(0.0, Timings(dict(FLAT)), 4, draft_cost=0.0) == (0, pytest.approx(100.0))
+
+
+def test_outliers_by_hand() -> None:
+    from specgguf.spec.planner import _drop_outliers
+
+    # 0.5 is over 1.5 times the next two (0.2, 0.3), though not the third (0.4): replaced
+    # by the interpolation of its neighbours, 0.15.
+    assert _drop_outliers({1: 0.1, 2: 0.5, 3: 0.2, 4: 0.3, 5: 0.4})[2] == pytest.approx(0.15)
+    # Exactly 1.5 times (in binary: 0.75 = 1.5 * 0.5) is kept.
+    assert _drop_outliers({1: 0.25, 2: 0.75, 3: 0.5, 4: 0.5})[2] == 0.75
+    # The size before the last is checked too (against the last only).
+    assert _drop_outliers({1: 0.1, 2: 0.2, 3: 0.9, 4: 0.3})[3] == pytest.approx(0.25)
+
+
+def test_first_evaluation_cost_three_behind_is_spread() -> None:
+    # Three behind, a mean run of 4: 0.2 * t_verify(2) + 0.2 * (0.014 - 0.012) / 4.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p.mean_streak = 4.0
+    assert p._first_eval_cost([1, 2, 3]) == pytest.approx(0.0025)
+
+
+def test_calibration_log_by_hand() -> None:
+    from specgguf.spec.planner import calibrate
+
+    # Room 8, sizes 1 and 2 (need 2): a prefix of 8 - 2 - 1 = 5 tokens, a warm-up, 3
+    # repeats per size (the default) each after one draft token, then 5 draft timings
+    # each after one target token; both caches emptied.
+    target = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=8)
+    draft = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=16)
+    calibrate(target, draft, [5, 6, 7], sizes=(1, 2))
+    prefix = [5, 6, 7, 5, 6]
+
+    def timed(tokens: list[int], mode: str) -> list[tuple[object, ...]]:
+        return [("rollback", 5), ("eval", 5, tokens, mode)]
+
+    assert target.log == [
+        ("rollback", 0), ("eval", 0, prefix, "none"), *timed([5], "all"),
+        *timed([5], "all") * 3, *timed([5, 6], "all") * 3, *timed([5], "last") * 5,
+        ("rollback", 0),
+    ]  # fmt: skip
+    assert draft.log == [("rollback", 0), ("eval", 0, prefix, "none"),
+                         *timed([5], "last") * 12, ("rollback", 0)]  # fmt: skip
+    # A long context: a prefix of 64 tokens at most.
+    big = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=256)
+    calibrate(big, None, [5], sizes=(1, 2), repeats=1)
+    assert big.log[1] == ("eval", 0, [5] * 64, "none")
+    # No room for a prefix (3 - 2 - 1 = 0): none.
+    small = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=3)
+    calibrate(small, None, [5], sizes=(1, 2), repeats=1)
+    assert all(e[3] != "none" for e in small.log if e[0] == "eval")
+    # The batch bounds the sizes, whatever the outputs allow; a 1-token context: size 1.
+    narrow = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=64, n_batch=2)
+    narrow.n_outputs_max = 64  # type: ignore[attr-defined]
+    assert sorted(calibrate(narrow, None, [5], sizes=(1, 2, 4), repeats=1).verify) == [1, 2]
+    one = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=1)
+    assert sorted(calibrate(one, None, [5], repeats=1).verify) == [1]
