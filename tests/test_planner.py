@@ -7,6 +7,7 @@ limits."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -226,6 +227,13 @@ def test_fixed_planner_limits() -> None:
     alone = FixedPlanner(None, 5)
     assert alone.draft_max == 0 and alone.drafters == []
     assert alone.plan([1], 5, GREEDY, RNG).drafter is None
+    # No cost model: no expected rate (nan), whichever the outcome.
+    plans = [p.plan([1], 5, GREEDY, RNG), p.plan([1], 2, GREEDY, RNG),
+             short.plan([1], 5, GREEDY, RNG), alone.plan([1], 5, GREEDY, RNG)]  # fmt: skip
+    assert all(math.isnan(plan.expected_rate) for plan in plans)
+    # No minimum by default: an empty draft is the drafter's own (nothing to verify).
+    empty = ScriptedDrafter(lambda history, k: [])
+    assert FixedPlanner(empty, 5).plan([1], 5, GREEDY, RNG).drafter is empty
 
 
 def test_ngram_replaces_a_draft_model_in_use_only_when_clearly_faster(
