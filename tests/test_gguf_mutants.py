@@ -64,3 +64,85 @@ def test_qwen_end_of_generation_tokens(real_models: dict[str, Path]) -> None:
         theirs = llama_cpp_eog(real_models[name])
         assert set(eog) <= set(theirs)
         assert set(theirs) - set(eog) <= {151662, 151663, 151664}
+
+
+HTML = "an HTML page, not a GGUF file (a failed or redirected download?)"
+JSON = "a JSON document, not a GGUF file (an error response from a server?)"
+LEGACY = "a legacy GGML file (before GGUF); convert it with llama.cpp"
+
+
+@pytest.mark.parametrize(
+    ("head", "reason"),
+    [
+        (b"GGU", "the file is only 3 bytes, not a GGUF file"),
+        (b"\n  version https://git-lfs.github.com/spec/v1",
+         "a Git LFS pointer file, not the model itself (run `git lfs pull`)"),
+        *[(prefix + b" ...", HTML) for prefix in
+          (b"  <!DOCTYPE HTML", b"<HTML>", b"<?XML version", b"<HEAD>")],
+        (b"{\"error\": 1}", JSON),
+        (b"[1, 2]", JSON),
+        (b"FUGG\x00\x00\x00\x03",
+         "byte-swapped GGUF magic: a big-endian file, which llama.cpp cannot load here"),
+        *[(magic + b"\x00" * 8, LEGACY) for magic in
+          (b"ggml", b"ggmf", b"ggjt", b"lmgg", b"fmgg", b"tjgg")],
+        (b"PK\x03\x04", "a zip archive, not a GGUF file"),
+        (b"GGML\x00", "not a GGUF file (the first bytes are b'GGML', expected b'GGUF')"),
+        (b"abcd", "not a GGUF file (the first bytes are b'abcd', expected b'GGUF')"),
+    ],
+)  # fmt: skip
+def test_what_is_found_in_place_of_a_gguf_file_is_named(head: bytes, reason: str) -> None:
+    from specgguf.gguf.metadata import _not_gguf_reason
+
+    # The size is the file's: the head's own length (4 bytes are enough for a reason).
+    assert _not_gguf_reason(head, len(head)) == reason
+
+
+def test_long_or_unprintable_names_are_cut_with_their_length() -> None:
+    from specgguf.gguf.metadata import shown
+
+    assert shown("a" * 80) == "a" * 80  # the limit itself: as it is
+    assert shown("a" * 81) == "a" * 60 + "... (81 characters)"
+    assert shown("a" * 20, limit=10) == "a" * 0 + "... (20 characters)"
+    # Quoted, 80 characters become 82: cut too, though the name is within the limit.
+    assert shown("b" * 80, quote=True) == "'" + "b" * 59 + "... (80 characters)"
+    assert shown("b" * 78, quote=True) == "'" + "b" * 78 + "'"
+
+
+def _string_array(tmp_path: Path, count: int, elements: bytes) -> Path:
+    """A GGUF file with one key "k": an array of ``count`` strings at byte 49, then
+    ``elements`` (length-prefixed strings) and nothing more."""
+    import struct
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1)
+    kv = struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 8, count)
+    path = tmp_path / "strings.gguf"
+    path.write_bytes(head + kv + elements)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("count", "elements", "reason", "offset"),
+    [
+        # "ab" (bytes 49-58), then a length of 5 at 59 with 3 bytes left: past the end.
+        (2, b"\x02" + bytes(7) + b"ab" + b"\x05" + bytes(7) + b"xyz",
+         "k: element 1 of 2 claims 5 bytes, past the end of the file (truncated?)", 59),
+        # "abcdefgh" ending exactly at the end of the file: the second is missing.
+        (2, b"\x08" + bytes(7) + b"abcdefgh",
+         "k: the file ends inside a string array, at element 1 of 2 (truncated?)", 65),
+        # A length of 100 whose 8 bytes end exactly at the end of the file.
+        (2, b"\x02" + bytes(7) + b"ab" + b"\x64" + bytes(7),
+         "k: element 1 of 2 claims 100 bytes, past the end of the file (truncated?)", 59),
+        # The largest unsigned length (not a negative one).
+        (1, b"\xff" * 8, "k: element 0 of 1 claims 18,446,744,073,709,551,615 bytes, past the "
+         "end of the file (truncated?)", 49),
+    ],
+)  # fmt: skip
+def test_the_first_bad_string_of_an_array_is_named(
+    tmp_path: Path, count: int, elements: bytes, reason: str, offset: int
+) -> None:
+    from specgguf.errors import GGUFFormatError
+    from specgguf.gguf.metadata import GGUFMetadata
+
+    with pytest.raises(GGUFFormatError) as ei:
+        GGUFMetadata.open(_string_array(tmp_path, count, elements))
+    assert (ei.value.reason, ei.value.offset) == (reason, offset)

@@ -7,6 +7,7 @@ import tracemalloc
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
 from specgguf.spec.drafters import SuffixDrafter
 from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
@@ -103,3 +104,91 @@ def test_output_equals_the_target_alone_with_suffix_drafts() -> None:
         assert res.tokens == base, k
         if k == 8:
             assert res.stats.accepted > 20
+
+
+def test_defaults_and_the_state_before_any_match() -> None:
+    d = SuffixDrafter()
+    assert (d.capacity, d.max_occurrences, d.min_share) == (32768, 16, 0.5)
+    assert (d.seconds, d.last_match, d.last_confidence) == (0.0, 0, 0.0)
+    # Nothing matched: no draft, no match, no confidence.
+    assert draft(d, [1, 2, 3]) == [] and (d.last_match, d.last_confidence) == (0, 0.0)
+
+
+def test_a_growing_history_drafts_as_the_whole_of_it() -> None:
+    # Fed one token more at each call, as in a generation, the drafter answers what a
+    # fresh one answers for the whole history (same drafts, matches and confidences).
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8]
+    seq = seq + seq[:12] + [1, 4, 1]
+    grown = SuffixDrafter()
+    for end in range(1, len(seq) + 1):
+        fresh = SuffixDrafter()
+        want = (draft(fresh, seq[:end]), fresh.last_match, fresh.last_confidence)
+        got = (draft(grown, seq[:end]), grown.last_match, grown.last_confidence)
+        assert got == want, end
+    # The same history twice: the same answer (it is not a new generation).
+    again = (draft(grown, seq), grown.last_match, grown.last_confidence)
+    assert again == want
+
+
+def test_the_latest_token_pair_and_a_one_token_history_are_matched() -> None:
+    # "2" occurred right before the last token: its continuation (the last token) counts.
+    assert draft(SuffixDrafter(), [1, 2, 2]) == [2]
+    # "1" at the very start: followed by 2, then by the last 1.
+    assert draft(SuffixDrafter(), [1, 2, 1]) == [2, 1]
+    # A one-token history is matched against earlier generations.
+    d = SuffixDrafter()
+    draft(d, [3, 4])
+    d.reset()
+    assert draft(d, [3]) == [4] and d.last_match == 1
+
+
+def test_a_history_that_is_not_an_extension_starts_a_new_generation() -> None:
+    d = SuffixDrafter()
+    draft(d, [1, 2, 3, 4])
+    # Longer but different: a new generation behind a separator (no reset() called).
+    assert draft(d, [9, 9, 9, 9, 9]) == [9] and d.last_match == 4
+    # Control: the four 9s would not match had they been appended to 1 2 3 4.
+    assert draft(SuffixDrafter(), [1, 2, 3, 4, 9]) == []
+
+
+def test_only_the_latest_occurrences_are_kept() -> None:
+    # "1" was followed by 9, 6 and 2; with two occurrences kept, 6 and 2 remain: a tie,
+    # won by the larger id, at a share of one half.
+    d = SuffixDrafter(max_occurrences=2)
+    assert draft(d, [1, 9, 1, 6, 1, 2, 1], k=1) == [6] and d.last_confidence == 0.5
+    # With all three: 9, 6 and 2 once each: 9, at a third.
+    d = SuffixDrafter(max_occurrences=3)
+    assert draft(d, [1, 9, 1, 6, 1, 2, 1], k=1) == [9] and abs(d.last_confidence - 1 / 3) < 1e-9
+
+
+def test_a_share_of_exactly_min_share_ends_the_draft() -> None:
+    # "1" was followed by 2 twice, then by 5 and by 6: the second token has a share of 1/2.
+    d = SuffixDrafter(min_share=0.5)
+    assert draft(d, [1, 2, 5, 1, 2, 6, 1], k=4) == [2] and d.last_confidence == 1.0
+    assert draft(SuffixDrafter(min_share=0.4), [1, 2, 5, 1, 2, 6, 1], k=2) == [2, 6]
+
+
+def test_the_corpus_keeps_the_most_recent_half_of_its_capacity() -> None:
+    # Capacity 12: 9 tokens, a separator and 3 more are 13: the oldest 7 are dropped, so
+    # that 6 remain: "8 9 | 20 21 8". "8" is still followed by 9; "7" was forgotten.
+    for last, want in ((8, [9]), (7, [])):
+        d = SuffixDrafter(capacity=12)
+        draft(d, list(range(1, 10)))
+        d.reset()
+        assert draft(d, [20, 21, last]) == want, last
+    # Exactly at capacity (4 + separator + 3 = 8 of 8): nothing is forgotten.
+    d = SuffixDrafter(capacity=8)
+    draft(d, [1, 2, 3, 4])
+    d.reset()
+    assert draft(d, [5, 1, 2]) == [3, 4]
+
+
+def test_seconds_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specgguf.spec import drafters as drafters_module
+
+    times = iter([1.0, 1.25, 2.0, 2.5])
+    monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))
+    d = SuffixDrafter()
+    draft(d, [1, 2, 1])
+    draft(d, [1, 2, 1, 2])
+    assert d.seconds == 0.75

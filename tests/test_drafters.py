@@ -1,0 +1,224 @@
+"""The drafters' bookkeeping, pinned call by call: what the draft model's cache evaluates
+(the fake context's log) after a prefill, an accepted or a rejected draft, a new prompt and
+a window shift, and the n-gram drafter's bounds. Each expected log is worked out by hand
+from the documented behaviour (the cache holds the history from ``offset`` on; a shift
+keeps the most recent half of the context), not read off the code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from specgguf.spec import drafters as drafters_module
+from specgguf.spec.drafters import ModelDrafter, NgramDrafter
+from specgguf.spec.sampling import SamplerParams
+
+from .fakes import FakeContext, one_hot_rule
+
+V = 64
+GREEDY = SamplerParams(temperature=0.0)
+RNG = np.random.default_rng(0)
+
+
+def plus_one(prefix: Sequence[int]) -> int:
+    return (prefix[-1] + 1) % V
+
+
+def drafter(n_ctx: int = 256) -> tuple[ModelDrafter, FakeContext]:
+    ctx = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=n_ctx)
+    return ModelDrafter(ctx, V), ctx  # type: ignore[arg-type]
+
+
+def log_of(ctx: FakeContext) -> list[tuple[object, ...]]:
+    out, ctx.log = ctx.log, []
+    return out
+
+
+def last(n_past: int, tokens: list[int]) -> tuple[object, ...]:
+    return ("eval", n_past, tokens, "last")
+
+
+def test_prefill_then_drafts_evaluate_each_token_once() -> None:
+    d, ctx = drafter()
+    assert (d.seconds, d.last_token_seconds, d.last_stopped) == (0.0, 0.0, False)
+    d.prefill([1, 2, 3, 4, 5])
+    assert log_of(ctx) == [("rollback", 0), ("eval", 0, [1, 2, 3, 4], "none")]
+    # The same prompt again: all but its last token are held; nothing to evaluate.
+    d.prefill([1, 2, 3, 4, 5])
+    assert log_of(ctx) == [("rollback", 4)]
+    # A longer prompt sharing it: only the new tokens but the last.
+    d.prefill([1, 2, 3, 4, 5, 6])
+    assert log_of(ctx) == [("rollback", 4), ("eval", 4, [5], "none")]
+    # Drafting: the last history token, then one evaluation per draft token but the last.
+    assert d.propose([1, 2, 3, 4, 5, 6], 3, GREEDY, RNG).tokens == [7, 8, 9]
+    assert log_of(ctx) == [("rollback", 5), last(5, [6]), last(6, [7]), last(7, [8])]
+    # Two of the three accepted and the target's own token (20) after them: the cache
+    # keeps the accepted drafts and evaluates only the new token.
+    assert d.propose([1, 2, 3, 4, 5, 6, 7, 8, 20], 2, GREEDY, RNG).tokens == [21, 22]
+    assert log_of(ctx) == [("rollback", 8), last(8, [20]), last(9, [21])]
+    # The same history again: its last token is evaluated again for its logits.
+    assert d.propose([1, 2, 3, 4, 5, 6, 7, 8, 20], 2, GREEDY, RNG).tokens == [21, 22]
+    assert log_of(ctx) == [("rollback", 8), last(8, [20]), last(9, [21])]
+    # Nothing asked: nothing evaluated, even with a history to catch up on.
+    assert d.propose([1, 2, 3, 4, 5, 6, 7, 8, 20, 30, 31], 0, GREEDY, RNG).tokens == []
+    assert log_of(ctx) == []
+
+
+def test_a_new_prompt_reuses_only_the_prefix_it_shares() -> None:
+    d, ctx = drafter()
+    d.prefill([1, 2, 3, 4, 5])
+    d.propose([1, 2, 3, 4, 5], 3, GREEDY, RNG)
+    log_of(ctx)
+    # A new generation: the cache is kept, and a prompt sharing "1 2" reuses those two.
+    d.reset()
+    d.prefill([1, 2, 9, 9, 9])
+    assert log_of(ctx) == [("rollback", 2), ("eval", 2, [9, 9], "none")]
+    # A prompt sharing nothing re-evaluates from the start.
+    d.reset()
+    d.prefill([40, 41, 42])
+    assert log_of(ctx) == [("rollback", 0), ("eval", 0, [40, 41], "none")]
+    # The whole last history as the next prompt: its last token is left for drafting.
+    d.propose([40, 41, 42], 2, GREEDY, RNG)
+    log_of(ctx)
+    d.reset()
+    d.prefill([40, 41, 42])
+    assert log_of(ctx) == [("rollback", 2)]
+
+
+def test_the_window_shifts_to_the_recent_half_of_the_draft_context(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d, ctx = drafter(n_ctx=16)
+    h = list(range(20))
+    # 20 tokens and 3 draft evaluations do not fit 16: the window restarts on the most
+    # recent 8 (16 // 2) tokens, at offset 12.
+    assert d.propose(h, 4, GREEDY, RNG).tokens == [20, 21, 22, 23]
+    assert log_of(ctx) == [
+        ("rollback", 0), ("rollback", 0), last(0, list(range(12, 20))),
+        last(8, [20]), last(9, [21]), last(10, [22]),
+    ]  # fmt: skip
+    assert d.offset == 12 and d.cached_tokens(h) == 20
+    assert [r.getMessage() for r in caplog.records] == [
+        "the draft model's context (16 tokens) is smaller than the text so far (23 tokens): "
+        "it drafts from the most recent 8 tokens"
+    ]
+    # All accepted and the bonus 24: 25 - 12 tokens and 3 evaluations fill 16 exactly.
+    h2 = list(range(25))
+    assert d.propose(h2, 4, GREEDY, RNG).tokens == [25, 26, 27, 28]
+    assert log_of(ctx) == [("rollback", 11), last(11, [23, 24]), last(13, [25]),
+                           last(14, [26]), last(15, [27])]  # fmt: skip
+    # The same history again: its last token is evaluated again, inside the window.
+    assert d.propose(h2, 4, GREEDY, RNG).tokens == [25, 26, 27, 28]
+    assert log_of(ctx) == [("rollback", 12), last(12, [24]), last(13, [25]),
+                           last(14, [26]), last(15, [27])]  # fmt: skip
+    # Rejected at the first draft token: 30 and 31 follow 24; the cache keeps 12..24.
+    assert d.propose([*h2, 30, 31], 1, GREEDY, RNG).tokens == [32]
+    assert log_of(ctx) == [("rollback", 13), last(13, [30, 31])]
+    # 26 - 12 tokens and 3 draft evaluations are one too many: the window shifts again.
+    h3 = list(range(26))
+    d.reset()
+    assert d.propose(h3, 4, GREEDY, RNG).tokens == [26, 27, 28, 29]
+    assert log_of(ctx) == [
+        ("rollback", 0), ("rollback", 0), last(0, list(range(18, 26))),
+        last(8, [26]), last(9, [27]), last(10, [28]),
+    ]  # fmt: skip
+    assert d.offset == 18 and len(caplog.records) == 1  # warned once
+
+
+def test_prefill_keeps_a_window_the_prompt_reaches_and_leaves_one_it_does_not() -> None:
+    d, ctx = drafter(n_ctx=16)
+    d.propose(list(range(20)), 4, GREEDY, RNG)  # window at offset 12, as above
+    log_of(ctx)
+    # The same text, longer: the window stays; only the tokens past the cache are read.
+    d.reset()
+    d.prefill(list(range(24)))
+    assert log_of(ctx) == [("rollback", 11)]  # 12..22 held (the drafts 20..22 included)
+    assert d.offset == 12
+    d.reset()
+    d.prefill(list(range(13)))  # ends at the window's first token: nothing to read
+    assert log_of(ctx) == [("rollback", 0)] and d.offset == 12
+    # Another text of the same length: the window starts again at its beginning.
+    d.reset()
+    other = list(range(30, 44))
+    d.prefill(other)
+    assert log_of(ctx) == [("rollback", 0), ("eval", 0, other[:-1], "none")]
+    assert d.offset == 0
+    # A prompt that fills the context but one position fits without a shift.
+    d2, ctx2 = drafter(n_ctx=16)
+    d2.prefill(list(range(15)))
+    assert log_of(ctx2) == [("rollback", 0), ("eval", 0, list(range(14)), "none")]
+    assert d2.offset == 0
+
+
+def test_a_tiny_draft_context_drafts_one_token_from_the_last_one() -> None:
+    d, ctx = drafter(n_ctx=3)
+    # Half of 3 is 1: one token drafted, from a window holding only the last token.
+    assert d.propose([1, 2, 3, 4, 5], 4, GREEDY, RNG).tokens == [6]
+    assert log_of(ctx) == [("rollback", 0), ("rollback", 0), last(0, [5])]
+    assert d.offset == 4
+
+
+def two_way(prefix: Sequence[int]) -> npt.NDArray[np.float32]:
+    """Token 10 after 1, then a tie between 20 and 21 (probability 1/2 each)."""
+    row = np.full(V, -100.0, np.float32)
+    if prefix[-1] == 1:
+        row[10] = 0.0
+    else:
+        row[20] = row[21] = 0.0
+    return row
+
+
+def test_p_min_stops_at_the_first_token_below_it() -> None:
+    for p_min, tokens, stopped in [(0.5, [10, 20, 20], False), (0.51, [10], True)]:
+        d = ModelDrafter(FakeContext(two_way, V), V)  # type: ignore[arg-type]
+        draft = d.propose([1], 3, GREEDY, RNG, p_min=p_min)
+        assert (draft.tokens, d.last_stopped) == (tokens, stopped), p_min
+
+
+def test_seconds_add_up_over_prefills_and_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    times = iter([10.0, 10.5, 20.0, 20.25, 30.0, 30.0625, 30.125])
+    monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))
+    d, _ = drafter()
+    d.prefill([1, 2, 3])
+    assert d.seconds == 0.5
+    d.prefill([1, 2, 3, 4])
+    assert d.seconds == 0.75
+    d.propose([1, 2, 3, 4], 1, GREEDY, RNG)  # started at 30.0, ended at 30.125
+    assert d.seconds == 0.875 and d.last_token_seconds == 0.125
+
+
+def test_ngram_defaults_bounds_and_state() -> None:
+    d = NgramDrafter()
+    assert (d.n_min, d.n_max, d.seconds, d.last_match) == (2, 8, 0.0, 0)
+    # Default n_min 2: a repeated 2-gram is enough.
+    assert d.propose([1, 2, 9, 1, 2], 3, GREEDY, RNG).tokens == [9, 1, 2]
+    assert d.last_match == 2
+    d.reset()
+    assert d.last_match == 0
+    # Default n_max 8: the suffix 1..9 occurred whole once (then 50), and its last 8
+    # tokens later too (then 60): an 8-gram is the longest looked up.
+    h = [*range(1, 10), 50, 0, *range(2, 10), 60, *range(1, 10)]
+    assert NgramDrafter().propose(h, 3, GREEDY, RNG).tokens == [60, 1, 2]
+    assert NgramDrafter(2, 9).propose(h, 3, GREEDY, RNG).tokens == [50, 0, 2]  # control
+    # k = 0: no draft and no match reported, though one exists.
+    d = NgramDrafter()
+    assert d.propose([1, 2, 9, 1, 2], 0, GREEDY, RNG).tokens == [] and d.last_match == 0
+    with pytest.raises(ValueError, match=r"need 1 <= n_min <= n_max, got 3, 2"):
+        NgramDrafter(3, 2)
+
+
+def test_seconds_per_token_leave_out_a_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # perf_counter at the start, after the first evaluation and at the end of each draft.
+    times = iter([0.0, 0.5, 0.625, 1.0, 1.0, 1.375])
+    monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))
+    d, _ = drafter()
+    # Two tokens after a 3-token catch-up: the second token's evaluation, 0.125 s.
+    assert d.propose([1, 2, 3], 2, GREEDY, RNG).tokens == [4, 5]
+    assert d.last_token_seconds == 0.125
+    # One token after a catch-up of 3 (history 6 7 8 new): not a per-token time; kept.
+    d2, _ = drafter()
+    assert d2.propose([6, 7, 8], 1, GREEDY, RNG).tokens == [9]
+    assert d2.last_token_seconds == 0.0 and d2.seconds == 0.375

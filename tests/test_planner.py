@@ -1,0 +1,456 @@
+"""AutoPlanner's single decisions and bookkeeping against numbers worked out by hand from
+the documented model (module docstring of specgguf.spec.planner: E(K) = (1 - a^(K+1)) /
+(1 - a), a step costs its draft evaluations and a verification of K + 1 tokens), not
+read off the code: the n-gram buckets, caps and margin, the optimistic first steps of the
+draft model, the streak of model steps, what a verification teaches, FixedPlanner's
+limits."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from specgguf.spec.drafters import Draft, ModelDrafter, NgramDrafter
+from specgguf.spec.planner import AutoPlanner, FixedPlanner, Plan, Timings
+from specgguf.spec.sampling import SamplerParams
+
+from .fakes import FakeContext, ScriptedDrafter, one_hot_rule
+
+V = 32
+GREEDY = SamplerParams(temperature=0.0)
+RNG = np.random.default_rng(0)
+#: t_verify(1, 2, 4, 8) (t_verify(3) = 0.014, t_verify(5) = 0.0195 interpolated)
+HAND = {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.030}
+#: every batch size costs 10 ms: E(K) / 0.010 grows with K, so K is the cap
+FLAT = {1: 0.010, 2: 0.010}
+
+
+def e(a: float, k: int) -> float:
+    """E(K) by its definition: 1 + a + ... + a^K."""
+    return sum(a**i for i in range(k + 1))
+
+
+def plus_one(prefix: Sequence[int]) -> int:
+    return prefix[-1] % 30 + 1
+
+
+def model_drafter() -> ModelDrafter:
+    return ModelDrafter(FakeContext(one_hot_rule(plus_one, V), V), V)  # type: ignore[arg-type]
+
+
+def ngram_planner(timings: dict[int, float], **kw: object) -> AutoPlanner:
+    return AutoPlanner(Timings(dict(timings)), ngram=NgramDrafter(1, 8), learn_timings=False,
+                       **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_ngram_drafts_are_judged_by_their_match_length() -> None:
+    # A 4-token match at confidence 0.9: a = 1.0 * 0.9. With HAND's timings, free drafts:
+    # K=1: 1.9 / 0.012 = 158.33, K=2: 2.71 / 0.014 = 193.57, K=3: 3.439 / 0.016 = 214.94,
+    # K=4: 4.0951 / 0.0195 = 210.01: K = 3.
+    p = ngram_planner(HAND)
+    p.confidence = 0.9
+    plan = p.plan([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 16, GREEDY, RNG)
+    assert plan.drafter is p.ngram and plan.draft.tokens == [5, 6, 7]
+    assert plan.expected_rate == pytest.approx(3.439 / 0.016)
+    # A 3-token match counts as 2 (prior 0.7 of the confidence 0.6: a = 0.42); all four
+    # tokens found are drafted at flat timings.
+    p = ngram_planner(FLAT)
+    plan = p.plan([7, 8, 9, 5, 7, 8, 9], 16, GREEDY, RNG)
+    assert plan.draft.tokens == [5, 7, 8, 9] and p._last_ngram_bucket == 2
+    assert plan.expected_rate == pytest.approx(e(0.42, 4) / 0.010)
+    # A 1-token match: prior 0.3 of the confidence (a = 0.18).
+    p = ngram_planner(FLAT)
+    plan = p.plan([5, 6, 9, 1, 6], 16, GREEDY, RNG)
+    assert plan.draft.tokens == [9, 1, 6] and p._last_ngram_bucket == 1
+    assert plan.expected_rate == pytest.approx(e(0.18, 3) / 0.010)
+
+
+def test_ngram_drafts_must_beat_the_target_alone_by_the_margin() -> None:
+    # A 1-token match with HAND's timings: K=1 at a = 0.3 * confidence. Confidence 0.85:
+    # 1.255 / 0.012 = 104.58, faster than the target alone (100) but not by 5%: no drafts.
+    history = [5, 6, 9, 1, 6]
+    p = ngram_planner(HAND)
+    p.confidence = 0.85
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
+    # Confidence 1: 1.3 / 0.012 = 108.33 (K=2: 1.39 / 0.014 = 99.29): one token.
+    p.confidence = 1.0
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert plan.draft.tokens == [9] and plan.expected_rate == pytest.approx(1.3 / 0.012)
+    # Room for fewer drafts than draft_min: the target alone, nothing proposed.
+    p = ngram_planner(HAND, draft_min=3)
+    p.confidence = 1.0
+    assert p.plan(history, 2, GREEDY, RNG).drafter is None
+
+
+def test_ngram_draft_length_follows_the_accepted_length() -> None:
+    # 16 tokens found after a 4-token match; the cap is 2 * (mean accepted length) + 4:
+    # 12 at first (mean 4), 9 at a mean of 2.6, and never below draft_min.
+    history = [*range(20), 0, 1, 2, 3]
+    p = ngram_planner(FLAT)
+    assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(4, 16))
+    p.ngram_len[4] = 2.6
+    assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(4, 13))
+    p = ngram_planner(FLAT, draft_min=10)
+    p.ngram_len[4] = 0.0
+    assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(4, 14))
+    # What a verification of 4 drafts with 0 accepted teaches bucket 4: the mean accepted
+    # length halves towards 0 (4 -> 2: cap 8); acceptance 0 of 1 trial, faded by 0.97
+    # at the next step: a = (0 + 0.6 * 2) / (0.97 + 2).
+    p = ngram_planner(FLAT)
+    plan = p.plan(history, 16, GREEDY, RNG)
+    p.observe(Plan(plan.drafter, Draft(plan.draft.tokens[:4]), 0.0), 0, 0.010)
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0}
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert plan.draft.tokens == list(range(4, 12))
+    assert plan.expected_rate == pytest.approx(e(1.2 / 2.97, 8) / 0.010)
+
+
+def test_a_draft_model_is_judged_optimistically_in_its_first_steps() -> None:
+    # Nothing measured: the acceptance prior 0.95 and the confidence 0.6 as rates, each
+    # raised by one standard error (prior worth 2 trials): 0.95 + sqrt(0.0475 / 2) -> 1,
+    # 0.6 + sqrt(0.24 / 2) = 0.94641; K at most 4. The first evaluation costs
+    # t_draft = 0.002; draft token i is evaluated when the i - 1 before it passed:
+    #   K=4: proposed p = 0.94641 + ... + 0.94641^4 = 3.49206 after 2.68979 evaluations,
+    #        step 0.002 + 2.68979 * 0.002 + t_verify(4.49206) = 0.0251018,
+    #        E = 1 + p = 4.49206 (c = 1 * 0.94641): 178.95 tokens/s, the best of K <= 4.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert plan.drafter is p.model and len(plan.draft.tokens) == 4
+    assert plan.expected_rate == pytest.approx(178.9537, rel=1e-5)
+    assert (p._model_steps, p.idle_model, p._streak) == (1, 0, 1)
+
+
+def test_the_streak_of_model_steps_is_averaged_when_it_ends() -> None:
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    kinds = []
+    for conf in (0.9, 0.9, 0.9, 0.05, 0.9, 0.05, 0.05):
+        # Confidence 0.05: even optimistic (a = 0.204), K=1 gives 97.04 < 100 tokens/s.
+        p.confidence = conf
+        kinds.append(p.plan([1], 16, GREEDY, RNG).drafter is not None)
+        if len(kinds) == 4:  # a run of 3 ended: the mean run moves halfway from 1 to 3
+            assert (p.mean_streak, p._streak, p.idle_model) == (2.0, 0, 1)
+    assert kinds == [True, True, True, False, True, False, False]
+    assert p.mean_streak == 1.5 and p._streak == 0  # then halfway from 2 to a run of 1
+    assert p.idle_model == 2 and p._model_steps == 4
+
+
+def test_what_a_verification_teaches() -> None:
+    model = model_drafter()
+    ngram = NgramDrafter(1, 4)
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, ngram=ngram)
+    # The confidence: a running mean over the first ten steps, then a moving average.
+    none = Plan(None, Draft([]), 100.0)
+    p.observe(none, 0, 0.0125, confidence=0.9)
+    assert p.confidence == pytest.approx(0.9)
+    # The decode step took 1.25 times the calibrated 0.010 s: its correction moves 5%.
+    assert p.timings.scale_single == pytest.approx(1.0125) and p.timings.scale_batch == 1.0
+    p.observe(none, 0, 0.010, confidence=0.5)
+    assert p.confidence == pytest.approx(0.7)
+    p.observe(none, 0, 0.010)  # none given: unchanged
+    assert p.confidence == pytest.approx(0.7) and p._n_confidence == 2
+    for _ in range(8):
+        p.observe(none, 0, 0.010, confidence=0.7)
+    p.observe(none, 0, 0.010, confidence=1.7)  # the 11th: weight 0.1
+    assert p.confidence == pytest.approx(0.8)
+    # A model draft of 3, 2 accepted, not stopped: 2 successes of 3 trials; its 3 tokens
+    # passed P_STOP (3 of 3); t_draft moves 5% towards the 0.004 s measured per token; the
+    # batch of 4 took 1.2 times t_verify(4).
+    model.last_token_seconds = 0.004
+    p.observe(Plan(model, Draft([1, 2, 3]), 0.0), 2, 0.0192)
+    assert (p.acc_model.successes, p.acc_model.trials) == (2.0, 3.0)
+    assert (p.cont_model.successes, p.cont_model.trials) == (3.0, 3.0)
+    assert p.timings.draft == pytest.approx(0.0021)
+    assert p.timings.scale_batch == pytest.approx(1.01)
+    # An empty model draft teaches no draft time; a one-token draft does.
+    model.last_token_seconds = 0.012
+    p.observe(Plan(model, Draft([]), 0.0), 0, 0.010)
+    assert p.timings.draft == pytest.approx(0.0021)
+    p.observe(Plan(model, Draft([1]), 0.0), 1, 0.012)
+    assert p.timings.draft == pytest.approx(0.0021 + 0.05 * (0.012 - 0.0021))
+    p.timings.draft = 0.0021
+    p.acc_model = type(p.acc_model)(prior=0.95, successes=2.0, trials=3.0)
+    p.cont_model = type(p.cont_model)(successes=3.0, trials=3.0)
+    # Stopped at an unsure token after 2: the continuation failed once more.
+    model.last_stopped = True
+    model.last_token_seconds = 0.0  # not measured: t_draft unchanged
+    p.observe(Plan(model, Draft([1, 2]), 0.0), 2, 0.012)
+    assert p.cont_model.successes == pytest.approx(0.9 * 3 + 2)
+    assert p.cont_model.trials == pytest.approx(0.9 * 3 + 3)
+    assert p.timings.draft == pytest.approx(0.0021)
+    # An n-gram draft counts for the bucket of its match, and only a non-empty one.
+    p._last_ngram_bucket = 2
+    p.observe(Plan(ngram, Draft([]), 0.0), 0, 0.010)
+    assert p.ngram_len[2] == 4.0 and p.acc_ngram[2].trials == 0.0
+    p.observe(Plan(ngram, Draft([1, 2, 3, 4]), 0.0), 2, 0.010)
+    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0}
+    assert (p.acc_ngram[2].successes, p.acc_ngram[2].trials) == (2.0, 3.0)
+    # Without learn_timings nothing about timings moves.
+    q = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    model.last_token_seconds = 0.004
+    q.observe(Plan(model, Draft([1, 2, 3]), 0.0), 2, 0.05)
+    assert (q.timings.draft, q.timings.scale_batch, q.timings.scale_single) == (0.002, 1.0, 1.0)
+
+
+def test_reset_starts_from_the_priors() -> None:
+    ngram = NgramDrafter(1, 4)
+    ngram.propose([1, 2, 1], 4, GREEDY, RNG)
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), ngram=ngram)
+    assert ngram.last_match == 0  # the drafters were reset too
+    for _ in range(3):
+        p.confidence = 0.9
+        p.plan([1], 16, GREEDY, RNG)
+    p.observe(Plan(p.model, Draft([1, 2]), 0.0), 0, 0.02, confidence=0.1)
+    p.reset()
+    assert p.confidence == 0.6 and p._n_confidence == 0
+    assert (p.acc_model.rate, p.cont_model.rate) == (0.95, 0.6)
+    assert all(a.rate == 0.6 and a.trials == 0.0 for a in p.acc_ngram.values())
+    assert (p._model_steps, p.idle_model, p._streak, p.mean_streak) == (0, 0, 0, 1.0)
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0} and p._last_ngram_bucket == 1
+    assert p.draft_min == 1 and p.p_min == 0.5 and p.drafters == [ngram, p.model]
+    assert AutoPlanner(Timings(dict(HAND)), p_min=0.7, draft_min=3).p_min == 0.7
+
+
+def test_fixed_planner_limits() -> None:
+    d = ScriptedDrafter(lambda history, k: [7] * k)
+    p = FixedPlanner(d, 5, draft_min=3)
+    assert p.drafters == [d] and p.draft_max == 5
+    assert p.plan([1], 5, GREEDY, RNG).draft.tokens == [7] * 5
+    assert p.plan([1], 3, GREEDY, RNG).draft.tokens == [7] * 3
+    assert p.plan([1], 2, GREEDY, RNG).drafter is None  # room below draft_min
+    assert FixedPlanner(d, 5).plan([1], 0, GREEDY, RNG).drafter is None
+    short = FixedPlanner(ScriptedDrafter(lambda history, k: [7, 7]), 5, draft_min=3)
+    assert short.plan([1], 5, GREEDY, RNG).drafter is None  # a draft below draft_min
+    alone = FixedPlanner(None, 5)
+    assert alone.draft_max == 0 and alone.drafters == []
+    assert alone.plan([1], 5, GREEDY, RNG).drafter is None
+    # No cost model: no expected rate (nan), whichever the outcome.
+    plans = [p.plan([1], 5, GREEDY, RNG), p.plan([1], 2, GREEDY, RNG),
+             short.plan([1], 5, GREEDY, RNG), alone.plan([1], 5, GREEDY, RNG)]  # fmt: skip
+    assert all(math.isnan(plan.expected_rate) for plan in plans)
+    # No minimum by default: an empty draft is the drafter's own (nothing to verify).
+    empty = ScriptedDrafter(lambda history, k: [])
+    assert FixedPlanner(empty, 5).plan([1], 5, GREEDY, RNG).drafter is empty
+
+
+def test_ngram_replaces_a_draft_model_in_use_only_when_clearly_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The model holds the history (one token behind); no optimistic steps. Confidence 0.7:
+    # the model's best is K=7 at 140.73 tokens/s (a_acc 0.95, a_cont 0.7), n-gram lookup
+    # after a 4-token match K=3 at E(0.7, 3) / 0.016 = 158.31: 1.125 times faster, which
+    # takes over a model not in use but not one in use (1.25 needed). Confidence 0.9: the
+    # model's best is K=4 at 161.37, n-gram K=3 at 214.94: 1.33 times, it takes over.
+    monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
+    for steps, conf, kind, n, rate in (
+        (1, 0.7, "model", 7, 140.7310),
+        (0, 0.7, "ngram", 3, e(0.7, 3) / 0.016),
+        (1, 0.9, "ngram", 3, e(0.9, 3) / 0.016),
+    ):
+        model = model_drafter()
+        model.prefill(history)
+        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, ngram=NgramDrafter(1, 8),
+                        learn_timings=False)  # fmt: skip
+        p._model_steps, p._streak, p.confidence = steps, 3, conf
+        plan = p.plan(history, 16, GREEDY, RNG)
+        assert plan.drafter is not None and plan.drafter.name == kind, (steps, conf)
+        assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate, rel=1e-5)
+        # A run of 3 model steps ends when n-gram lookup takes over: mean 1 -> 2.
+        want = (2.0, 0) if kind == "ngram" else (1.0, 4)
+        assert (p.mean_streak, p._streak) == want
+
+
+def test_the_draft_model_length_and_sync_limits() -> None:
+    # Confidence 0.9 after the optimistic steps: the model's best is K=4 (161.37), or
+    # K=2 (150.18) when draft_max_model is 2.
+    for cap, n, rate in ((16, 4, 161.3663), (2, 2, 150.1757)):
+        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(),
+                        draft_max_model=cap, learn_timings=False)  # fmt: skip
+        p._model_steps, p.confidence = AutoPlanner.EXPLORE_STEPS, 0.9
+        plan = p.plan([1], 16, GREEDY, RNG)
+        assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate, rel=1e-5)
+    # A model 8 tokens behind counts as in step: judged optimistically (as in
+    # test_a_draft_model_is_judged_optimistically_in_its_first_steps, with a catch-up of
+    # 0.2 * t_verify(2) + 0.2 * (t_verify(8) - t_verify(2)) = 0.006 s): K=4 at 154.36.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    plan = p.plan(list(range(1, 9)), 16, GREEDY, RNG)
+    assert plan.draft.tokens == [9, 10, 11, 12]
+    assert plan.expected_rate == pytest.approx(154.3568, rel=1e-5)
+    # 9 behind: judged plainly (a_acc 0.95, a_cont 0.6, catch-up 0.0067 s): K=11 at
+    # 102.46, below the margin: the target alone.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    assert p.plan(list(range(1, 10)), 16, GREEDY, RNG).drafter is None
+
+
+def three_way(prefix: Sequence[int]) -> np.ndarray:
+    """Token 10 after 1 (sure), then a tie of three (1/3 each: below P_STOP)."""
+    row = np.full(V, -100.0, np.float32)
+    if prefix[-1] == 1:
+        row[10] = 0.0
+    else:
+        row[20] = row[21] = row[22] = 0.0
+    return row
+
+
+def test_a_model_draft_that_stops_below_draft_min_is_dropped_and_counted() -> None:
+    model = ModelDrafter(FakeContext(three_way, V), V)  # type: ignore[arg-type]
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, draft_min=3, learn_timings=False)
+    p.confidence = 0.9
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
+    # One token passed P_STOP, the next did not: 1 success of 2 trials.
+    assert (p.cont_model.successes, p.cont_model.trials) == (1.0, 2.0)
+    assert p.acc_model.trials == 0.0 and (p._model_steps, p._streak) == (1, 1)
+
+
+def test_optimistic_drafts_are_at_most_4_and_time_units_do_not_matter() -> None:
+    # Flat 10 ms verification, t_draft 2 ms, optimistic rates 1 and 0.94641 (as above):
+    # K=1..4 at 162.20, 204.57, 235.26, 258.47 tokens/s, still rising, cut at K = 4.
+    p = AutoPlanner(Timings(dict(FLAT), 0.002), model=model_drafter(), learn_timings=False)
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert len(plan.draft.tokens) == 4 and plan.expected_rate == pytest.approx(258.4675, rel=1e-5)
+    # The same machine 1000 times slower: the same choice at a thousandth of the rate.
+    slow = {n: 1000 * s for n, s in HAND.items()}
+    p = AutoPlanner(Timings(slow, 2.0), model=model_drafter(), learn_timings=False)
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert len(plan.draft.tokens) == 4
+    assert plan.expected_rate == pytest.approx(0.1789537, rel=1e-5)
+
+
+def test_a_probe_drafts_the_best_k_up_to_4_only_while_nothing_was_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not in use, judged plainly (a_acc 0.95, a_cont = confidence), HAND's timings:
+    # confidence 0.3: best K=2 at 102.11 tokens/s, below the margin (105) but above
+    # 0.85 of it (89.25): after PROBE_EVERY idle steps a probe of K=2. Confidence 0.05:
+    # K=1 at 86.57, no probe. Measured before (2 trials, fading by 0.97 a step: still
+    # above 1 after 20 steps): no probe either.
+    monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
+
+    def kinds(conf: float, trials: float = 0.0) -> list[int]:
+        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+        p.acc_model.successes, p.acc_model.trials = 0.95 * trials, trials
+        out = []
+        for _ in range(AutoPlanner.PROBE_EVERY + 4):
+            p.confidence = conf
+            plan = p.plan([1], 16, GREEDY, RNG)
+            out.append(len(plan.draft.tokens))
+            if plan.drafter is not None:
+                break
+        return out
+
+    assert kinds(0.3) == [0] * (AutoPlanner.PROBE_EVERY - 1) + [2]
+    assert kinds(0.05) == [0] * (AutoPlanner.PROBE_EVERY + 4)
+    assert kinds(0.3, trials=2.0) == [0] * (AutoPlanner.PROBE_EVERY + 4)
+
+
+def test_a_model_far_behind_is_not_in_use() -> None:
+    # Past its optimistic steps, 9 tokens behind (not in step): judged against the
+    # margin, 102.46 (K=11, as above) is not enough, though it beats the target alone.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p._model_steps = AutoPlanner.EXPLORE_STEPS
+    assert p.plan(list(range(1, 10)), 16, GREEDY, RNG).drafter is None
+    # In step (one behind) at the same estimate: kept, it beats the target alone.
+    model = model_drafter()
+    model.prefill(list(range(1, 10)))
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    p._model_steps = AutoPlanner.EXPLORE_STEPS
+    p.confidence = 0.3
+    plan = p.plan(list(range(1, 10)), 16, GREEDY, RNG)
+    assert plan.drafter is model and plan.expected_rate == pytest.approx(102.1095, rel=1e-5)
+
+
+def test_ngram_k_respects_draft_min_and_costs_no_draft_time() -> None:
+    # As in test_ngram_drafts_are_judged_by_their_match_length (K=3 at 214.94), with a
+    # draft model's time in the timings (n-gram drafts cost none of it) and draft_min 4:
+    # K=4 at 4.0951 / 0.0195 = 210.01.
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
+    for draft_min, n, rate in ((0, 3, 3.439 / 0.016), (4, 4, 4.0951 / 0.0195)):
+        p = AutoPlanner(Timings(dict(HAND), 0.05), ngram=NgramDrafter(1, 8),
+                        draft_min=draft_min, learn_timings=False)  # fmt: skip
+        p.confidence = 0.9
+        plan = p.plan(history, 16, GREEDY, RNG)
+        assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate)
+    # A continuation exactly draft_min long is drafted (1-token match, a = 0.18, FLAT).
+    p = ngram_planner(FLAT, draft_min=3)
+    assert p.plan([5, 6, 9, 1, 6], 16, GREEDY, RNG).draft.tokens == [9, 1, 6]
+
+
+def test_sampled_model_drafts_carry_their_distributions() -> None:
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    sampled = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    plan = p.plan([1], 16, sampled, np.random.default_rng(5))
+    assert plan.drafter is p.model and plan.draft.dists is not None
+    assert len(plan.draft.dists) == len(plan.draft.tokens) == 4
+
+
+def test_best_k_minimum_and_ties() -> None:
+    from specgguf.spec.planner import best_k
+
+    # HAND at a = 0.8 (test_cost_model_against_hand_computed_numbers): K=2 is best
+    # (135.56); from K=3 on: K=3 at 2.952 / 0.022 = 134.18.
+    t = Timings(dict(HAND), draft=0.002)
+    assert best_k(0.8, t, 4, k_min=3) == (3, pytest.approx(2.952 / 0.022))
+    # Drafts that gain nothing (a = 0, free, flat timings) tie with the target alone:
+    # no drafts.
+    assert best_k(0.0, Timings(dict(FLAT)), 4, draft_cost=0.0) == (0, pytest.approx(100.0))
+
+
+def test_outliers_by_hand() -> None:
+    from specgguf.spec.planner import _drop_outliers
+
+    # 0.5 is over 1.5 times the next two (0.2, 0.3), though not the third (0.4): replaced
+    # by the interpolation of its neighbours, 0.15.
+    assert _drop_outliers({1: 0.1, 2: 0.5, 3: 0.2, 4: 0.3, 5: 0.4})[2] == pytest.approx(0.15)
+    # Exactly 1.5 times (in binary: 0.75 = 1.5 * 0.5) is kept.
+    assert _drop_outliers({1: 0.25, 2: 0.75, 3: 0.5, 4: 0.5})[2] == 0.75
+    # The size before the last is checked too (against the last only).
+    assert _drop_outliers({1: 0.1, 2: 0.2, 3: 0.9, 4: 0.3})[3] == pytest.approx(0.25)
+
+
+def test_first_evaluation_cost_three_behind_is_spread() -> None:
+    # Three behind, a mean run of 4: 0.2 * t_verify(2) + 0.2 * (0.014 - 0.012) / 4.
+    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p.mean_streak = 4.0
+    assert p._first_eval_cost([1, 2, 3]) == pytest.approx(0.0025)
+
+
+def test_calibration_log_by_hand() -> None:
+    from specgguf.spec.planner import calibrate
+
+    # Room 8, sizes 1 and 2 (need 2): a prefix of 8 - 2 - 1 = 5 tokens, a warm-up, 3
+    # repeats per size (the default) each after one draft token, then 5 draft timings
+    # each after one target token; both caches emptied.
+    target = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=8)
+    draft = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=16)
+    calibrate(target, draft, [5, 6, 7], sizes=(1, 2))
+    prefix = [5, 6, 7, 5, 6]
+
+    def timed(tokens: list[int], mode: str) -> list[tuple[object, ...]]:
+        return [("rollback", 5), ("eval", 5, tokens, mode)]
+
+    assert target.log == [
+        ("rollback", 0), ("eval", 0, prefix, "none"), *timed([5], "all"),
+        *timed([5], "all") * 3, *timed([5, 6], "all") * 3, *timed([5], "last") * 5,
+        ("rollback", 0),
+    ]  # fmt: skip
+    assert draft.log == [("rollback", 0), ("eval", 0, prefix, "none"),
+                         *timed([5], "last") * 12, ("rollback", 0)]  # fmt: skip
+    # A long context: a prefix of 64 tokens at most.
+    big = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=256)
+    calibrate(big, None, [5], sizes=(1, 2), repeats=1)
+    assert big.log[1] == ("eval", 0, [5] * 64, "none")
+    # No room for a prefix (3 - 2 - 1 = 0): none.
+    small = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=3)
+    calibrate(small, None, [5], sizes=(1, 2), repeats=1)
+    assert all(e[3] != "none" for e in small.log if e[0] == "eval")
+    # The batch bounds the sizes, whatever the outputs allow; a 1-token context: size 1.
+    narrow = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=64, n_batch=2)
+    narrow.n_outputs_max = 64  # type: ignore[attr-defined]
+    assert sorted(calibrate(narrow, None, [5], sizes=(1, 2, 4), repeats=1).verify) == [1, 2]
+    one = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=1)
+    assert sorted(calibrate(one, None, [5], repeats=1).verify) == [1]
