@@ -720,6 +720,51 @@ def test_scheduler_runs_jobs_in_arrival_order_and_bounds_the_queue() -> None:
     assert order == [1, 2]
 
 
+def test_scheduler_on_an_engine_thread_generates_on_the_thread_that_loaded() -> None:
+    # serve loads and calibrates on engine_thread() and hands it to the scheduler: every
+    # llama.cpp call on one OS thread (a second computing thread slows OpenMP's pools).
+    import asyncio
+
+    from specgguf.server.scheduler import Job, Scheduler, engine_thread
+    from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
+
+    from .fakes import FakeContext, FakeVocab, one_hot_rule
+
+    threads: list[int] = []
+
+    class Engine:
+        def __init__(self) -> None:
+            threads.append(threading.get_ident())  # "loading"
+            self.decoder = SpeculativeDecoder(
+                FakeContext(one_hot_rule(lambda p: p[-1] % 30 + 1, 32), 32),
+                FakeVocab(32),  # type: ignore[arg-type]
+            )
+
+        def generate(self, ids: list[int], params: GenerationParams) -> Any:
+            threads.append(threading.get_ident())
+            return self.decoder.generate(ids, params)
+
+    pool = engine_thread()
+    engine = pool.submit(Engine).result()
+
+    async def main(sched: Scheduler) -> None:
+        for i in range(2):
+            job = Job([i + 1], GenerationParams(n_predict=2))
+            sched.submit(job)
+            assert [e async for e in job.events()][-1].result.tokens == [i + 2, i + 3]
+
+    for executor in (pool, None):
+        sched = Scheduler(engine, max_queue=2, executor=executor)  # type: ignore[arg-type]
+        asyncio.run(main(sched))
+        sched.close()
+        assert sched.join(10)
+    pool.shutdown()
+    assert threading.get_ident() not in threads
+    # With the executor: the loading thread ran both generations; without (control): the
+    # scheduler's own thread, another one.
+    assert threads[1] == threads[2] == threads[0] and threads[3] == threads[4] != threads[0]
+
+
 def test_deterministic_requests(
     tiny_models: dict[str, Path], env: dict[str, str], client: openai.OpenAI
 ) -> None:

@@ -108,6 +108,7 @@ def serve(
     from specgguf.engine import Engine, preflight
     from specgguf.server import ServerSettings, bind, serve
     from specgguf.server.listen import is_loopback
+    from specgguf.server.scheduler import engine_thread
     from specgguf.spec.sampling import SamplerParams
 
     setup_logging(verbose=verbose, quiet=quiet)
@@ -144,10 +145,15 @@ def serve(
                               seed=None if seed < 0 else seed),
         api_key=api_key or None, max_queue=max_queue, log_text=verbose,
     )  # fmt: skip
+    # Every llama.cpp call (load, calibration, generations) on one thread: a second
+    # computing thread slows llama.cpp's OpenMP pools (see engine_thread).
+    llama_thread = engine_thread()
     try:
-        with Engine(config, checked=checked) as engine:
+        engine = llama_thread.submit(Engine, config, checked=checked).result()
+        with engine:
             if config.speculative.drafter == "auto":
-                engine.timings()  # calibrate now, not in the first request
+                # calibrate now, not in the first request
+                llama_thread.submit(engine.timings).result()
 
             def ready(url: str) -> None:
                 d = engine.describe()
@@ -162,6 +168,7 @@ def serve(
                     f"{draft_name}, drafter {d['drafter']}, n_ctx {d['n_ctx']}{servers})"
                 )
 
-            serve(engine, settings, sock, on_ready=ready)
+            serve(engine, settings, sock, on_ready=ready, executor=llama_thread)
     finally:
+        llama_thread.shutdown(wait=False, cancel_futures=True)
         sock.close()

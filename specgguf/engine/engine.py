@@ -63,6 +63,12 @@ class Engine:
     every native resource (models, contexts, batches) and frees them in :meth:`close` or at
     the end of a ``with`` block.
 
+    Threads: an engine is used by one thread at a time, and for speed by one thread only,
+    loading included. On CPU builds with OpenMP, each thread that has run llama.cpp
+    computations keeps an OpenMP pool, and with more pooled threads than CPUs libgomp stops
+    spin-waiting: generating from a second thread ran at 0.77x here (the server therefore
+    loads, calibrates and generates on one thread, ``server.scheduler.engine_thread``).
+
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
         IncompatibleVocabError: the draft's vocabulary does not match the target's.

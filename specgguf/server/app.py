@@ -50,6 +50,8 @@ from specgguf.spec.loop import GenerationParams, GenerationResult, GenerationSta
 from specgguf.spec.sampling import SamplerParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     from specgguf.engine import Engine, Prompt
 
 log = logging.getLogger("specgguf.server")
@@ -432,14 +434,18 @@ class _CountRequests:
 # -- the application ------------------------------------------------------------------
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+def create_app(
+    engine: Engine, settings: ServerSettings, *, executor: ThreadPoolExecutor | None = None
+) -> FastAPI:
     """The ASGI application over a loaded ``engine``. Its scheduler
-    (``app.state.scheduler``, with ``settings.max_queue``) starts its worker thread now
-    and is closed when the application shuts down; join it before closing the engine.
+    (``app.state.scheduler``, with ``settings.max_queue``) starts its worker now, on
+    ``executor``'s thread when given (the thread that loaded the engine: see
+    :func:`specgguf.server.scheduler.engine_thread`), and is closed when the application
+    shuts down; join it before closing the engine.
     """
     sched: Scheduler
     metrics = Metrics(lambda: sched.waiting, lambda: sched.busy)
-    sched = Scheduler(engine, settings.max_queue, on_result=metrics.observe)
+    sched = Scheduler(engine, settings.max_queue, on_result=metrics.observe, executor=executor)
     svc = _Service(engine, settings, sched)
 
     @contextlib.asynccontextmanager

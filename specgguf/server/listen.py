@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from specgguf.errors import UsageError
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     from specgguf.engine import Engine
     from specgguf.server.app import ServerSettings
     from specgguf.server.scheduler import Scheduler
@@ -68,16 +70,19 @@ def serve(
     sock: socket.socket,
     *,
     on_ready: Callable[[str], None] | None = None,
+    executor: ThreadPoolExecutor | None = None,
 ) -> None:
     """Serve ``engine`` on the bound ``sock`` until SIGINT or SIGTERM, then return.
 
     ``on_ready`` is called with the server's address once it accepts connections.
+    ``executor``: the one thread that loaded the engine, to run its generations too
+    (:func:`specgguf.server.scheduler.engine_thread`).
     """
     import uvicorn
 
     from specgguf.server.app import create_app
 
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, executor=executor)
     scheduler: Scheduler = app.state.scheduler
 
     class Server(uvicorn.Server):

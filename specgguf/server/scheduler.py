@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Literal
 
 from specgguf.spec.loop import Generation, GenerationParams, GenerationResult
@@ -35,6 +36,22 @@ if TYPE_CHECKING:
     from specgguf.engine import Engine
 
 log = logging.getLogger("specgguf.server")
+
+
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that should make every llama.cpp call of a server: loading,
+    calibration and the scheduler's worker (:class:`Scheduler` ``executor``).
+
+    Why one: a CPU build of llama.cpp with OpenMP gives each OS thread that computes its
+    own OpenMP thread pool, and libgomp, once it manages more threads than there are CPUs,
+    cuts its spin-waiting between parallel regions from about 300,000 spins to 100
+    (``gomp_throttled_spin_count_var``, libgomp/env.c): every barrier then sleeps and
+    wakes. Measured on the 2-core development machine (Qwen2.5-Coder 1.5B Q4_K_M, 128
+    tokens, target alone): 33.6 tokens/s from the thread that computed first, 25.9 tokens/s
+    from a second thread once the first had computed (scripts/bench-server: the server in
+    auto mode at 0.72-0.88x of ``specgguf run`` while calibration ran on the main thread).
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgguf-engine")
 
 
 class QueueFull(Exception):
@@ -106,6 +123,9 @@ class Scheduler:
             :class:`QueueFull` beyond it.
         on_result: called on the worker thread with every finished generation's result
             (cancelled ones included), e.g. to count tokens.
+        executor: a one-thread executor whose thread becomes the worker (it should be the
+            thread that loaded and calibrated ``engine``: see :func:`engine_thread`);
+            without it, a thread of the scheduler's own.
     """
 
     def __init__(
@@ -114,6 +134,7 @@ class Scheduler:
         max_queue: int,
         *,
         on_result: Callable[[GenerationResult], None] | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be 0 or more, not {max_queue}")
@@ -124,8 +145,13 @@ class Scheduler:
         self._running: Job | None = None
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._work, name="specgguf-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._future: Future[None] | None = None
+        if executor is not None:
+            self._future = executor.submit(self._work)
+        else:
+            self._thread = threading.Thread(target=self._work, name="specgguf-engine", daemon=True)
+            self._thread.start()
 
     @property
     def waiting(self) -> int:
@@ -171,6 +197,12 @@ class Scheduler:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the worker to finish its job and stop; True when it has."""
+        if self._future is not None:
+            import concurrent.futures
+
+            concurrent.futures.wait([self._future], timeout)
+            return self._future.done()
+        assert self._thread is not None
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
