@@ -136,3 +136,28 @@ def test_bench_reads_spec_bench_and_pools_an_overall_row(
         for col in ("multi-turn", "qa", "overall"):
             r, t = rows[(col, cfg)], rows[(col, "target")]
             assert r["speedup"] == pytest.approx(r["tokens_per_s"] / t["tokens_per_s"], abs=2e-3)
+
+
+def test_suffix_configurations_never_see_the_same_question_answered_before(
+    tiny_models: dict[str, Path],
+) -> None:
+    # Suffix matching remembers earlier generations. In a bench, each configuration and
+    # round must start without this question's answer from another run: two suffix
+    # configurations over two rounds then draft and accept exactly alike.
+    from specgguf.engine.bench import BenchPrompt, run_bench, run_conversation
+
+    from .helpers import load_engine
+
+    prompt = BenchPrompt("chat", ("Tell me about the sea and the sky.",), "q1")
+    with load_engine(tiny_models["target"], drafter="none", n_ctx=1024) as engine:
+        configs = [("target", "none", 0), ("suffix-a", "suffix", 4), ("suffix-b", "suffix", 4)]
+        report = run_bench(engine, [prompt], configs, n=48, rounds=2)
+        rows = {r["config"]: r for r in report["results"] if r["category"] == "chat"}
+        a, b = rows["suffix-a"]["by_drafter"], rows["suffix-b"]["by_drafter"]
+        assert a == b and a["suffix"][1] > 0  # [steps, drafted, accepted]: equal, drafted
+        # Control: the engine's own corpus, kept across generations, accepts more on the
+        # second run of the same question (it has seen the answer).
+        first = run_conversation(engine, prompt, "suffix", 4, 48)
+        second = run_conversation(engine, prompt, "suffix", 4, 48)
+        assert second.accepted > first.accepted
+        assert second.accepted > a["suffix"][2] / 2  # two rounds pooled in a

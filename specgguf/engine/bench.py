@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.engine.engine import Engine
+from specgguf.spec.drafters import SuffixDrafter
 from specgguf.spec.loop import GenerationParams, GenerationResult, GenerationStats
 from specgguf.spec.planner import AUTO_DRAFT_MAX, best_k
 from specgguf.spec.sampling import SamplerParams
@@ -260,6 +261,13 @@ def _share(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
 
 
+def _fresh_suffix(like: SuffixDrafter) -> SuffixDrafter:
+    """An empty suffix corpus with ``like``'s settings."""
+    return SuffixDrafter(
+        capacity=like.capacity, max_occurrences=like.max_occurrences, min_share=like.min_share
+    )
+
+
 def run_bench(
     engine: Engine,
     prompts: Sequence[BenchPrompt],
@@ -272,7 +280,9 @@ def run_bench(
     """Run every (prompt, configuration) ``rounds`` times, interleaved; returns the report
     (``machine``, ``results`` with one entry per category and configuration and an
     "overall" entry per configuration, ``memory``). A configuration named ``det-...`` runs
-    in deterministic mode; its speedup is against the target alone in normal mode."""
+    in deterministic mode; its speedup is against the target alone in normal mode. The
+    suffix drafter's corpus is per configuration and round: the earlier questions of that
+    run, never the same question's answer from another configuration or round."""
     from specgguf.llama.memory import kv_cache_bytes
     from specgguf.llama.runtime import build_info, platform_summary
 
@@ -283,12 +293,21 @@ def run_bench(
     engine.timings(recalibrate=True)
     if any(name.startswith("det-") for name, _, _ in configs):
         engine.timings(True, recalibrate=True)
+    shared_suffix = engine.drafting.suffix
     for r in range(rounds):
+        # Suffix matching learns from earlier generations: each configuration gets its own
+        # corpus per round, so that it holds the earlier questions (as a server's earlier
+        # responses would) and never this question's answer from another run.
+        corpus = {name: _fresh_suffix(shared_suffix) for name, _, _ in configs}
         for p in prompts:
             for name, kind, k in configs:
                 progress(f"round {r + 1}/{rounds}: {p.category} {p.question_id} {name}")
                 det = name.startswith("det-")
-                s = run_conversation(engine, p, kind, k, n, deterministic=det)
+                engine.drafting.suffix = corpus[name]
+                try:
+                    s = run_conversation(engine, p, kind, k, n, deterministic=det)
+                finally:
+                    engine.drafting.suffix = shared_suffix
                 cells.setdefault((p.category, name), Cell(p.category, name)).add(s)
                 cells.setdefault((OVERALL, name), Cell(OVERALL, name)).add(s)
     wall = time.perf_counter() - t0
