@@ -380,3 +380,25 @@ def test_found_cli_inputs(muts: list[Mutation], seeds: Seeds, work: Path, good: 
         err = res.stderr.decode()
         assert res.returncode == EXIT_MODEL_FILE, err
         assert res.stdout == b"" and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("blocks", [163_391, 4_000_000_000])
+def test_a_huge_block_count_sizes_no_table(
+    tiny_models: dict[str, Path], tmp_path: Path, blocks: int
+) -> None:
+    # Found by the fuzzer: block_count 163391 made read_model_info allocate 2.6 MB (a
+    # per-layer table sized by the file's own number; 4e9 would have been 64 GB).
+    from specgguf.gguf.info import read_model_info
+    from specgguf.llama.memory import model_memory, place_model
+
+    raw = tiny_models["draft-spm"].read_bytes()
+    key = b"llama.block_count"
+    at = raw.index(key) + len(key) + 4  # after the key, its uint32 value type
+    assert int.from_bytes(raw[at : at + 4], "little") == 2  # the tiny model's 2 layers
+    path = tmp_path / "blocks.gguf"
+    path.write_bytes(apply(raw, [("int", at, 4, blocks)]))
+    _ends_well(lambda: read_model_info(path), path)
+    info = read_model_info(path)
+    assert info.block_count == blocks and info.layout is None
+    assert any(f"block_count is {blocks}" in f.message for f in info.findings)
+    _ends_well(lambda: place_model(info, model_memory(info, n_ctx=512), []), path)

@@ -53,7 +53,13 @@ def tensor_bytes(t: TensorInfo) -> int:
 
 def weight_layout(tensors: list[TensorInfo], n_layer: int) -> WeightLayout | None:
     """The bytes per placement of ``tensors`` (see :class:`WeightLayout`); None when a
-    tensor type is unknown (a newer ggml type), so that estimates fall back to file sizes."""
+    tensor type is unknown (a newer ggml type) or ``n_layer`` is more than llama.cpp loads
+    (``LLAMA_MAX_LAYERS``: the file's own block count sizes the table, so a corrupt one must
+    not), so that estimates fall back to file sizes."""
+    from specgguf.gguf.loadcheck import LLAMA_MAX_LAYERS
+
+    if n_layer > LLAMA_MAX_LAYERS:
+        return None
     blocks = [0] * n_layer
     inp = out = other = embd = 0
     has_output = False

@@ -162,8 +162,12 @@ def place_model(
     llama.cpp's order; without a tensor split, in proportion to each device's free
     memory, as llama.cpp splits), each layer's weights from the tensor table
     (:attr:`specgguf.gguf.info.ModelInfo.layout`; an even share of the file when it is
-    unknown), and the KV cache in even shares per layer."""
-    n_layer = info.block_count or 0
+    unknown), and the KV cache in even shares per layer. A block count past llama.cpp's
+    limit (a corrupt file, which preflight reports) is planned as that limit: the file's
+    own number never sizes a table here."""
+    from specgguf.gguf.loadcheck import LLAMA_MAX_LAYERS
+
+    n_layer = min(info.block_count or 0, LLAMA_MAX_LAYERS)
     layout = info.layout
     if layout is not None and len(layout.blocks) == n_layer:
         blocks, output = list(layout.blocks), layout.output
