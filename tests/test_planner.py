@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from specgguf.spec.drafters import Draft, ModelDrafter, NgramDrafter
+from specgguf.spec.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
 from specgguf.spec.planner import AutoPlanner, FixedPlanner, Plan, Timings
 from specgguf.spec.sampling import SamplerParams
 
@@ -454,3 +454,57 @@ def test_calibration_log_by_hand() -> None:
     assert sorted(calibrate(narrow, None, [5], sizes=(1, 2, 4), repeats=1).verify) == [1, 2]
     one = FakeContext(one_hot_rule(plus_one, V), V, n_ctx=1)
     assert sorted(calibrate(one, None, [5], repeats=1).verify) == [1]
+
+
+def suffix_planner(timings: dict[int, float], **kw: object) -> AutoPlanner:
+    return AutoPlanner(Timings(dict(timings)), ngram=NgramDrafter(2, 8), suffix=SuffixDrafter(),
+                       learn_timings=False, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothing() -> None:
+    # An earlier generation held 11 12 13 14 15 16; the text now ends on 11 12 13 14 and has
+    # no repeated bigram, so n-gram lookup (2..8) finds nothing. Suffix matching: a 4-token
+    # match (bucket 4, prior 1.0 x confidence 0.6 = a 0.6) with 2 tokens after it.
+    # HAND: K=1: 1.6 / 0.012 = 133.33; K=2: 1.96 / 0.014 = 140.0: K = 2.
+    p = suffix_planner(HAND)
+    assert p.drafters == [p.ngram, p.suffix]
+    assert p.suffix is not None
+    p.suffix.propose([11, 12, 13, 14, 15, 16], 4, GREEDY, RNG)
+    p.reset()  # a new generation: the earlier one stays in the suffix corpus
+    plan = p.plan([1, 2, 11, 12, 13, 14], 16, GREEDY, RNG)
+    assert p.ngram is not None and p.ngram.last_match == 0
+    assert plan.drafter is p.suffix and plan.draft.tokens == [15, 16]
+    assert plan.expected_rate == pytest.approx(1.96 / 0.014)
+    assert p._last_suffix_bucket == 4 and p._last_ngram_bucket == 1
+    # Verified: 1 of the 2 accepted. Only suffix matching's bucket 4 learns.
+    p.observe(plan, 1, 0.014)
+    assert (p.acc_suffix[4].successes, p.acc_suffix[4].trials) == (1.0, 2.0)
+    assert p.suffix_len == {1: 4.0, 2: 4.0, 4: 2.5}
+    assert all(a.trials == 0.0 for a in p.acc_ngram.values()) and p.ngram_len[4] == 4.0
+    # An empty suffix draft teaches nothing.
+    p.observe(Plan(p.suffix, Draft([]), 0.0), 0, 0.010)
+    assert p.acc_suffix[4].trials == 2.0 and p.suffix_len[4] == 2.5
+
+
+def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
+    # Both find the same 3-token match (bucket 2 for n-gram, whose match is 3 tokens; the
+    # suffix drafter's longest length that matches is 2: bucket 2) and the same two tokens
+    # after it: equal rates, n-gram lookup drafts.
+    history = [7, 8, 9, 5, 6, 7, 8, 9]
+    p = suffix_planner(FLAT)
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert plan.drafter is p.ngram and plan.draft.tokens == [5, 6, 7, 8, 9]
+    # Suffix matching measured better in bucket 2 (a = (3 + 0.6 * 0.7 * 2) / (3 + 2)): it
+    # drafts now, with the same tokens, at its own rate.
+    p = suffix_planner(FLAT)
+    p.acc_suffix[2] = type(p.acc_suffix[2])(successes=3.0, trials=3.0)
+    plan = p.plan(history, 16, GREEDY, RNG)
+    a = (3.0 * 0.97 + 0.42 * 2) / (3.0 * 0.97 + 2)
+    assert plan.drafter is p.suffix and plan.draft.tokens == [5, 6, 7, 8, 9]
+    assert plan.expected_rate == pytest.approx(e(a, 5) / 0.010)
+    assert p._last_suffix_bucket == 2
+    # reset: suffix matching's estimates start from the priors again
+    p.suffix_len[2] = 1.0
+    p.reset()
+    assert all(x.trials == 0.0 for x in p.acc_suffix.values())
+    assert p.suffix_len == {1: 4.0, 2: 4.0, 4: 4.0} and p._last_suffix_bucket == 1

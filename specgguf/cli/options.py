@@ -85,7 +85,8 @@ DrafterOpt = Annotated[
     str | None,
     typer.Option(
         "--drafter",
-        help="auto, model, ngram, suffix (matching over all text seen) or none (the target "
+        help="auto (per step, the fastest of the draft model, n-gram lookup and suffix "
+        "matching), model, ngram, suffix (matching over all text seen) or none (the target "
         "alone). Default: auto, or with --draft K the draft model (given or found) else "
         "n-gram lookup, at that fixed K.",
         rich_help_panel=SPEC,
@@ -159,7 +160,7 @@ NoDraftOpt = Annotated[
     typer.Option(
         "--no-draft",
         help="No draft model: none is looked for on disk (auto mode still drafts with "
-        "n-gram lookup).",
+        "n-gram lookup and suffix matching).",
         rich_help_panel=SPEC,
     ),
 ]

@@ -225,6 +225,13 @@ def run_conversation(
 ) -> GenerationStats:
     """Every turn of ``prompt``, each of at most ``n`` tokens after the model's own earlier
     answers, greedy; returns the statistics of all turns pooled."""
+    return converse(engine, prompt, kind, k, n, deterministic=deterministic)[0]
+
+
+def converse(
+    engine: Engine, prompt: BenchPrompt, kind: str, k: int, n: int, *, deterministic: bool = False
+) -> tuple[GenerationStats, list[dict[str, str]]]:
+    """As :func:`run_conversation`, and the conversation with the model's answers."""
     messages: list[dict[str, str]] = []
     stats = GenerationStats()
     for turn in prompt.turns:
@@ -232,7 +239,7 @@ def run_conversation(
         res = _generate(engine, messages, kind, k, n, deterministic)
         stats.add(res.stats)
         messages.append({"role": "assistant", "content": res.text})
-    return stats
+    return stats, messages
 
 
 @dataclasses.dataclass

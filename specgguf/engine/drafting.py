@@ -54,7 +54,7 @@ PlannerFactory = Callable[[Drafting, DraftSettings], Planner]
 
 def _auto(d: Drafting, s: DraftSettings) -> Planner:
     return AutoPlanner(
-        d.timings(s.deterministic), model=d.model, ngram=NgramDrafter(*d.ngram),
+        d.timings(s.deterministic), model=d.model, ngram=NgramDrafter(*d.ngram), suffix=d.suffix,
         draft_max=s.draft_max, draft_max_model=min(AUTO_DRAFT_MAX, s.draft_max), p_min=s.p_min,
         draft_min=s.draft_min,
     )  # fmt: skip

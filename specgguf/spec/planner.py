@@ -30,7 +30,14 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from specgguf.spec.drafters import Draft, Drafter, Evaluator, ModelDrafter, NgramDrafter
+from specgguf.spec.drafters import (
+    Draft,
+    Drafter,
+    Evaluator,
+    ModelDrafter,
+    NgramDrafter,
+    SuffixDrafter,
+)
 from specgguf.spec.sampling import SamplerParams
 
 #: The largest draft length of auto mode, and of the draft model in it. n-gram drafts pay
@@ -303,8 +310,10 @@ class FixedPlanner:
 
 
 class AutoPlanner:
-    """Chooses, at every step, n-gram lookup when it found a continuation that the cost
-    model expects to pay, else the draft model with its best K, else no speculation.
+    """Chooses, at every step, a lookup draft (n-gram lookup, or suffix matching over
+    everything seen, whichever the cost model expects to be faster) when it found a
+    continuation that is expected to pay, else the draft model with its best K, else no
+    speculation.
 
     Acceptance is estimated per drafter from recent verifications, blended with the
     target's recent confidence (the mean top-1 probability of the tokens it produced),
@@ -318,7 +327,7 @@ class AutoPlanner:
     tokens it missed (its cost is spread over the steps it is expected to stay in use),
     so a draft model in step is judged generously: optimistically (one standard error)
     in its first ``EXPLORE_STEPS`` steps of a generation, kept while it beats the target
-    alone at all, and replaced by n-gram lookup only when that is expected to be
+    alone at all, and replaced by a lookup draft only when that is expected to be
     ``SWITCH_MARGIN`` times faster. When an idle draft model's estimate falls just short
     and nothing recent was measured, a short draft (K <= 4, every ``PROBE_EVERY`` steps at
     most) measures it.
@@ -327,6 +336,8 @@ class AutoPlanner:
         timings: calibrated timings (refined online unless ``learn_timings`` is False).
         model: the draft-model drafter, if any.
         ngram: the n-gram drafter, if any.
+        suffix: the suffix-matching drafter, if any; judged as n-gram lookup is (by the
+            length of its match, with its own acceptance and draft-length estimates).
         draft_max: the largest draft length considered (n-gram lookup, whose drafts cost
             nothing, pays up to long drafts when its acceptance is high).
         draft_max_model: the largest draft length for the draft model.
@@ -360,6 +371,7 @@ class AutoPlanner:
         *,
         model: ModelDrafter | None = None,
         ngram: NgramDrafter | None = None,
+        suffix: SuffixDrafter | None = None,
         draft_max: int = AUTO_DRAFT_MAX,
         draft_max_model: int = AUTO_DRAFT_MAX,
         p_min: float = 0.0,
@@ -371,10 +383,11 @@ class AutoPlanner:
         self.learn_timings = learn_timings
         self.model = model
         self.ngram = ngram
+        self.suffix = suffix
         self.draft_max = draft_max
         self.draft_max_model = draft_max_model
         self.p_min = max(self.P_STOP, p_min)
-        self.drafters: list[Drafter] = [d for d in (ngram, model) if d is not None]
+        self.drafters: list[Drafter] = [d for d in (ngram, suffix, model) if d is not None]
         self.reset()
 
     def reset(self) -> None:
@@ -398,6 +411,10 @@ class AutoPlanner:
         # grows while drafts are accepted whole and shrinks when they break early.
         self.ngram_len = {n: 4.0 for n in self.NGRAM_PRIOR}
         self._last_ngram_bucket = 1
+        # The same for suffix matching, by the length of its match.
+        self.acc_suffix = {n: Acceptance() for n in self.NGRAM_PRIOR}
+        self.suffix_len = {n: 4.0 for n in self.NGRAM_PRIOR}
+        self._last_suffix_bucket = 1
 
     def _verify_time(self, n: float) -> float:
         """t_verify at a fractional batch size (an expected number of tokens)."""
@@ -425,7 +442,8 @@ class AutoPlanner:
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> Plan:
         t = self.timings
-        for acc in (self.acc_model, self.cont_model, *self.acc_ngram.values()):
+        for acc in (self.acc_model, self.cont_model, *self.acc_ngram.values(),
+                    *self.acc_suffix.values()):  # fmt: skip
             acc.tick()
         base_rate = 1.0 / t.verify_time(1)
         best = Plan(None, Draft([]), base_rate)
@@ -433,17 +451,28 @@ class AutoPlanner:
         if k_max < k_min:
             return best
         threshold = base_rate * self.MARGIN
-        ngram_plan: tuple[int, float, list[int], int] | None = None
-        if self.ngram is not None:
-            cand = self.ngram.propose(history, k_max, sampler, rng)
-            if len(cand.tokens) >= k_min:
-                bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.ngram.last_match))
-                prior = self.NGRAM_PRIOR[bucket] * self.confidence
-                a = self.acc_ngram[bucket].rate_with(prior)
-                cap = min(len(cand.tokens), max(k_min, int(2 * self.ngram_len[bucket]) + 4))
-                k, rate = best_k(a, t, cap, draft_cost=0.0, k_min=k_min)
-                if k > 0 and rate > threshold:
-                    ngram_plan = (k, rate, cand.tokens, bucket)
+        lookup_plan: tuple[int, float, list[int], int] | None = None
+        lookup: NgramDrafter | SuffixDrafter | None = None
+        lookups: tuple[tuple[NgramDrafter | SuffixDrafter | None, dict[int, Acceptance],
+                             dict[int, float]], ...] = (
+            (self.ngram, self.acc_ngram, self.ngram_len),
+            (self.suffix, self.acc_suffix, self.suffix_len),
+        )  # fmt: skip
+        for drafter, rates, lens in lookups:
+            if drafter is None:
+                continue
+            cand = drafter.propose(history, k_max, sampler, rng)
+            if len(cand.tokens) < k_min:
+                continue
+            match = max(1, drafter.last_match)
+            bucket = max(b for b in self.NGRAM_PRIOR if b <= match)
+            a = rates[bucket].rate_with(self.NGRAM_PRIOR[bucket] * self.confidence)
+            cap = min(len(cand.tokens), max(k_min, int(2 * lens[bucket]) + 4))
+            k, rate = best_k(a, t, cap, draft_cost=0.0, k_min=k_min)
+            # the faster lookup draft; n-gram lookup on a tie
+            if k > 0 and rate > threshold and (lookup_plan is None or rate > lookup_plan[1]):
+                lookup_plan = (k, rate, cand.tokens, bucket)
+                lookup = drafter
         model_plan: tuple[int, float] | None = None
         in_use = False
         if self.model is not None:
@@ -489,16 +518,19 @@ class AutoPlanner:
         # n-gram estimates rest on few, mixed matches; a draft model in step has measured
         # acceptance and loses step when n-gram drafts are taken: n-gram must clearly win.
         switch = self.SWITCH_MARGIN if in_use else 1.0
-        ngram_wins = ngram_plan is not None and (
-            model_plan is None or ngram_plan[1] >= switch * model_plan[1]
+        lookup_wins = lookup_plan is not None and (
+            model_plan is None or lookup_plan[1] >= switch * model_plan[1]
         )
-        if self._streak and (ngram_wins or model_plan is None):
+        if self._streak and (lookup_wins or model_plan is None):
             self.mean_streak += 0.5 * (self._streak - self.mean_streak)
             self._streak = 0
-        if ngram_plan is not None and ngram_wins:
-            k, rate, tokens, bucket = ngram_plan
-            self._last_ngram_bucket = bucket
-            return Plan(self.ngram, Draft(tokens[:k]), rate)
+        if lookup_plan is not None and lookup_wins:
+            k, rate, tokens, bucket = lookup_plan
+            if lookup is self.ngram:
+                self._last_ngram_bucket = bucket
+            else:
+                self._last_suffix_bucket = bucket
+            return Plan(lookup, Draft(tokens[:k]), rate)
         if model_plan is not None:
             assert self.model is not None
             k, rate = model_plan
@@ -537,3 +569,7 @@ class AutoPlanner:
             b = self._last_ngram_bucket
             self.acc_ngram[b].observe(n, accepted)
             self.ngram_len[b] += 0.5 * (accepted - self.ngram_len[b])
+        elif plan.drafter is self.suffix and n:
+            b = self._last_suffix_bucket
+            self.acc_suffix[b].observe(n, accepted)
+            self.suffix_len[b] += 0.5 * (accepted - self.suffix_len[b])
