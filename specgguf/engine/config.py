@@ -110,8 +110,8 @@ class SpeculativeConfig:
     loaded: :class:`specgguf.spec.loop.GenerationParams`).
 
     Args:
-        drafter: "auto" (n-gram lookup and the draft model, chosen per step by the cost
-            model), "model", "ngram" or "none" (the target alone).
+        drafter: "auto" (n-gram lookup, suffix matching and the draft model, chosen per
+            step by the cost model), "model", "ngram", "suffix" or "none" (the target alone).
         draft_max: the draft length K (auto: the largest); -1: :func:`default_draft_max`.
             It also sizes the target's logits buffer (K + 1 rows), so it is the largest K
             any generation on the engine can use.
