@@ -145,3 +145,19 @@ def test_raw_with_system_is_a_usage_error(template_models: dict[str, Path]) -> N
     res = run_cli("run", "-m", str(template_models["chatml"]), "--raw", "--system", "x", "hi")
     assert res.returncode == 2
     assert b"--system" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_template_is_compiled_once_and_its_errors_are_not_cached() -> None:
+    from specgguf.engine import chat
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}#"
+    chat._compiled.cache_clear()
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat.render_chat(template, msgs) == "<user>hi#"
+    assert chat.render_chat(template, [{"role": "user", "content": "yo"}]) == "<user>yo#"
+    info = chat._compiled.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    # A template that does not parse fails every time, with the same error.
+    for _ in range(2):
+        with pytest.raises(chat.ChatTemplateError, match="cannot be rendered"):
+            chat.render_chat("{% for %}", msgs)
