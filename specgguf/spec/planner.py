@@ -457,14 +457,15 @@ class AutoPlanner:
         self.acc_suffix = {n: Acceptance() for n in self.NGRAM_PRIOR}
         self._last_suffix_bucket = 1
 
-    def _tree_size(self, tree: Draft, k_min: int) -> tuple[int, float, int]:
+    def _tree_size(self, tree: Draft, k_min: int, k_max: int) -> tuple[int, float, int]:
         """How many of a suffix tree's nodes to verify, the rate expected, and the match
         bucket: node i's acceptance is estimated as its share product times a^depth, a
-        the bucket's per-token rate (prior: the n-gram prior times the confidence)."""
+        the bucket's per-token rate (prior: the n-gram prior times the confidence); at most
+        ``k_max`` nodes."""
         assert self.suffix is not None and tree.parents is not None and tree.probs is not None
         bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.suffix.last_match))
         a = self.acc_suffix[bucket].rate_with(self.NGRAM_PRIOR[bucket] * self.confidence)
-        est = [p * a**d for p, d in zip(tree.probs, depths(tree.parents), strict=True)]
+        est = [p * a**d for p, d in zip(tree.probs, depths(tree.parents), strict=True)][:k_max]
         m, rate = best_tree(est, self.timings, k_min=k_min)
         return m, rate, bucket
 
@@ -519,7 +520,7 @@ class AutoPlanner:
         if self.suffix is not None and sampler.greedy:
             tree = self.suffix.propose_tree(history, k_max, self.tree_branches)
             if len(tree.tokens) >= k_min and tree.parents is not None and tree.probs:
-                m, rate, bucket = self._tree_size(tree, k_min)
+                m, rate, bucket = self._tree_size(tree, k_min, k_max)
                 if m > 0 and rate > threshold and (ngram_plan is None or rate > ngram_plan[1]):
                     assert tree.probs is not None
                     cut = Draft(tree.tokens[:m], parents=tree.parents[:m], probs=tree.probs[:m])
