@@ -4,7 +4,7 @@ trees; on real llama.cpp, trees through the tiny fixtures and the real Qwen pair
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,10 @@ class RandomTreeDrafter:
 
     name = "tree"
 
-    def __init__(self, seed: int, branches: int, p_right: float = 0.6) -> None:
+    def __init__(
+        self, seed: int, branches: int, p_right: float = 0.6, right: Callable[..., int] = nxt
+    ) -> None:
+        self.right = right
         self.rng = np.random.default_rng(seed)
         self.branches = branches
         self.p_right = p_right
@@ -69,7 +72,7 @@ class RandomTreeDrafter:
                 branch.append(tokens[at])
                 at = parents[at]
             prefix = [*history, *branch[::-1]]
-            right = nxt(prefix)
+            right = self.right(prefix)
             siblings = {tokens[i] for i, p in enumerate(parents) if p == parent}
             tok = right if self.rng.random() < self.p_right else int(self.rng.integers(V))
             if tok in siblings:
@@ -339,15 +342,10 @@ def test_tiny_models_verify_trees_through_llama_cpp(tiny_models: dict[str, Path]
 
 class OracleTreeDrafter(RandomTreeDrafter):
     """Random-shape trees whose right tokens are a known output's (``want`` after the
-    prompt ``ids``), and past it random ones."""
+    prompt ``ids``), and past it arbitrary ones."""
 
     def __init__(self, ids: list[int], want: list[int], seed: int, p_right: float = 0.6):
-        super().__init__(seed, 4, p_right)
-        self.text = [*ids, *want]
-
-    def propose_tree(self, history: Sequence[int], k: int, branches: int) -> Draft:
-        global nxt
-        text = self.text
+        text = [*ids, *want]
 
         def right(prefix: Sequence[int]) -> int:
             n = len(prefix)
@@ -355,9 +353,34 @@ class OracleTreeDrafter(RandomTreeDrafter):
                 return text[n]
             return (n * 31) % V
 
-        saved = nxt
-        try:
-            nxt = right  # the random shapes ask nxt for the right token
-            return super().propose_tree(history, k, branches)
-        finally:
-            nxt = saved
+        super().__init__(seed, 4, p_right, right)
+
+
+@pytest.mark.real_models
+def test_real_pair_forced_trees_match_the_target_alone(real_models: dict[str, Path]) -> None:
+    """Qwen2.5-Coder 1.5B with forced token trees (random shapes whose right tokens are the
+    target alone's; a fresh branch at every step, so every later step reads the cache that
+    tree steps left) gives the target alone's greedy tokens, except at a near-tie: where
+    they differ, the target alone's own logits put the two tokens closer than the kernel
+    noise the README states for this model (0.6), and every token before matches."""
+    from specgguf.hub import testmodels
+
+    from .helpers import load_engine
+    from .test_speculative_real import PROMPTS, chat, target_alone_logits
+
+    n = 32
+    with load_engine(real_models[testmodels.TARGET], drafter="none", n_ctx=512,
+                     draft_tree=4) as e:  # fmt: skip
+        for p in PROMPTS[:3]:
+            ids = e.tokenize(chat(p))
+            base = e.generate(ids, GenerationParams(n_predict=n, sampler=GREEDY)).run().tokens
+            planner = FixedPlanner(OracleTreeDrafter(ids, base, seed=5), 8, tree_branches=4)
+            res = e.decoder.generate(ids, GenerationParams(n_predict=n, sampler=GREEDY),
+                                     planner).run()  # type: ignore[arg-type]  # fmt: skip
+            assert res.stats.tree_steps > 0 and res.stats.accepted > 0
+            if res.tokens == base:
+                continue
+            i = next(j for j, (a, b) in enumerate(zip(res.tokens, base, strict=False)) if a != b)
+            single = target_alone_logits(e.target_model, ids, base, i)
+            gap = float(single[base[i]] - single[res.tokens[i]])
+            assert int(single.argmax()) == base[i] and 0.0 <= gap <= 0.6, (p, i, gap)
