@@ -41,6 +41,7 @@ class FakeContext:
         self.log: list[tuple[object, ...]] = []
         self.eval_seconds = 0.0
         self.max_batch = 0
+        self._tree: object = None
 
     @property
     def n_past(self) -> int:
@@ -68,8 +69,63 @@ class FakeContext:
 
     def rollback(self, n_keep: int) -> None:
         self.log.append(("rollback", n_keep))
+        self._tree = None
         assert 0 <= n_keep <= len(self.kv)
         del self.kv[n_keep:]
+
+
+class FakeTreeContext(FakeContext):
+    """A :class:`FakeContext` that also verifies token trees (``TreeEvaluator``): each
+    node's logits come from ``rule`` on the committed tokens, the root and the node's own
+    branch, as llama.cpp's tree attention gives them. Logs ("tree", n_past, root, tokens,
+    parents) and ("keep", path)."""
+
+    def __init__(self, *args: object, tree_branches: int = 4, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tree_branches = tree_branches
+        self._tree: tuple[int, list[int], list[int]] | None = None
+
+    def eval(
+        self, tokens: Sequence[int], *, logits: Literal["last", "all", "none"] = "last"
+    ) -> npt.NDArray[np.float32]:
+        assert self._tree is None, "a tree was left unresolved"
+        return super().eval(tokens, logits=logits)
+
+    def eval_tree(
+        self, root: int, tokens: Sequence[int], parents: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        from specgguf.spec.tree import check_tree, leaves
+
+        self.log.append(("tree", len(self.kv), root, list(tokens), list(parents)))
+        assert self._tree is None
+        check_tree(parents)
+        assert len(leaves(parents)) <= self.tree_branches, "more leaves than sequences"
+        assert len(tokens) + 1 <= self.n_batch
+        self.max_batch = max(self.max_batch, len(tokens) + 1)
+
+        def branch(i: int) -> list[int]:
+            out: list[int] = []
+            while i >= 0:
+                out.append(tokens[i])
+                i = parents[i]
+            return out[::-1]
+
+        base = [*self.kv, root]
+        assert len(base) + max((len(branch(i)) for i in range(len(tokens))), default=0) <= (
+            self.n_ctx
+        )
+        rows = [self.rule(base)] + [self.rule(base + branch(i)) for i in range(len(tokens))]
+        self._tree = (root, list(tokens), list(parents))
+        return np.stack(rows)
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        self.log.append(("keep", list(path)))
+        assert self._tree is not None
+        root, tokens, parents = self._tree
+        for a, b in zip([-1, *path], path, strict=False):
+            assert parents[b] == a, "not a path from the root"
+        self.kv.extend([root, *(tokens[i] for i in path)])
+        self._tree = None
 
 
 class FakeVocab:

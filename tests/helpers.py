@@ -54,16 +54,18 @@ def load_engine(
     draft_max: int = 16,
     n_batch: int = 512,
     deterministic: bool = False,
+    draft_tree: int = -1,
 ) -> Engine:
     """An engine over ``target`` (and ``draft``) with the checks on; ``draft_max`` sizes
-    the largest draft length a generation may ask for."""
+    the largest draft length a generation may ask for, ``draft_tree`` the most branches
+    of a token tree (-1: the drafter's default)."""
     from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
 
     return Engine(
         EngineConfig(
             ModelConfig(target, n_ctx=n_ctx, n_batch=n_batch),
             ModelConfig(draft, n_ctx=n_ctx, n_batch=n_batch) if draft is not None else None,
-            SpeculativeConfig(drafter=drafter, draft_max=draft_max),
+            SpeculativeConfig(drafter=drafter, draft_max=draft_max, draft_tree=draft_tree),
             deterministic=deterministic,
         )
     )

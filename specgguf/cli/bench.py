@@ -55,6 +55,7 @@ def bench(
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=256)] = 4096,
     threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
     no_repack: Annotated[bool, typer.Option("-nr", "--no-repack")] = False,
+    draft_tree: o.DraftTreeOpt = None,
     n_gpu_layers: o.NGpuLayersOpt = -1,
     n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
     rpc: o.RpcOpt = None,
@@ -117,7 +118,7 @@ def bench(
         deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft,
         n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, rpc=rpc,
         rpc_draft=rpc_draft, tensor_split=tensor_split, rpc_timeout=rpc_timeout,
-        no_draft=no_draft, draft_search=draft_search or (), say=say,
+        no_draft=no_draft, draft_search=draft_search or (), say=say, draft_tree=draft_tree,
     )  # fmt: skip
     configs = [("target", "none", 0)]
     if config.loads_draft:

@@ -72,6 +72,17 @@ DraftMinOpt = Annotated[
         rich_help_panel=SPEC,
     ),
 ]  # fmt: skip
+DraftTreeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-tree", min=0, max=16, metavar="N",
+        help="Verify up to N draft branches in one batch (token trees; greedy decoding "
+        "only: with sampling, chains). auto: a tree of the suffix drafter's continuations "
+        "where the measured batch costs say it pays (default 4); suffix: always trees "
+        "(default 0: chains). 0: chains only.",
+        rich_help_panel=SPEC,
+    ),
+]  # fmt: skip
 DraftPMinOpt = Annotated[
     float,
     typer.Option(
@@ -366,6 +377,7 @@ def engine_config(
     no_repack: bool = False,
     draft_p_min: float = 0.0,
     draft_min: int = 0,
+    draft_tree: int | None = None,
     spec_type: str | None = None,
     device_draft: str | None = None,
     no_draft: bool = False,
@@ -479,7 +491,8 @@ def engine_config(
         raise UsageError("--rpc-draft places the draft model's layers, and no draft model is "
                          "loaded")  # fmt: skip
     spec = SpeculativeConfig(drafter=kind, draft_max=-1 if draft is None else draft,
-                             p_min=draft_p_min, draft_min=draft_min)  # fmt: skip
+                             p_min=draft_p_min, draft_min=draft_min,
+                             draft_tree=-1 if draft_tree is None else draft_tree)  # fmt: skip
     if no_check and draft_model is not None and searched is None:
         say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
     return EngineConfig(target, draft_model, spec, check_vocab=not no_check,

@@ -33,6 +33,19 @@ DrafterKind = str
 FIXED_DRAFT_MAX = 4
 
 
+#: The most branches of a token tree (each is a llama.cpp sequence of the target's context).
+MAX_TREE_BRANCHES = 16
+#: Auto mode's token trees by default: the most branches.
+AUTO_TREE_BRANCHES = 4
+
+
+def default_draft_tree(drafter: DrafterKind) -> int:
+    """The most branches of a token tree when none is given: ``AUTO_TREE_BRANCHES`` for
+    auto mode, which uses a tree only where the cost model expects it to pay; 0 (chains)
+    for the fixed drafters."""
+    return AUTO_TREE_BRANCHES if drafter == "auto" else 0
+
+
 def default_draft_max(drafter: DrafterKind) -> int:
     """The draft length used when none is given: auto mode's largest (16), none for the
     target alone, else ``FIXED_DRAFT_MAX``."""
@@ -121,11 +134,16 @@ class SpeculativeConfig:
         draft_min: the shortest draft that is verified (llama.cpp's n_min): a step with
             room for fewer drafts, or whose drafter proposes fewer, runs without drafts;
             0: no minimum.
+        draft_tree: the most branches of a token tree verified in one batch (greedy
+            decoding only; with sampling and in deterministic mode, chains): auto mode
+            weighs a tree of the suffix drafter's continuations against the chains, the
+            suffix drafter always drafts trees; 0 (or 1): chains only, and the target's
+            context has one sequence, as without trees; -1: :func:`default_draft_tree`.
 
     Raises:
         UsageError: an unknown drafter, a draft length below -1, p_min outside [0, 1],
             n-gram lengths not 1 <= ngram_min <= ngram_max, a minimum draft length below 0
-            or above the draft length.
+            or above the draft length, a tree of more than ``MAX_TREE_BRANCHES`` branches.
     """
 
     drafter: DrafterKind = "auto"
@@ -134,9 +152,15 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 8
     draft_min: int = 0
+    draft_tree: int = -1
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
+        if self.draft_tree == -1:
+            object.__setattr__(self, "draft_tree", default_draft_tree(self.drafter))
+        elif not 0 <= self.draft_tree <= MAX_TREE_BRANCHES:
+            raise UsageError(f"a token tree has 0 to {MAX_TREE_BRANCHES} branches, "
+                             f"not {self.draft_tree}")  # fmt: skip
         if self.draft_max == -1:
             object.__setattr__(self, "draft_max", default_draft_max(self.drafter))
         elif self.draft_max < 0:

@@ -40,13 +40,15 @@ class Drafting:
 
 @dataclasses.dataclass(frozen=True)
 class DraftSettings:
-    """One generation's drafting: the draft length, p_min, deterministic mode, and the
-    shortest draft worth verifying (``draft_min``; 0: any)."""
+    """One generation's drafting: the draft length, p_min, deterministic mode, the
+    shortest draft worth verifying (``draft_min``; 0: any), and the most branches of a
+    token tree (``tree_branches``; 0: chains only)."""
 
     draft_max: int
     p_min: float = 0.0
     deterministic: bool = False
     draft_min: int = 0
+    tree_branches: int = 0
 
 
 PlannerFactory = Callable[[Drafting, DraftSettings], Planner]
@@ -57,6 +59,7 @@ def _auto(d: Drafting, s: DraftSettings) -> Planner:
         d.timings(s.deterministic), model=d.model, ngram=NgramDrafter(*d.ngram), suffix=d.suffix,
         draft_max=s.draft_max, draft_max_model=min(AUTO_DRAFT_MAX, s.draft_max), p_min=s.p_min,
         draft_min=s.draft_min,
+        tree_branches=0 if s.deterministic else s.tree_branches,
     )  # fmt: skip
 
 
@@ -68,7 +71,11 @@ DRAFTERS: dict[str, PlannerFactory] = {
     ),
     "ngram": lambda d, s: FixedPlanner(NgramDrafter(*d.ngram), s.draft_max, draft_min=s.draft_min),
     "suffix": lambda d, s: FixedPlanner(
-        d.suffix, s.draft_max, p_min=s.p_min, draft_min=s.draft_min
+        d.suffix,
+        s.draft_max,
+        p_min=s.p_min,
+        draft_min=s.draft_min,
+        tree_branches=0 if s.deterministic else s.tree_branches,
     ),
     "none": lambda d, s: FixedPlanner(None, 0),
 }

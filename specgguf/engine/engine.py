@@ -33,6 +33,7 @@ from specgguf.engine.config import (
     check_draft_min,
     check_drafter,
     check_p_min,
+    default_draft_tree,
 )
 from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
 from specgguf.engine.preflight import Preflight, preflight
@@ -94,9 +95,10 @@ class Engine:
         try:
             self.target_model = self._load(config.target)
             # A verification needs K + 1 outputs; llama.cpp sizes its logits buffer by this.
+            # Token trees need a sequence per branch (SpeculativeConfig.draft_tree).
             self.target_ctx = self._context(
                 self.target_model, config.target, self.preflight.n_ctx, spec.draft_max + 1,
-                reserve=int(config.deterministic),
+                reserve=int(config.deterministic), tree_branches=spec.draft_tree,
             )  # fmt: skip
             if config.deterministic:
                 self._set_up_deterministic()
@@ -180,11 +182,12 @@ class Engine:
         *,
         reserve: int = 0,
         draft: bool = False,
+        tree_branches: int = 0,
     ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
-                reserve=reserve,
+                reserve=reserve, tree_branches=tree_branches,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
@@ -255,7 +258,15 @@ class Engine:
         if kind != "none":
             check_draft_min(draft_min, draft_max)
         det = self.config.deterministic if params.deterministic is None else params.deterministic
-        settings = DraftSettings(draft_max, p_min, bool(det), draft_min)
+        # Trees: the generation's, else the engine's for its own drafter, else the
+        # drafter's default; at most what the target's context has sequences for.
+        tree = params.draft_tree
+        if tree is None:
+            tree = spec.draft_tree if kind == spec.drafter else default_draft_tree(kind)
+        if tree < 0:
+            raise UsageError(f"a token tree has 0 or more branches, not {tree}")
+        tree = min(tree, self.target_ctx.tree_branches)
+        settings = DraftSettings(draft_max, p_min, bool(det), draft_min, tree)
         return DRAFTERS[kind](self.drafting, settings)
 
     def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
@@ -370,6 +381,7 @@ class Engine:
             "drafter": spec.drafter,
             "draft_max": spec.draft_max,
             "draft_min": spec.draft_min,
+            "draft_tree": spec.draft_tree,
             "p_min": spec.p_min,
         }
 

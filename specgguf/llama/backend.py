@@ -253,13 +253,15 @@ class LlamaModel(_Native):
         n_outputs_max: int = 64,
         n_ubatch: int | None = None,
         reserve: int = 0,
+        tree_branches: int = 0,
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
-        deterministic mode's throw-away rows use) on this model."""
+        deterministic mode's throw-away rows use) on this model; ``tree_branches``: see
+        :class:`LlamaContext`."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
-            reserve=reserve,
+            reserve=reserve, tree_branches=tree_branches,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -351,6 +353,13 @@ class LlamaContext(_Native):
     on CPU-only builds, where prompt speed is the same (measured on Qwen2.5 1.5B: 69-82
     tokens/s at 512, 72-74 at 128) and a prefill touches 30 MB less on that model.
 
+    ``tree_branches`` (2 or more) lets :meth:`eval_tree` verify token trees of up to that
+    many leaves: the context then has ``tree_branches + 1`` llama.cpp sequences over one
+    unified KV cache (``kv_unified``: without it llama.cpp splits the cache per sequence,
+    and refuses a batch whose tokens belong to several). Sequence 0 is the committed text,
+    the only one outside :meth:`eval_tree`. With 0 or 1 the context has one sequence, as
+    without trees.
+
     Raises:
         BackendError: llama.cpp could not create the context.
     """
@@ -366,6 +375,7 @@ class LlamaContext(_Native):
         n_outputs_max: int = 64,
         n_ubatch: int | None = None,
         reserve: int = 0,
+        tree_branches: int = 0,
     ) -> None:
         self._lc = lc = model._lc
         self.model = model
@@ -379,7 +389,12 @@ class LlamaContext(_Native):
             n_ubatch = 512 if model.offloads else 128
         params.n_ubatch = min(n_batch, n_ubatch)
         params.n_outputs_max = min(n_outputs_max, n_batch)
-        params.n_seq_max = 1
+        #: the most leaves :meth:`eval_tree` accepts (0: no trees, one sequence)
+        self.tree_branches = tree_branches if tree_branches >= 2 else 0
+        n_seq = self.tree_branches + 1
+        params.n_seq_max = n_seq
+        if n_seq > 1:
+            params.kv_unified = True
         params.n_threads = threads
         params.n_threads_batch = n_threads_batch or threads
         params.no_perf = True
@@ -406,7 +421,10 @@ class LlamaContext(_Native):
         self.n_past = 0
         self.eval_seconds = 0.0  # wall time inside llama_decode and logits access
         self._mem = lc.llama_get_memory(ctx)
-        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, n_seq)
+        #: a tree evaluated and not yet resolved: (its root's position, the number of
+        #: branch sequences, the branch sequence of each node)
+        self._tree: tuple[int, int, list[int]] | None = None
         b = self._batch
         self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
@@ -439,6 +457,8 @@ class LlamaContext(_Native):
             ContextOverflowError: the tokens do not fit the KV cache.
             BackendError: llama_decode failed.
         """
+        if self._tree is not None:  # a tree left unresolved is dropped
+            self._drop_tree(self._tree[1])
         n = len(tokens)
         if self.n_past + n > self.n_ctx:
             raise ContextOverflowError(
@@ -524,6 +544,133 @@ class LlamaContext(_Native):
         out.flags.writeable = False
         return out
 
+    def eval_tree(
+        self, root: int, tokens: Sequence[int], parents: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        """Evaluate a token tree in one ``llama_decode`` and return the logits after every
+        node (tree attention, SpecInfer, Miao et al. 2023, section 4).
+
+        ``root`` is the next committed token (at position ``n_past``); ``tokens[i]`` is a
+        draft token whose parent is ``tokens[parents[i]]``, or the root for -1 (parents
+        first, see :mod:`specgguf.spec.tree`), at position ``n_past + depth``. Each leaf is
+        a llama.cpp sequence 1..L that first receives the committed text (sequence 0, by
+        ``llama_memory_seq_cp``: cell metadata only, in a unified cache); a node belongs to
+        the sequences of the leaves under it and the root to all, sequence 0 included.
+        llama.cpp builds a token's attention mask from its first sequence id
+        (``set_input_kq_mask`` in src/llama-kv-cache.cpp): each node's first id is a leaf
+        under it, whose cells are the committed text and the node's own ancestors.
+
+        The tree stays in the cache until :meth:`keep_tree_path` keeps one branch of it, or
+        :meth:`rollback` drops it; ``n_past`` is unchanged until then.
+
+        Returns:
+            read-only float32[1 + len(tokens), n_vocab]: row 0 after the root, row i + 1
+            after ``tokens[i]``; a view valid until the next evaluation.
+
+        Raises:
+            ValueError: no trees on this context (``tree_branches``), a malformed tree,
+                more leaves than ``tree_branches``, more rows than ``n_outputs_max``.
+            ContextOverflowError: the tree does not fit the KV cache.
+            BackendError: llama_decode failed (the cache is left as before the call).
+        """
+        if not self.tree_branches:
+            raise ValueError("this context was created without token trees (tree_branches)")
+        if self._tree is not None:
+            raise ValueError("a tree is pending: keep a path of it or roll back first")
+        if len(parents) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens and {len(parents)} parents")
+        depth = [0]  # by row: the root's, then each token's
+        has_child = [False] * len(tokens)
+        for i, p in enumerate(parents):
+            if not -1 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: a parent must be -1 or earlier")
+            depth.append(depth[p + 1] + 1)
+            if p >= 0:
+                has_child[p] = True
+        tips = [i for i, c in enumerate(has_child) if not c] or [-1]  # a lone root: a leaf
+        if len(tips) > self.tree_branches:
+            raise ValueError(f"a tree of {len(tips)} leaves; this context verifies at most "
+                             f"{self.tree_branches}")  # fmt: skip
+        rows = len(tokens) + 1
+        if rows > self.n_outputs_max:
+            raise ValueError(f"a tree of {rows} rows; at most n_outputs_max={self.n_outputs_max}")
+        if self.n_past + max(depth) + 1 > self.n_ctx:
+            raise ContextOverflowError(
+                self.n_past + max(depth) + 1, self.n_ctx, prompt=False, model=self.model.path.name
+            )
+        # The sequences of each row (row 0: the root, row i + 1: tokens[i]), first the
+        # lowest leaf under it; the root also belongs to sequence 0.
+        seqs: list[list[int]] = [[] for _ in range(rows)]
+        for s, leaf in enumerate(tips, start=1):
+            node = leaf
+            while node >= 0:
+                seqs[node + 1].append(s)
+                node = parents[node]
+            seqs[0].append(s)
+        seqs[0].append(0)
+        lc, b, n_seq = self._lc, self._batch, len(tips)
+        t0 = time.perf_counter()
+        try:
+            for s in range(1, n_seq + 1):
+                lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+            self._tok[0] = root
+            self._tok[1:rows] = tokens
+            self._pos[:rows] = np.asarray(depth, np.int32) + self.n_past
+            self._out[:rows] = 1
+            for i, ids in enumerate(seqs):
+                self._nseq[i] = len(ids)
+                for j, s in enumerate(ids):
+                    b.seq_id[i][j] = s
+            b.n_tokens = rows
+            rc = lc.llama_decode(self._ctx, b)
+            # The batch's other rows stay those of sequence 0 alone, for eval().
+            self._nseq[:rows] = 1
+            for i in range(rows):
+                b.seq_id[i][0] = 0
+            if rc != 0:
+                self._drop_tree(n_seq)
+                raise BackendError(
+                    f"llama_decode failed with code {rc} on {self.model.path.name} "
+                    f"(a tree of {rows} tokens at position {self.n_past})"
+                )
+            # The branch sequence under each node: its first id (the root: any leaf's).
+            self._tree = (self.n_past, n_seq, [ids[0] for ids in seqs])
+            ptr = lc.llama_get_logits(self._ctx)
+            out = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+            out.flags.writeable = False
+            return out
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        """Keep the root and the branch ``path`` (node indices from the root down, as
+        :func:`specgguf.spec.tree.accept_greedy` gives) of the tree :meth:`eval_tree`
+        evaluated, in sequence 0, and drop the rest: ``n_past`` grows by
+        ``1 + len(path)``.
+
+        Raises:
+            ValueError: no tree is pending.
+        """
+        if self._tree is None:
+            raise ValueError("no tree is pending")
+        start, n_seq, leaf_of = self._tree
+        if path:
+            # The cells of a leaf's sequence past the root are its branch, one per position:
+            # those up to the last accepted node are the path.
+            s = leaf_of[path[-1] + 1]
+            self._lc.llama_memory_seq_cp(self._mem, s, 0, start + 1, start + 1 + len(path))
+        self._drop_tree(n_seq, keep_root=True)
+        self.n_past = start + 1 + len(path)
+
+    def _drop_tree(self, n_seq: int, *, keep_root: bool = False) -> None:
+        """Remove the branch sequences 1..n_seq, and unless ``keep_root`` sequence 0's
+        cells past ``n_past`` (the root)."""
+        for s in range(1, n_seq + 1):
+            self._lc.llama_memory_seq_rm(self._mem, s, -1, -1)
+        if not keep_root:
+            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+        self._tree = None
+
     def set_rows_per_decode(self, rows: int | None) -> None:
         """Deterministic mode on (``rows``: 2 or more, see :meth:`eval`) or off (None).
 
@@ -539,12 +686,15 @@ class LlamaContext(_Native):
         self.rows_per_decode = rows
 
     def rollback(self, n_keep: int) -> None:
-        """Drop every KV-cache position from ``n_keep`` on, so that ``n_past == n_keep``.
+        """Drop every KV-cache position from ``n_keep`` on, so that ``n_past == n_keep``
+        (and a tree :meth:`eval_tree` left, whole).
 
         Raises:
             ValueError: ``n_keep`` is negative or beyond ``n_past``.
             BackendError: the cache cannot be partially removed (recurrent models).
         """
+        if self._tree is not None:  # a tree evaluated and not kept is dropped
+            self._drop_tree(self._tree[1])
         if not 0 <= n_keep <= self.n_past:
             raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
         if n_keep == self.n_past:

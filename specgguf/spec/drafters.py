@@ -16,6 +16,7 @@ from a model), as modified rejection sampling needs.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import time
 from collections.abc import Sequence
@@ -32,10 +33,19 @@ log = logging.getLogger("specgguf")
 @dataclasses.dataclass
 class Draft:
     """Proposed token ids, and for sampled model drafts the distribution each was drawn
-    from (``dists[i]`` is q for ``tokens[i]``)."""
+    from (``dists[i]`` is q for ``tokens[i]``).
+
+    A tree draft (several continuations, :mod:`specgguf.spec.tree`) also has ``parents``:
+    the index of each token's parent in ``tokens``, -1 for the last committed token
+    (parents come first); None is a chain. ``probs``: the drafter's estimate, per token,
+    that the target reaches and keeps it (for a suffix tree, the product of the shares of
+    earlier occurrences along its branch), which the planner calibrates.
+    """
 
     tokens: list[int]
     dists: list[Distribution] | None = None
+    parents: list[int] | None = None
+    probs: list[float] | None = None
 
 
 class Evaluator(Protocol):
@@ -53,6 +63,20 @@ class Evaluator(Protocol):
     ) -> npt.NDArray[np.float32]: ...
 
     def rollback(self, n_keep: int) -> None: ...
+
+
+class TreeEvaluator(Evaluator, Protocol):
+    """An :class:`Evaluator` that also verifies token trees in one batch (see
+    ``backend.LlamaContext.eval_tree``): ``tree_branches`` is the most leaves a tree may
+    have (0: none; the loop then verifies chains only)."""
+
+    tree_branches: int
+
+    def eval_tree(
+        self, root: int, tokens: Sequence[int], parents: Sequence[int]
+    ) -> npt.NDArray[np.float32]: ...
+
+    def keep_tree_path(self, path: Sequence[int]) -> None: ...
 
 
 class Drafter(Protocol):
@@ -374,6 +398,20 @@ class SuffixDrafter:
         self._index.clear()
         self._indexed = 0
 
+    def _match(self, history: Sequence[int]) -> list[int]:
+        """Take in the history; the corpus positions right after the earlier occurrences
+        of its longest suffix of ``LENGTHS`` tokens (``last_match``: that length)."""
+        self._sync(history)
+        self.last_match, self.last_confidence = 0, 0.0
+        c, end = self._corpus, len(self._corpus)
+        for n in reversed(self.LENGTHS):
+            if n <= len(history):
+                occ = self._index.get(hash(tuple(c[end - n : end])), [])
+                if occ:
+                    self.last_match = n
+                    return occ
+        return []
+
     def propose(
         self,
         history: Sequence[int],
@@ -386,16 +424,8 @@ class SuffixDrafter:
         """Up to ``k`` tokens following the longest earlier occurrence of the text's
         suffix, by majority of its occurrences; ``p_min`` raises ``min_share``."""
         t0 = time.perf_counter()
-        self._sync(history)
-        self.last_match, self.last_confidence = 0, 0.0
+        occ = self._match(history)
         c, end = self._corpus, len(self._corpus)
-        occ: list[int] = []
-        for n in reversed(self.LENGTHS):
-            if n <= len(history):
-                occ = self._index.get(hash(tuple(c[end - n : end])), [])
-                if occ:
-                    self.last_match = n
-                    break
         tokens: list[int] = []
         confidence = 1.0
         share_min = max(self.min_share, p_min)
@@ -421,3 +451,65 @@ class SuffixDrafter:
         self.last_confidence = confidence if tokens else 0.0
         self.seconds += time.perf_counter() - t0
         return Draft(tokens)
+
+    def propose_tree(
+        self, history: Sequence[int], max_nodes: int, max_leaves: int, *, min_prob: float = 0.05
+    ) -> Draft:
+        """A token tree of the continuations of the longest earlier occurrences of the
+        text's suffix, branching where they split (SuffixDecoding, Oliaro et al. 2024,
+        section 4.2: the speculation tree grown greedily by estimated probability).
+
+        The occurrences a node keeps are those that continue with its branch; a child's
+        probability is its parent's times the share of the parent's occurrences that
+        continue with the child's token. Nodes are added best first (ties: the earlier
+        candidate), while their probability is at least ``min_prob``, up to ``max_nodes``
+        and ``max_leaves`` leaves; so ``probs`` never increases along the list and every
+        prefix of the tree is the best tree of its size by these estimates.
+
+        Returns:
+            a :class:`Draft` with ``parents`` and ``probs`` (empty when nothing matched);
+            ``last_match`` is the matched suffix length.
+        """
+        t0 = time.perf_counter()
+        occ = self._match(history)
+        c, end = self._corpus, len(self._corpus)
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        has_child: list[bool] = []
+        n_leaves = 0
+        # candidates: (-probability, order, parent, depth, token, occurrences)
+        heap: list[tuple[float, int, int, int, int, list[int]]] = []
+        order = 0
+
+        def expand(parent: int, depth: int, prob: float, occs: list[int]) -> None:
+            nonlocal order
+            groups: dict[int, list[int]] = {}
+            for pos in occs:
+                t = c[pos + depth] if pos + depth < end else self.SEPARATOR
+                if t != self.SEPARATOR:
+                    groups.setdefault(t, []).append(pos)
+            for t, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), -kv[0])):
+                p = prob * len(g) / len(occs)
+                if p >= min_prob:
+                    heapq.heappush(heap, (-p, order, parent, depth + 1, t, g))
+                    order += 1
+
+        if occ and max_nodes > 0 and max_leaves > 0:
+            expand(-1, 0, 1.0, occ)
+        while heap and len(tokens) < max_nodes:
+            neg, _, parent, depth, t, g = heapq.heappop(heap)
+            opens_branch = bool(tokens) if parent < 0 else has_child[parent]
+            if opens_branch and n_leaves >= max_leaves:
+                continue  # a new leaf beside others: no room
+            n_leaves += opens_branch or not tokens
+            if parent >= 0:
+                has_child[parent] = True
+            tokens.append(t)
+            parents.append(parent)
+            probs.append(-neg)
+            has_child.append(False)
+            expand(len(tokens) - 1, depth, -neg, g)
+        self.last_confidence = probs[0] if probs else 0.0
+        self.seconds += time.perf_counter() - t0
+        return Draft(tokens, parents=parents, probs=probs)

@@ -46,6 +46,7 @@ from specgguf.spec.sampling import (
     sample_at,
 )
 from specgguf.spec.streaming import TextStream
+from specgguf.spec.tree import accept_greedy, first_branch, is_chain, leaves
 
 FinishReason = Literal["stop", "length", "interrupted"]
 GREEDY = SamplerParams(temperature=0.0)
@@ -78,7 +79,9 @@ class GenerationParams:
     token it gives less than this probability), ``deterministic``
     (output independent of the drafter, the draft length and timings: drafts are greedy
     point masses, and sampled tokens come from draws keyed by their output position, see
-    :mod:`specgguf.spec.sampling`; the engine also fixes the verification batch shapes).
+    :mod:`specgguf.spec.sampling`; the engine also fixes the verification batch shapes),
+    ``draft_tree`` (the most branches of a token tree, greedy only; 0: chains; at most what
+    the engine was loaded with, see :class:`specgguf.engine.SpeculativeConfig`).
     """
 
     n_predict: int = -1
@@ -90,6 +93,7 @@ class GenerationParams:
     p_min: float | None = None
     deterministic: bool | None = None
     draft_min: int | None = None
+    draft_tree: int | None = None
 
 
 @dataclasses.dataclass
@@ -113,7 +117,9 @@ class GenerationStats:
 
     ``drafted``: draft tokens sent to verification; ``accepted``: those the target kept;
     ``steps``: target verification passes (one per generated token without a drafter);
-    ``rejected_steps``: steps whose draft was not accepted whole; ``draft_max``: the largest
+    ``rejected_steps``: steps where a draft token was rejected (for a token tree: at the
+    last node accepted); ``tree_steps``: steps that verified a token tree of several
+    branches (their ``drafted`` counts every node); ``draft_max``: the largest
     draft length this generation could use; ``last_draft``, ``last_drafter``: the latest
     step's. Several generations' statistics pool with :meth:`add`.
     """
@@ -131,6 +137,7 @@ class GenerationStats:
     last_draft: int = 0
     last_drafter: str = "none"
     rejected_steps: int = 0
+    tree_steps: int = 0
     by_drafter: dict[str, DrafterStats] = dataclasses.field(default_factory=dict)
 
     @property
@@ -158,7 +165,7 @@ class GenerationStats:
         ``last_*`` are left as they are)."""
         for f in ("prompt_tokens", "prompt_seconds", "generated", "steps", "drafted",
                   "accepted", "seconds", "target_seconds", "draft_seconds",
-                  "rejected_steps"):  # fmt: skip
+                  "rejected_steps", "tree_steps"):  # fmt: skip
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.draft_max = max(self.draft_max, other.draft_max)
         for name, row in other.by_drafter.items():
@@ -297,6 +304,10 @@ class SpeculativeDecoder:
         # the target's own draws keyed by output position.
         draft_sampler = GREEDY if deterministic else sampler
         k_max = stats.draft_max
+        # Token trees: greedy only (see specgguf.spec.tree), and not in deterministic mode,
+        # whose verification batches have fixed shapes.
+        tree_branches = int(getattr(target, "tree_branches", 0))
+        trees = sampler.greedy and not deterministic and tree_branches >= 2
         limit = params.n_predict if params.n_predict >= 0 else math.inf
 
         def draft_seconds() -> float:
@@ -330,26 +341,48 @@ class SpeculativeDecoder:
             plan = planner.plan(history, k, draft_sampler, rng)
             draft = plan.draft
             d = draft.tokens[:k]
+            parents = draft.parents[:k] if draft.parents is not None else None
+            if parents is not None and (
+                is_chain(parents) or not trees or len(leaves(parents)) > tree_branches
+            ):
+                # A chain, or a tree where trees are not verified (sampling, deterministic
+                # mode, a target without them): its first branch, as a chain.
+                d = [d[i] for i in first_branch(parents)]
+                draft = Draft(d)
+                parents = None
             t_verify = time.perf_counter()
-            logits = target.eval([history[-1], *d], logits="all")
+            if parents is not None:
+                logits = target.eval_tree(history[-1], d, parents)  # type: ignore[attr-defined]
+            else:
+                logits = target.eval([history[-1], *d], logits="all")
             t_verify = time.perf_counter() - t_verify
             if banned is not None:
                 logits = logits.copy()
                 logits[:, banned] = -np.inf
-            if sampler.greedy:
-                best = logits.argmax(axis=1)
-                n = 0
-                while n < len(d) and best[n] == d[n]:
-                    n += 1
-                x = int(best[n])
-            elif deterministic:
-                n, x = self._accept_keyed(logits, d, sampler, len(history) - n_prompt)
+            path: list[int] = []
+            if parents is not None:
+                path, x = accept_greedy(d, parents, logits.argmax(axis=1))
+                n = len(path)
+                accepted = [d[i] for i in path]
+                # the row of the last accepted node (the root's when none was)
+                last_row = path[-1] + 1 if path else 0
+                rejected = (path[-1] if path else -1) in parents
             else:
-                n, x = self._accept_sampled(logits, draft, d, sampler, rng)
-            new = [*d[:n], x]
+                if sampler.greedy:
+                    best = logits.argmax(axis=1)
+                    n = 0
+                    while n < len(d) and best[n] == d[n]:
+                        n += 1
+                    x = int(best[n])
+                elif deterministic:
+                    n, x = self._accept_keyed(logits, d, sampler, len(history) - n_prompt)
+                else:
+                    n, x = self._accept_sampled(logits, draft, d, sampler, rng)
+                accepted, last_row, rejected = d[:n], n, n < len(d)
+            new = [*accepted, x]
             conf = None
             if planner.wants_confidence:
-                row = logits[n]  # the target's top-1 probability for the token it chose
+                row = logits[last_row]  # the target's top-1 probability for its token
                 conf = 1.0 / float(np.exp(row - row.max()).sum())
             planner.observe(plan, n, t_verify, conf)
             # Commit the step's tokens one at a time: the earliest of an end-of-generation
@@ -373,7 +406,8 @@ class SpeculativeDecoder:
             stats.steps += 1
             stats.drafted += len(d)
             stats.accepted += kept
-            stats.rejected_steps += n < len(d) and len(committed) > n  # its correction kept
+            stats.rejected_steps += rejected and len(committed) > n  # its correction kept
+            stats.tree_steps += parents is not None
             stats.last_draft = len(d)
             name = plan.drafter.name if plan.drafter is not None and d else "none"
             stats.last_drafter = name
@@ -383,6 +417,8 @@ class SpeculativeDecoder:
             row.accepted += kept
             history.extend(committed)
             gen.tokens.extend(committed)
+            if parents is not None:  # the root and the accepted branch join the text
+                target.keep_tree_path(path)  # type: ignore[attr-defined]
             target.rollback(len(history) - 1)
             piece = "".join(pieces)
             stats.generated = len(gen.tokens)

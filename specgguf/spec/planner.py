@@ -39,6 +39,7 @@ from specgguf.spec.drafters import (
     SuffixDrafter,
 )
 from specgguf.spec.sampling import SamplerParams
+from specgguf.spec.tree import depths
 
 #: The largest draft length of auto mode, and of the draft model in it. n-gram drafts pay
 #: up to about 16 here and lose beyond (code editing: 29-33 tokens/s at 16, 25-29 at 48),
@@ -122,6 +123,27 @@ def best_k(
         r = expected_tokens(a, k) / (k * td + timings.verify_time(k + 1))
         if r > rate:
             best, rate = k, r
+    return best, rate
+
+
+def best_tree(probs: Sequence[float], timings: Timings, *, k_min: int = 1) -> tuple[int, float]:
+    """The number of nodes m (0, or ``k_min`` to ``len(probs)``) of a tree draft whose
+    first m nodes maximise E(m) / t_verify(m + 1), and that rate (tokens/s).
+
+    ``probs[i]`` is the estimated probability that node i is accepted (that the target's
+    argmax follows its whole branch), in an order where parents come first, so that every
+    prefix is a tree. A step yields one token of the target's own plus every accepted
+    node, and at most one node per depth is accepted, so E(m) = 1 + sum(probs[:m])
+    (SpecInfer, Miao et al. 2023; Sequoia, Chen et al. 2024, section 3.1). A chain with
+    i.i.d. acceptance ``a`` has probs a, a^2, ..., and E(m) is :func:`expected_tokens`.
+    The verification is one batch of m + 1 rows, costed from the measured curve."""
+    best, rate = 0, 1.0 / timings.verify_time(1)
+    e = 1.0
+    for m, p in enumerate(probs, start=1):
+        e += p
+        r = e / timings.verify_time(m + 1)
+        if m >= k_min and r > rate:
+            best, rate = m, r
     return best, rate
 
 
@@ -276,18 +298,29 @@ class FixedPlanner:
 
     A draft shorter than ``draft_min`` tokens is not verified: the step runs without
     drafts, as llama.cpp's ``--spec-draft-n-min`` does (tools/server: a step whose room
-    for drafts is below n_min does not draft; a shorter draft is ignored)."""
+    for drafts is below n_min does not draft; a shorter draft is ignored).
+
+    With ``tree_branches`` of 2 or more and a drafter that proposes trees
+    (``propose_tree``: the suffix drafter), greedy steps verify a token tree of up to K
+    nodes and that many leaves instead of a chain (sampled steps draft chains)."""
 
     wants_confidence = False
 
     def __init__(
-        self, drafter: Drafter | None, draft_max: int, *, p_min: float = 0.0, draft_min: int = 0
+        self,
+        drafter: Drafter | None,
+        draft_max: int,
+        *,
+        p_min: float = 0.0,
+        draft_min: int = 0,
+        tree_branches: int = 0,
     ) -> None:
         self.drafter = drafter
         self.draft_max = draft_max if drafter is not None else 0
         self.p_min = p_min
         self.draft_min = draft_min
         self.drafters = [drafter] if drafter else []
+        self.tree_branches = tree_branches if hasattr(drafter, "propose_tree") else 0
 
     def reset(self) -> None:
         if self.drafter:
@@ -298,7 +331,11 @@ class FixedPlanner:
     ) -> Plan:
         if self.drafter is None or k_max <= 0 or k_max < self.draft_min:
             return Plan(None, Draft([]), math.nan)
-        draft = self.drafter.propose(history, k_max, sampler, rng, p_min=self.p_min)
+        if self.tree_branches >= 2 and sampler.greedy:
+            propose_tree = self.drafter.propose_tree  # type: ignore[attr-defined]
+            draft = propose_tree(history, k_max, self.tree_branches)
+        else:
+            draft = self.drafter.propose(history, k_max, sampler, rng, p_min=self.p_min)
         if len(draft.tokens) < self.draft_min:
             return Plan(None, Draft([]), math.nan)
         return Plan(self.drafter, draft, math.nan)
@@ -336,8 +373,13 @@ class AutoPlanner:
         timings: calibrated timings (refined online unless ``learn_timings`` is False).
         model: the draft-model drafter, if any.
         ngram: the n-gram drafter, if any.
-        suffix: the suffix-matching drafter, if any; judged as n-gram lookup is (by the
-            length of its match, with its own acceptance and draft-length estimates).
+        suffix: the suffix-matching drafter, if any; its chains are judged as n-gram
+            lookup's are (by the length of its match, with their own acceptance and
+            draft-length estimates). With ``tree_branches`` of 2 or more, on greedy steps,
+            its tree of the continuations seen instead, cut to the size that the cost model
+            expects to pay most (:func:`best_tree`); the faster lookup draft is weighed
+            against the draft model and no drafts.
+        tree_branches: the most leaves of a tree (0: no trees, chains only).
         draft_max: the largest draft length considered (n-gram lookup, whose drafts cost
             nothing, pays up to long drafts when its acceptance is high).
         draft_max_model: the largest draft length for the draft model.
@@ -377,6 +419,7 @@ class AutoPlanner:
         p_min: float = 0.0,
         draft_min: int = 0,
         learn_timings: bool = True,
+        tree_branches: int = 0,
     ) -> None:
         self.timings = timings
         self.draft_min = max(1, draft_min)
@@ -387,6 +430,7 @@ class AutoPlanner:
         self.draft_max = draft_max
         self.draft_max_model = draft_max_model
         self.p_min = max(self.P_STOP, p_min)
+        self.tree_branches = tree_branches if tree_branches >= 2 else 0
         self.drafters: list[Drafter] = [d for d in (ngram, suffix, model) if d is not None]
         self.reset()
 
@@ -411,10 +455,23 @@ class AutoPlanner:
         # grows while drafts are accepted whole and shrinks when they break early.
         self.ngram_len = {n: 4.0 for n in self.NGRAM_PRIOR}
         self._last_ngram_bucket = 1
-        # The same for suffix matching, by the length of its match.
+        # The same for suffix matching, by the length of its match (for its chains and
+        # trees: a tree node's estimate is its share product times a^depth).
         self.acc_suffix = {n: Acceptance() for n in self.NGRAM_PRIOR}
         self.suffix_len = {n: 4.0 for n in self.NGRAM_PRIOR}
         self._last_suffix_bucket = 1
+
+    def _tree_size(self, tree: Draft, k_min: int, k_max: int) -> tuple[int, float, int]:
+        """How many of a suffix tree's nodes to verify, the rate expected, and the match
+        bucket: node i's acceptance is estimated as its share product times a^depth, a
+        the bucket's per-token rate (prior: the n-gram prior times the confidence); at most
+        ``k_max`` nodes."""
+        assert self.suffix is not None and tree.parents is not None and tree.probs is not None
+        bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.suffix.last_match))
+        a = self.acc_suffix[bucket].rate_with(self.NGRAM_PRIOR[bucket] * self.confidence)
+        est = [p * a**d for p, d in zip(tree.probs, depths(tree.parents), strict=True)][:k_max]
+        m, rate = best_tree(est, self.timings, k_min=k_min)
+        return m, rate, bucket
 
     def _verify_time(self, n: float) -> float:
         """t_verify at a fractional batch size (an expected number of tokens)."""
@@ -451,12 +508,13 @@ class AutoPlanner:
         if k_max < k_min:
             return best
         threshold = base_rate * self.MARGIN
+        trees = self.suffix is not None and self.tree_branches >= 2 and sampler.greedy
         lookup_plan: tuple[int, float, list[int], int] | None = None
         lookup: NgramDrafter | SuffixDrafter | None = None
         lookups: tuple[tuple[NgramDrafter | SuffixDrafter | None, dict[int, Acceptance],
                              dict[int, float]], ...] = (
             (self.ngram, self.acc_ngram, self.ngram_len),
-            (self.suffix, self.acc_suffix, self.suffix_len),
+            (None if trees else self.suffix, self.acc_suffix, self.suffix_len),
         )  # fmt: skip
         for drafter, rates, lens in lookups:
             if drafter is None:
@@ -473,6 +531,18 @@ class AutoPlanner:
             if k > 0 and rate > threshold and (lookup_plan is None or rate > lookup_plan[1]):
                 lookup_plan = (k, rate, cand.tokens, bucket)
                 lookup = drafter
+        # A suffix tree replaces the chain when it is expected to be faster.
+        tree_plan: tuple[float, Draft, int] | None = None
+        if trees:
+            assert self.suffix is not None
+            tree = self.suffix.propose_tree(history, k_max, self.tree_branches)
+            if len(tree.tokens) >= k_min and tree.parents is not None and tree.probs:
+                m, rate, bucket = self._tree_size(tree, k_min, k_max)
+                if m > 0 and rate > threshold and (lookup_plan is None or rate > lookup_plan[1]):
+                    assert tree.probs is not None
+                    cut = Draft(tree.tokens[:m], parents=tree.parents[:m], probs=tree.probs[:m])
+                    tree_plan = (rate, cut, bucket)
+                    lookup_plan = None
         model_plan: tuple[int, float] | None = None
         in_use = False
         if self.model is not None:
@@ -518,12 +588,19 @@ class AutoPlanner:
         # n-gram estimates rest on few, mixed matches; a draft model in step has measured
         # acceptance and loses step when n-gram drafts are taken: n-gram must clearly win.
         switch = self.SWITCH_MARGIN if in_use else 1.0
-        lookup_wins = lookup_plan is not None and (
-            model_plan is None or lookup_plan[1] >= switch * model_plan[1]
+        lookup_rate = (
+            tree_plan[0] if tree_plan is not None else lookup_plan[1] if lookup_plan else None
+        )
+        lookup_wins = lookup_rate is not None and (
+            model_plan is None or lookup_rate >= switch * model_plan[1]
         )
         if self._streak and (lookup_wins or model_plan is None):
             self.mean_streak += 0.5 * (self._streak - self.mean_streak)
             self._streak = 0
+        if tree_plan is not None and lookup_wins:
+            rate, cut, bucket = tree_plan
+            self._last_suffix_bucket = bucket
+            return Plan(self.suffix, cut, rate)
         if lookup_plan is not None and lookup_wins:
             k, rate, tokens, bucket = lookup_plan
             if lookup is self.ngram:
@@ -569,7 +646,14 @@ class AutoPlanner:
             b = self._last_ngram_bucket
             self.acc_ngram[b].observe(n, accepted)
             self.ngram_len[b] += 0.5 * (accepted - self.ngram_len[b])
-        elif plan.drafter is self.suffix and n:
+        elif plan.drafter is self.suffix and self.suffix is not None and n:
             b = self._last_suffix_bucket
-            self.acc_suffix[b].observe(n, accepted)
-            self.suffix_len[b] += 0.5 * (accepted - self.suffix_len[b])
+            parents = plan.draft.parents
+            if parents:
+                # A token was rejected when the accepted branch stops above the tree's
+                # depth (an approximation: it may have ended at a shorter branch's leaf).
+                deepest = max(depths(parents))
+                self.acc_suffix[b].observe(accepted + (accepted < deepest), accepted)
+            else:
+                self.acc_suffix[b].observe(n, accepted)
+                self.suffix_len[b] += 0.5 * (accepted - self.suffix_len[b])
