@@ -118,6 +118,9 @@ def test_a_file_that_is_not_gguf_is_refused_without_an_offset(tmp_path: Path) ->
         (3 << 24, f"a big-endian GGUF file (version 3); llama.cpp on this {sys.byteorder}-endian "
          "machine cannot load it"),
         (1 << 24, "unknown GGUF version 16777216 (this reader knows 2 and 3)"),
+        # unsigned: the high bit set is a large version, not a negative one
+        (2**32 - 1, "unknown GGUF version 4294967295 (this reader knows 2 and 3)"),
+        (2**31 + 3, "unknown GGUF version 2147483651 (this reader knows 2 and 3)"),
     ],
 )  # fmt: skip
 def test_versions_refused(tmp_path: Path, version: int, reason: str) -> None:
@@ -161,6 +164,17 @@ def test_tensor_count_against_the_file_size(tmp_path: Path) -> None:
     )
     assert refused(tmp_path, header(n_tensors=5000) + bytes(119_976)) == (
         "the header claims 5,000 tensors, more than a file of 120,000 bytes can hold",
+        8,
+    )
+    # Unsigned counts: the high bit set is a huge count, not a negative one.
+    assert refused(tmp_path, header(n_kv=2**64 - 1) + bytes(40)) == (
+        "the header claims 18,446,744,073,709,551,615 key-value pairs, more than a file of "
+        "64 bytes can hold",
+        16,
+    )
+    assert refused(tmp_path, header(n_tensors=2**63) + bytes(40)) == (
+        "the header claims 9,223,372,036,854,775,808 tensors, more than a file of 64 bytes "
+        "can hold",
         8,
     )
     # Both counts too large: the key-value count is named first.
@@ -427,6 +441,24 @@ def test_dimension_count(tmp_path: Path) -> None:
     assert refusal(path) == (
         "tensor 't' claims 5 dimensions; llama.cpp allows at most 4",
         at[1] + len(string("t")),
+    )
+
+
+def test_dimension_count_is_unsigned(tmp_path: Path) -> None:
+    info = string("t") + struct.pack("<I", 2**32 - 1) + bytes(60)
+    path, _ = _tensors(tmp_path, info)
+    assert refusal(path) == (
+        "tensor 't' claims 4294967295 dimensions; llama.cpp allows at most 4",
+        HEAD + 9,
+    )
+
+
+def test_data_offset_is_unsigned(tmp_path: Path) -> None:
+    path, at = _tensors(tmp_path, tinfo("a", (8,)), tinfo("b", (8,), 0, 2**64 - 1))
+    assert refusal(path) == (
+        "tensor 'b' has data offset 18,446,744,073,709,551,615, expected 32 (llama.cpp needs "
+        "the tensors stored in order, each padded to 32 bytes)",
+        at[1],
     )
 
 
@@ -700,11 +732,13 @@ def test_array_access_out_of_range(tmp_path: Path) -> None:
         assert (m.number_at(n, 0), m.number_at(n, 2)) == (10, 30)
         assert (m.string_at(s, 0), m.string_at(s, 1)) == (b"ab", b"cde")
         for bad in (-1, 3):
-            with pytest.raises(IndexError):
+            with pytest.raises(IndexError) as ei:
                 m.number_at(n, bad)
+            assert ei.value.args == (bad,)  # the index asked for, not another error's
         for bad in (-1, 2):
-            with pytest.raises(IndexError):
+            with pytest.raises(IndexError) as ei:
                 m.string_at(s, bad)
+            assert ei.value.args == (bad,)
         assert m.strings(s, 1) == [b"cde"] and m.strings(s, 0, 1) == [b"ab"]
         assert m.span(s, 1, 2) == string("cde") and m.span(n, 1, 2) == struct.pack("<I", 20)
         assert m.get("missing") is None and m.get("missing", 5) == 5
@@ -734,6 +768,7 @@ def test_the_token_list_keeps_its_offsets(tmp_path: Path) -> None:
         (3, 1, 4, ["m-00002-of-00003.gguf"]),  # uint32: not read as a split
         (0, 0, 2, ["m-00001-of-00000.gguf"]),  # count 0: one file
         (1, 0, 2, ["m-00001-of-00001.gguf"]),
+        (2, 1, 2, ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]),
     ],
 )
 def test_split_keys(

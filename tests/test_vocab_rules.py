@@ -378,6 +378,17 @@ def test_no_token_list(vocab: Callable[..., VocabInfo]) -> None:
     assert r.token_diff == TokenDiff(0, 0, None, None, None)
 
 
+def test_one_side_without_a_token_list(vocab: Callable[..., VocabInfo]) -> None:
+    # No token list but a vocab_size of 10: nothing to compare, no text to look up.
+    none = vocab("n", model="none", tokens=None, merges=None, **{"llama.vocab_size": 10})
+    assert none.n_tokens == 10
+    for r, role in ((compare_vocabs(none, vocab("d")), "target"),
+                    (compare_vocabs(vocab("t"), none), "draft")):  # fmt: skip
+        assert r.token_diff == TokenDiff(0, 0, None, None, None)
+        assert [f.code for f in r.findings] == ["no-vocabulary", "vocab-type"]
+        assert r.findings[0].message == f"the {role} has no tokenizer.ggml.tokens list"
+
+
 def test_end_of_generation_token_missing_in_the_draft(vocab: Callable[..., VocabInfo]) -> None:
     t = vocab("t", tokens=_tokens(12), eot_token_id=11)
     r = compare_vocabs(t, vocab("d"))
@@ -529,6 +540,12 @@ def test_read_vocab_values(vocab: Callable[..., VocabInfo]) -> None:
         ({"bos_token_id": None, "pre": "chatglm-bpe", "tokens": _tokens(12)}, None, 0, False,
          False),
         ({"add_bos_token": None, "pre": "gemma4"}, 0, 0, True, False),
+        # the pre-tokenizer rules are BPE's: an SPM vocabulary keeps its BOS, a UGM one its
+        # add_bos default, whatever its pre-tokenizer says
+        ({"model": "llama", "pre": "chatglm-bpe", "bos_token_id": None, "merges": None}, 1, 0,
+         False, False),
+        ({"model": "t5", "pre": "llama3", "add_bos_token": None, "merges": None}, 0, 0, False,
+         True),
         ({"add_bos_token": False, "pre": "gemma4"}, 0, 0, True, False),  # forced
         # SPM: BOS 1, EOS 2, add_bos true by default; UGM (t5): add_eos true, EOS 1
         ({"model": "llama", "bos_token_id": None, "eos_token_id": None, "add_bos_token": None,
@@ -688,6 +705,14 @@ E, W = "error", "warning"
          "tokenizer.ggml.seperator_token_id is 99, past the 10 tokens: llama.cpp ignores it"),
          (E, "key-type", "tokenizer.ggml.mask_token_id is uint64; llama.cpp reads it as uint32 "
           "and refuses the file")]),
+        ({"add_bos_token": (1, T.UINT8)}, [(E, "key-type", "tokenizer.ggml.add_bos_token is "
+         "uint8; llama.cpp reads it as bool and refuses the file")]),
+        ({"add_eos_token": (1, T.INT8)}, [(E, "key-type", "tokenizer.ggml.add_eos_token is "
+         "int8; llama.cpp reads it as bool and refuses the file")]),
+        ({"normalizer.lowercase": 0}, [(E, "key-type", "tokenizer.ggml.normalizer.lowercase "
+         "is uint32; llama.cpp reads it as bool and refuses the file")]),
+        ({"bos_token_id": (0, T.INT32)}, [(E, "key-type", "tokenizer.ggml.bos_token_id is "
+         "int32; llama.cpp reads it as uint32 and refuses the file")]),
         ({"add_sep_token": 1}, [(E, "key-type", "tokenizer.ggml.add_sep_token is uint32; "
          "llama.cpp reads it as bool and refuses the file")]),
         ({"normalizer.strip_accents": "no"}, [(E, "key-type",
