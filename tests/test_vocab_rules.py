@@ -109,7 +109,7 @@ def messages(r: CompatReport) -> list[tuple[str, str, str]]:
 def test_identical_vocabularies(vocab: Callable[..., VocabInfo]) -> None:
     t, d = vocab("t"), vocab("d")
     r = compare_vocabs(t, d, started=time.perf_counter() - 100)
-    assert r.findings == () and r.compatible and r.llama_cpp_compatible
+    assert r.findings == () and r.compatible and r.llama_cpp_compatible is True
     assert r.token_diff == TokenDiff(5, 0, None, None, None)
     assert r.errors == [] and r.warnings == []
     assert r.verdict() == "compatible: d.gguf can draft for t.gguf"
@@ -184,7 +184,7 @@ def test_vocabulary_types_differ(vocab: Callable[..., VocabInfo]) -> None:
     assert r.errors[0] == Finding(
         "error", "vocab-type", "vocabulary types differ: target BPE (gpt2), draft SPM (llama)"
     )
-    assert not r.llama_cpp_compatible
+    assert r.llama_cpp_compatible is False
 
 
 @pytest.mark.parametrize("name", ["bos", "eos"])
@@ -194,7 +194,7 @@ def test_add_flag_differs(vocab: Callable[..., VocabInfo], name: str) -> None:
         ("error", name, f"add_{name} differs: target false, draft true (one would start prompts "
          f"with {name.upper()}, the other not)"),
     ]  # fmt: skip
-    assert not r.llama_cpp_compatible and not r.compatible
+    assert r.llama_cpp_compatible is False and not r.compatible
     assert r.verdict() == f"INCOMPATIBLE: d.gguf cannot draft for t.gguf: {r.errors[0].message}"
     r = compare_vocabs(vocab("t2", **{f"add_{name}_token": True}), vocab("d2"))
     assert r.errors[0].message.startswith(f"add_{name} differs: target true, draft false")
@@ -212,11 +212,11 @@ def test_special_ids_differ_only_matter_with_the_flag(
         ("error", name, f"{name.upper()} ids differ with add_{name} set: target 0 "
          "'<|endoftext|>', draft 1 '<|im_start|>'"),
     ]  # fmt: skip
-    assert not r.llama_cpp_compatible
+    assert r.llama_cpp_compatible is False
     # the same ids with the flag set, or different ids without it: allowed
     assert compare_vocabs(t, vocab("d2", **{flag: True})).findings == ()
     r = compare_vocabs(vocab("t3"), vocab("d3", **{f"{name}_token_id": 1}))
-    assert r.llama_cpp_compatible and r.errors == []
+    assert r.llama_cpp_compatible is True and r.errors == []
 
 
 def test_an_absent_special_token_is_shown_as_none(vocab: Callable[..., VocabInfo]) -> None:
@@ -237,12 +237,13 @@ def test_token_counts_within_128_are_allowed(
     vocab: Callable[..., VocabInfo], n_target: int, n_draft: int
 ) -> None:
     r = compare_vocabs(vocab("t", tokens=_tokens(n_target)), vocab("d", tokens=_tokens(n_draft)))
-    assert r.llama_cpp_compatible and r.compatible
+    assert r.llama_cpp_compatible is True and r.compatible
     assert r.token_diff == TokenDiff(min(n_target, n_draft) - 5, 0, None, None, None)
 
 
 def test_token_counts_129_apart_are_refused(vocab: Callable[..., VocabInfo]) -> None:
     r = compare_vocabs(vocab("t", tokens=_tokens(1000)), vocab("d", tokens=_tokens(1129)))
+    assert r.llama_cpp_compatible is False
     assert messages(r) == [
         ("error", "vocab-size", "token counts differ by 129 (target 1,000, draft 1,129); "
          "llama.cpp allows at most 128"),
@@ -302,7 +303,7 @@ def test_token_texts_compared_from_id_5(
         Finding("error", "token-text", f"{n_different} of 5 token ids compared have different "
                 f"texts; the first is id {first}: target {texts[0]}, draft {texts[1]}"),
     ]  # fmt: skip
-    assert not r.llama_cpp_compatible
+    assert r.llama_cpp_compatible is False
 
 
 def test_token_texts_past_the_smaller_count_and_below_5_are_not_compared(
@@ -313,7 +314,7 @@ def test_token_texts_past_the_smaller_count_and_below_5_are_not_compared(
     t = vocab("t")
     d = vocab("d", tokens=_changed({3: "A", 4: "B"}, 12))
     r = compare_vocabs(t, d)
-    assert r.llama_cpp_compatible and r.compatible
+    assert r.llama_cpp_compatible is True and r.compatible
     assert r.token_diff == TokenDiff(5, 0, None, None, None)
     assert ("info", "head-token-text", "ids below 5 (not compared by llama.cpp) differ: 3, 4") in (
         messages(r)
@@ -323,6 +324,13 @@ def test_token_texts_past_the_smaller_count_and_below_5_are_not_compared(
     assert ("info", "head-token-text", "ids below 5 (not compared by llama.cpp) differ: 0, 1") in (
         messages(r)
     )
+
+
+def test_ids_below_5_compared_up_to_the_shorter_list(vocab: Callable[..., VocabInfo]) -> None:
+    short, full = vocab("s", tokens=TOKENS[:4]), vocab("f")
+    for r in (compare_vocabs(short, full), compare_vocabs(full, short)):
+        assert not [f for f in r.findings if f.code == "head-token-text"]
+        assert r.token_diff == TokenDiff(0, 0, None, None, None)
 
 
 @pytest.mark.parametrize(("n", "compared"), [(5, 0), (6, 1), (4, 0)])
@@ -344,6 +352,26 @@ def test_short_vocabularies_compare_what_is_there(
         ]  # fmt: skip
 
 
+def test_texts_that_are_not_utf8_are_shown_with_replacement_characters(
+    vocab: Callable[..., VocabInfo], tmp_path: Path
+) -> None:
+    t = vocab("t", tokens=[*TOKENS[:8], b"h\xff", "i"])
+    d = vocab("d", tokens=[*TOKENS[:8], b"h\xfe", "i"])
+    assert (t.text(8), d.text(8)) == ("h\ufffd", "h\ufffd")
+    special = vocab("s", tokens=[*TOKENS[:8], b"h\xff", "i"], eot_token_id=8)
+    assert special.special_texts[8] == "h\ufffd" == special.text(8)
+    r = compare_vocabs(t, d)
+    assert r.token_diff == TokenDiff(5, 1, 8, "h\ufffd", "h\ufffd")
+    assert r.errors[0].message == (
+        "1 of 5 token ids compared have different texts; the first is id 8: target "
+        "'h\ufffd', draft 'h\ufffd'"
+    )
+    assert findings_of(tmp_path, tokens=[*TOKENS[:6], b"\xff", b"\xff"]) == [
+        (E, "duplicate-token", "tokens 6 and 7 have the same text '\ufffd': llama.cpp aborts "
+         "on such a vocabulary"),
+    ]  # fmt: skip
+
+
 # -- beyond llama.cpp ------------------------------------------------------------------------
 
 
@@ -361,7 +389,7 @@ def test_recurrent_and_hybrid_architectures(
     assert messages(r) == [
         ("error", "recurrent-architecture", f"the draft's architecture {arch!r} is {kind}: {why}")
     ]
-    assert r.llama_cpp_compatible and not r.compatible
+    assert r.llama_cpp_compatible is True and not r.compatible
     r = compare_vocabs(vocab("t2", arch=arch), vocab("d2"))
     assert messages(r)[0][2] == f"the target's architecture {arch!r} is {kind}: {why}"
 
@@ -374,7 +402,7 @@ def test_no_token_list(vocab: Callable[..., VocabInfo]) -> None:
         ("error", "no-vocabulary", "the target has no tokenizer.ggml.tokens list"),
         ("error", "no-vocabulary", "the draft has no tokenizer.ggml.tokens list"),
     ]
-    assert r.llama_cpp_compatible  # same type, same flags, nothing to compare
+    assert r.llama_cpp_compatible is True  # same type, same flags, nothing to compare
     assert r.token_diff == TokenDiff(0, 0, None, None, None)
 
 
@@ -394,8 +422,14 @@ def test_end_of_generation_token_missing_in_the_draft(vocab: Callable[..., Vocab
     r = compare_vocabs(t, vocab("d"))
     assert ("error", "eog-missing", "the target's end-of-generation token 11 't11' does not "
             "exist in the draft (10 tokens)") in messages(r)  # fmt: skip
+    # the first id past the draft's list
+    r = compare_vocabs(vocab("t1", tokens=_tokens(11), eot_token_id=10), vocab("d1"))
+    assert [m for m in messages(r) if m[1].startswith("eog")] == [
+        ("error", "eog-missing", "the target's end-of-generation token 10 't10' does not "
+         "exist in the draft (10 tokens)")
+    ]  # fmt: skip
     assert not [f for f in r.findings if f.code == "eog-ids"]  # the error says it
-    assert r.llama_cpp_compatible and not r.compatible
+    assert r.llama_cpp_compatible is True and not r.compatible
 
 
 def test_end_of_generation_token_with_another_text(vocab: Callable[..., VocabInfo]) -> None:
@@ -427,11 +461,13 @@ def test_draft_not_ending_on_the_targets_tokens_is_a_warning(
 def test_pre_tokenizer_difference_is_a_warning_only_when_ids_match(
     vocab: Callable[..., VocabInfo],
 ) -> None:
-    r = compare_vocabs(vocab("t"), vocab("d", pre=None))
+    r = compare_vocabs(vocab("t"), vocab("d", pre="qwen2"))
     assert messages(r) == [
-        ("warning", "pre-tokenizer", "pre-tokenizers differ: target 'gpt-2', draft (none); ids "
+        ("warning", "pre-tokenizer", "pre-tokenizers differ: target 'gpt-2', draft 'qwen2'; ids "
          "still match, but the draft may split text differently"),
     ]  # fmt: skip
+    r = compare_vocabs(vocab("t1", pre=None), vocab("d1"))
+    assert messages(r)[0][2].startswith("pre-tokenizers differ: target (none), draft 'gpt-2';")
     r = compare_vocabs(vocab("t2"), vocab("d2", pre="qwen2", add_bos_token=True))
     assert [f.code for f in r.findings] == ["bos"]
     r = compare_vocabs(vocab("t3"), vocab("d3", pre="qwen2", tokens=_changed({2: "x"})))
@@ -502,6 +538,12 @@ def test_findings_sorted_errors_then_warnings_then_information(
         ("info", "head-token-text"),
     ]
     assert r.verdict().endswith(r.findings[0].message)
+    # information found before a warning still comes after it
+    r = compare_vocabs(vocab("t2"), vocab("d2", pre="qwen2", tokens=_changed({3: "A"})))
+    assert [(f.severity, f.code) for f in r.findings] == [
+        ("warning", "pre-tokenizer"),
+        ("info", "head-token-text"),
+    ]
 
 
 # -- read_vocab: values and llama.cpp's defaults ----------------------------------------------
@@ -614,6 +656,13 @@ def test_end_of_generation_ids_found_by_text(vocab: Callable[..., VocabInfo]) ->
     assert vocab("w", tokens=toks).eog_ids == (0, 2, 11)
     toks = _changed({11: "\x05" + "\x00" * 7 + "<eos>"}, 12)
     assert vocab("x", tokens=toks).eog_ids == (0, 2)
+    # every occurrence is looked at, in order: the real one between two that are not
+    # element starts, and the real one before one that is not
+    hidden = "\x05" + "\x00" * 7 + "<eos>"
+    toks = _changed({3: "a" + hidden, 5: "<eos>", 8: "b" + hidden}, 12)
+    assert vocab("y", tokens=toks).eog_ids == (0, 2, 5)
+    toks = _changed({3: "<eos>", 8: hidden}, 12)
+    assert vocab("z", tokens=toks).eog_ids == (0, 2, 3)
 
 
 # -- vocab_findings: what llama.cpp's vocabulary loader refuses --------------------------------
@@ -645,6 +694,7 @@ E, W = "error", "warning"
          "llama.vocab_size is int32; llama.cpp reads it as uint32 and refuses the file")]),
         ({"model": "no_vocab", "tokens": None}, []),
         ({"model": "bpe\n"}, [(E, "tokenizer", "unknown tokenizer model 'bpe\\n'")]),
+        ({"model": "bpe"}, [(E, "tokenizer", "unknown tokenizer model 'bpe'")]),
         ({"model": "test", "merges": None}, []),
         ({"merges": None}, [(E, "merges", "a BPE vocabulary (gpt2) without "
          "tokenizer.ggml.merges: llama.cpp refuses it")]),
@@ -768,6 +818,8 @@ KEY = "tokenizer.ggml.precompiled_charsmap"
         (b"\xe8\x03\x00\x00" + bytes(1000), T.UINT8,
          ": its header claims 1,000 bytes, past its end (1,004 bytes)"),
         (b"\x01\x00\x00", T.UINT8, " holds 3 bytes, too few for its header"),
+        (b"\x00\x00\x00\x80abcd", T.UINT8,  # unsigned: not a negative size
+         ": its header claims 2,147,483,648 bytes, past its end (8 bytes)"),
         (b"\x01", T.INT8, " holds 1 bytes, too few for its header"),
         (b"\x01\x02\x03\x04\x05", T.INT32, " is array[int32], not an array of bytes"),
         (b"abc", T.STRING, " is string, not an array of bytes"),
@@ -789,6 +841,28 @@ def test_t5_charsmap(
 
 
 # -- check_compatibility: files llama.cpp refuses -----------------------------------------------
+
+
+def test_check_compatibility_times_the_reading_too(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fake clock that reading each vocabulary advances by 10 s: the check's seconds
+    # count from before the files are read.
+    import types
+
+    import specgguf.gguf.vocab as vocab_module
+
+    now = [1000.0]
+    real = vocab_module.read_vocab
+
+    def slow_read(meta: GGUFMetadata) -> VocabInfo:
+        now[0] += 10
+        return real(meta)
+
+    monkeypatch.setattr(vocab_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(vocab_module, "read_vocab", slow_read)
+    r = check_compatibility(tiny_models["target"], tiny_models["draft-identical"])
+    assert r.seconds == 20.0
 
 
 def test_check_compatibility_refuses_a_file_llama_cpp_refuses(
