@@ -153,3 +153,38 @@ def test_real_pair_deterministic_matrix(real_models: dict[str, Path]) -> None:
                     n_predict=32, sampler=greedy, drafter=kind, draft_max=k)).run()  # fmt: skip
                 ref = ref or res.tokens
                 assert res.tokens == ref, (name, kind, k)
+
+
+def test_lone_rows_go_unpadded_only_up_to_the_limit_the_probe_allows(
+    tiny_models: dict[str, Path],
+) -> None:
+    from specgguf.llama.backend import LlamaModel
+    from specgguf.llama.invariance import LONE_ROW_LIMIT, lone_row_difference, lone_rows_max
+
+    # The probe's verdict: the limit only when lone rows were found equal (key -1).
+    assert lone_rows_max({-1: 0.0, 0: 0.0, 2: 0.0}) == LONE_ROW_LIMIT == 256
+    assert lone_rows_max({-1: 1e-6, 0: 0.0, 2: 0.0}) == 0
+    assert lone_rows_max({0: 0.0, 2: 0.0}) == 0  # not measured: padded
+    with LlamaModel(tiny_models["target"]) as model:
+        prompt = model.tokenize("The quick brown fox " * 80, add_special=False)[:300]
+        with model.new_context(n_ctx=512, n_batch=64, n_outputs_max=8, reserve=1) as ctx:
+            diff = lone_row_difference(ctx, prompt)
+            assert diff >= 0.0 and ctx.n_past == 0 and ctx.rows_per_decode is None
+            with pytest.raises(ValueError, match="256 tokens at least"):
+                lone_row_difference(ctx, prompt[:100])
+            # A lone row: one row decoded below the limit, two (a throw-away row) from it on.
+            ctx.set_rows_per_decode(2)
+            ctx.lone_rows_max = LONE_ROW_LIMIT
+            sizes = []
+            for n in (10, LONE_ROW_LIMIT - 1, LONE_ROW_LIMIT):
+                ctx.rollback(0)
+                ctx.eval(prompt[:n], logits="none")
+                ctx.eval([prompt[n]], logits="last")
+                sizes.append(ctx._batch.n_tokens)
+                assert ctx.n_past == n + 1
+            assert sizes == [1, 1, 2]
+            ctx.lone_rows_max = 0  # no limit measured: always padded
+            ctx.rollback(0)
+            ctx.eval(prompt[:10], logits="none")
+            ctx.eval([prompt[10]], logits="last")
+            assert ctx._batch.n_tokens == 2

@@ -140,19 +140,21 @@ class Engine:
         Raises:
             BackendError: no batch shape gives reproducible logits here.
         """
-        from specgguf.llama.invariance import deterministic_rows
+        from specgguf.llama.invariance import deterministic_rows, lone_rows_max
 
         rows, diffs = deterministic_rows(self.target_model, n_threads=self.config.target.n_threads)
         rows = min(rows, self.target_ctx.n_batch)
         if rows < 2:
-            detail = ", ".join(f"{b} rows: {d:.3g}" for b, d in sorted(diffs.items()) if b)
+            detail = ", ".join(f"{b} rows: {d:.3g}" for b, d in sorted(diffs.items()) if b > 0)
             raise BackendError(
                 f"deterministic mode is not possible with this llama.cpp build and "
                 f"{self.target_model.path.name}: no batch shape gives the same logits for the "
                 f"same tokens (largest differences: {detail})"
             )
         self.deterministic_rows = rows
-        log.info("deterministic mode: verification in batches of 2 to %d rows", rows)
+        lone = self.target_ctx.lone_rows_max = lone_rows_max(diffs)
+        log.info("deterministic mode: verification in batches of 2 to %d rows, lone rows "
+                 "padded past %d cached positions", rows, lone)  # fmt: skip
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:

@@ -415,6 +415,9 @@ class LlamaContext(_Native):
         #: deterministic mode: the most rows per ``llama_decode`` when logits are returned
         #: (None: any number); set it with :meth:`set_rows_per_decode`
         self.rows_per_decode: int | None = None
+        #: deterministic mode: a lone row is decoded without a throw-away second row while
+        #: it leaves at most this many positions cached (0: always padded)
+        self.lone_rows_max = 0
         self.n_batch: int = lc.llama_n_batch(ctx)
         self.n_outputs_max = min(n_outputs_max, self.n_batch)
         self.n_vocab: int = model.n_vocab
@@ -449,9 +452,9 @@ class LlamaContext(_Native):
 
         With ``rows_per_decode`` set (deterministic mode), an evaluation that returns
         logits is decoded in batches of 2 to ``rows_per_decode`` rows, a lone row with a
-        throw-away second row after it (removed again), so that every row's logits come
-        from the same kernels whatever the number of tokens (see
-        :mod:`specgguf.llama.invariance`).
+        throw-away second row after it (removed again) unless it leaves at most
+        ``lone_rows_max`` positions cached, so that every row's logits come from the same
+        kernels whatever the number of tokens (see :mod:`specgguf.llama.invariance`).
 
         Raises:
             ContextOverflowError: the tokens do not fit the KV cache.
@@ -534,7 +537,8 @@ class LlamaContext(_Native):
             chunk = tokens[done : done + size]
             last = done + size == n
             want: Literal["all", "last", "none"] = "all" if all_rows else "last" if last else "none"
-            self._decode(chunk, outputs=want, pad=size == 1)
+            pad = size == 1 and self.n_past + 1 > self.lone_rows_max
+            self._decode(chunk, outputs=want, pad=pad)
             ptr = self._lc.llama_get_logits(self._ctx)
             if all_rows:
                 out[done : done + size] = np.ctypeslib.as_array(ptr, shape=(size, self.n_vocab))

@@ -12,8 +12,17 @@ agrees below 256 cached positions and differs above.
 
 Deterministic mode uses that: every evaluation that returns logits is decoded in batches of
 2 to R rows (:meth:`specgguf.llama.backend.LlamaContext.eval` with ``rows_per_decode``),
-a lone row padded with a throw-away second row. :func:`deterministic_rows` finds R for a
-model and build, by measurement, and caches it.
+a lone row padded with a throw-away second row, except while no more than
+:data:`LONE_ROW_LIMIT` positions are cached, where a lone row agrees with the batches as it
+is. :func:`deterministic_rows` finds R for a model and build, and whether lone rows agree
+below the limit, by measurement, and caches both.
+
+Where a lone row goes another way, found with llama.cpp's graph callback (``cb_eval``) on
+the model above, comparing every tensor of a one-token decode with the same token's row of
+a 2-row batch at 300 cached positions: with FlashAttention off the first tensor that
+differs is ``kq`` (the K*Q matrix product: another kernel for one row than for two), with
+it on the attention itself (its split-KV path for one row); every tensor before attention
+(norms, the Q/K/V projections, RoPE) is identical.
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ import numpy.typing as npt
 from specgguf.cache import cache_dir, read_json_cache, update_json_cache
 from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
+
+#: Lone rows agree with batches while at most this many positions are cached (llama.cpp
+#: pads the attended KV cells to multiples of 256, and takes FlashAttention's split-KV path
+#: for a single row only past that): a deterministic generation decodes a lone row without
+#: a throw-away second row up to here, when the probe found them equal.
+LONE_ROW_LIMIT = 256
 
 #: The probe's text: long enough to pass 256 cached positions, where paths change.
 _PROBE_TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(60))
@@ -114,6 +129,49 @@ def row_differences(
         ctx.rows_per_decode = saved
 
 
+def lone_row_difference(
+    ctx: LlamaContext, prompt: Sequence[int], *, limit: int = LONE_ROW_LIMIT, n_rows: int = 8
+) -> float:
+    """The largest absolute logit difference between a lone row (a plain one-token decode)
+    and the same row as the first of a 2-row batch (the reference of deterministic mode),
+    over ``n_rows`` positions ending at ``limit`` cached positions and ``n_rows`` early
+    ones. 0.0: lone rows may go without padding up to ``limit``. The KV cache ends empty.
+
+    Raises:
+        ValueError: the prompt is too short to reach ``limit``.
+        BackendError: a decode failed.
+    """
+    if len(prompt) < limit:
+        raise ValueError(f"a prompt of {limit} tokens at least is needed, not {len(prompt)}")
+    saved = ctx.rows_per_decode
+    try:
+        worst = 0.0
+        ctx.lone_rows_max = 0  # the reference: padded
+        for start in (8, limit - n_rows):
+            ctx.rows_per_decode = None
+            ctx.rollback(0)
+            ctx.eval(prompt[:start], logits="none")
+            for i in range(start, start + n_rows):
+                ctx.rows_per_decode = None
+                lone = ctx.eval([prompt[i]], logits="last")[0].copy()
+                ctx.rollback(i)
+                ctx.rows_per_decode = 2
+                ref = ctx.eval([prompt[i]], logits="last")[0]
+                worst = max(worst, float(np.abs(lone - ref).max()))
+        ctx.rows_per_decode = None
+        ctx.rollback(0)
+        return worst
+    finally:
+        ctx.rows_per_decode = saved
+
+
+def lone_rows_max(diffs: dict[int, float]) -> int:
+    """Positions up to which deterministic mode decodes a lone row without padding: the
+    limit when the probe found lone rows equal to the reference there (key -1 of
+    :func:`deterministic_rows`' differences), else 0."""
+    return LONE_ROW_LIMIT if diffs.get(-1) == 0.0 else 0
+
+
 def _max_diff(a: list[npt.NDArray[np.float32]], b: list[npt.NDArray[np.float32]]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
@@ -134,7 +192,7 @@ def invariant_rows(diffs: dict[int, float]) -> int:
 def _probe_key(model: LlamaModel, n_threads: int) -> str:
     st = Path(model.path).stat()
     parts = [build_key(build_info()), f"{Path(model.path).resolve()}:{st.st_size}:{st.st_mtime_ns}",
-             str(model.use_extra_bufts), str(n_threads)]  # fmt: skip
+             str(model.use_extra_bufts), str(n_threads), f"lone{LONE_ROW_LIMIT}"]  # fmt: skip
     parts += [model.placement] if model.placement else []  # layers on RPC servers
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
@@ -146,7 +204,9 @@ def deterministic_rows(
     count: the largest number of rows per decode for which every row's logits are
     bit-identical whatever the batch (2..R rows, lone rows padded), measured past 256
     cached positions (a few seconds) and cached in ``~/.cache/specgguf/invariance.json``.
-    Returns (R, the measured differences by batch size); R is 0 when no shape works.
+    Returns (R, the measured differences by batch size, and under key -1 the lone rows'
+    below :data:`LONE_ROW_LIMIT` cached positions, see :func:`lone_rows_max`); R is 0 when
+    no shape works.
 
     Raises:
         BackendError: a decode failed.
@@ -163,5 +223,6 @@ def deterministic_rows(
         n_ctx=512, n_batch=64, n_threads=n_threads, n_outputs_max=max_rows + 1
     ) as ctx:
         diffs = row_differences(ctx, prompt, max_rows=max_rows)
+        diffs[-1] = lone_row_difference(ctx, prompt)
     update_json_cache(path, key, {"diffs": diffs})
     return invariant_rows(diffs), diffs
