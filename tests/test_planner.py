@@ -479,11 +479,11 @@ def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothi
     # Verified: 1 of the 2 accepted. Only suffix matching's bucket 4 learns.
     p.observe(plan, 1, 0.014)
     assert (p.acc_suffix[4].successes, p.acc_suffix[4].trials) == (1.0, 2.0)
-    assert p.suffix_len == {1: 4.0, 2: 4.0, 4: 2.5}
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0}  # 1 accepted: 1 + (1 - 1) / 2
     assert all(a.trials == 0.0 for a in p.acc_ngram.values()) and p.ngram_len[4] == 4.0
     # An empty suffix draft teaches nothing.
     p.observe(Plan(p.suffix, Draft([]), 0.0), 0, 0.010)
-    assert p.acc_suffix[4].trials == 2.0 and p.suffix_len[4] == 2.5
+    assert p.acc_suffix[4].trials == 2.0 and p.suffix_len[4] == 1.0
 
 
 def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
@@ -504,7 +504,23 @@ def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
     assert plan.expected_rate == pytest.approx(e(a, 5) / 0.010)
     assert p._last_suffix_bucket == 2
     # reset: suffix matching's estimates start from the priors again
-    p.suffix_len[2] = 1.0
+    p.suffix_len[2] = 3.0
     p.reset()
     assert all(x.trials == 0.0 for x in p.acc_suffix.values())
-    assert p.suffix_len == {1: 4.0, 2: 4.0, 4: 4.0} and p._last_suffix_bucket == 1
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0} and p._last_suffix_bucket == 1
+
+
+def test_suffix_chains_start_at_a_cap_of_six_and_grow_with_what_is_accepted() -> None:
+    # 10 tokens followed an earlier 4-token match. The first suffix chain is capped at
+    # 2 * 1.0 + 4 = 6 tokens (flat timings: the cap is K); 6 accepted: the mean accepted
+    # length moves halfway, 1 -> 3.5, and the cap to 2 * 3.5 + 4 = 11.
+    p = suffix_planner(FLAT)
+    assert p.suffix is not None
+    p.suffix.propose([21, 22, 23, 24, *range(30, 40)], 16, GREEDY, RNG)
+    p.reset()
+    history = [1, 2, 21, 22, 23, 24]
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert plan.drafter is p.suffix and plan.draft.tokens == list(range(30, 36))
+    p.observe(plan, 6, 0.010)
+    assert p.suffix_len[4] == 3.5
+    assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(30, 40))[:11]
