@@ -143,7 +143,7 @@ def lone_row_difference(
     """
     if len(prompt) < limit:
         raise ValueError(f"a prompt of {limit} tokens at least is needed, not {len(prompt)}")
-    saved = ctx.rows_per_decode
+    saved, saved_lone = ctx.rows_per_decode, ctx.lone_rows_max
     try:
         worst = 0.0
         ctx.lone_rows_max = 0  # the reference: padded
@@ -162,7 +162,7 @@ def lone_row_difference(
         ctx.rollback(0)
         return worst
     finally:
-        ctx.rows_per_decode = saved
+        ctx.rows_per_decode, ctx.lone_rows_max = saved, saved_lone
 
 
 def lone_rows_max(diffs: dict[int, float]) -> int:
