@@ -720,6 +720,45 @@ def test_scheduler_runs_jobs_in_arrival_order_and_bounds_the_queue() -> None:
     assert order == [1, 2]
 
 
+def test_a_job_without_pieces_reports_only_its_end() -> None:
+    """A non-streaming request's job sends the event loop no per-step text (nobody reads
+    it); its result still has all the text, as a streamed job's pieces do."""
+    import asyncio
+
+    from specgguf.server.scheduler import Job, Scheduler
+    from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
+
+    from .fakes import FakeContext, FakeVocab, one_hot_rule
+
+    class Engine:
+        decoder = SpeculativeDecoder(
+            FakeContext(one_hot_rule(lambda p: p[-1] % 30 + 1, 32), 32),
+            FakeVocab(32),  # type: ignore[arg-type]
+        )
+
+        def generate(self, ids: list[int], params: GenerationParams) -> Any:
+            return self.decoder.generate(ids, params)
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        sched = Scheduler(Engine(), max_queue=2)  # type: ignore[arg-type]
+        streamed = Job([1], GenerationParams(n_predict=5))
+        quiet = Job([1], GenerationParams(n_predict=5), pieces=False)
+        sched.submit(streamed)
+        sched.submit(quiet)
+        out = ([e async for e in streamed.events()], [e async for e in quiet.events()])
+        sched.close()
+        assert sched.join(10)
+        return out
+
+    streamed, quiet = asyncio.run(main())
+    assert [e.kind for e in quiet] == ["done"]
+    assert [e.kind for e in streamed] == ["piece"] * (len(streamed) - 1) + ["done"]
+    assert len(streamed) > 2
+    text = "".join(e.text for e in streamed[:-1])
+    assert quiet[0].result.text == streamed[-1].result.text == text
+    assert quiet[0].result.tokens == [2, 3, 4, 5, 6]
+
+
 def test_scheduler_on_an_engine_thread_generates_on_the_thread_that_loaded() -> None:
     # serve loads and calibrates on engine_thread() and hands it to the scheduler: every
     # llama.cpp call on one OS thread (a second computing thread slows OpenMP's pools).

@@ -213,13 +213,13 @@ class _Service:
             deterministic=req.deterministic,
         )  # fmt: skip
 
-    def submit(self, ids: list[int], params: GenerationParams) -> Job:
-        """Queue a generation.
+    def submit(self, ids: list[int], params: GenerationParams, *, stream: bool) -> Job:
+        """Queue a generation; its text pieces are passed on only for a ``stream``.
 
         Raises:
             APIError: 503 with ``Retry-After`` when the queue is full or the server stops.
         """
-        job = Job(ids, params)
+        job = Job(ids, params, pieces=stream)
         try:
             self.scheduler.submit(job)
         except QueueFull:
@@ -477,7 +477,7 @@ def create_app(
         ids = await svc.prompt_ids(conversation, "messages")
         if settings.log_text:
             log.debug("chat: messages: %r", conversation)
-        job = svc.submit(ids, params)
+        job = svc.submit(ids, params, stream=bool(req.stream))
         base = envelope("chat.completion.chunk" if req.stream else "chat.completion", "chatcmpl")
         label = "POST /v1/chat/completions"
         if req.stream:
@@ -519,7 +519,7 @@ def create_app(
         ids = await svc.prompt_ids(prompt, "prompt")
         if settings.log_text:
             log.debug("completion: prompt: %r", prompt)
-        job = svc.submit(ids, params)
+        job = svc.submit(ids, params, stream=bool(req.stream))
         base = envelope("text_completion", "cmpl")
         label = "POST /v1/completions"
 

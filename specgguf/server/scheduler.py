@@ -78,12 +78,14 @@ class Job:
     """One request's generation: token ids and parameters in, events out.
 
     Create it on the event loop that will read its events (:meth:`events`). ``cancel`` may
-    be called from any thread.
+    be called from any thread. Without ``pieces`` (a non-streaming request) the job reports
+    only its end: no event per speculative step for the event loop to wake for.
     """
 
-    def __init__(self, prompt: list[int], params: GenerationParams) -> None:
+    def __init__(self, prompt: list[int], params: GenerationParams, *, pieces: bool = True) -> None:
         self.prompt = prompt
         self.params = params
+        self.pieces = pieces
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._lock = threading.Lock()
@@ -239,8 +241,12 @@ class Scheduler:
             job._generation = gen
         job.started.set()
         try:
-            for piece in gen:
-                job._emit(Event("piece", text=piece))
+            if job.pieces:
+                for piece in gen:
+                    job._emit(Event("piece", text=piece))
+            else:
+                for _ in gen:
+                    pass
         except Exception as e:  # llama.cpp failed (BackendError) or a bug: the job ends
             job._emit(Event("error", error=e))
             return
