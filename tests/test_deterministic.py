@@ -58,6 +58,58 @@ def test_sampled_output_does_not_depend_on_the_drafter_or_k() -> None:
     assert fake_run(None, 0, SamplerParams(**{**sampler.__dict__, "seed": 12})) != alone
 
 
+def test_greedy_verification_stops_at_the_decode_call_that_shows_a_rejection() -> None:
+    """With rows per decode (deterministic mode's batch shapes), greedy verification of a
+    long draft decodes its calls one by one and stops after the one in which the target
+    disagrees: the output is the target alone's, and the rows after it are never
+    evaluated."""
+    greedy = SamplerParams(temperature=0.0)
+
+    def truth(h: Sequence[int]) -> int:
+        return int(np.argmax(soft_rule(h)))
+
+    def right_then_wrong(h: Sequence[int], k: int) -> list[int]:
+        out = list(h)
+        for _ in range(3):  # three right tokens, then wrong ones
+            out.append(truth(out))
+        return [*out[len(h) :], *[(out[-1] + 5) % V] * (k - 3)][:k]
+
+    def run(rows: int | None, drafter: object | None, k: int) -> tuple[list[int], FakeContext]:
+        ctx = FakeContext(soft_rule, V)
+        ctx.rows_per_decode = rows  # type: ignore[attr-defined]
+        dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+        params = GenerationParams(n_predict=30, sampler=greedy, deterministic=True)
+        planner = FixedPlanner(drafter, k)  # type: ignore[arg-type]
+        return dec.generate([1, 2], params, planner).run().tokens, ctx
+
+    alone, _ = run(None, None, 0)
+    drafter = ScriptedDrafter(right_then_wrong)
+    tokens, ctx = run(3, drafter, 8)
+    assert tokens == alone
+    evals = [e for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+    # 9 rows in calls of 3, 3, 3: drafts 1-3 right, draft 4 (in the second call) wrong:
+    # the third call is never made, and every call has at most 3 rows.
+    assert max(len(e[2]) for e in evals) == 3
+    first_step = evals[:2]
+    assert [len(e[2]) for e in first_step] == [3, 3]
+    assert evals[2][1] == first_step[0][1] + 4  # the next step starts 4 tokens later
+    # A wrong first draft stops at the first call: one call of 3 rows per step, one token
+    # per step; the output never changes.
+    got, ctx = run(3, ScriptedDrafter(lambda h, k: [(h[-1] + 5) % V] * k), 8)
+    assert got == alone
+    calls = [e for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+    text = [1, 2, *alone]
+    rejected_first = [i for i, (_, at, rows, _) in enumerate(calls)
+                      if len(rows) > 1 and truth(text[: at + 1]) != rows[1]]  # fmt: skip
+    assert len(rejected_first) >= 5
+    for i in rejected_first:  # the next call is the next step's, one token later
+        assert i + 1 == len(calls) or calls[i + 1][1] == calls[i][1] + 1
+    # Without rows per decode, one evaluation of all 9 rows.
+    got, ctx = run(None, ScriptedDrafter(right_then_wrong), 8)
+    assert got == alone
+    assert next(len(e[2]) for e in ctx.log if e[0] == "eval" and e[3] == "all") == 9
+
+
 def test_deterministic_sampling_follows_the_target_distribution() -> None:
     # The first token over many seeds, drafted by a drafter that proposes token 0: its
     # frequencies match softmax(logits / T) exactly as computed here from the rule.

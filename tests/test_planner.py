@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from specgguf.spec.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
-from specgguf.spec.planner import AutoPlanner, FixedPlanner, Plan, Timings
+from specgguf.spec.planner import AutoPlanner, FixedPlanner, Plan, Timings, best_k
 from specgguf.spec.sampling import SamplerParams
 
 from .fakes import FakeContext, ScriptedDrafter, one_hot_rule
@@ -84,6 +84,49 @@ def test_ngram_drafts_must_beat_the_target_alone_by_the_margin() -> None:
     p = ngram_planner(HAND, draft_min=3)
     p.confidence = 1.0
     assert p.plan(history, 2, GREEDY, RNG).drafter is None
+
+
+def test_a_padded_lone_row_makes_one_draft_token_free() -> None:
+    """Deterministic mode past its lone-row limit decodes a lone row with a throw-away
+    row: the target alone costs t_verify(2), and drafting one token costs nothing more."""
+    # The margin case above (a = 0.3 * 0.85 = 0.255; K=1: 1.255 / 0.012 = 104.58 against
+    # 100: no drafts) with lone rows padded past 4 cached positions: the 5-token history
+    # has 4 cached and its last token would be the 5th, so the target alone costs 0.012
+    # (83.33/s) and K=1 (104.58) wins by 25%.
+    history = [5, 6, 9, 1, 6]
+    timings = Timings(dict(HAND), lone_max=4)
+    p = AutoPlanner(timings, ngram=NgramDrafter(1, 8), learn_timings=False)
+    p.confidence = 0.85
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert timings.cached == 4 and timings.padded
+    assert plan.draft.tokens == [9] and plan.expected_rate == pytest.approx(1.255 / 0.012)
+    # Up to the limit, a lone row costs its own time: no drafts, as without a limit.
+    timings.lone_max = 5
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert not timings.padded
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
+    # A padded lone row's measured time teaches the batch correction, not the single one.
+    timings.lone_max = 4
+    p.plan(history, 16, GREEDY, RNG)
+    timings.observe_verify(1, 0.012 * 1.2, weight=0.5)
+    assert timings.scale_batch == pytest.approx(1.1) and timings.scale_single == 1.0
+
+
+def test_expected_verification_cost_when_greedy_verification_stops_at_a_rejection() -> None:
+    # 7 rows in calls of at most 3: 3, 2, 2. The second call runs when the 3 drafts the
+    # first verified were accepted (a^3), the third after 5 (a^5): at a = 0.5,
+    # 0.014 + 0.125 * 0.012 + 0.03125 * 0.012 = 0.015875.
+    t = Timings(dict(HAND), chunk_rows=3)
+    assert t.expected_verify_time(7, 0.5) == pytest.approx(0.015875)
+    assert t.expected_verify_time(7, 1.0) == pytest.approx(0.014 + 0.012 + 0.012)
+    assert t.expected_verify_time(3, 0.5) == pytest.approx(0.014)  # one call
+    assert Timings(dict(HAND)).expected_verify_time(7, 0.5) == Timings(dict(HAND)).verify_time(7)
+    # best_k weighs the expected cost only for greedy verification: at a = 0.5, K=6
+    # (7 rows) rates e(0.5, 6) / 0.015875 = 124.0 against the whole cost of 7 rows.
+    k, rate = best_k(0.5, t, 6, draft_cost=0.0, k_min=6, greedy=True)
+    assert k == 6 and rate == pytest.approx(e(0.5, 6) / 0.015875)
+    k, rate = best_k(0.5, t, 6, draft_cost=0.0, k_min=6)
+    assert rate == pytest.approx(max(100.0, e(0.5, 6) / t.verify_time(7)))
 
 
 def test_ngram_draft_length_follows_the_accepted_length() -> None:

@@ -337,6 +337,9 @@ class Engine:
             )  # fmt: skip
         finally:
             self.target_ctx.rows_per_decode = saved
+        if det:  # past this a lone row costs two (a throw-away row)
+            self._timings[det].lone_max = self.target_ctx.lone_rows_max
+            self._timings[det].chunk_rows = self.deterministic_rows
         return self._timings[det]
 
     def _calibration_key(self, deterministic: bool = False) -> str:

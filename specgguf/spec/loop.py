@@ -252,6 +252,39 @@ class Generation:
         return self.result
 
 
+def _eval_until_rejected(
+    target: Evaluator, tokens: list[int], rows_per_decode: int, banned: np.ndarray | None
+) -> tuple[np.ndarray, int]:
+    """Greedy verification of ``tokens`` (the last committed token, then the drafts) in the
+    decode calls deterministic mode makes anyway (sizes as even as possible, at most
+    ``rows_per_decode`` rows: :meth:`specgguf.llama.backend.LlamaContext.eval`), stopping
+    after the first call in which the target's argmax differs from a draft: the rows after
+    it cannot change the step. Every row's logits are the same whichever calls it is
+    decoded in (deterministic mode's batch shapes are proven invariant at start-up), so
+    the output is too.
+
+    Returns:
+        float32[m, n_vocab] logits of the m rows evaluated (``banned`` tokens at -inf), and
+        m (``len(tokens)`` when every draft was accepted).
+    """
+    n = len(tokens)
+    n_calls = -(-n // rows_per_decode)
+    parts: list[np.ndarray] = []
+    done = 0
+    for i in range(n_calls):
+        size = n // n_calls + (i < n % n_calls)
+        part = np.array(target.eval(tokens[done : done + size], logits="all"))
+        if banned is not None:
+            part[:, banned] = -np.inf
+        parts.append(part)
+        done += size
+        # row j predicts tokens[j + 1]; the last row of all predicts past the drafts
+        best = part.argmax(axis=1)[: min(size, n - 1 - (done - size))]
+        if np.any(best != np.asarray(tokens[done - size + 1 : done + 1][: len(best)])):
+            break
+    return np.concatenate(parts), done
+
+
 class SpeculativeDecoder:
     """The draft/verify/accept loop over a target context.
 
@@ -308,6 +341,13 @@ class SpeculativeDecoder:
         # whose verification batches have fixed shapes.
         tree_branches = int(getattr(target, "tree_branches", 0))
         trees = sampler.greedy and not deterministic and tree_branches >= 2
+        # Deterministic greedy verification in decode calls of at most this many rows
+        # stops at the first call that shows a rejection (0: one evaluation).
+        lazy = (
+            int(getattr(target, "rows_per_decode", None) or 0)
+            if (deterministic and sampler.greedy)
+            else 0
+        )
         limit = params.n_predict if params.n_predict >= 0 else math.inf
 
         def draft_seconds() -> float:
@@ -351,12 +391,15 @@ class SpeculativeDecoder:
                 draft = Draft(d)
                 parents = None
             t_verify = time.perf_counter()
+            rows = len(d) + 1  # target rows evaluated
             if parents is not None:
                 logits = target.eval_tree(history[-1], d, parents)  # type: ignore[attr-defined]
+            elif lazy and len(d) + 1 > lazy:
+                logits, rows = _eval_until_rejected(target, [history[-1], *d], lazy, banned)
             else:
                 logits = target.eval([history[-1], *d], logits="all")
             t_verify = time.perf_counter() - t_verify
-            if banned is not None:
+            if banned is not None and rows == len(d) + 1:
                 logits = logits.copy()
                 logits[:, banned] = -np.inf
             path: list[int] = []
@@ -384,7 +427,7 @@ class SpeculativeDecoder:
             if planner.wants_confidence:
                 row = logits[last_row]  # the target's top-1 probability for its token
                 conf = 1.0 / float(np.exp(row - row.max()).sum())
-            planner.observe(plan, n, t_verify, conf)
+            planner.observe(plan, n, t_verify, conf, rows=rows)
             # Commit the step's tokens one at a time: the earliest of an end-of-generation
             # token, n_predict and a completed stop string ends the output at that token, and
             # the tokens, the text and the statistics all end there.

@@ -71,12 +71,30 @@ class Timings:
     for decode steps and one for batches (``scale_single``, ``scale_batch``): during a run
     the target and the draft evict each other's weights from the CPU caches, which makes
     real steps slower than calibrated ones (about 1.3x for 10-token batches, measured).
+
+    Deterministic mode decodes a lone row with a throw-away second row once more than
+    ``lone_max`` positions are cached (:attr:`specgguf.llama.backend.LlamaContext.
+    lone_rows_max`): the planner sets ``cached`` to the step's cached positions, and a
+    lone row past the limit costs what two rows do. Then drafting one token costs no more
+    verification than drafting none.
     """
 
     verify: dict[int, float]
     draft: float = 0.0
     scale_single: float = 1.0
     scale_batch: float = 1.0
+    #: positions up to which a lone row is decoded alone (None: always)
+    lone_max: int | None = None
+    #: positions cached before the step being planned (set by the planner)
+    cached: int = 0
+    #: deterministic mode's most rows per decode call; its greedy verification stops after
+    #: the first call that shows a rejection (None: one evaluation of every row)
+    chunk_rows: int | None = None
+
+    @property
+    def padded(self) -> bool:
+        """Whether a lone row is decoded with a throw-away row at this step."""
+        return self.lone_max is not None and self.cached + 1 > self.lone_max
 
     def _curve(self, n: int) -> float:
         if n in self.verify:
@@ -96,11 +114,37 @@ class Timings:
 
     def verify_time(self, n: int) -> float:
         """t_verify(n): the calibrated curve, linearly interpolated (and extrapolated),
-        times the learned correction."""
+        times the learned correction; a lone row that is padded (:attr:`padded`) costs
+        two rows."""
+        if n == 1 and self.padded:
+            n = 2
         return self._curve(n) * (self.scale_single if n == 1 else self.scale_batch)
 
+    def expected_verify_time(self, n: int, a: float) -> float:
+        """The expected t_verify of ``n`` rows (the last token, then n - 1 drafts each
+        accepted with probability ``a``) when greedy verification is decoded in calls of
+        at most ``chunk_rows`` rows (sizes as even as possible, larger first, as
+        :meth:`specgguf.llama.backend.LlamaContext.eval` splits them) and stops after the
+        first call that shows a rejection: call j runs only when the s_0 + ... + s_(j-1)
+        drafts the calls before it verified were all accepted, so the expectation is
+        sum_j a^(s_0 + ... + s_(j-1)) t_verify(s_j). Without ``chunk_rows``, or for one
+        call, t_verify(n)."""
+        r = self.chunk_rows
+        if not r or n <= r:
+            return self.verify_time(n)
+        calls = -(-n // r)
+        total, before = 0.0, 0
+        for i in range(calls):
+            size = n // calls + (i < n % calls)
+            total += a**before * self.verify_time(size)
+            before += size
+        return total
+
     def observe_verify(self, n: int, seconds: float, weight: float = 0.05) -> None:
-        """Refine the correction for batches of ``n`` with a measurement."""
+        """Refine the correction for batches of ``n`` with a measurement (a padded lone
+        row is a batch of two)."""
+        if n == 1 and self.padded:
+            n = 2
         ratio = min(1.5, max(0.8, seconds / self._curve(n)))
         if n == 1:
             self.scale_single += weight * (ratio - self.scale_single)
@@ -112,15 +156,23 @@ class Timings:
 
 
 def best_k(
-    a: float, timings: Timings, k_max: int, *, draft_cost: float | None = None, k_min: int = 1
+    a: float,
+    timings: Timings,
+    k_max: int,
+    *,
+    draft_cost: float | None = None,
+    k_min: int = 1,
+    greedy: bool = False,
 ) -> tuple[int, float]:
     """The draft length maximising E(K) / C(K), and that rate (tokens/s); K is 0 (no
     drafts) or between ``k_min`` and ``k_max``. ``draft_cost`` overrides t_draft (0 for
-    n-gram lookup)."""
+    n-gram lookup). ``greedy``: the verification's expected cost where it stops at a
+    rejection (:meth:`Timings.expected_verify_time`)."""
     td = timings.draft if draft_cost is None else draft_cost
     best, rate = 0, 1.0 / timings.verify_time(1)
     for k in range(max(1, k_min), max(0, k_max) + 1):
-        r = expected_tokens(a, k) / (k * td + timings.verify_time(k + 1))
+        verify = timings.expected_verify_time(k + 1, a) if greedy else timings.verify_time(k + 1)
+        r = expected_tokens(a, k) / (k * td + verify)
         if r > rate:
             best, rate = k, r
     return best, rate
@@ -288,8 +340,17 @@ class Planner(Protocol):
     ) -> Plan: ...
 
     def observe(
-        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
-    ) -> None: ...
+        self,
+        plan: Plan,
+        accepted: int,
+        verify_seconds: float,
+        confidence: float | None = None,
+        *,
+        rows: int | None = None,
+    ) -> None:
+        """Learn from a verification of ``plan``: ``accepted`` drafts, in
+        ``verify_seconds`` over ``rows`` target rows (None: all, the drafts and the last
+        token; fewer when deterministic mode's verification stopped at a rejection)."""
 
 
 class FixedPlanner:
@@ -341,7 +402,13 @@ class FixedPlanner:
         return Plan(self.drafter, draft, math.nan)
 
     def observe(
-        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
+        self,
+        plan: Plan,
+        accepted: int,
+        verify_seconds: float,
+        confidence: float | None = None,
+        *,
+        rows: int | None = None,
     ) -> None:
         pass
 
@@ -503,6 +570,7 @@ class AutoPlanner:
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> Plan:
         t = self.timings
+        t.cached = len(history) - 1  # the last token is evaluated with the drafts
         for acc in (self.acc_model, self.cont_model, *self.acc_ngram.values(),
                     *self.acc_suffix.values()):  # fmt: skip
             acc.tick()
@@ -530,7 +598,7 @@ class AutoPlanner:
             bucket = max(b for b in self.NGRAM_PRIOR if b <= match)
             a = rates[bucket].rate_with(self.NGRAM_PRIOR[bucket] * self.confidence)
             cap = min(len(cand.tokens), max(k_min, int(2 * lens[bucket]) + 4))
-            k, rate = best_k(a, t, cap, draft_cost=0.0, k_min=k_min)
+            k, rate = best_k(a, t, cap, draft_cost=0.0, k_min=k_min, greedy=sampler.greedy)
             # the faster lookup draft; n-gram lookup on a tie
             if k > 0 and rate > threshold and (lookup_plan is None or rate > lookup_plan[1]):
                 lookup_plan = (k, rate, cand.tokens, bucket)
@@ -629,17 +697,25 @@ class AutoPlanner:
         return best
 
     def observe(
-        self, plan: Plan, accepted: int, verify_seconds: float, confidence: float | None = None
+        self,
+        plan: Plan,
+        accepted: int,
+        verify_seconds: float,
+        confidence: float | None = None,
+        *,
+        rows: int | None = None,
     ) -> None:
         """Learn from a verification: acceptance of the drafter used, the target's
-        confidence (top-1 probability of its last token), and timings."""
+        confidence (top-1 probability of its last token), and timings (only from a
+        verification of all ``n + 1`` rows: ``rows`` fewer is one deterministic mode
+        stopped early)."""
         n = len(plan.draft.tokens)
         if confidence is not None:
             # A running mean over the first ten steps, then a moving average.
             self._n_confidence += 1
             w = max(0.1, 1.0 / self._n_confidence)
             self.confidence += w * (confidence - self.confidence)
-        if self.learn_timings:
+        if self.learn_timings and (rows is None or rows == n + 1):
             self.timings.observe_verify(n + 1, verify_seconds)
         if plan.drafter is self.model and self.model is not None:
             self.acc_model.observe(n, accepted)
