@@ -252,6 +252,23 @@ def test_auto_planner_trees_only_when_greedy_and_enabled() -> None:
     assert plan.draft.tokens == [10, 20] and plan.expected_rate == pytest.approx(2.0 / 1.70)
 
 
+def test_a_suffix_tree_is_cut_to_the_cap_of_suffix_chains() -> None:
+    """A tree is at most 2 x the bucket's mean accepted length + 4 nodes (6 at first), as
+    suffix chains are, and the cap grows with the depth accepted from trees."""
+    rng = np.random.default_rng(0)
+    chain = Draft(list(range(10, 22)), parents=[-1, *range(11)], probs=[1.0] * 12)
+    p = AutoPlanner(Timings({1: 1.0, 2: 1.0}), suffix=FixedTreeSuffix(chain),  # type: ignore[arg-type]
+                    tree_branches=4, learn_timings=False)  # fmt: skip
+    p.confidence = 1.0  # every node's estimate is 1: at flat costs, as many as allowed
+    plan = p.plan([1, 2, 3], 16, GREEDY, rng)
+    assert plan.draft.tokens == list(range(10, 16)) and plan.expected_rate == pytest.approx(7.0)
+    # 6 accepted: the mean accepted length of bucket 4 (matches of 4 or more) moves
+    # halfway from 1.0, to 3.5: a cap of 11.
+    p.observe(plan, 6, 1.0)
+    assert p.suffix_len[4] == pytest.approx(3.5)
+    assert p.plan([1, 2, 3], 16, GREEDY, rng).draft.tokens == list(range(10, 21))
+
+
 # --- the suffix drafter's trees -------------------------------------------------------
 
 

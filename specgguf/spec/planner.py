@@ -536,11 +536,15 @@ class AutoPlanner:
         """How many of a suffix tree's nodes to verify, the rate expected, and the match
         bucket: node i's acceptance is estimated as its share product times a^depth, a
         the bucket's per-token rate (prior: the n-gram prior times the confidence); at most
-        ``k_max`` nodes."""
+        ``k_max`` nodes, and at most the bucket's cap of suffix chains (2 x the mean
+        accepted length + 4: 6 at first), so that a match nothing has confirmed yet costs
+        a short batch when it is wrong."""
         assert self.suffix is not None and tree.parents is not None and tree.probs is not None
         bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.suffix.last_match))
         a = self.acc_suffix[bucket].rate_with(self.NGRAM_PRIOR[bucket] * self.confidence)
-        est = [p * a**d for p, d in zip(tree.probs, depths(tree.parents), strict=True)][:k_max]
+        cap = max(k_min, int(2 * self.suffix_len[bucket]) + 4)
+        est = [p * a**d for p, d in zip(tree.probs, depths(tree.parents), strict=True)]
+        est = est[: min(k_max, cap)]
         m, rate = best_tree(est, self.timings, k_min=k_min)
         return m, rate, bucket
 
@@ -734,6 +738,7 @@ class AutoPlanner:
                 # depth (an approximation: it may have ended at a shorter branch's leaf).
                 deepest = max(depths(parents))
                 self.acc_suffix[b].observe(accepted + (accepted < deepest), accepted)
+                self.suffix_len[b] += 0.5 * (accepted - self.suffix_len[b])
             else:
                 self.acc_suffix[b].observe(n, accepted)
                 self.suffix_len[b] += 0.5 * (accepted - self.suffix_len[b])
