@@ -165,6 +165,15 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
             f"{r['target_share']:.0%}/{r['draft_share']:.0%}/{r['python_share']:.0%}",
         )  # fmt: skip
     con.print(t)
+    for r in report["results"]:
+        lim = r.get("cost_model_limit")
+        if lim and r["speedup"] is not None:
+            con.print(
+                f"{r['category']}: auto {r['speedup']:.2f}x, the batch costs allow "
+                f"{lim['speedup']:.2f}x for the acceptance reached ({lim['drafter']}, a = "
+                f"{lim['per_token_acceptance']:.2f}, K = {lim['k']}): {lim['ratio']:.2f} of it",
+                highlight=False,
+            )  # fmt: skip
     mem = report["memory"]
     con.print(f"peak RSS {size(mem['peak_rss'])} = {mem['ratio']:.2f} x (model files "
               f"{size(mem['model_files'])} + KV caches {size(mem['kv_caches'])}); "

@@ -7,7 +7,9 @@ draft length asked for, and ``auto`` (:class:`specgguf.spec.planner.AutoPlanner`
 over categories and configurations in turn, so that machine noise hits all alike; the
 numbers of a (category, configuration) cell pool its rounds (tokens over seconds), and an
 "overall" row per configuration pools every category, as Spec-Bench computes it (total
-tokens over total time, against the target alone's).
+tokens over total time, against the target alone's). Each ``auto`` row also carries what
+the measured batch costs allow for the acceptance the fixed-K drafters reached
+(:func:`allowed_rate`) and auto mode's share of it.
 
 Spec-Bench (Xia et al. 2024; its ``question.jsonl``: ``question_id``, ``category``,
 ``turns``) groups its categories in six columns (:data:`SPEC_BENCH_COLUMNS`); a question with
@@ -29,7 +31,7 @@ from typing import Any
 from specgguf.engine.engine import Engine
 from specgguf.spec.drafters import SuffixDrafter
 from specgguf.spec.loop import GenerationParams, GenerationResult, GenerationStats
-from specgguf.spec.planner import AUTO_DRAFT_MAX, best_k
+from specgguf.spec.planner import AUTO_DRAFT_MAX, Timings, best_k
 from specgguf.spec.sampling import SamplerParams
 
 #: The row that pools every category.
@@ -264,6 +266,33 @@ class Cell:
         return s.accepted / n if n else 0.0
 
 
+def allowed_rate(
+    cells: dict[tuple[str, str], Cell], category: str, timings: Timings
+) -> tuple[str, float, int, float] | None:
+    """What the measured batch costs allow for the acceptance the drafters reach in
+    ``category``: for each drafter measured at fixed K (``model-K*``, ``ngram-K*``,
+    ``suffix-K*``), its per-token acceptance a pooled
+    over its K, and the best draft length for it by the cost model, E(K) / (K t_draft +
+    t_verify(K + 1)) with E(K) = (1 - a^(K+1)) / (1 - a) (Leviathan et al. 2023, section
+    3.4), t_verify from this run's calibration and t_draft 0 for lookup drafters. Returns
+    the fastest (drafter, a, K, tokens/s), where K = 0 is the target alone; None when no
+    drafter was measured. An upper bound for auto mode only in so far as a is one number
+    per drafter and text: auto mode can do better where acceptance varies along the text."""
+    best: tuple[str, float, int, float] | None = None
+    for family in ("model", "ngram", "suffix"):
+        measured = [c for (ct, nm), c in cells.items()
+                    if ct == category and nm.startswith(f"{family}-K")]  # fmt: skip
+        if not measured:
+            continue
+        accepted = sum(c.stats.accepted for c in measured)
+        a = accepted / max(1, sum(c.stats.accepted + c.stats.rejected_steps for c in measured))
+        k, rate = best_k(a, timings, AUTO_DRAFT_MAX,
+                         draft_cost=None if family == "model" else 0.0)  # fmt: skip
+        if best is None or rate > best[3]:
+            best = (family, a, k, rate)
+    return best
+
+
 def _share(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
 
@@ -343,15 +372,16 @@ def run_bench(
             "runs_tokens_per_s": [round(x, 3) for x in c.runs],
             "by_drafter": s.as_dict()["by_drafter"],
         }  # fmt: skip
-        model_cells = [v for (ct, nm), v in cells.items() if ct == cat and nm.startswith("model")]
-        if name == "auto" and model_cells:
-            a = sum(v.stats.accepted for v in model_cells) / max(
-                1, sum(v.stats.accepted + v.stats.rejected_steps for v in model_cells)
-            )
-            k_best, limit = best_k(a, timings, AUTO_DRAFT_MAX)
-            row["cost_model_limit"] = {"per_token_acceptance": round(a, 4), "k": k_best,
-                                       "tokens_per_s": round(limit, 3),
-                                       "ratio": round(s.tokens_per_s / limit, 3)}  # fmt: skip
+        if name == "auto":
+            limit = allowed_rate(cells, cat, timings)
+            if limit is not None:
+                drafter, a, k_best, rate = limit
+                alone = 1.0 / timings.verify_time(1)
+                row["cost_model_limit"] = {
+                    "drafter": drafter, "per_token_acceptance": round(a, 4), "k": k_best,
+                    "tokens_per_s": round(rate, 3), "speedup": round(rate / alone, 3),
+                    "ratio": round(s.tokens_per_s / rate, 3),
+                }  # fmt: skip
         results.append(row)
     pre = engine.preflight
     loaded = engine.describe()
@@ -377,10 +407,11 @@ def run_bench(
             "n_ctx": engine.n_ctx,
         },
         "timings": {
-            "t_verify": {k: round(v, 5) for k, v in sorted(timings.verify.items())},
+            # seconds, 4 significant digits (tiny models' steps take microseconds)
+            "t_verify": {k: float(f"{v:.4g}") for k, v in sorted(timings.verify.items())},
             "scale_single": round(timings.scale_single, 3),
             "scale_batch": round(timings.scale_batch, 3),
-            "t_draft": round(timings.draft, 5),
+            "t_draft": float(f"{timings.draft:.4g}"),
         },
         "memory": {
             "peak_rss": peak,
