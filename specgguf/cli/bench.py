@@ -170,8 +170,9 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
         if lim and r["speedup"] is not None:
             con.print(
                 f"{r['category']}: auto {r['speedup']:.2f}x, the batch costs allow "
-                f"{lim['speedup']:.2f}x for the acceptance reached ({lim['drafter']}, a = "
-                f"{lim['per_token_acceptance']:.2f}, K = {lim['k']}): {lim['ratio']:.2f} of it",
+                f"{lim['speedup']:.2f}x for the best acceptance reached ({lim['drafter']}, "
+                f"a = {lim['per_token_acceptance']:.2f}, K = {lim['k']}): {lim['ratio']:.2f} "
+                "of it",
                 highlight=False,
             )  # fmt: skip
     mem = report["memory"]
