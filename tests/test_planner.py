@@ -68,6 +68,18 @@ def test_ngram_drafts_are_judged_by_their_match_length() -> None:
     assert plan.expected_rate == pytest.approx(e(0.18, 3) / 0.010)
 
 
+def test_a_lookup_prior_is_at_most_0_9() -> None:
+    # A 4-token match at confidence 0.99 is judged at a = 0.9, not 0.99: K = 3 at 3.439 /
+    # 0.016 as in the test above (at a = 0.99, K = 4 would rate 4.901 / 0.0195 = 251.3).
+    p = ngram_planner(HAND)
+    p.confidence = 0.99
+    plan = p.plan([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 16, GREEDY, RNG)
+    assert plan.draft.tokens == [5, 6, 7]
+    assert plan.expected_rate == pytest.approx(3.439 / 0.016)
+    # Below the cap the prior is the bucket's times the confidence (0.7 * 0.99 = 0.693).
+    assert p._lookup_prior(2) == pytest.approx(0.693) and p._lookup_prior(4) == 0.9
+
+
 def test_ngram_drafts_must_beat_the_target_alone_by_the_margin() -> None:
     # A 1-token match with HAND's timings: K=1 at a = 0.3 * confidence. Confidence 0.85:
     # 1.255 / 0.012 = 104.58, faster than the target alone (100) but not by 5%: no drafts.

@@ -224,6 +224,7 @@ def auto(verify: dict[int, float], tree_branches: int = 4) -> AutoPlanner:
     p = AutoPlanner(Timings(dict(verify)), suffix=FixedTreeSuffix(TWO_BRANCHES),  # type: ignore[arg-type]
                     tree_branches=tree_branches)  # fmt: skip
     p.confidence = 1.0  # an 8-token match's prior is the confidence: a = 1, estimates = probs
+    p.LOOKUP_PRIOR_MAX = 1.0  # (uncapped, for the numbers by hand)
     return p
 
 
@@ -260,6 +261,7 @@ def test_a_suffix_tree_is_cut_to_the_cap_of_suffix_chains() -> None:
     p = AutoPlanner(Timings({1: 1.0, 2: 1.0}), suffix=FixedTreeSuffix(chain),  # type: ignore[arg-type]
                     tree_branches=4, learn_timings=False)  # fmt: skip
     p.confidence = 1.0  # every node's estimate is 1: at flat costs, as many as allowed
+    p.LOOKUP_PRIOR_MAX = 1.0
     plan = p.plan([1, 2, 3], 16, GREEDY, rng)
     assert plan.draft.tokens == list(range(10, 16)) and plan.expected_rate == pytest.approx(7.0)
     # 6 accepted: the mean accepted length of bucket 4 (matches of 4 or more) moves
