@@ -35,7 +35,7 @@ import numpy as np
 
 from specgguf.errors import ContextOverflowError, UsageError
 from specgguf.spec.drafters import Draft, Evaluator
-from specgguf.spec.planner import FixedPlanner, Planner
+from specgguf.spec.planner import FixedPlanner, Planner, call_sizes
 from specgguf.spec.sampling import (
     SamplerParams,
     accept_or_resample,
@@ -268,11 +268,9 @@ def _eval_until_rejected(
         m (``len(tokens)`` when every draft was accepted).
     """
     n = len(tokens)
-    n_calls = -(-n // rows_per_decode)
     parts: list[np.ndarray] = []
     done = 0
-    for i in range(n_calls):
-        size = n // n_calls + (i < n % n_calls)
+    for size in call_sizes(n, rows_per_decode):
         part = np.array(target.eval(tokens[done : done + size], logits="all"))
         if banned is not None:
             part[:, banned] = -np.inf
@@ -392,14 +390,16 @@ class SpeculativeDecoder:
                 parents = None
             t_verify = time.perf_counter()
             rows = len(d) + 1  # target rows evaluated
+            masked = False  # banned tokens already at -inf
             if parents is not None:
                 logits = target.eval_tree(history[-1], d, parents)  # type: ignore[attr-defined]
             elif lazy and len(d) + 1 > lazy:
                 logits, rows = _eval_until_rejected(target, [history[-1], *d], lazy, banned)
+                masked = True
             else:
                 logits = target.eval([history[-1], *d], logits="all")
             t_verify = time.perf_counter() - t_verify
-            if banned is not None and rows == len(d) + 1:
+            if banned is not None and not masked:
                 logits = logits.copy()
                 logits[:, banned] = -np.inf
             path: list[int] = []

@@ -61,6 +61,14 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def call_sizes(n: int, rows_per_call: int) -> list[int]:
+    """The sizes of the decode calls that evaluate ``n`` rows at most ``rows_per_call`` at a
+    time, as even as possible, larger first (the split of deterministic mode's
+    :meth:`specgguf.llama.backend.LlamaContext.eval`)."""
+    calls = -(-n // rows_per_call)
+    return [n // calls + (i < n % calls) for i in range(calls)]
+
+
 @dataclasses.dataclass
 class Timings:
     """Seconds per evaluation: ``verify[n]`` for a target batch of n tokens (n = 1 is a
@@ -132,10 +140,8 @@ class Timings:
         r = self.chunk_rows
         if not r or n <= r:
             return self.verify_time(n)
-        calls = -(-n // r)
         total, before = 0.0, 0
-        for i in range(calls):
-            size = n // calls + (i < n % calls)
+        for size in call_sizes(n, r):
             total += a**before * self.verify_time(size)
             before += size
         return total
