@@ -205,17 +205,52 @@ def test_real_pair_deterministic_matrix(real_models: dict[str, Path]) -> None:
                     n_predict=32, sampler=greedy, drafter=kind, draft_max=k)).run()  # fmt: skip
                 ref = ref or res.tokens
                 assert res.tokens == ref, (name, kind, k)
+        # What the matrix went through: a q8_0 K cache and lone rows never padded (the
+        # long prompt is past 256 positions, where an f16 K cache would need padding).
+        assert e.target_ctx.type_k == "q8_0" and e.target_ctx.lone_rows_max > 10**9
+
+
+@pytest.mark.real_models
+def test_a_q8_0_k_cache_makes_lone_rows_agree_with_batches_past_256_positions(
+    real_models: dict[str, Path],
+) -> None:
+    # Why deterministic mode keeps K in q8_0: with f16, FlashAttention takes its split-KV
+    # path for a lone row once 512 cells are attended (past 256 positions) and that row's
+    # logits differ from the same row in a batch; with q8_0 every row takes one path.
+    from specgguf.llama.backend import LlamaModel
+    from specgguf.llama.invariance import _PROBE_TEXT, lone_row_difference
+
+    with LlamaModel(real_models[testmodels.TARGET]) as model:
+        prompt = model.tokenize(_PROBE_TEXT, add_special=False)[:300]
+        diffs = {}
+        for type_k in ("f16", "q8_0"):
+            with model.new_context(
+                n_ctx=512, n_batch=64, n_outputs_max=4, reserve=1, type_k=type_k
+            ) as ctx:
+                assert ctx.type_k == type_k
+                diffs[type_k] = (lone_row_difference(ctx, prompt),
+                                 lone_row_difference(ctx, prompt, past=True))  # fmt: skip
+    assert diffs["q8_0"] == (0.0, 0.0), diffs
+    assert diffs["f16"][0] == 0.0 and diffs["f16"][1] > 0.0, diffs
 
 
 def test_lone_rows_go_unpadded_only_up_to_the_limit_the_probe_allows(
     tiny_models: dict[str, Path],
 ) -> None:
     from specgguf.llama.backend import LlamaModel
-    from specgguf.llama.invariance import LONE_ROW_LIMIT, lone_row_difference, lone_rows_max
+    from specgguf.llama.invariance import (
+        LONE_ROW_LIMIT,
+        NO_LIMIT,
+        lone_row_difference,
+        lone_rows_max,
+    )
 
-    # The probe's verdict: the limit only when lone rows were found equal (key -1).
+    # The probe's verdict: the limit only when lone rows were found equal below it (key
+    # -1), no limit when also past it (key -2).
     assert lone_rows_max({-1: 0.0, 0: 0.0, 2: 0.0}) == LONE_ROW_LIMIT == 256
-    assert lone_rows_max({-1: 1e-6, 0: 0.0, 2: 0.0}) == 0
+    assert lone_rows_max({-1: 0.0, -2: 0.4, 0: 0.0, 2: 0.0}) == LONE_ROW_LIMIT
+    assert lone_rows_max({-1: 0.0, -2: 0.0, 0: 0.0, 2: 0.0}) == NO_LIMIT
+    assert lone_rows_max({-1: 1e-6, -2: 0.0, 0: 0.0, 2: 0.0}) == 0
     assert lone_rows_max({0: 0.0, 2: 0.0}) == 0  # not measured: padded
     with LlamaModel(tiny_models["target"]) as model:
         prompt = model.tokenize("The quick brown fox " * 80, add_special=False)[:300]
@@ -224,6 +259,8 @@ def test_lone_rows_go_unpadded_only_up_to_the_limit_the_probe_allows(
             assert diff >= 0.0 and ctx.n_past == 0 and ctx.rows_per_decode is None
             with pytest.raises(ValueError, match="256 tokens at least"):
                 lone_row_difference(ctx, prompt[:100])
+            with pytest.raises(ValueError, match="292 tokens at least"):
+                lone_row_difference(ctx, prompt[:291], past=True)
             # A lone row: one row decoded below the limit, two (a throw-away row) from it on.
             ctx.set_rows_per_decode(2)
             ctx.lone_rows_max = LONE_ROW_LIMIT

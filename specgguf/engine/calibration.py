@@ -32,13 +32,15 @@ def calibration_key(
     rows_per_decode: int = 0,
     *,
     placement: str = "",
+    type_k: str = "f16",
 ) -> str:
     """The cache key of one pair on one build: files by path, size and modification time,
-    deterministic mode's rows per decode (0: off), and where the layers are (RPC servers
-    and the split; "" on this machine alone)."""
+    deterministic mode's rows per decode (0: off), where the layers are (RPC servers
+    and the split; "" on this machine alone) and the target's K cache type."""
     parts = [build, _file_key(target), _file_key(draft) if draft else "-", str(n_threads),
              str(repack)] + ([f"rows={rows_per_decode}"] if rows_per_decode else [])  # fmt: skip
     parts += [f"placement={placement}"] if placement else []
+    parts += [f"type_k={type_k}"] if type_k != "f16" else []
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

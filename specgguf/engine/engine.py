@@ -46,6 +46,12 @@ from specgguf.spec.planner import Planner, Timings, calibrate
 
 log = logging.getLogger("specgguf")
 
+#: The target's K cache type in deterministic mode (llama.cpp's ``-ctk q8_0``): with it a
+#: lone row's attention is computed as in a batch, so none needs a throw-away second row
+#: (:mod:`specgguf.llama.invariance`). The V cache stays f16. Greedy output then differs
+#: from a run without the mode as a quantized K cache makes it differ, not run to run.
+DETERMINISTIC_TYPE_K = "q8_0"
+
 #: What :meth:`Engine.generate` takes: a text completed as is, a conversation rendered with
 #: the target's chat template, or token ids.
 Prompt = str | Sequence[ChatMessage] | Sequence[int]
@@ -96,10 +102,23 @@ class Engine:
             self.target_model = self._load(config.target)
             # A verification needs K + 1 outputs; llama.cpp sizes its logits buffer by this.
             # Token trees need a sequence per branch (SpeculativeConfig.draft_tree).
-            self.target_ctx = self._context(
-                self.target_model, config.target, self.preflight.n_ctx, spec.draft_max + 1,
-                reserve=int(config.deterministic), tree_branches=spec.draft_tree,
+            target_ctx = functools.partial(
+                self._context, self.target_model, config.target, self.preflight.n_ctx,
+                spec.draft_max + 1, reserve=int(config.deterministic),
+                tree_branches=spec.draft_tree,
             )  # fmt: skip
+            if config.deterministic:
+                # K in q8_0: then no lone row needs a throw-away row (specgguf.llama.
+                # invariance; the probe proves it or pads). llama.cpp refuses it for heads
+                # smaller than q8_0's blocks of 32 values: f16 then.
+                try:
+                    self.target_ctx = target_ctx(type_k=DETERMINISTIC_TYPE_K)
+                except BackendError:
+                    log.info("deterministic mode: the K cache cannot be %s for %s; f16",
+                             DETERMINISTIC_TYPE_K, self.target_model.path.name)  # fmt: skip
+                    self.target_ctx = target_ctx()
+            else:
+                self.target_ctx = target_ctx()
             if config.deterministic:
                 self._set_up_deterministic()
             self.draft_model: LlamaModel | None = None
@@ -140,9 +159,11 @@ class Engine:
         Raises:
             BackendError: no batch shape gives reproducible logits here.
         """
-        from specgguf.llama.invariance import deterministic_rows, lone_rows_max
+        from specgguf.llama.invariance import NO_LIMIT, deterministic_rows, lone_rows_max
 
-        rows, diffs = deterministic_rows(self.target_model, n_threads=self.config.target.n_threads)
+        rows, diffs = deterministic_rows(
+            self.target_model, n_threads=self.config.target.n_threads, type_k=self.target_ctx.type_k
+        )
         rows = min(rows, self.target_ctx.n_batch)
         if rows < 2:
             detail = ", ".join(f"{b} rows: {d:.3g}" for b, d in sorted(diffs.items()) if b > 0)
@@ -153,8 +174,10 @@ class Engine:
             )
         self.deterministic_rows = rows
         lone = self.target_ctx.lone_rows_max = lone_rows_max(diffs)
-        log.info("deterministic mode: verification in batches of 2 to %d rows, lone rows "
-                 "padded past %d cached positions", rows, lone)  # fmt: skip
+        log.info("deterministic mode: K cache %s, verification in batches of 2 to %d rows, %s",
+                 self.target_ctx.type_k, rows,
+                 "lone rows never padded" if lone == NO_LIMIT
+                 else f"lone rows padded past {lone} cached positions")  # fmt: skip
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -185,11 +208,12 @@ class Engine:
         reserve: int = 0,
         draft: bool = False,
         tree_branches: int = 0,
+        type_k: str = "f16",
     ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
-                reserve=reserve, tree_branches=tree_branches,
+                reserve=reserve, tree_branches=tree_branches, type_k=type_k,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
@@ -350,6 +374,7 @@ class Engine:
             self.deterministic_rows if deterministic else 0,
             placement="|".join(m.placement for m in (self.target_model, self.draft_model)
                                if m is not None),
+            type_k=self.target_ctx.type_k,
         )  # fmt: skip
 
     def _calibration_ids(self) -> list[int]:

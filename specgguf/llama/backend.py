@@ -34,6 +34,13 @@ from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_p
 log = logging.getLogger("specgguf")
 _warned_repack = False
 
+#: K cache data types by llama.cpp's names (``-ctk``) -> ``ggml_type`` values. With a q8_0 K
+#: cache llama.cpp's CPU FlashAttention computes every row, lone or in a batch, the same way
+#: (its split-KV path for a lone row and tiled path for 64+ rows take f16 and f32 caches
+#: only: ggml-cpu/ops.cpp, ``ggml_compute_forward_flash_attn_ext_f16``), which is what
+#: deterministic mode uses (:mod:`specgguf.llama.invariance`).
+KV_CACHE_TYPES = {"f16": 1, "q8_0": 8}
+
 
 def default_threads() -> int:
     """Threads for generation: the physical core count (llama.cpp's common default)."""
@@ -254,6 +261,7 @@ class LlamaModel(_Native):
         n_ubatch: int | None = None,
         reserve: int = 0,
         tree_branches: int = 0,
+        type_k: str = "f16",
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
         deterministic mode's throw-away rows use) on this model; ``tree_branches``: see
@@ -261,7 +269,7 @@ class LlamaModel(_Native):
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
-            reserve=reserve, tree_branches=tree_branches,
+            reserve=reserve, tree_branches=tree_branches, type_k=type_k,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -376,6 +384,7 @@ class LlamaContext(_Native):
         n_ubatch: int | None = None,
         reserve: int = 0,
         tree_branches: int = 0,
+        type_k: str = "f16",
     ) -> None:
         self._lc = lc = model._lc
         self.model = model
@@ -398,6 +407,9 @@ class LlamaContext(_Native):
         params.n_threads = threads
         params.n_threads_batch = n_threads_batch or threads
         params.no_perf = True
+        params.type_k = KV_CACHE_TYPES[type_k]
+        #: the data type of the K cache (the V cache is f16), see :data:`KV_CACHE_TYPES`
+        self.type_k = type_k
         ctx = lc.llama_init_from_model(model.handle, params)
         if not ctx:
             raise BackendError(

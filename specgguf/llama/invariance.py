@@ -12,10 +12,13 @@ agrees below 256 cached positions and differs above.
 
 Deterministic mode uses that: every evaluation that returns logits is decoded in batches of
 2 to R rows (:meth:`specgguf.llama.backend.LlamaContext.eval` with ``rows_per_decode``),
-a lone row padded with a throw-away second row, except while no more than
-:data:`LONE_ROW_LIMIT` positions are cached, where a lone row agrees with the batches as it
-is. :func:`deterministic_rows` finds R for a model and build, and whether lone rows agree
-below the limit, by measurement, and caches both.
+a lone row padded with a throw-away second row, except where a lone row agrees with the
+batches as it is. With an f16 K cache that is while no more than :data:`LONE_ROW_LIMIT`
+positions are cached; with a q8_0 K cache (what deterministic mode uses) at every position,
+because FlashAttention's split-KV path takes f16 and f32 caches only, so no throw-away row
+is needed at all (Qwen 1.5B, AVX2: a lone row at 2000 cached positions 86 ms, padded with
+f16 131 ms). :func:`deterministic_rows` finds R for a model, build and K cache type, and
+where lone rows agree, by measurement, and caches both.
 
 Where a lone row goes another way, found with llama.cpp's graph callback (``cb_eval``) on
 the model above, comparing every tensor of a one-token decode with the same token's row of
@@ -43,6 +46,9 @@ from specgguf.llama.runtime import build_info, build_key
 #: for a single row only past that): a deterministic generation decodes a lone row without
 #: a throw-away second row up to here, when the probe found them equal.
 LONE_ROW_LIMIT = 256
+
+#: ``lone_rows_max`` when lone rows agree with the batches at every position.
+NO_LIMIT = 1 << 40
 
 #: The probe's text: long enough to pass 256 cached positions, where paths change.
 _PROBE_TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(60))
@@ -130,24 +136,34 @@ def row_differences(
 
 
 def lone_row_difference(
-    ctx: LlamaContext, prompt: Sequence[int], *, limit: int = LONE_ROW_LIMIT, n_rows: int = 8
+    ctx: LlamaContext,
+    prompt: Sequence[int],
+    *,
+    limit: int = LONE_ROW_LIMIT,
+    n_rows: int = 8,
+    past: bool = False,
 ) -> float:
     """The largest absolute logit difference between a lone row (a plain one-token decode)
     and the same row as the first of a 2-row batch (the reference of deterministic mode),
     over ``n_rows`` positions ending at ``limit`` cached positions and ``n_rows`` early
-    ones. 0.0: lone rows may go without padding up to ``limit``. The KV cache ends empty.
+    ones; with ``past``, over ``n_rows`` positions from ``limit + 28`` on instead (where
+    FlashAttention takes its split-KV path for a lone row with an f16 K cache). 0.0: lone
+    rows may go without padding there. The KV cache ends empty.
 
     Raises:
-        ValueError: the prompt is too short to reach ``limit``.
+        ValueError: the prompt is too short to reach the positions.
         BackendError: a decode failed.
     """
-    if len(prompt) < limit:
-        raise ValueError(f"a prompt of {limit} tokens at least is needed, not {len(prompt)}")
+    starts = (limit + 28,) if past else (8, limit - n_rows)
+    if len(prompt) < max(starts) + n_rows:
+        raise ValueError(
+            f"a prompt of {max(starts) + n_rows} tokens at least is needed, not {len(prompt)}"
+        )
     saved, saved_lone = ctx.rows_per_decode, ctx.lone_rows_max
     try:
         worst = 0.0
         ctx.lone_rows_max = 0  # the reference: padded
-        for start in (8, limit - n_rows):
+        for start in starts:
             ctx.rows_per_decode = None
             ctx.rollback(0)
             ctx.eval(prompt[:start], logits="none")
@@ -166,10 +182,13 @@ def lone_row_difference(
 
 
 def lone_rows_max(diffs: dict[int, float]) -> int:
-    """Positions up to which deterministic mode decodes a lone row without padding: the
-    limit when the probe found lone rows equal to the reference there (key -1 of
-    :func:`deterministic_rows`' differences), else 0."""
-    return LONE_ROW_LIMIT if diffs.get(-1) == 0.0 else 0
+    """Positions up to which deterministic mode decodes a lone row without padding:
+    :data:`NO_LIMIT` when the probe found lone rows equal to the reference below and past
+    :data:`LONE_ROW_LIMIT` cached positions (keys -1 and -2 of :func:`deterministic_rows`'
+    differences; a q8_0 K cache), the limit when only below it, else 0."""
+    if diffs.get(-1) != 0.0:
+        return 0
+    return NO_LIMIT if diffs.get(-2) == 0.0 else LONE_ROW_LIMIT
 
 
 def _max_diff(a: list[npt.NDArray[np.float32]], b: list[npt.NDArray[np.float32]]) -> float:
@@ -189,30 +208,37 @@ def invariant_rows(diffs: dict[int, float]) -> int:
     return r
 
 
-def _probe_key(model: LlamaModel, n_threads: int) -> str:
+def _probe_key(model: LlamaModel, n_threads: int, type_k: str) -> str:
     st = Path(model.path).stat()
     parts = [build_key(build_info()), f"{Path(model.path).resolve()}:{st.st_size}:{st.st_mtime_ns}",
-             str(model.use_extra_bufts), str(n_threads), f"lone{LONE_ROW_LIMIT}"]  # fmt: skip
+             str(model.use_extra_bufts), str(n_threads), f"lone{LONE_ROW_LIMIT}+",
+             type_k]  # fmt: skip
     parts += [model.placement] if model.placement else []  # layers on RPC servers
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
 def deterministic_rows(
-    model: LlamaModel, *, n_threads: int | None = None, max_rows: int = 8, cache: bool = True
+    model: LlamaModel,
+    *,
+    n_threads: int | None = None,
+    max_rows: int = 8,
+    cache: bool = True,
+    type_k: str = "f16",
 ) -> tuple[int, dict[int, float]]:
     """R for deterministic mode on ``model`` with this build, repacking setting and thread
     count: the largest number of rows per decode for which every row's logits are
     bit-identical whatever the batch (2..R rows, lone rows padded), measured past 256
     cached positions (a few seconds) and cached in ``~/.cache/specgguf/invariance.json``.
     Returns (R, the measured differences by batch size, and under key -1 the lone rows'
-    below :data:`LONE_ROW_LIMIT` cached positions, see :func:`lone_rows_max`); R is 0 when
-    no shape works.
+    below :data:`LONE_ROW_LIMIT` cached positions, under -2 past it, see
+    :func:`lone_rows_max`); R is 0 when no shape works. ``type_k``: the K cache's data type
+    (:data:`specgguf.llama.backend.KV_CACHE_TYPES`), measured with it.
 
     Raises:
         BackendError: a decode failed.
     """
     threads = n_threads or default_threads()
-    key = _probe_key(model, threads)
+    key = _probe_key(model, threads, type_k)
     path = cache_dir() / "invariance.json"
     hit = read_json_cache(path).get(key) if cache else None
     if isinstance(hit, dict) and "diffs" in hit:
@@ -220,9 +246,10 @@ def deterministic_rows(
         return invariant_rows(diffs), diffs
     prompt = model.tokenize(_PROBE_TEXT, add_special=False)[:300]
     with model.new_context(
-        n_ctx=512, n_batch=64, n_threads=n_threads, n_outputs_max=max_rows + 1
+        n_ctx=512, n_batch=64, n_threads=n_threads, n_outputs_max=max_rows + 1, type_k=type_k
     ) as ctx:
         diffs = row_differences(ctx, prompt, max_rows=max_rows)
         diffs[-1] = lone_row_difference(ctx, prompt)
+        diffs[-2] = lone_row_difference(ctx, prompt, past=True)
     update_json_cache(path, key, {"diffs": diffs})
     return invariant_rows(diffs), diffs
