@@ -193,7 +193,7 @@ DeterministicOpt = Annotated[
     typer.Option(
         "--deterministic",
         help="Output independent of the drafter, K and timings (greedy; sampling with "
-        "--seed): fixed verification batch shapes, measured at start.",
+        "--seed): fixed verification batch shapes and a q8_0 K cache, measured at start.",
     ),
 ]
 ForceOpt = Annotated[

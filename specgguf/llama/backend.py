@@ -264,8 +264,8 @@ class LlamaModel(_Native):
         type_k: str = "f16",
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
-        deterministic mode's throw-away rows use) on this model; ``tree_branches``: see
-        :class:`LlamaContext`."""
+        deterministic mode's throw-away rows use) on this model; ``tree_branches`` and
+        ``type_k``: see :class:`LlamaContext`."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
@@ -367,6 +367,10 @@ class LlamaContext(_Native):
     and refuses a batch whose tokens belong to several). Sequence 0 is the committed text,
     the only one outside :meth:`eval_tree`. With 0 or 1 the context has one sequence, as
     without trees.
+
+    ``type_k`` is the K cache's data type by llama.cpp's name (``-ctk``; "f16" or "q8_0",
+    :data:`KV_CACHE_TYPES`); the V cache is f16. llama.cpp refuses q8_0 for attention heads
+    of fewer than 32 values (a BackendError here).
 
     Raises:
         BackendError: llama.cpp could not create the context.
