@@ -117,10 +117,9 @@ class Engine:
                     log.info("deterministic mode: the K cache cannot be %s for %s; f16",
                              DETERMINISTIC_TYPE_K, self.target_model.path.name)  # fmt: skip
                     self.target_ctx = target_ctx()
+                self._set_up_deterministic()
             else:
                 self.target_ctx = target_ctx()
-            if config.deterministic:
-                self._set_up_deterministic()
             self.draft_model: LlamaModel | None = None
             self.draft_ctx: LlamaContext | None = None
             model_drafter = None

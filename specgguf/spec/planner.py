@@ -84,8 +84,7 @@ class Timings:
     ``lone_max`` positions are cached (:attr:`specgguf.llama.backend.LlamaContext.
     lone_rows_max`; with an f16 K cache 256, with q8_0 never): the planner sets
     ``cached`` to the step's cached positions, and a lone row past the limit costs what
-    two rows do. Then drafting one token costs no more
-    verification than drafting none.
+    two rows do. Then drafting one token costs no more verification than drafting none.
     """
 
     verify: dict[int, float]
