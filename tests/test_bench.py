@@ -53,10 +53,12 @@ def test_bench_json_has_every_configuration_and_same_run_speedups(
     auto = [r for r in data["results"] if r["config"] == "auto"]
     # What the batch costs allow, recomputed from the report's own numbers by the cost
     # model: E(K) / (K t_draft + t_verify(K + 1)) at the drafter's pooled acceptance, the
-    # calibrated curve interpolated and scaled by the learned corrections.
+    # calibrated curve interpolated, plus each position cached past the calibration's depth
+    # at the category's mean depth, and scaled by the learned corrections.
     t = data["timings"]
     verify = {int(k): v for k, v in t["t_verify"].items()}
     xs = sorted(verify)
+    depth = 0
 
     def t_verify(n: int) -> float:
         if n in verify:
@@ -67,6 +69,8 @@ def test_bench_json_has_every_configuration_and_same_run_speedups(
             if hi is None:
                 lo, hi = xs[-2], xs[-1]
             raw = verify[lo] + (n - lo) / (hi - lo) * (verify[hi] - verify[lo])
+        per = t["position_single"] if n == 1 else n * t["position_row"]
+        raw += max(0, depth - t["depth"]) * per
         return raw * (t["scale_single"] if n == 1 else t["scale_batch"])
 
     assert [r["category"] for r in auto if "cost_model_limit" not in r] == ["overall"]
@@ -79,6 +83,9 @@ def test_bench_json_has_every_configuration_and_same_run_speedups(
         )
         assert (lim["drafter"] == "none") == (lim["k"] == 0)
         a, k = lim["per_token_acceptance"], lim["k"]
+        # the category's prompt tokens plus half of what it generated, per generation
+        depth = lim["depth"]
+        assert depth > 0
         td = t["t_draft"] if lim["drafter"] == "model" else 0.0
         want = sum(a**i for i in range(k + 1)) / (k * td + t_verify(k + 1))
         assert lim["tokens_per_s"] == pytest.approx(want, rel=0.02)
@@ -196,3 +203,16 @@ def test_suffix_configurations_never_see_the_same_question_answered_before(
         second = run_conversation(engine, prompt, "suffix", 4, 48)
         assert second.accepted > first.accepted
         assert second.accepted > a["suffix"][2] / 2  # two rounds pooled in a
+
+
+def test_a_cells_mean_depth_is_its_generations_prompts_and_half_their_output() -> None:
+    from specgguf.engine.bench import Cell
+    from specgguf.spec.loop import GenerationStats
+
+    cell = Cell("multi-turn", "auto")
+    # A two-turn conversation: prompts of 100 and 300 tokens (the second holds the first
+    # answer), 128 tokens generated in each; then a one-turn question of 60 tokens, 20 out.
+    cell.add(GenerationStats(prompt_tokens=400, generated=256), generations=2)
+    cell.add(GenerationStats(prompt_tokens=60, generated=20))
+    assert cell.generations == 3
+    assert cell.mean_depth == round((460 + 276 / 2) / 3)  # 199

@@ -134,7 +134,9 @@ def test_k_choice_with_fake_timings() -> None:
 def test_timings_interpolate_and_learn() -> None:
     t = Timings({1: 1.0, 3: 3.0, 5: 4.0}, 0.5)
     assert t.verify_time(2) == 2.0 and t.verify_time(4) == 3.5
-    assert t.verify_time(7) == pytest.approx(5.0)  # extrapolated from 3 and 5
+    # Past the last size: the last two add 0.5 a row, less than the mean over the sizes,
+    # (4 - 1) / (5 - 1) = 0.75, which is used: 4 + 2 * 0.75.
+    assert t.verify_time(7) == pytest.approx(5.5)
     t.observe_verify(1, 1.4, weight=0.5)  # decode steps run 1.4x slower than calibrated
     assert t.verify_time(1) == pytest.approx(1.2) and t.verify[1] == 1.0  # calibration kept
     t.observe_verify(5, 5.2, weight=1.0)  # batches 1.3x slower
@@ -174,9 +176,17 @@ def test_calibration_cache_follows_files(tmp_path: Path) -> None:
     target = tmp_path / "t.gguf"
     target.write_bytes(b"x")
     key = calibration_key("build", target, None, 2, True)
-    save_calibration(key, Timings({1: 0.1, 2: 0.15}, 0.05))
+    save_calibration(key, Timings({1: 0.1, 2: 0.15}, 0.05, depth=64, position_single=1e-6,
+                                  position_row=3e-6))  # fmt: skip
     loaded = load_calibration(key)
     assert loaded is not None and loaded.verify == {1: 0.1, 2: 0.15} and loaded.draft == 0.05
+    assert (loaded.depth, loaded.position_single, loaded.position_row) == (64, 1e-6, 3e-6)
+    # A calibration cached before depth was measured is measured again.
+    from specgguf.cache import update_json_cache
+    from specgguf.engine.calibration import _cache_file
+
+    update_json_cache(_cache_file(), key, {"verify": {"1": 0.1}, "draft": 0.05, "time": 0})
+    assert load_calibration(key) is None
     os.utime(target, ns=(1, 1))  # the file changed: another key, nothing cached
     assert calibration_key("build", target, None, 2, True) != key
     assert calibration_key("other build", target, None, 2, True) != key
@@ -480,6 +490,58 @@ def test_calibrate_measures_each_batch_size_and_the_draft(monkeypatch: pytest.Mo
     # Nothing fits: size 1 only.
     tiny = ClockedContext(clock, 0.010, 0.001, n_ctx=2, n_batch=1)
     assert sorted(calibrate(tiny, None, [1], repeats=1).verify) == [1]
+
+
+class DeepClockedContext(ClockedContext):
+    """A :class:`ClockedContext` whose evaluations also cost ``lone`` seconds per cached
+    position for one token, and ``row`` per cached position for each token of a batch."""
+
+    def __init__(self, clock: Clock, lone: float, row: float, **kw: int) -> None:
+        super().__init__(clock, 0.010, 0.001, hiccup=0.0, **kw)
+        self.lone, self.row = lone, row
+
+    def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+        if logits != "none":
+            n = len(tokens)
+            self.clock.now += self.n_past * (self.lone if n == 1 else n * self.row)
+        return super().eval(tokens, logits=logits)
+
+
+def test_calibrate_measures_what_each_cached_position_adds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specgguf.spec import planner as planner_module
+    from specgguf.spec.planner import calibrate
+
+    clock = Clock()
+    monkeypatch.setattr(planner_module.time, "perf_counter", clock)
+    target = DeepClockedContext(clock, 1e-6, 4e-6, n_ctx=1024, n_batch=64)
+    draft = ClockedContext(clock, 0.002, 0.0, hiccup=0.0, n_ctx=1024)
+    t = calibrate(target, draft, [5, 6, 7], sizes=(1, 2, 3, 5, 9, 17), repeats=2, deep=512)
+    # The curve at the 64-token prefix: 0.010 + 0.001 n + 64 positions' worth.
+    assert t.depth == 64
+    assert t.verify[1] == pytest.approx(0.011 + 64 * 1e-6)
+    assert t.verify[9] == pytest.approx(0.019 + 64 * 9 * 4e-6)
+    # Measured again after 512 tokens (the sizes of DEPTH_SIZES that fit), the slopes.
+    assert t.position_single == pytest.approx(1e-6) and t.position_row == pytest.approx(4e-6)
+    deep = [e for e in target.log if e[0] == "eval" and e[3] == "all" and e[1] == 512]
+    assert sorted({len(e[2]) for e in deep}) == [1, 5, 17] and len(deep) == 6
+    # The prefix was extended from 64 to 512 with the calibration ids, then both caches
+    # were emptied; the draft's cache held only the short prefix.
+    assert ("eval", 64, ([5, 6, 7] * 171)[64:512], "none") in target.log
+    assert target.n_past == 0 and draft.n_past == 0
+    assert max(e[1] for e in draft.log if e[0] == "eval") == 64
+    # Its cost model: 4 rows at 1064 cached positions cost 1000 * 4 * 4 us more.
+    t.cached = 1064
+    assert t.verify_time(4) == pytest.approx(0.014 + 64 * 4 * 4e-6 + 1000 * 4 * 4e-6)
+    # Without deep, or without 128 positions more room than the first prefix: flat.
+    for kw in ({}, {"deep": 150}):
+        flat = calibrate(DeepClockedContext(clock, 1e-6, 4e-6, n_ctx=1024, n_batch=64), None,
+                         [5], sizes=(1, 2, 3), repeats=1, **kw)  # type: ignore[arg-type]  # fmt: skip
+        assert flat.position_single == 0.0 and flat.position_row == 0.0
+    # A context too small for the probe: as deep as it allows (room for 5 rows after it).
+    small = DeepClockedContext(clock, 1e-6, 4e-6, n_ctx=300, n_batch=64)
+    t = calibrate(small, None, [5], sizes=(1, 2, 3, 5), repeats=1, deep=512)
+    assert t.position_row == pytest.approx(4e-6)
+    assert {e[1] for e in small.log if e[0] == "eval" and e[3] == "all"} == {64, 294}
 
 
 def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(

@@ -124,6 +124,48 @@ def test_a_padded_lone_row_makes_one_draft_token_free() -> None:
     assert timings.scale_batch == pytest.approx(1.1) and timings.scale_single == 1.0
 
 
+def test_batches_cost_more_deeper_in_the_context() -> None:
+    """Every row of a batch attends to every cached position: past the calibration's
+    depth, a batch of n rows costs n * position_row per position more, a lone row
+    position_single."""
+    t = Timings(dict(HAND), depth=64, position_single=1e-6, position_row=2e-6)
+    t.cached = 10  # above the calibration's depth: the curve as measured
+    assert t.verify_time(1) == pytest.approx(0.010) and t.verify_time(4) == pytest.approx(0.016)
+    t.cached = 1064  # 1000 positions deeper
+    assert t.verify_time(1) == pytest.approx(0.010 + 1000 * 1e-6)
+    assert t.verify_time(3) == pytest.approx(0.014 + 1000 * 3 * 2e-6)  # 0.020
+    assert t.verify_time(4) == pytest.approx(0.016 + 1000 * 4 * 2e-6)  # 0.024
+    # A measurement teaches the correction against the cost at that depth: 0.030 for the
+    # 0.024 expected is 1.25x, half of which (weight 0.5) is learnt.
+    t.observe_verify(4, 0.030, weight=0.5)
+    assert t.scale_batch == pytest.approx(1.125) and t.scale_single == 1.0
+    assert t.verify_time(2) == pytest.approx((0.012 + 1000 * 2 * 2e-6) * 1.125)
+    # A padded lone row (deterministic mode) costs two rows at that depth.
+    padded = Timings(dict(HAND), lone_max=4, position_single=1e-6, position_row=2e-6)
+    padded.cached = 1000
+    assert padded.verify_time(1) == pytest.approx(0.012 + 1000 * 2 * 2e-6)
+
+
+def test_a_lookup_draft_that_pays_near_the_start_does_not_deep_in_the_context() -> None:
+    # n-gram lookup finds the 8-token pattern again (bucket 4: a = min(0.9, 1.0 * 1.0) =
+    # 0.9), free drafts, HAND timings plus 5 us per row and cached position (16 cached):
+    # K=1: 1.9/0.01216 = 156.3, K=2: 2.71/0.01424 = 190.3, K=3: 3.439/0.01632 = 210.7,
+    # K=4: 4.0951/0.0199 = 205.8 -> K=3.
+    pattern = [1, 2, 3, 4, 5, 6, 7, 8]
+    timings = Timings(dict(HAND), position_row=5e-6)
+    p = AutoPlanner(timings, ngram=NgramDrafter(1, 8), learn_timings=False)
+    p.confidence = 1.0
+    plan = p.plan(pattern * 2 + [1], 16, GREEDY, RNG)
+    assert timings.cached == 16 and plan.draft.tokens == [2, 3, 4]
+    assert plan.expected_rate == pytest.approx(e(0.9, 3) / 0.01632)
+    # 1000 positions cached: each row of a batch costs 5 ms more: K=1: 1.9/0.022 = 86.4,
+    # K=2: 2.71/0.029 = 93.4, K=3: 3.439/0.036 = 95.5, K=4: 4.0951/0.0445 = 92.0, all
+    # below the target alone (100, its lone row unchanged): no drafts.
+    plan = p.plan(pattern * 125 + [1], 16, GREEDY, RNG)
+    assert timings.cached == 1000
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
+
+
 def test_expected_verification_cost_when_greedy_verification_stops_at_a_rejection() -> None:
     # 7 rows in calls of at most 3: 3, 2, 2. The second call runs when the 3 drafts the
     # first verified were accepted (a^3), the third after 5 (a^5): at a = 0.5,
@@ -472,6 +514,34 @@ def test_first_evaluation_cost_three_behind_is_spread() -> None:
     p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
     p.mean_streak = 4.0
     assert p._first_eval_cost([1, 2, 3]) == pytest.approx(0.0025)
+
+
+#: A calibration measured on the 2-core AMD EPYC (Qwen2.5-Coder 1.5B, 17 rows at most),
+#: where 13 rows came out slower than 17.
+REVERSED_TAIL = {1: 0.0333, 2: 0.0648, 3: 0.0841, 4: 0.0964, 5: 0.114, 7: 0.1858, 9: 0.2961,
+                 13: 0.3497, 17: 0.3324}  # fmt: skip
+
+
+def test_a_long_catch_up_is_never_free_when_the_curves_last_sizes_are_reversed() -> None:
+    # The case found on Spec-Bench's math questions: the draft model idle for 83 steps,
+    # 93 tokens behind, was planned for one token because its catch-up was costed at 3 ms
+    # (the curve extrapolated from 13 and 17 rows fell towards 0 at 93); it took 0.5 s.
+    # Past 17 rows each row now adds the mean over the sizes, (0.3324 - 0.0333) / 16.
+    t = Timings(dict(REVERSED_TAIL), 0.020)
+    slope = (0.3324 - 0.0333) / 16
+    assert t.verify_time(93) == pytest.approx(0.3324 + 76 * slope)
+    assert t.verify_time(17) == 0.3324 and t.verify_time(15) == pytest.approx(0.34105)
+    model = model_drafter()
+    p = AutoPlanner(t, model=model, learn_timings=False)
+    text = [i % 30 + 1 for i in range(160)]
+    model.prefill(text[:67])  # it holds the first 66 tokens: 94 behind the 160
+    per = 0.020 / 0.0333
+    catch_up = per * 0.0648 + per * (t.verify_time(94) - 0.0648)  # a first run: whole
+    assert p._first_eval_cost(text) == pytest.approx(catch_up) and catch_up > 1.0
+    # Nothing measured yet and idle long enough for a probe: still no draft model.
+    p.idle_model, p.confidence = 83, 0.975
+    plan = p.plan(text, 16, GREEDY, RNG)
+    assert plan.drafter is None and model.cached_tokens(text) == 66
 
 
 def test_calibration_log_by_hand() -> None:

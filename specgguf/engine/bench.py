@@ -247,16 +247,25 @@ def converse(
 @dataclasses.dataclass
 class Cell:
     """Pooled statistics of one (category, configuration): the rounds' counters and times,
-    and each round's tokens/s."""
+    each round's tokens/s, and how many generations (turns) they pool."""
 
     category: str
     config: str
     stats: GenerationStats = dataclasses.field(default_factory=GenerationStats)
     runs: list[float] = dataclasses.field(default_factory=list)
+    generations: int = 0
 
-    def add(self, s: GenerationStats) -> None:
+    def add(self, s: GenerationStats, generations: int = 1) -> None:
         self.stats.add(s)
         self.runs.append(s.tokens_per_s)
+        self.generations += generations
+
+    @property
+    def mean_depth(self) -> int:
+        """The positions cached at a mean step: each generation's prompt and half of what
+        it generated."""
+        s = self.stats
+        return round((s.prompt_tokens + s.generated / 2) / max(1, self.generations))
 
     @property
     def per_token_acceptance(self) -> float:
@@ -274,7 +283,8 @@ def allowed_rate(
     ``suffix-K*``), its per-token acceptance a pooled
     over its K, and the best draft length for it by the cost model, E(K) / (K t_draft +
     t_verify(K + 1)) with E(K) = (1 - a^(K+1)) / (1 - a) (Leviathan et al. 2023, section
-    3.4), t_verify from this run's calibration and t_draft 0 for lookup drafters. Returns
+    3.4), t_verify from this run's calibration at ``timings.cached`` positions (the
+    category's mean depth, set by the caller) and t_draft 0 for lookup drafters. Returns
     the fastest (drafter, a, K, tokens/s), where K = 0 is the target alone; None when no
     drafter was measured. An upper bound for auto mode only in so far as a is one number
     per drafter and text: auto mode can do better where acceptance varies along the text."""
@@ -344,8 +354,8 @@ def run_bench(
                     s = run_conversation(engine, p, kind, k, n, deterministic=det)
                 finally:
                     engine.drafting.suffix = shared_suffix
-                cells.setdefault((p.category, name), Cell(p.category, name)).add(s)
-                cells.setdefault((OVERALL, name), Cell(OVERALL, name)).add(s)
+                cells.setdefault((p.category, name), Cell(p.category, name)).add(s, len(p.turns))
+                cells.setdefault((OVERALL, name), Cell(OVERALL, name)).add(s, len(p.turns))
     wall = time.perf_counter() - t0
     timings = engine.timings()
     results = []
@@ -373,6 +383,7 @@ def run_bench(
             "by_drafter": s.as_dict()["by_drafter"],
         }  # fmt: skip
         if name == "auto" and cat != OVERALL and base is not None:
+            timings.cached = c.mean_depth  # the batch costs at the category's depth
             limit = allowed_rate(cells, cat, timings)
             if limit is not None:
                 drafter, a, k_best, rate = limit
@@ -381,7 +392,7 @@ def run_bench(
                 allowed = rate * timings.verify_time(1)
                 row["cost_model_limit"] = {
                     "drafter": drafter if k_best else "none",
-                    "per_token_acceptance": round(a, 4), "k": k_best,
+                    "per_token_acceptance": round(a, 4), "k": k_best, "depth": timings.cached,
                     "tokens_per_s": round(rate, 3), "speedup": round(allowed, 3),
                     "ratio": round(s.tokens_per_s / base.stats.tokens_per_s / allowed, 3),
                 }  # fmt: skip
@@ -415,6 +426,10 @@ def run_bench(
             "scale_single": round(timings.scale_single, 3),
             "scale_batch": round(timings.scale_batch, 3),
             "t_draft": float(f"{timings.draft:.4g}"),
+            # what each cached position past the curve's depth adds (seconds)
+            "depth": timings.depth,
+            "position_single": float(f"{timings.position_single:.4g}"),
+            "position_row": float(f"{timings.position_row:.4g}"),
         },
         "memory": {
             "peak_rss": peak,

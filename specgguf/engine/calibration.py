@@ -1,5 +1,6 @@
 """Timings of the loaded pair on this machine, for auto mode's cost model: measured once
-(:func:`specgguf.spec.planner.calibrate`, a few seconds) and cached in
+(:func:`specgguf.spec.planner.calibrate`, at two depths of the context: 10-20 seconds on
+two CPU cores for a 1.5B target) and cached in
 ``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
 threads, the repacking setting and the layers' placement (RPC servers). A cached
 calibration is checked against one fresh decode step first: one taken while the machine
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from specgguf.cache import cache_dir, read_json_cache, update_json_cache
 from specgguf.spec.drafters import Evaluator
-from specgguf.spec.planner import Timings, calibrate
+from specgguf.spec.planner import DEPTH_PROBE, Timings, calibrate
 
 
 def _file_key(path: Path) -> str:
@@ -49,16 +50,25 @@ def _cache_file() -> Path:
 
 
 def load_calibration(key: str) -> Timings | None:
-    """The cached timings for ``key``; None when absent or unreadable."""
+    """The cached timings for ``key``; None when absent or unreadable (or cached before
+    calibrations measured what depth costs)."""
     try:
         data = read_json_cache(_cache_file())[key]
-        return Timings({int(k): float(v) for k, v in data["verify"].items()}, data["draft"])
+        return Timings(
+            {int(k): float(v) for k, v in data["verify"].items()}, float(data["draft"]),
+            depth=int(data["depth"]), position_single=float(data["position_single"]),
+            position_row=float(data["position_row"]),
+        )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def save_calibration(key: str, timings: Timings) -> None:
-    value = {"verify": timings.verify, "draft": timings.draft, "time": time.time()}
+    value = {
+        "verify": timings.verify, "draft": timings.draft, "depth": timings.depth,
+        "position_single": timings.position_single, "position_row": timings.position_row,
+        "time": time.time(),
+    }  # fmt: skip
     update_json_cache(_cache_file(), key, value)
 
 
@@ -81,6 +91,6 @@ def pair_timings(
         now = calibrate(target, None, sample_ids, sizes=(1,), repeats=3)
         if 0.5 <= now.verify[1] / cached.verify[1] <= 2.0:
             return cached
-    timings = calibrate(target, draft, sample_ids)
+    timings = calibrate(target, draft, sample_ids, deep=DEPTH_PROBE)
     save_calibration(key, timings)
     return timings

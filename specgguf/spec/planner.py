@@ -50,6 +50,13 @@ AUTO_DRAFT_MAX = 16
 #: Verification batch sizes measured by calibration (others are interpolated).
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49)
 
+#: The sizes measured again deeper in the context (calibrate's ``deep``), and how deep:
+#: every row of a batch attends to every cached position, so batches cost more there (4
+#: rows: 2.8x one row at 64 positions, 3.6x at 1024, on a 2-core AMD EPYC; 8-11 us per
+#: row and position). The probe's prefix takes about 4 s there.
+DEPTH_SIZES = (1, 5, 17)
+DEPTH_PROBE = 384
+
 
 def expected_tokens(a: float, k: int) -> float:
     """E(K) = (1 - a^(K+1)) / (1 - a): tokens a step yields with K drafts accepted
@@ -80,6 +87,14 @@ class Timings:
     the target and the draft evict each other's weights from the CPU caches, which makes
     real steps slower than calibrated ones (about 1.3x for 10-token batches, measured).
 
+    The curve holds at ``depth`` cached positions (the calibration's prefix). Every row of
+    a verification attends to every cached position, so a batch costs more deeper in the
+    context: ``position_row`` seconds per row and cached position past ``depth``, and a
+    lone row ``position_single`` (llama.cpp's CPU FlashAttention splits a lone row's
+    positions over the threads: ``ggml-cpu/ops.cpp``, its split-KV path). The planner sets
+    ``cached`` to the step's cached positions. Measured on Qwen2.5-Coder 1.5B, 2-core AMD
+    EPYC: 4 rows cost 2.8x one row at 64 positions and 3.6x at 1024.
+
     Deterministic mode decodes a lone row with a throw-away second row once more than
     ``lone_max`` positions are cached (:attr:`specgguf.llama.backend.LlamaContext.
     lone_rows_max`; with an f16 K cache 256, with q8_0 never): the planner sets
@@ -98,6 +113,12 @@ class Timings:
     #: deterministic mode's most rows per decode call; its greedy verification stops after
     #: the first call that shows a rejection (None: one evaluation of every row)
     chunk_rows: int | None = None
+    #: cached positions at which ``verify`` was measured
+    depth: int = 0
+    #: seconds each cached position past ``depth`` adds to a lone row, and to each row of
+    #: a batch
+    position_single: float = 0.0
+    position_row: float = 0.0
 
     @property
     def padded(self) -> bool:
@@ -112,21 +133,35 @@ class Timings:
             return self.verify[xs[0]]
         lo = max((x for x in xs if x < n), default=xs[0])
         hi = min((x for x in xs if x > n), default=None)
-        if hi is None:  # extrapolate from the last two points
-            lo2 = xs[-2] if len(xs) > 1 else xs[-1]
-            lo, hi = lo2, xs[-1]
-            if lo == hi:
-                return self.verify[hi] * n / hi
+        if hi is None:
+            # Past the largest size, from the last two, each row adding at least the mean
+            # of what a row added over the measured sizes: noise can make the last two
+            # flat or reversed (13 rows measured slower than 17), and a catch-up of 90
+            # tokens then cost nothing.
+            last = xs[-1]
+            if len(xs) == 1:
+                return self.verify[last] * n / last
+            v = self.verify
+            slope = max((v[last] - v[xs[-2]]) / (last - xs[-2]),
+                        (v[last] - v[xs[0]]) / (last - xs[0]), 0.0)  # fmt: skip
+            return v[last] + (n - last) * slope
         w = (n - lo) / (hi - lo)
         return self.verify[lo] + w * (self.verify[hi] - self.verify[lo])
 
+    def _at_depth(self, n: int) -> float:
+        """The calibrated curve at n rows, plus what attention to the positions cached past
+        the calibration's ``depth`` adds."""
+        deeper = max(0, self.cached - self.depth)
+        per = self.position_single if n == 1 else n * self.position_row
+        return self._curve(n) + deeper * per
+
     def verify_time(self, n: int) -> float:
-        """t_verify(n): the calibrated curve, linearly interpolated (and extrapolated),
-        times the learned correction; a lone row that is padded (:attr:`padded`) costs
-        two rows."""
+        """t_verify(n): the calibrated curve, linearly interpolated (and extrapolated), at
+        the step's cached positions (:attr:`cached`), times the learned correction; a lone
+        row that is padded (:attr:`padded`) costs two rows."""
         if n == 1 and self.padded:
             n = 2
-        return self._curve(n) * (self.scale_single if n == 1 else self.scale_batch)
+        return self._at_depth(n) * (self.scale_single if n == 1 else self.scale_batch)
 
     def expected_verify_time(self, n: int, a: float) -> float:
         """The expected t_verify of ``n`` rows (the last token, then n - 1 drafts each
@@ -151,7 +186,7 @@ class Timings:
         row is a batch of two)."""
         if n == 1 and self.padded:
             n = 2
-        ratio = min(1.5, max(0.8, seconds / self._curve(n)))
+        ratio = min(1.5, max(0.8, seconds / self._at_depth(n)))
         if n == 1:
             self.scale_single += weight * (ratio - self.scale_single)
         else:
@@ -250,11 +285,15 @@ def calibrate(
     *,
     sizes: Sequence[int] = CALIBRATION_SIZES,
     repeats: int = 3,
+    deep: int = 0,
 ) -> Timings:
     """Measure t_verify(n) on the target and t_draft on the draft (the minimum of
     ``repeats``), after a prefix of up to 64 of ``tokens`` (any valid ids: the timing, not
     the text, matters), for the batch sizes the target's batch, outputs and context allow.
-    Both caches are left empty.
+    With ``deep``, measure the sizes of :data:`DEPTH_SIZES` again after a prefix of up to
+    ``deep`` tokens (at least 128 more than the first), for what each cached position adds
+    (:attr:`Timings.position_single`, :attr:`Timings.position_row`: a lone row's slope,
+    and the batches' pooled over their rows). Both caches are left empty.
 
     Raises:
         BackendError: an evaluation failed.
@@ -265,34 +304,58 @@ def calibrate(
     sizes = [n for n in sizes if n <= cap] or [1]
     need = max(sizes)
     n_prefix = max(0, min(64, room - need - 1))
-    prefix = (toks * (n_prefix // len(toks) + 1))[:n_prefix]
-    body = (toks * (need // len(toks) + 1))[:need]
 
-    def timed(ctx: Evaluator, batch: list[int], logits: str, other: Evaluator | None) -> float:
+    def ids(start: int, n: int) -> list[int]:
+        return [toks[i % len(toks)] for i in range(start, start + n)]
+
+    prefix = ids(0, n_prefix)
+    body = ids(0, need)
+
+    def timed(
+        ctx: Evaluator, batch: list[int], logits: str, other: Evaluator | None, at: int
+    ) -> float:
         # As in a real step, the other model has just run and evicted our weights from
         # the CPU caches.
         if other is not None:
             other.rollback(len(prefix))
             other.eval(body[:1], logits="last")
-        ctx.rollback(len(prefix))
+        ctx.rollback(at)
         t0 = time.perf_counter()
         ctx.eval(batch, logits=logits)  # type: ignore[arg-type]
         return time.perf_counter() - t0
+
+    def curve(at: int, ns: Sequence[int]) -> dict[int, float]:
+        # The minimum of the repeats: other work on the machine only ever adds time.
+        return {n: min(timed(target, body[:n], "all", draft, at) for _ in range(repeats))
+                for n in ns}  # fmt: skip
 
     for ctx in (target, draft):
         if ctx is not None:
             ctx.rollback(0)
             if prefix:
                 ctx.eval(prefix, logits="none")
-    timed(target, body[:1], "all", draft)  # warm-up
-    # The minimum of the repeats: other work on the machine only ever adds time.
-    verify = {n: min(timed(target, body[:n], "all", draft) for _ in range(repeats)) for n in sizes}
+    timed(target, body[:1], "all", draft, n_prefix)  # warm-up
+    verify = curve(n_prefix, sizes)
     td = 0.0
     if draft is not None:
-        td = min(timed(draft, body[:1], "last", target) for _ in range(repeats + 2))
-        draft.rollback(0)
-    target.rollback(0)
-    return Timings(_drop_outliers(verify), td)
+        td = min(timed(draft, body[:1], "last", target, n_prefix) for _ in range(repeats + 2))
+    timings = Timings(_drop_outliers(verify), td, depth=n_prefix)
+    deep_sizes = [n for n in DEPTH_SIZES if n in verify]
+    at = min(deep, target.n_ctx - max(deep_sizes, default=1) - 1)
+    if deep and at - n_prefix >= 128 and 1 in verify:
+        target.rollback(n_prefix)
+        target.eval(ids(n_prefix, at - n_prefix), logits="none")
+        deeper = curve(at, deep_sizes)
+        span, base = at - n_prefix, timings.verify
+        timings.position_single = max(0.0, (deeper[1] - base[1]) / span)
+        rows = [n for n in deep_sizes if n > 1]
+        if rows:
+            extra = sum(deeper[n] - base[n] for n in rows)
+            timings.position_row = max(0.0, extra / (span * sum(rows)))
+    for ctx in (target, draft):
+        if ctx is not None:
+            ctx.rollback(0)
+    return timings
 
 
 def _drop_outliers(verify: dict[int, float]) -> dict[int, float]:
@@ -581,7 +644,7 @@ class AutoPlanner:
         per = t.draft / t._curve(1)
         if behind <= 2:
             return per * t._curve(behind)
-        extra = per * (t._curve(behind) - t._curve(2))
+        extra = per * max(0.0, t._curve(behind) - t._curve(2))
         horizon = min(float(self.CATCH_UP_HORIZON), max(1.0, self.mean_streak))
         return per * t._curve(2) + extra / horizon
 
