@@ -649,3 +649,33 @@ def test_suffix_chains_start_at_a_cap_of_six_and_grow_with_what_is_accepted() ->
     p.observe(plan, 6, 0.010)
     assert p.suffix_len[4] == 3.5
     assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(30, 40))[:11]
+
+
+#: A calibration on a 2-core AMD EPYC (seconds): the lone row's slope past 64 positions
+#: measured 60 us per position, a batch row's 14 us; llama-bench -d 64,384,800 showed no
+#: slope for a lone row (43.0, 37.9, 41.3 ms per token).
+EPYC_DEEP = {1: 0.03029, 2: 0.05513, 3: 0.07192, 4: 0.09512, 5: 0.12458, 7: 0.19902,
+             9: 0.21646, 13: 0.23682, 17: 0.22190}  # fmt: skip
+
+
+def test_a_lone_row_never_costs_more_per_cached_position_than_a_row_of_a_batch() -> None:
+    # Spec-Bench's rag question 492, 779 tokens cached: its 16 tokens took 0.692 s over
+    # 17 target steps alone (40.7 ms a step). The lone row's measured slope would make a
+    # step 0.03029 + 715 * 60e-6 = 73.2 ms, about what two rows cost (75.9 ms), so a draft
+    # model drafting one token looked free; capped at the batch row's 14.02 us: 40.3 ms.
+    t = Timings(dict(EPYC_DEEP), 0.02008, depth=64, position_single=6.015e-5,
+                position_row=1.4025e-5)  # fmt: skip
+    t.cached = 779
+    assert t.verify_time(1) == pytest.approx(0.03029 + 715 * 1.4025e-5)
+    assert t.verify_time(2) == pytest.approx(0.05513 + 715 * 2 * 1.4025e-5)
+    # The draft model in step with a confident target (0.99) and nothing measured yet: at
+    # 20 ms a draft token (two thirds of a target step here) it does not pay. One token
+    # at its optimistic bound (acceptance 1.0): 2 / (0.02008 + 0.07519) = 21.0 tokens/s,
+    # against 1 / 0.04032 = 24.8 for the target alone.
+    model = model_drafter()
+    p = AutoPlanner(t, model=model, learn_timings=False)
+    text = [i % 30 + 1 for i in range(780)]
+    model.prefill(text)
+    p.confidence = 0.99
+    plan = p.plan(text, 16, GREEDY, RNG)
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / t.verify_time(1))

@@ -90,8 +90,9 @@ class Timings:
     The curve holds at ``depth`` cached positions (the calibration's prefix). Every row of
     a verification attends to every cached position, so a batch costs more deeper in the
     context: ``position_row`` seconds per row and cached position past ``depth``, and a
-    lone row ``position_single`` (llama.cpp's CPU FlashAttention splits a lone row's
-    positions over the threads: ``ggml-cpu/ops.cpp``, its split-KV path). The planner sets
+    lone row ``position_single``, at most ``position_row`` (llama.cpp's CPU FlashAttention
+    splits a lone row's positions over the threads: ``ggml-cpu/ops.cpp``, its split-KV
+    path). The planner sets
     ``cached`` to the step's cached positions. Measured on Qwen2.5-Coder 1.5B, 2-core AMD
     EPYC: 4 rows cost 2.8x one row at 64 positions and 3.6x at 1024.
 
@@ -152,7 +153,14 @@ class Timings:
         """The calibrated curve at n rows, plus what attention to the positions cached past
         the calibration's ``depth`` adds."""
         deeper = max(0, self.cached - self.depth)
-        per = self.position_single if n == 1 else n * self.position_row
+        # A lone row attends to the positions one row of a batch does, and llama.cpp's
+        # split-KV path only makes that cheaper: its slope is at most a batch row's. Its
+        # measurement is the noisiest (one row, about 1 ms over 320 positions), and a
+        # measured 60 us (against 14 for a batch row, and no slope by llama-bench -d
+        # 64,384,800) made one row at 779 positions cost what two did: the draft model
+        # looked free and auto ran at 0.83x of the target alone on Spec-Bench's rag.
+        single = min(self.position_single, self.position_row)
+        per = single if n == 1 else n * self.position_row
         return self._curve(n) + deeper * per
 
     def verify_time(self, n: int) -> float:
@@ -293,7 +301,8 @@ def calibrate(
     With ``deep``, measure the sizes of :data:`DEPTH_SIZES` again after a prefix of up to
     ``deep`` tokens (at least 128 more than the first), for what each cached position adds
     (:attr:`Timings.position_single`, :attr:`Timings.position_row`: a lone row's slope,
-    and the batches' pooled over their rows). Both caches are left empty.
+    and the batches' pooled over their rows; the lone row's at most the batches'). Both
+    caches are left empty.
 
     Raises:
         BackendError: an evaluation failed.
@@ -347,11 +356,12 @@ def calibrate(
         target.eval(ids(n_prefix, at - n_prefix), logits="none")
         deeper = curve(at, deep_sizes)
         span, base = at - n_prefix, timings.verify
-        timings.position_single = max(0.0, (deeper[1] - base[1]) / span)
+        single = max(0.0, (deeper[1] - base[1]) / span)
         rows = [n for n in deep_sizes if n > 1]
         if rows:
             extra = sum(deeper[n] - base[n] for n in rows)
             timings.position_row = max(0.0, extra / (span * sum(rows)))
+        timings.position_single = min(single, timings.position_row)  # see _at_depth
     for ctx in (target, draft):
         if ctx is not None:
             ctx.rollback(0)
