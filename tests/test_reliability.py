@@ -97,7 +97,9 @@ def test_draft_context_smaller_than_the_prompt_tiny(tiny_models: dict[str, Path]
         assert err.count("draft model's context (64 tokens) is smaller") == 1
         # llama.cpp allocates 256 positions for the 64 asked for: said, and kept to 64.
         assert "allocated a context of 256 tokens for the 64 asked for" in err
-    assert out["stats"]["accepted"] > 0
+        if drafter == "model":  # the draft on its window drafts, and is accepted (auto
+            # mode may rightly find drafting too slow on the tiny pair's timings)
+            assert out["stats"]["accepted"] > 0
 
 
 def test_draft_length_clamped_by_the_batch_is_reported(tiny_models: dict[str, Path]) -> None:
