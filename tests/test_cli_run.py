@@ -154,32 +154,26 @@ def test_errors_are_one_line_with_documented_codes(
     assert res.stdout == b""
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_keeps_text_prints_stats_exits_130(tiny_models: dict[str, Path]) -> None:
     args = tiny_args(tiny_models, "--temp", "0", "-n", "-1", "-c", "8192", "--drafter", "none",
                      "--ignore-eos", "--raw", "hello")  # fmt: skip
+    # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored
+    # SIGINT ignored: under `.ci/run &` the run ignored Ctrl-C and ended with exit 0. The
+    # child gets the default disposition, as from a terminal.
     proc = subprocess.Popen([*SPECGGUF, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=ROOT)  # fmt: skip
+                            cwd=ROOT, preexec_fn=_default_sigint)  # fmt: skip
     assert proc.stdout is not None
-    # Generation is under way once text comes; the tiny model's greedy text can also be
-    # empty pieces (end-of-generation tokens, --ignore-eos) for thousands of tokens, so
-    # waiting for 20 bytes could outlast the whole run (8188 tokens, 13 s): at most 5 s.
-    fd, first = proc.stdout.fileno(), b""
-    deadline = time.monotonic() + 5.0
-    while len(first) < 20 and (left := deadline - time.monotonic()) > 0:
-        if select.select([fd], [], [], left)[0]:
-            chunk = os.read(fd, 20 - len(first))
-            if not chunk:
-                break
-            first += chunk
+    first = proc.stdout.read(20)  # generation is under way
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == errors.EXIT_INTERRUPTED, err
-    if len(first) == 20:  # text came before Ctrl-C: it is kept, and more may follow
-        assert len(first + out) >= 20
+    assert len(first + out) >= 20
     text = err.decode()
     assert "finish: interrupted" in text and "tokens/s" in text
-    generated = re.search(r"^(\d+) tokens in ", text, re.M)
-    assert generated is not None and 0 < int(generated.group(1)) < 8188, text
     assert "Traceback" not in text
 
 
