@@ -215,9 +215,9 @@ class InsufficientDiskError(ResourceError, OSError):
 
 
 class ContextOverflowError(ResourceError, ValueError):
-    """Tokens that do not fit a context: ``n_tokens`` needed (``n_prompt`` for a prompt),
-    ``n_ctx`` available; ``draft`` when it is the draft model's context, ``model`` the file
-    when known."""
+    """Tokens that do not fit a context: ``n_tokens`` needed (``n_prompt`` for a prompt;
+    with ``at_least``, a lower bound on them), ``n_ctx`` available; ``draft`` when it is
+    the draft model's context, ``model`` the file when known."""
 
     def __init__(
         self,
@@ -227,12 +227,14 @@ class ContextOverflowError(ResourceError, ValueError):
         prompt: bool = True,
         draft: bool = False,
         model: str | None = None,
+        at_least: bool = False,
     ) -> None:
         whose = f"{model}'s" if model else "the draft model's" if draft else "the target's"
         if prompt:
             msg = (
-                f"the prompt is {n_tokens} tokens, which does not fit {whose} context of "
-                f"{n_ctx} tokens (at least one token must be left to generate)"
+                f"the prompt is {'at least ' if at_least else ''}{n_tokens} tokens, which "
+                f"does not fit {whose} context of {n_ctx} tokens (at least one token must be "
+                "left to generate)"
             )
         else:
             msg = f"{n_tokens} tokens do not fit {whose} context of {n_ctx} tokens"
@@ -240,6 +242,7 @@ class ContextOverflowError(ResourceError, ValueError):
         self.n_tokens = self.n_prompt = n_tokens
         self.n_ctx = n_ctx
         self.draft = draft
+        self.at_least = at_least
 
 
 class HubError(SpecggufError):

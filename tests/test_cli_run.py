@@ -124,6 +124,7 @@ def test_incompatible_draft_is_exit_4_with_one_line(tiny_models: dict[str, Path]
         ("missing", errors.EXIT_MODEL_FILE, "model file not found"),
         ("not-gguf", errors.EXIT_MODEL_FILE, "an HTML page"),
         ("long-prompt", errors.EXIT_RESOURCES, "which does not fit the target's context of"),
+        ("special-prompt", errors.EXIT_RESOURCES, "the prompt is at least 200 tokens, which"),
         ("no-prompt", errors.EXIT_USAGE, "no prompt"),
         ("bad-drafter", errors.EXIT_USAGE, "--drafter must be"),
     ],
@@ -138,6 +139,8 @@ def test_errors_are_one_line_with_documented_codes(
         "missing": ["run", "-m", str(tmp_path / "nope.gguf"), "hi"],
         "not-gguf": ["run", "-m", str(html), "hi"],
         "long-prompt": ["run", "-m", target, "-c", "64", "--raw", "word " * 200],
+        # counted before it is tokenized (see LlamaModel.min_tokens)
+        "special-prompt": ["run", "-m", target, "-c", "64", "--raw", "<|im_end|>" * 200],
         "no-prompt": ["run", "-m", target],
         "bad-drafter": ["run", "-m", target, "--drafter", "magic", "hi"],
     }[case]

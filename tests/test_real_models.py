@@ -26,3 +26,17 @@ def test_real_qwen_model_generates_greedy_tokens(real_models: dict[str, Path], n
             logits = ctx.eval([tok], logits="last")
         text = model.detokenize(out).decode("utf-8")
     assert "Paris" in text, text
+
+
+def test_min_tokens_is_a_lower_bound_on_qwens_vocabulary(real_models: dict[str, Path]) -> None:
+    # Qwen2.5's control and added tokens (the chat, fill-in-the-middle and tool texts):
+    # each is one token wherever it stands, so a text of them alone is counted exactly,
+    # and a text mixed with prose at most to its token count.
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|fim_prefix|>",
+                "<|fim_middle|>", "<|fim_suffix|>", "<|file_sep|>", "<tool_call>"]  # fmt: skip
+    with LlamaModel(real_models[testmodels.TARGET], vocab_only=True) as m:
+        pure = "".join(specials) * 25
+        assert m.min_tokens(pure) == len(specials) * 25 == len(m.tokenize(pure, add_special=False))
+        mixed = "".join(f"{s}word {s[:4]} |>" for s in specials * 10)
+        n = len(m.tokenize(mixed, add_special=False))
+        assert m.min_tokens(mixed) == len(specials) * 10 <= n

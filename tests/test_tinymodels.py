@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specgguf.gguf.tiny import CHANGED_TOKEN_ID, fixture_specs, gpt2_vocab
 from specgguf.llama.backend import LlamaModel
@@ -122,3 +125,38 @@ def test_context_micro_batch_follows_the_build(tiny_models: dict[str, Path]) -> 
     # Different graph sizes take different kernels: equal up to llama.cpp's kernel noise
     # (see README, "Exactness"), 0.13 here.
     np.testing.assert_allclose(whole, split, atol=0.3)
+
+
+#: The tiny BPE vocabulary's control tokens (ids 0-2, see specgguf.gguf.tiny), and pieces
+#: of them that are not special.
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+NEAR_SPECIALS = ["<|", "|>", "<|im_", "im_end|>", "<", "|"]
+
+
+def test_min_tokens_counts_each_special_text_as_one_token(tiny_models: dict[str, Path]) -> None:
+    with LlamaModel(tiny_models["target"], vocab_only=True) as m:
+        text = "<|im_start|>user\nhi<|im_end|>" * 40
+        assert m.min_tokens(text) == 80
+        assert m.tokenize(text, add_special=False).count(2) == 40  # <|im_end|>: one token
+        pure = "<|im_end|><|endoftext|>" * 50
+        assert m.min_tokens(pure) == 100 == len(m.tokenize(pure, add_special=False))
+        assert m.min_tokens("no special text here <| im_end |>") == 0
+        # Fewer characters than at_least: not scanned, and 0 is still a lower bound.
+        assert m.min_tokens("<|im_end|>" * 5, at_least=100) == 0
+        assert m.min_tokens("<|im_end|>" * 5, at_least=5) == 5
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tiny_models: dict[str, Path]) -> Iterator[LlamaModel]:
+    with LlamaModel(tiny_models["target"], vocab_only=True) as m:
+        yield m
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.one_of(st.sampled_from(TINY_SPECIALS + NEAR_SPECIALS),
+                                st.text(max_size=6)), max_size=40))  # fmt: skip
+def test_min_tokens_is_a_lower_bound_on_the_token_count(
+    tiny_vocab: LlamaModel, parts: list[str]
+) -> None:
+    text = "".join(parts)
+    assert tiny_vocab.min_tokens(text) <= len(tiny_vocab.tokenize(text, add_special=False))

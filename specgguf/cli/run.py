@@ -140,7 +140,7 @@ def run(
     with LoadProgress(sizes, quiet=quiet) as progress:
         engine = Engine(config, checked=checked, on_load_progress=progress)
     with engine:
-        ids = engine.tokenize(prepared.text, add_special=prepared.add_special)
+        ids = engine.prepared_ids(prepared)
         gen = engine.generate(ids, params)
         # A forced drafter is compared with the target alone (auto mode never loses).
         forced = config.speculative.drafter not in ("auto", "none")

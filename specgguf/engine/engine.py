@@ -37,7 +37,7 @@ from specgguf.engine.config import (
 )
 from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
 from specgguf.engine.preflight import Preflight, preflight
-from specgguf.errors import BackendError, UsageError
+from specgguf.errors import BackendError, ContextOverflowError, UsageError
 from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.spec.drafters import ModelDrafter, SuffixDrafter
@@ -232,6 +232,20 @@ class Engine:
         ``add_special``; special-token texts such as ``<|im_start|>`` parsed)."""
         return self.target_model.tokenize(text, add_special=add_special, parse_special=True)
 
+    def prepared_ids(self, prepared: PreparedPrompt) -> list[int]:
+        """The token ids of a rendered prompt (:meth:`render`), by :meth:`tokenize`.
+
+        Raises:
+            ContextOverflowError: the text holds at least n_ctx special-token texts
+                (``at_least``), found before the text is tokenized (llama.cpp's
+                tokenizer takes time quadratic in their number: see
+                :meth:`specgguf.llama.backend.LlamaModel.min_tokens`).
+        """
+        n_min = self.target_model.min_tokens(prepared.text, at_least=self.n_ctx)
+        if n_min >= self.n_ctx:
+            raise ContextOverflowError(n_min, self.n_ctx, at_least=True)
+        return self.tokenize(prepared.text, add_special=prepared.add_special)
+
     def render(self, prompt: str | Sequence[ChatMessage]) -> PreparedPrompt:
         """The text a prompt becomes (see :func:`specgguf.engine.chat.render_prompt`).
 
@@ -248,17 +262,16 @@ class Engine:
 
         Raises:
             UsageError, ChatTemplateError: as :meth:`render`.
+            ContextOverflowError: as :meth:`prepared_ids`.
         """
         if isinstance(prompt, str):
-            prepared = self.render(prompt)
-            return self.tokenize(prepared.text, add_special=prepared.add_special)
+            return self.prepared_ids(self.render(prompt))
         items: list[Any] = list(prompt)
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             return [int(t) for t in items]
         if not all(isinstance(m, Mapping) for m in items):
             raise UsageError("a prompt is a string, a list of messages, or a list of token ids")
-        prepared = self.render(items)
-        return self.tokenize(prepared.text, add_special=prepared.add_special)
+        return self.prepared_ids(self.render(items))
 
     # -- generation -------------------------------------------------------------------
 
