@@ -145,6 +145,7 @@ def test_stream_chunks_usage_and_done(client: openai.OpenAI, server: ServerProce
     with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"  # no proxy keeps or buffers it
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: ") for e in events)
@@ -256,6 +257,22 @@ def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI)
     assert metric("specgguf_queue_length") == 0
     text = httpx.get(f"{server.url}/metrics").text
     assert 'specgguf_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+
+
+def test_retrieve_model_and_head_requests(server: ServerProcess, client: openai.OpenAI) -> None:
+    # OpenAI's "retrieve model": the target under each of its names, 404 for any other.
+    for name in ("tiny-target.gguf", "tiny-target"):
+        m = client.models.retrieve(name)
+        assert m.id == "tiny-target.gguf" and m.model_extra["meta"]["n_ctx"] == 1024
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found"
+    # Uptime checkers send HEAD.
+    for path in ("/health", "/metrics"):
+        r = httpx.head(f"{server.url}{path}")
+        assert r.status_code == 200 and r.content == b""
+    r = httpx.head(f"{server.base_url}/models")
+    assert r.status_code == 200
 
 
 def test_model_field_is_never_resolved(client: openai.OpenAI) -> None:
@@ -378,7 +395,47 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
         "speculative.n_min",
     ),
     ("p_min above 1", {"messages": USER, "speculative.p_min": 1.5}, "speculative.p_min"),
+    (
+        "NaN temperature",
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        "temperature",
+    ),
+    (
+        "text part without its text",
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages.0.content.0.text",
+    ),
+    (
+        "assistant without content",
+        {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": []}, *USER]},
+        "messages.1.content",
+    ),
+    ("llama.cpp's grammar", {"messages": USER, "grammar": 'root ::= "a"'}, "grammar"),
+    ("llama.cpp's json_schema", {"messages": USER, "json_schema": {}}, "json_schema"),
+    ("llama.cpp's repeat_penalty", {"messages": USER, "repeat_penalty": 1.1}, "repeat_penalty"),
+    ("llama.cpp's mirostat", {"messages": USER, "mirostat": 2}, "mirostat"),
+    ("llama.cpp's samplers", {"messages": USER, "samplers": ["top_k"]}, "samplers"),
+    ("llama.cpp's n_probs", {"messages": USER, "n_probs": 5}, "n_probs"),
+    ("n_predict 0", {"messages": USER, "n_predict": 0}, "n_predict"),
+    ("n_predict below -1", {"messages": USER, "n_predict": -2}, "n_predict"),
+    ("nested speculative", {"messages": USER, "speculative": {"n_max": 2}}, "speculative"),
+    (
+        "stream_options without stream",
+        {"messages": USER, "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
 ]
+
+#: What some of the bad requests above are told: the words a client can act on.
+BAD_CHAT_MESSAGES = {
+    "lone surrogate": "lone UTF-16 surrogate",
+    "NaN temperature": "finite number",
+    "text part without its text": "a text part needs its text",
+    "assistant without content": "an assistant message needs text content (tool calls",
+    "llama.cpp's grammar": "grammar (constrained generation) is not supported",
+    "llama.cpp's repeat_penalty": "repeat_penalty (repetition penalties) is not supported",
+    "nested speculative": "'speculative.n_max'",
+}
 
 
 @pytest.mark.parametrize(("what", "body", "param"), BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
@@ -388,6 +445,43 @@ def test_bad_chat_requests_get_400(
     err = error_of(post(server, "/chat/completions", body), 400)
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param, err
+    if what in BAD_CHAT_MESSAGES:
+        assert BAD_CHAT_MESSAGES[what] in err["message"], err
+    if what.startswith("llama.cpp's"):
+        assert err["code"] == "unsupported_parameter", err
+
+
+def test_llama_cpp_fields_at_their_disabled_values_are_accepted(server: ServerProcess) -> None:
+    # The values llama.cpp's server takes as "off" change nothing, so they are served.
+    neutral = {"repeat_penalty": 1.0, "grammar": "", "dry_multiplier": 0, "mirostat": 0,
+               "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "n_probs": 0,
+               "samplers": [], "cache_prompt": True, "id_slot": -1}  # fmt: skip
+    body = {"messages": USER, "max_tokens": 3, "temperature": 0, "ignore_eos": True, **neutral}
+    r = post(server, "/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        ({"max_completion_tokens": 3}, 3),
+        ({"max_tokens": 5}, 5),
+        ({"n_predict": 4}, 4),
+        # llama.cpp's server reads n_predict first, then max_completion_tokens, max_tokens
+        ({"n_predict": 2, "max_completion_tokens": 6, "max_tokens": 7}, 2),
+        ({"max_completion_tokens": 3, "max_tokens": 6}, 3),
+    ],
+)
+def test_every_name_of_the_token_limit_is_honoured(
+    server: ServerProcess, path: str, limits: dict[str, int], expected: int
+) -> None:
+    body: dict[str, Any] = {"temperature": 0, "ignore_eos": True, **limits}
+    body.update({"prompt": "a"} if path == "/completions" else {"messages": USER})
+    r = post(server, path, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == expected
 
 
 @pytest.mark.parametrize(
@@ -420,6 +514,27 @@ def test_prompt_longer_than_the_context(server: ServerProcess) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(c, "hello world " * 2000, max_tokens=4)
     assert e.value.code == "context_length_exceeded"
+
+
+def test_prompt_of_special_tokens_is_refused_before_it_is_tokenized(
+    server: ServerProcess,
+) -> None:
+    # llama.cpp's tokenizer takes time quadratic in the number of special-token texts
+    # (120,000 took 25 s); a prompt with more of them than the context holds is refused by
+    # counting them ("at least"), for both endpoints.
+    special = "<|im_end|>" * 50_000 + "hi"
+    bodies: dict[str, dict[str, Any]] = {
+        "/completions": {"prompt": special},
+        "/chat/completions": {"messages": [{"role": "user", "content": special}]},
+    }
+    for path, body in bodies.items():
+        err = error_of(post(server, path, {**body, "max_tokens": 2}), 400)
+        assert err["code"] == "context_length_exceeded", err
+        assert err["n_prompt_tokens"] >= 50_000 and err["n_ctx"] == 1024
+        assert f"at least {err['n_prompt_tokens']} tokens" in err["message"]
+    # Fewer than the context holds: tokenized and served as before.
+    r = post(server, "/completions", {"prompt": "<|im_end|>" * 100, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100
 
 
 def test_body_over_the_size_limit_gets_413(server: ServerProcess) -> None:
@@ -640,11 +755,28 @@ def test_dropped_streams_cancel_and_memory_stays_flat(long_server: ServerProcess
 
 def test_dropped_non_streaming_request_is_cancelled(long_server: ServerProcess) -> None:
     url = f"{long_server.base_url}/chat/completions"
+    logged = long_server.stderr.count("the client went away")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=LONG, timeout=1.0)
     t0 = time.monotonic()
     r = httpx.post(url, json={**LONG, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and time.monotonic() - t0 < 20
+    # The log has a line for the cancelled request too.
+    deadline = time.monotonic() + 5
+    while long_server.stderr.count("the client went away") == logged:
+        assert time.monotonic() < deadline, long_server.stderr[-2000:]
+        time.sleep(0.05)
+
+
+def test_every_request_has_a_log_line(server: ServerProcess) -> None:
+    # Refused requests too, with the reason and no prompt text.
+    error_of(post(server, "/chat/completions", {"messages": USER, "n": 3}), 400)
+    error_of(httpx.get(f"{server.base_url}/nothing-here"), 404)
+    deadline = time.monotonic() + 5
+    while "GET /v1/nothing-here: 404" not in server.stderr:
+        assert time.monotonic() < deadline, server.stderr[-2000:]
+        time.sleep(0.05)
+    assert "POST /v1/chat/completions: 400 n > 1 (several choices per request)" in server.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -740,7 +872,7 @@ def test_a_job_without_pieces_reports_only_its_end() -> None:
             return self.decoder.generate(ids, params)
 
     async def main() -> tuple[list[Any], list[Any]]:
-        sched = Scheduler(Engine(), max_queue=2)  # type: ignore[arg-type]
+        sched = Scheduler(Engine(), max_queue=2, stream_interval=0)  # type: ignore[arg-type]
         streamed = Job([1], GenerationParams(n_predict=5))
         quiet = Job([1], GenerationParams(n_predict=5), pieces=False)
         sched.submit(streamed)
@@ -757,6 +889,55 @@ def test_a_job_without_pieces_reports_only_its_end() -> None:
     text = "".join(e.text for e in streamed[:-1])
     assert quiet[0].result.text == streamed[-1].result.text == text
     assert quiet[0].result.tokens == [2, 3, 4, 5, 6]
+
+
+def test_a_streamed_job_sends_text_at_most_every_stream_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps that end within the interval of the last event have their text held and sent
+    with a later one (the first step's at once, the rest at the end): fewer wake-ups of the
+    event loop, the same text."""
+    import asyncio
+
+    from specgguf.server import scheduler
+    from specgguf.server.scheduler import Job, Scheduler
+    from specgguf.spec.loop import GenerationParams
+
+    clock = [100.0]
+    monkeypatch.setattr(scheduler, "monotonic", lambda: clock[0])
+    steps = [(f"<{i}>", 0.02) for i in range(11)]  # (text, seconds the step took)
+
+    class Generation:
+        result = "the result"
+
+        def __iter__(self) -> Any:
+            for text, seconds in steps:
+                clock[0] += seconds
+                yield text
+
+        def cancel(self) -> None:
+            pass
+
+    class Engine:
+        def generate(self, ids: list[int], params: GenerationParams) -> Any:
+            return Generation()
+
+    async def main() -> list[Any]:
+        sched = Scheduler(Engine(), max_queue=1, stream_interval=0.05)  # type: ignore[arg-type]
+        job = Job([1], GenerationParams(n_predict=11))
+        sched.submit(job)
+        events = [e async for e in job.events()]
+        sched.close()
+        assert sched.join(10)
+        return events
+
+    events = asyncio.run(main())
+    pieces = [e.text for e in events if e.kind == "piece"]
+    assert "".join(pieces) == "".join(t for t, _ in steps)
+    # sent when a step ends at 0.02, then 0.08 (0.06 after the last), 0.14, 0.20: the
+    # steps in between are held; the last step's text (at 0.22) is sent at the end
+    assert pieces == ["<0>", "<1><2><3>", "<4><5><6>", "<7><8><9>", "<10>"]
+    assert events[-1].kind == "done" and events[-1].result == "the result"
 
 
 def test_scheduler_on_an_engine_thread_generates_on_the_thread_that_loaded() -> None:

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,7 @@ import pytest
 
 from specgguf.hub import testmodels
 
-from .helpers import ServerProcess, run_cli
+from .helpers import ROOT, ServerProcess, run_cli
 
 pytestmark = pytest.mark.real_models
 
@@ -79,3 +83,26 @@ def test_stop_string_and_completion(client: openai.OpenAI) -> None:
     r = client.completions.create(model="qwen", prompt="def add(a, b):\n    return", max_tokens=4,
                                   temperature=0)  # fmt: skip
     assert "a + b" in r.choices[0].text or "a+b" in r.choices[0].text
+
+
+def test_sigterm_before_listening_ends_it_as_ctrl_c_does(
+    real_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # While the pair loads and auto mode calibrates (seconds here), SIGTERM is Ctrl-C:
+    # exit 130 without a traceback (it was a kill by the signal, exit -15).
+    env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    args = ["serve", "--port", "0", "-v", "-m", str(real_models[testmodels.TARGET]),
+            "-md", str(real_models[testmodels.DRAFT]), "-c", "2048"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "specgguf", *args], cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # llama.cpp's own log (-v): the target has begun to load
+        seen.append(line)
+        if "llama_model_loader" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(60) == 130, "".join(seen[-5:]) + rest[-2000:]
+    assert "Traceback" not in rest and "listening on" not in rest

@@ -4,6 +4,7 @@ OpenAI-compatible HTTP server over it (:mod:`specgguf.server`)."""
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -128,6 +129,9 @@ def serve(
         hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, rpc=rpc, rpc_draft=rpc_draft,
         tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
     )  # fmt: skip
+    # SIGTERM before the server listens (loading, calibration) ends it as Ctrl-C does
+    # (exit 130, one line); once it listens, uvicorn takes both signals (exit 0).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     checked = preflight(config)  # before any weights load
     sock = bind(host, port)  # a taken port is reported before loading too
     if not is_loopback(sock) and not api_key:

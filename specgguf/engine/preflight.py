@@ -5,6 +5,7 @@ go where, and whether every place holds its share."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 
 from specgguf.engine.config import EngineConfig, ModelConfig
@@ -22,6 +23,8 @@ from specgguf.llama.memory import (
     place_model,
 )
 from specgguf.llama.rpc import RpcServerInfo, parse_endpoints, probe
+
+log = logging.getLogger("specgguf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +199,13 @@ def preflight(config: EngineConfig) -> Preflight:
     servers = probe_servers(config.rpc_servers, config.rpc_timeout)
     # 0: the model's training context
     n_ctx = config.target.n_ctx or t_info.context_length or 4096
+    if t_info.context_length and n_ctx > t_info.context_length:
+        # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context overflow"
+        log.warning(
+            "n_ctx %d is more than %s was trained for (%d): text past %d tokens may "
+            "degrade", n_ctx, config.target.path.name, t_info.context_length,
+            t_info.context_length,
+        )  # fmt: skip
     n_ctx_draft = n_ctx
     parts = [model_memory(t_info, n_ctx=n_ctx)]
     if d_info is not None and draft is not None:

@@ -37,7 +37,13 @@ from specgguf.errors import (
     ContextOverflowError,
     SpecggufError,
 )
-from specgguf.server.errors import APIError, bad_request, install_handlers, validation_error
+from specgguf.server.errors import (
+    APIError,
+    bad_request,
+    install_handlers,
+    refused,
+    validation_error,
+)
 from specgguf.server.metrics import Metrics
 from specgguf.server.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from specgguf.server.schemas import (
@@ -61,6 +67,8 @@ R = TypeVar("R", bound=BaseModel)
 RETRY_AFTER = 1
 #: Paths that need no API key.
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+#: Headers of a streamed response: no proxy or browser keeps or buffers it.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +156,8 @@ class _Service:
             ids = await run_in_threadpool(engine.prompt_ids, prompt)
         except (ChatTemplateError, ChatInputError) as e:
             raise bad_request(str(e), param=param, code="chat_template_error") from None
+        except ContextOverflowError as e:  # found before tokenizing: a lower bound
+            raise _too_long(e, param) from None
         except SpecggufError as e:
             raise bad_request(str(e), param=param) from None
         n_vocab = engine.target_model.n_vocab
@@ -156,10 +166,7 @@ class _Service:
         if not ids:
             raise bad_request(f"{param}: the prompt is empty", param=param)
         if len(ids) >= engine.n_ctx:
-            raise APIError(
-                400, str(ContextOverflowError(len(ids), engine.n_ctx)), param=param,
-                code="context_length_exceeded", n_prompt_tokens=len(ids), n_ctx=engine.n_ctx,
-            )  # fmt: skip
+            raise _too_long(ContextOverflowError(len(ids), engine.n_ctx), param)
         return ids
 
     def params(self, req: _Generation) -> GenerationParams:
@@ -224,8 +231,8 @@ class _Service:
             self.scheduler.submit(job)
         except QueueFull:
             raise APIError(
-                503, f"the server is busy: {self.scheduler.max_queue} requests are waiting "
-                "already; retry later", type="server_error", code="queue_full",
+                503, f"the server is busy: {_waiting(self.scheduler.max_queue)}; retry "
+                "later", type="server_error", code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER)},
             ) from None  # fmt: skip
         except ShuttingDown:
@@ -234,9 +241,9 @@ class _Service:
 
     # -- generation -> response -----------------------------------------------------
 
-    async def result(self, job: Job, request: Request) -> GenerationResult | None:
+    async def result(self, job: Job, request: Request, label: str) -> GenerationResult | None:
         """Wait for a job's result; None when the client went away first (the job is
-        cancelled then).
+        cancelled then, and logged under ``label``).
 
         Raises:
             APIError: the generation failed, or the server is stopping.
@@ -260,6 +267,7 @@ class _Service:
             await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if waiter.done():
                 return waiter.result()
+            log.info("%s: the client went away; its generation was cancelled", label)
             return None
         finally:
             job.cancel()  # no-op once finished
@@ -279,7 +287,8 @@ class _Service:
         """Server-sent events: ``head`` chunks, one chunk per text piece, the ``tail``
         chunks of the result, then ``data: [DONE]``; an error mid-stream is one event with
         OpenAI's error object. A client that disconnects cancels this iterator, and so
-        the job."""
+        the job (logged under ``label``)."""
+        ended = False
         try:
             for chunk in head:
                 yield _sse(chunk)
@@ -292,15 +301,19 @@ class _Service:
                         raise _job_error(ev.error)
                     result = _finished(ev.result)
                 except APIError as e:
+                    ended = True
                     log.info("%s: %d %s", label, e.status, e.message)
                     yield _sse(e.body())
                     return
                 for chunk in tail(result):
                     yield _sse(chunk)
+                ended = True
                 yield format_sse_event(data_str="[DONE]")
                 self.log_result(label, result)
                 return
         finally:
+            if not ended:
+                log.info("%s: the client went away; its generation was cancelled", label)
             job.cancel()
 
     def log_result(self, label: str, result: GenerationResult, prompt: Any = None) -> None:
@@ -353,6 +366,21 @@ def _finished(result: GenerationResult | None) -> GenerationResult:
     return result
 
 
+def _waiting(max_queue: int) -> str:
+    if max_queue == 0:
+        return "a request is generating and none may wait (--max-queue 0)"
+    return f"{max_queue} request{'s are' if max_queue > 1 else ' is'} waiting already"
+
+
+def _too_long(err: ContextOverflowError, param: str) -> APIError:
+    """OpenAI's ``context_length_exceeded``, with the numbers (``n_prompt_tokens`` a lower
+    bound when the prompt was refused before it was tokenized)."""
+    return APIError(
+        400, str(err), param=param, code="context_length_exceeded",
+        n_prompt_tokens=err.n_prompt, n_ctx=err.n_ctx,
+    )  # fmt: skip
+
+
 def _shutting_down() -> APIError:
     return APIError(
         503, "the server is shutting down", type="server_error", code="server_shutting_down"
@@ -399,7 +427,7 @@ class _RequireKey:
                     type="authentication_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )  # fmt: skip
-                await err.response()(scope, receive, send)
+                await refused(scope["method"], scope["path"], err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -495,9 +523,10 @@ def create_app(
 
             head = [choice({"role": "assistant", "content": ""})]
             return EventSourceResponse(
-                svc.stream(job, head, lambda text: choice({"content": text}), tail, label)
+                svc.stream(job, head, lambda text: choice({"content": text}), tail, label),
+                headers=SSE_HEADERS,
             )
-        result = await svc.result(job, request)
+        result = await svc.result(job, request, label)
         if result is None:
             return Response(status_code=499)  # nobody is listening
         svc.log_result(label, result)
@@ -536,8 +565,10 @@ def create_app(
                 chunks[-1]["timings"] = timings(result.stats)
                 return chunks
 
-            return EventSourceResponse(svc.stream(job, [], choice, tail, label))
-        result = await svc.result(job, request)
+            return EventSourceResponse(
+                svc.stream(job, [], choice, tail, label), headers=SSE_HEADERS
+            )
+        result = await svc.result(job, request, label)
         if result is None:
             return Response(status_code=499)
         svc.log_result(label, result)
@@ -545,9 +576,7 @@ def create_app(
         body.update(usage=usage(result.stats), timings=timings(result.stats))
         return JSONResponse(body)
 
-    @app.get("/v1/models")
-    @app.get("/models", include_in_schema=False)
-    async def models() -> dict[str, Any]:
+    def model_card() -> dict[str, Any]:
         d = engine.describe()
         meta = {
             "target": engine.target_model.path.name,
@@ -559,14 +588,30 @@ def create_app(
             "id": settings.model_id, "object": "model", "created": int(time.time()),
             "owned_by": "specgguf", "aliases": list(settings.model_aliases), "meta": meta,
         }  # fmt: skip
-        return {"object": "list", "data": [model]}
+        return model
 
-    @app.get("/health")
-    @app.get("/v1/health", include_in_schema=False)
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @app.api_route("/models", methods=["GET", "HEAD"], include_in_schema=False)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    @app.api_route("/models/{model:path}", methods=["GET", "HEAD"], include_in_schema=False)
+    async def one_model(model: str) -> dict[str, Any]:
+        """OpenAI's "retrieve model": the target under any of its names; 404 otherwise."""
+        if model not in svc.names:
+            raise APIError(
+                404, f"no model {model!r} here: this server serves {settings.model_id!r}",
+                type="not_found_error", param="model", code="model_not_found",
+            )  # fmt: skip
+        return model_card()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/v1/health", methods=["GET", "HEAD"], include_in_schema=False)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 

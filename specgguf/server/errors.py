@@ -88,7 +88,10 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         return bad_request("the request body is not valid")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return bad_request(f"the request body is not valid JSON: {first.get('msg', '')}")
+        msg = str(first.get("msg", "")).removeprefix("Invalid JSON: ")
+        # jiter's words for a \uD800-\uDFFF escape that is not half of a pair
+        msg = msg.replace("unexpected end of hex escape", "a lone UTF-16 surrogate escape")
+        return bad_request(f"the request body is not valid JSON: {msg}")
     params = list(dict.fromkeys(_param(e.get("loc", ())) for e in errors))
     param = params[0]
     msg = str(first.get("msg", "invalid value"))
@@ -107,6 +110,13 @@ def _param(loc: Sequence[Any]) -> str | None:
     return ".".join(parts) or None
 
 
+def refused(method: str, path: str, err: APIError) -> JSONResponse:
+    """``err``'s response, and its line in the log (the message names fields and numbers,
+    never a prompt's text)."""
+    log.info("%s %s: %d %s", method, path, err.status, err.message)
+    return err.response()
+
+
 def install_handlers(app: FastAPI) -> None:
     """Map every error to OpenAI's shape: :class:`APIError`, pydantic's validation errors
     (400), Starlette's HTTP errors (404, 405, ...) and, as a last resort, any other
@@ -114,11 +124,11 @@ def install_handlers(app: FastAPI) -> None:
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return exc.response()
+        return refused(request.method, request.url.path, exc)
 
     async def validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return validation_error(exc.errors()).response()
+        return refused(request.method, request.url.path, validation_error(exc.errors()))
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
@@ -127,7 +137,7 @@ def install_handlers(app: FastAPI) -> None:
             status, str(exc.detail), type=_STATUS_TYPES.get(status, "invalid_request_error")
         )
         err.headers = dict(exc.headers or {})
-        return err.response()
+        return refused(request.method, request.url.path, err)
 
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)

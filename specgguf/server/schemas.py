@@ -2,16 +2,18 @@
 
 Field names and ranges follow OpenAI's API (``max_tokens``, ``max_completion_tokens``,
 ``temperature`` 0-2, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options``) and
-llama.cpp's server for its extensions (``top_k``, ``min_p``, ``ignore_eos``, and the
-per-request speculative settings ``speculative.n_max``, ``speculative.n_min``,
+llama.cpp's server for its extensions (``n_predict``, ``top_k``, ``min_p``, ``ignore_eos``,
+and the per-request speculative settings ``speculative.n_max``, ``speculative.n_min``,
 ``speculative.p_min``, plus specgguf's ``speculative.drafter``). Types are strict (a
-string is not a number, 1 is not ``true``); fields the server does not know are ignored,
-and features it does not have (``logprobs``, ``tools``, ``response_format``, ``n`` > 1,
-penalties, ``logit_bias``) are refused by name (:func:`check_supported`).
+string is not a number, 1 is not ``true``, numbers are finite); fields the server does not
+know are ignored, and features it does not have (``logprobs``, ``tools``,
+``response_format``, ``n`` > 1, penalties, ``logit_bias``, and llama.cpp's grammars and
+samplers of :data:`LLAMA_CPP_FIELDS`) are refused by name (:func:`check_supported`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +28,9 @@ MAX_STOP = 16
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(
+        strict=True, extra="allow", populate_by_name=True, allow_inf_nan=False
+    )
 
 
 class StreamOptions(_Strict):
@@ -52,6 +56,10 @@ class _Generation(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    #: llama.cpp's name for the tokens to generate (-1: until done); it comes before
+    #: ``max_completion_tokens`` and ``max_tokens``, as in llama.cpp's server
+    llama_n_predict: int | None = Field(None, alias="n_predict", ge=-1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
@@ -80,8 +88,19 @@ class _Generation(_Strict):
 
     @property
     def n_predict(self) -> int | None:
-        """The tokens asked for (None: the server's default)."""
-        return self.max_tokens
+        """The tokens asked for (None: the server's default; -1: until done):
+        ``n_predict``, else ``max_completion_tokens`` (OpenAI's newer name), else
+        ``max_tokens``, as llama.cpp's server takes them (tools/server/server-schema.cpp).
+
+        Raises:
+            APIError: ``n_predict`` 0.
+        """
+        if self.llama_n_predict == 0:
+            raise bad_request("n_predict: -1 (until done) or at least 1", param="n_predict")
+        for value in (self.llama_n_predict, self.max_completion_tokens, self.max_tokens):
+            if value is not None:
+                return value
+        return None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -104,17 +123,11 @@ class ChatCompletionRequest(_Generation):
     """``POST /v1/chat/completions``."""
 
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-
-    @property
-    def n_predict(self) -> int | None:
-        """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``."""
-        return self.max_completion_tokens or self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them: text content (parts joined by
@@ -126,24 +139,36 @@ class ChatCompletionRequest(_Generation):
         out = []
         for i, m in enumerate(self.messages):
             if m.content is None:
+                calls = " (tool calls are not supported by this server)" if (
+                    m.role == "assistant" and m.model_extra and "tool_calls" in m.model_extra
+                ) else ""  # fmt: skip
                 raise bad_request(
-                    f"messages.{i}.content: a {m.role} message needs text content",
-                    param=f"messages.{i}.content",
-                )
+                    f"messages.{i}.content: {_article(m.role)} {m.role} message needs text "
+                    f"content{calls}", param=f"messages.{i}.content",
+                )  # fmt: skip
             if isinstance(m.content, str):
                 text = m.content
             else:
                 texts = []
                 for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
+                    if part.type != "text":
                         raise unsupported(
                             f"messages.{i}.content.{j}", f"content of type {part.type!r}"
                         )
+                    if part.text is None:
+                        raise bad_request(
+                            f"messages.{i}.content.{j}.text: a text part needs its text",
+                            param=f"messages.{i}.content.{j}.text",
+                        )  # fmt: skip
                     texts.append(part.text)
                 text = "\n".join(texts)
             role = "system" if m.role == "developer" else m.role
             out.append({"role": role, "content": text})
         return out
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 class CompletionRequest(_Generation):
@@ -173,14 +198,88 @@ class CompletionRequest(_Generation):
         return [int(x) for x in p]
 
 
+def _number_in(*neutral: float) -> Callable[[Any], bool]:
+    def test(value: Any) -> bool:
+        return value is None or (_is_number(value) and value in neutral)
+
+    return test
+
+
+def _number_below(bound: float) -> Callable[[Any], bool]:
+    def test(value: Any) -> bool:
+        return value is None or (_is_number(value) and value < bound)
+
+    return test
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value in ("", [], {})
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+#: llama.cpp server's request fields that change what is generated
+#: (tools/server/server-schema.cpp), each with a test for the values that leave the output
+#: as it is (its "disabled" values) and what it is: a request that sets one otherwise is
+#: refused by name, as OpenAI's ``presence_penalty`` is, rather than silently ignored.
+#: Fields that only shape the response or the server's caching (``cache_prompt``,
+#: ``id_slot``, ``timings_per_token``, ``n_keep``, ...) are accepted and ignored.
+LLAMA_CPP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "grammar": (_empty, "grammar (constrained generation)"),
+    "json_schema": (lambda v: v is None, "json_schema (constrained generation)"),
+    "grammar_triggers": (_empty, "grammar_triggers (constrained generation)"),
+    "repeat_penalty": (_number_in(1.0), "repeat_penalty (repetition penalties)"),
+    "dry_multiplier": (_number_in(0.0), "dry_multiplier (DRY repetition penalty)"),
+    "mirostat": (_number_in(0), "mirostat sampling"),
+    "typical_p": (_number_in(1.0), "typical_p (locally typical sampling)"),
+    "top_n_sigma": (_number_below(0.0), "top_n_sigma sampling"),
+    "xtc_probability": (_number_in(0.0), "xtc_probability (XTC sampling)"),
+    "dynatemp_range": (_number_in(0.0), "dynatemp_range (dynamic temperature)"),
+    "adaptive_target": (_number_below(0.0), "adaptive_target (adaptive sampling)"),
+    "min_keep": (_number_in(0, 1), "min_keep"),
+    "samplers": (_empty, "samplers (a sampler order)"),
+    "n_probs": (_number_in(0), "n_probs (token probabilities)"),
+    "n_cmpl": (_number_in(1), "n_cmpl > 1 (several choices per request)"),
+    "n_indent": (_number_in(0), "n_indent"),
+    "t_max_predict_ms": (_number_below(1), "t_max_predict_ms (a time limit)"),
+    "lora": (_empty, "lora (LoRA adapters)"),
+    "chat_template_kwargs": (_empty, "chat_template_kwargs"),
+}
+
+#: The per-request speculative settings, by llama.cpp's names.
+SPECULATIVE_FIELDS = (
+    "speculative.n_max",
+    "speculative.n_min",
+    "speculative.p_min",
+    "speculative.drafter",
+)
+
+
 def check_supported(req: _Generation) -> None:
     """Refuse, by name, what the server does not do (rather than silently ignoring it).
 
     Raises:
         APIError: ``n`` > 1, log probabilities, tools or functions, a response format
             other than text, a logit bias, a non-zero penalty, ``echo``, ``suffix``,
-            ``best_of`` > 1.
+            ``best_of`` > 1, a llama.cpp field of :data:`LLAMA_CPP_FIELDS` that would
+            change the output, speculative settings as a nested object,
+            ``stream_options`` without ``stream``.
     """
+    extra = req.model_extra or {}
+    for name, (neutral, what) in LLAMA_CPP_FIELDS.items():
+        if name in extra and not neutral(extra[name]):
+            raise unsupported(name, what)
+    if "speculative" in extra:
+        raise bad_request(
+            "speculative: give the settings as top-level fields with llama.cpp's names: "
+            + ", ".join(f"'{f}'" for f in SPECULATIVE_FIELDS), param="speculative",
+        )  # fmt: skip
+    if req.stream_options is not None and not req.stream:
+        raise bad_request(
+            "stream_options: only allowed when stream is true", param="stream_options"
+        )
     if req.n not in (None, 1):
         raise unsupported("n", "n > 1 (several choices per request)")
     if req.logprobs not in (None, False, 0) or req.top_logprobs not in (None, 0):
