@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from specgguf.spec.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
+from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
 from specgguf.spec.planner import AutoPlanner, FixedPlanner, Plan, Timings, best_k
 from specgguf.spec.sampling import SamplerParams
 
-from .fakes import FakeContext, ScriptedDrafter, one_hot_rule
+from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
+from .test_speculative_logic import target_next, truth
 
 V = 32
 GREEDY = SamplerParams(temperature=0.0)
@@ -160,8 +162,9 @@ def test_a_lookup_draft_that_pays_near_the_start_does_not_deep_in_the_context() 
     assert plan.expected_rate == pytest.approx(e(0.9, 3) / 0.01632)
     # 1000 positions cached: each row of a batch costs 5 ms more: K=1: 1.9/0.022 = 86.4,
     # K=2: 2.71/0.029 = 93.4, K=3: 3.439/0.036 = 95.5, K=4: 4.0951/0.0445 = 92.0, all
-    # below the target alone (100, its lone row unchanged): no drafts.
-    plan = p.plan(pattern * 125 + [1], 16, GREEDY, RNG)
+    # below the target alone (100, its lone row unchanged): no drafts. (The same 9-token
+    # match after other text: a longer one would be a copy, COPY_MATCH.)
+    plan = p.plan([20] * 984 + pattern * 2 + [1], 16, GREEDY, RNG)
     assert timings.cached == 1000
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
 
@@ -200,7 +203,7 @@ def test_ngram_draft_length_follows_the_accepted_length() -> None:
     p = ngram_planner(FLAT)
     plan = p.plan(history, 16, GREEDY, RNG)
     p.observe(Plan(plan.drafter, Draft(plan.draft.tokens[:4]), 0.0), 0, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0}
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0, 16: 8.0}
     plan = p.plan(history, 16, GREEDY, RNG)
     assert plan.draft.tokens == list(range(4, 12))
     assert plan.expected_rate == pytest.approx(e(1.2 / 2.97, 8) / 0.010)
@@ -219,6 +222,91 @@ def test_a_draft_model_is_judged_optimistically_in_its_first_steps() -> None:
     assert plan.drafter is p.model and len(plan.draft.tokens) == 4
     assert plan.expected_rate == pytest.approx(178.9537, rel=1e-5)
     assert (p._model_steps, p.idle_model, p._streak) == (1, 0, 1)
+
+
+#: A 2-core AMD EPYC's curve (llama-bench pp1..pp17: 2 rows 1.5x one, 3 rows 2x, 5 rows
+#: 2.8x, 9 rows 4.7x, 17 rows 8.1x).
+EPYC = {1: 0.010, 2: 0.015, 3: 0.020, 5: 0.028, 9: 0.047, 17: 0.081}
+
+
+def test_a_draft_model_that_cannot_pay_even_when_always_accepted_is_left_out() -> None:
+    # A draft token at 0.6 of a target step, on the EPYC's curve: every draft accepted,
+    # K + 1 tokens in K * 0.006 + t_verify(K + 1): K=1 2 / 0.021 = 95.2, K=4 5 / 0.052 =
+    # 96.2, K=8 9 / 0.095 = 94.7, K=16 17 / 0.177 = 96.0 tokens/s, never the 105 that the
+    # margin asks over the target alone's 100.
+    dear = AutoPlanner(Timings(dict(EPYC), 0.006), model=model_drafter(), learn_timings=False)
+    assert not dear.model_can_pay() and dear.drafters == []
+    dear.idle_model, dear.confidence = 100, 0.99  # the probe's conditions: still no draft
+    assert dear.plan([1, 2, 3], 16, GREEDY, RNG).drafter is None
+    # At 0.2 of a step it pays: K=4 5 / (0.008 + 0.028) = 138.9 tokens/s.
+    cheap = AutoPlanner(Timings(dict(EPYC), 0.002), model=model_drafter(), learn_timings=False)
+    assert cheap.model_can_pay() and cheap.drafters == [cheap.model]
+    # In the loop: the draft model that cannot pay never reads the prompt; the output is
+    # the target's own.
+    for planner, reads in ((dear, False), (cheap, True)):
+        assert planner.model is not None
+        ctx = FakeContext(one_hot_rule(target_next, V), V)
+        dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+        res = dec.generate([1, 5, 9, 2], GenerationParams(n_predict=10, sampler=GREEDY), planner)
+        res = res.run()
+        assert res.tokens == truth([1, 5, 9, 2], 10)
+        draft_ctx = planner.model.ctx
+        assert (len(draft_ctx.log) > 0) == reads, draft_ctx.log  # type: ignore[attr-defined]
+
+
+#: The calibration of a 2-core AMD EPYC (13 rows 8.3x one), as measured by specgguf
+STUCK = {1: 0.0467, 2: 0.0854, 3: 0.12, 4: 0.141, 5: 0.1788, 7: 0.2402, 9: 0.326,
+         13: 0.3899, 17: 0.3767}  # fmt: skip
+
+
+def test_a_verbatim_copy_of_16_tokens_is_drafted_where_a_shorter_match_is_not() -> None:
+    # Lone rows measured at 0.8 of the calibration (scale_single): the target alone runs
+    # at 1 / (0.8 * 0.0467) = 26.77 tokens/s, and a draft must beat 28.11.
+    # A 9-token match (bucket 4, a = min(0.9, 1.0 * 1.0) = 0.9, drafts capped at 12):
+    # K=1 1.9 / 0.0854 = 22.2, K=2 2.71 / 0.12 = 22.6, K=3 3.439 / 0.141 = 24.4,
+    # K=4 4.095 / 0.1788 = 22.9, K=12 7.458 / 0.3899 = 19.1: no draft, ever, for nothing
+    # is verified that could correct the prior.
+    src = list(range(100, 140))
+
+    def planner() -> AutoPlanner:
+        p = AutoPlanner(Timings(dict(STUCK), scale_single=0.8), ngram=NgramDrafter(1, 8),
+                        learn_timings=False)  # fmt: skip
+        p.confidence = 1.0
+        return p
+
+    p = planner()
+    plan = p.plan([*src[:30], 1, 2, *src[:9]], 16, GREEDY, RNG)
+    assert p.ngram is not None and p.ngram.last_match == 9
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / (0.8 * 0.0467))
+    # A 20-token verbatim match (the indexed 8 extended back to the text's start): a copy,
+    # a = 0.97 and up to 16 drafts (COPY_CAP 20, k_max 16): K=16 e(0.97, 16) / 0.3767 =
+    # 13.472 / 0.3767 = 35.76, above K=15 12.858 / 0.3800 = 33.8 and K=12 10.899 / 0.3899.
+    p = planner()
+    plan = p.plan([*src, 1, 2, *src[:20]], 16, GREEDY, RNG)
+    assert p.ngram is not None and p.ngram.last_match == 20
+    assert plan.drafter is p.ngram and plan.draft.tokens == src[20:36]
+    assert plan.expected_rate == pytest.approx(e(0.97, 16) / 0.3767)
+    assert p._last_ngram_bucket == 16
+
+
+def test_match_length_extends_the_indexed_match_as_far_as_the_texts_agree() -> None:
+    from specgguf.spec.drafters import LONG_MATCH, match_length
+
+    src = list(range(100, 160))
+
+    def matched(text: list[int]) -> int:
+        d = NgramDrafter(1, 8)
+        d.propose(text, 4, GREEDY, RNG)
+        return d.last_match
+
+    assert matched([*src, 1, *src[:25]]) == 25  # back to the text's start
+    assert matched([*src, 1, *src]) == LONG_MATCH == 32  # at most LONG_MATCH
+    assert matched([5, 6, 7, 9, *src[:12], 5, 6, 8, *src[:12]]) == 12  # 9 against 8
+    assert matched([5, 6, 7, *src[:6], 5, 6, 8, *src[:6]]) == 6  # shorter than n_max
+    # A stop token ends it (the suffix drafter's separator between generations).
+    text = [3, -1, 4, 5, 9, 3, 4, 5]
+    assert match_length(text, 4, 8, 2, stop=-1) == 2
+    assert match_length(text, 4, 8, 2) == 2  # -1 against 9: no agreement either
 
 
 def test_the_streak_of_model_steps_is_averaged_when_it_ends() -> None:
@@ -283,7 +371,7 @@ def test_what_a_verification_teaches() -> None:
     p.observe(Plan(ngram, Draft([]), 0.0), 0, 0.010)
     assert p.ngram_len[2] == 4.0 and p.acc_ngram[2].trials == 0.0
     p.observe(Plan(ngram, Draft([1, 2, 3, 4]), 0.0), 2, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0}
+    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0, 16: 8.0}
     assert (p.acc_ngram[2].successes, p.acc_ngram[2].trials) == (2.0, 3.0)
     # Without learn_timings nothing about timings moves.
     q = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
@@ -306,7 +394,7 @@ def test_reset_starts_from_the_priors() -> None:
     assert (p.acc_model.rate, p.cont_model.rate) == (0.95, 0.6)
     assert all(a.rate == 0.6 and a.trials == 0.0 for a in p.acc_ngram.values())
     assert (p._model_steps, p.idle_model, p._streak, p.mean_streak) == (0, 0, 0, 1.0)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0} and p._last_ngram_bucket == 1
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0, 16: 8.0} and p._last_ngram_bucket == 1
     assert p.draft_min == 1 and p.p_min == 0.5 and p.drafters == [ngram, p.model]
     assert AutoPlanner(Timings(dict(HAND)), p_min=0.7, draft_min=3).p_min == 0.7
 
@@ -604,7 +692,7 @@ def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothi
     # Verified: 1 of the 2 accepted. Only suffix matching's bucket 4 learns.
     p.observe(plan, 1, 0.014)
     assert (p.acc_suffix[4].successes, p.acc_suffix[4].trials) == (1.0, 2.0)
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0}  # 1 accepted: 1 + (1 - 1) / 2
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 8.0}  # 1 accepted: 1 + (1 - 1) / 2
     assert all(a.trials == 0.0 for a in p.acc_ngram.values()) and p.ngram_len[4] == 4.0
     # An empty suffix draft teaches nothing.
     p.observe(Plan(p.suffix, Draft([]), 0.0), 0, 0.010)
@@ -632,7 +720,7 @@ def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
     p.suffix_len[2] = 3.0
     p.reset()
     assert all(x.trials == 0.0 for x in p.acc_suffix.values())
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0} and p._last_suffix_bucket == 1
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 8.0} and p._last_suffix_bucket == 1
 
 
 def test_suffix_chains_start_at_a_cap_of_six_and_grow_with_what_is_accepted() -> None:

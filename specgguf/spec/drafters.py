@@ -255,6 +255,25 @@ class ModelDrafter:
         return n
 
 
+#: The longest match a lookup drafter measures (``last_match``): its indexed n-gram
+#: extended backwards, token by token, as far as the two texts agree. A long verbatim
+#: match is the evidence of copying that long drafts need (llama.cpp's ngram-mod drafts
+#: only after 24 matching tokens: common/speculative.cpp, ``--spec-default``).
+LONG_MATCH = 32
+
+
+def match_length(text: Sequence[int], after: int, end: int, n: int, stop: int | None = None) -> int:
+    """How many tokens before ``end`` equal those before ``after`` in ``text`` (at least
+    ``n``, known to match; at most :data:`LONG_MATCH`; never past a ``stop`` token)."""
+    m = n
+    while m < LONG_MATCH and after - 1 - m >= 0:
+        t = text[after - 1 - m]
+        if t == stop or t != text[end - 1 - m]:
+            break
+        m += 1
+    return m
+
+
 class NgramDrafter:
     """Prompt-lookup drafting over the prompt and the output so far.
 
@@ -278,7 +297,7 @@ class NgramDrafter:
             n: {} for n in range(self.n_min, self.n_max + 1)
         }
         self._indexed_to = 0  # n-grams ending before this position are indexed
-        self.last_match = 0  # n of the last match (0: none)
+        self.last_match = 0  # length of the last match (0: none)
 
     def _update(self, history: Sequence[int]) -> None:
         # Index n-grams ending at positions up to len(history) - 1, so that the current
@@ -309,7 +328,7 @@ class NgramDrafter:
         for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
             j = self._index[n].get(tuple(history[size - n :]))
             if j is not None:
-                self.last_match = n
+                self.last_match = match_length(history, j, size, n)
                 return Draft(list(history[j : min(j + k, size)]))
         return Draft([])
 
@@ -321,7 +340,8 @@ class SuffixDrafter:
     llama.cpp's lookup caches (``common/ngram-cache.cpp``).
 
     The longest suffix of the text (one of ``LENGTHS`` tokens) that occurred before selects
-    its earlier occurrences (the most recent ``max_occurrences`` of each n-gram); the draft
+    its earlier occurrences (the most recent ``max_occurrences`` of each n-gram; ``last_match``
+    is the latest one's agreement with the text, up to :data:`LONG_MATCH`); the draft
     then follows them token by token, taking at each step the continuation most of the
     surviving occurrences share and keeping only those, and stops when no more than
     ``min_share`` of them agree. ``last_match`` is the matched length, ``last_confidence``
@@ -408,7 +428,9 @@ class SuffixDrafter:
             if n <= len(history):
                 occ = self._index.get(hash(tuple(c[end - n : end])), [])
                 if occ:
-                    self.last_match = n
+                    # the longest of the latest occurrence's agreement, within this text
+                    n_max = min(len(history), LONG_MATCH)
+                    self.last_match = min(n_max, match_length(c, occ[-1], end, n, self.SEPARATOR))
                     return occ
         return []
 

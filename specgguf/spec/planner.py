@@ -542,11 +542,20 @@ class AutoPlanner:
     #: n-gram acceptance prior, relative to the target's confidence, by match length: one
     #: token of context predicts little (measured a = 0.1-0.6 on six kinds of text), four or
     #: more about as well as the confidence itself (0.7-0.98).
-    NGRAM_PRIOR: ClassVar[dict[int, float]] = {1: 0.3, 2: 0.7, 4: 1.0}
+    NGRAM_PRIOR: ClassVar[dict[int, float]] = {1: 0.3, 2: 0.7, 4: 1.0, 16: 1.0}
     #: ... but never more than this: on code the target's confidence is 0.95-0.99, and a
     #: 4- or 8-token match then looked good for 8-12 drafts, of which 1-2 were accepted
     #: (code generation, 2-core AMD EPYC: auto at 0.90x of the target alone)
     LOOKUP_PRIOR_MAX = 0.9
+    #: ... except after a verbatim match of ``COPY_MATCH`` tokens or more: text being
+    #: copied (code editing: 109 of 115 drafts accepted), whose drafts start at up to
+    #: ``COPY_CAP`` tokens. With 0.9 and a cap of 12, on a machine where batches cost nearly
+    #: their rows (13 rows 8.3x one), no draft length paid, nothing was verified and so the
+    #: prior was never corrected: code editing ran 128 steps without a draft after another
+    #: generation had refined the timings (2-core AMD EPYC), where drafts gave 1.3-1.9x.
+    COPY_MATCH = 16
+    COPY_PRIOR_MAX = 0.97
+    COPY_CAP = 20
     SWITCH_MARGIN = 1.25  # n-gram lookup replaces a draft model in use only when this much faster
     NEAR_SYNC = 8  # a draft model at most this many tokens behind counts as in step
     EXPLORE_STEPS = 4  # steps of a generation in which the draft model is judged optimistically
@@ -581,12 +590,29 @@ class AutoPlanner:
         self.draft_max_model = draft_max_model
         self.p_min = max(self.P_STOP, p_min)
         self.tree_branches = tree_branches if tree_branches >= 2 else 0
-        self.drafters: list[Drafter] = [d for d in (ngram, suffix, model) if d is not None]
+        self.drafters: list[Drafter] = []
         self.reset()
 
+    def model_can_pay(self) -> bool:
+        """Whether the draft model could be faster than the target alone on these timings
+        at all: some draft length up to ``draft_max_model`` beats the target alone by
+        ``MARGIN`` even if every draft token were accepted. Where it cannot (a draft token
+        that costs most of a target step, batches that cost nearly their rows: 0.6 and
+        1.5x on a 2-core AMD EPYC), the draft model neither reads the prompt nor drafts."""
+        if self.model is None:
+            return False
+        _, rate = best_k(1.0, self.timings, self.draft_max_model)
+        return rate > self.MARGIN / self.timings.verify_time(1)
+
     def reset(self) -> None:
-        for d in self.drafters:
-            d.reset()
+        """A new generation: the priors again, and the drafters it may use (the draft
+        model only when :meth:`model_can_pay`, judged on the timings as they are now)."""
+        for d in (self.ngram, self.suffix, self.model):
+            if d is not None:
+                d.reset()
+        self.model_on = self.model_can_pay()
+        model = self.model if self.model_on else None
+        self.drafters = [d for d in (self.ngram, self.suffix, model) if d is not None]
         # The draft model's drafts: how often a token passes P_STOP (prior: the target's
         # confidence), and how often a token that passed is accepted.
         self.acc_model = Acceptance(prior=0.95)
@@ -603,7 +629,7 @@ class AutoPlanner:
         self.mean_streak = 1.0  # a first catch-up is charged whole
         # Mean accepted length of n-gram drafts per bucket: caps the next draft, so that it
         # grows while drafts are accepted whole and shrinks when they break early.
-        self.ngram_len = {n: 4.0 for n in self.NGRAM_PRIOR}
+        self.ngram_len = {n: self._first_len(n, 4.0) for n in self.NGRAM_PRIOR}
         self._last_ngram_bucket = 1
         # The same for suffix matching, by the length of its match (for its chains and
         # trees: a tree node's estimate is its share product times a^depth).
@@ -612,7 +638,7 @@ class AutoPlanner:
         # generations are weaker evidence than the prompt's, and on a machine where a batch
         # costs its rows (5 rows 3x one) a long wrong draft costs several steps (measured:
         # 4 suffix steps drafting 35 tokens, 8 accepted, on code generation).
-        self.suffix_len = {n: 1.0 for n in self.NGRAM_PRIOR}
+        self.suffix_len = {n: self._first_len(n, 1.0) for n in self.NGRAM_PRIOR}
         self._last_suffix_bucket = 1
 
     def _tree_size(self, tree: Draft, k_min: int, k_max: int) -> tuple[int, float, int]:
@@ -631,10 +657,17 @@ class AutoPlanner:
         m, rate = best_tree(est, self.timings, k_min=k_min)
         return m, rate, bucket
 
+    def _first_len(self, bucket: int, length: float) -> float:
+        """A bucket's mean accepted length before any draft: ``length``, or for copies
+        the one that caps their drafts at ``COPY_CAP`` (the cap is 2 x it + 4)."""
+        return (self.COPY_CAP - 4) / 2 if bucket >= self.COPY_MATCH else length
+
     def _lookup_prior(self, bucket: int) -> float:
         """A lookup draft's acceptance before its bucket has evidence: the bucket's prior
-        times the target's confidence, at most ``LOOKUP_PRIOR_MAX``."""
-        return min(self.LOOKUP_PRIOR_MAX, self.NGRAM_PRIOR[bucket] * self.confidence)
+        times the target's confidence, at most ``LOOKUP_PRIOR_MAX`` (``COPY_PRIOR_MAX``
+        after a match of ``COPY_MATCH`` tokens)."""
+        cap = self.COPY_PRIOR_MAX if bucket >= self.COPY_MATCH else self.LOOKUP_PRIOR_MAX
+        return min(cap, self.NGRAM_PRIOR[bucket] * self.confidence)
 
     def _verify_time(self, n: float) -> float:
         """t_verify at a fractional batch size (an expected number of tokens)."""
@@ -709,7 +742,7 @@ class AutoPlanner:
                     lookup_plan = None
         model_plan: tuple[int, float] | None = None
         in_use = False
-        if self.model is not None:
+        if self.model is not None and self.model_on:
             a_acc = self.acc_model.rate
             a_cont = self.cont_model.rate_with(self.confidence)
             # Near sync, trying the draft model costs no long catch-up.
