@@ -136,7 +136,7 @@ def test_backend_failure_is_exit_9(tmp_path: Path) -> None:
     # gguf/loadcheck.py), so the metadata checks pass and llama.cpp refuses to load it.
     spec = TinySpec(vocab=gpt2_vocab(), name="odd", architecture="starcoder2")
     path = write_tiny_model(tmp_path / "odd.gguf", spec)[0]
-    res = run_cli("run", "-m", str(path), "--raw", "-n", "2", "hi")
+    res = run_cli("run", "-m", str(path), "-c", "1024", "--raw", "-n", "2", "hi")
     assert res.returncode == errors.EXIT_BACKEND, res.stderr
     lines = res.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("specgguf: error: ") and res.stdout == b""

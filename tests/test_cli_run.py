@@ -265,3 +265,13 @@ def test_sampling_values_out_of_range(tiny_models: dict[str, Path], flag: tuple[
     res = run_cli("run", "-m", str(tiny_models["target"]), *flag, "hi")
     assert res.returncode == errors.EXIT_USAGE and res.stdout == b""
     assert flag[0].encode() in res.stderr
+
+
+def test_a_context_beyond_the_models_training_is_warned_of(tiny_models: dict[str, Path]) -> None:
+    # The tiny target was trained for 1024 tokens (its GGUF's context_length).
+    target = str(tiny_models["target"])
+    for ctx, warned in (("1024", False), ("2048", True)):
+        res = run_cli("run", "-m", target, "-c", ctx, "-n", "2", "--raw", "hi")
+        assert res.returncode == 0, res.stderr
+        line = f"n_ctx {ctx} is more than tiny-target.gguf was trained for (1024)"
+        assert (line in res.stderr.decode()) == warned, res.stderr

@@ -94,7 +94,10 @@ def test_draft_context_smaller_than_the_prompt_tiny(tiny_models: dict[str, Path]
         out = json.loads(res.stdout)
         assert out["tokens"] == alone["tokens"]
         err = res.stderr.decode()
-        assert err.count("draft model's context (64 tokens) is smaller") == 1
+        # Said once when the draft model reads the text: the model drafter always does;
+        # auto mode only where the timings say it could pay (else it is never used).
+        said = err.count("draft model's context (64 tokens) is smaller")
+        assert said == 1 if drafter == "model" else said <= 1, err
         # llama.cpp allocates 256 positions for the 64 asked for: said, and kept to 64.
         assert "allocated a context of 256 tokens for the 64 asked for" in err
         if drafter == "model":  # the draft on its window drafts, and is accepted (auto
@@ -131,7 +134,9 @@ def test_draft_context_smaller_than_the_prompt_real_pair(
                       "--draft", "4", "-cd", "256", *base)  # fmt: skip
         assert res.returncode == 0, res.stderr.decode()
         assert json.loads(res.stdout)["tokens"] == alone["tokens"]
-        assert res.stderr.decode().count("draft model's context (256 tokens)") == 1
+        # auto mode: said only where the draft model reads the text (see the tiny test)
+        said = res.stderr.decode().count("draft model's context (256 tokens)")
+        assert said == 1 if drafter == "model" else said <= 1, res.stderr.decode()
 
 
 def test_a_forced_configuration_slower_than_the_target_alone_is_reported(

@@ -199,13 +199,6 @@ def preflight(config: EngineConfig) -> Preflight:
     servers = probe_servers(config.rpc_servers, config.rpc_timeout)
     # 0: the model's training context
     n_ctx = config.target.n_ctx or t_info.context_length or 4096
-    if t_info.context_length and n_ctx > t_info.context_length:
-        # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context overflow"
-        log.warning(
-            "n_ctx %d is more than %s was trained for (%d): text past %d tokens may "
-            "degrade", n_ctx, config.target.path.name, t_info.context_length,
-            t_info.context_length,
-        )  # fmt: skip
     n_ctx_draft = n_ctx
     parts = [model_memory(t_info, n_ctx=n_ctx)]
     if d_info is not None and draft is not None:
@@ -213,6 +206,14 @@ def preflight(config: EngineConfig) -> Preflight:
         parts.append(model_memory(d_info, n_ctx=n_ctx_draft))
     plan = memory_plan(config, t_info, d_info, n_ctx, n_ctx_draft, servers=servers)
     needed = check_plan(plan) if config.check_memory else plan.need(LOCAL)
+    if t_info.context_length and n_ctx > t_info.context_length:
+        # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context overflow"
+        # (said once the models will load: a refusal stays one line)
+        log.warning(
+            "n_ctx %d is more than %s was trained for (%d): text past %d tokens may "
+            "degrade", n_ctx, config.target.path.name, t_info.context_length,
+            t_info.context_length,
+        )  # fmt: skip
     return Preflight(t_info, d_info, compat, parts, needed, n_ctx, n_ctx_draft, plan,
                      tuple(servers.values()))  # fmt: skip
 
