@@ -203,7 +203,7 @@ def test_ngram_draft_length_follows_the_accepted_length() -> None:
     p = ngram_planner(FLAT)
     plan = p.plan(history, 16, GREEDY, RNG)
     p.observe(Plan(plan.drafter, Draft(plan.draft.tokens[:4]), 0.0), 0, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0, 16: 8.0}
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0, 16: 6.0}
     plan = p.plan(history, 16, GREEDY, RNG)
     assert plan.draft.tokens == list(range(4, 12))
     assert plan.expected_rate == pytest.approx(e(1.2 / 2.97, 8) / 0.010)
@@ -241,6 +241,13 @@ def test_a_draft_model_that_cannot_pay_even_when_always_accepted_is_left_out() -
     # At 0.2 of a step it pays: K=4 5 / (0.008 + 0.028) = 138.9 tokens/s.
     cheap = AutoPlanner(Timings(dict(EPYC), 0.002), model=model_drafter(), learn_timings=False)
     assert cheap.model_can_pay() and cheap.drafters == [cheap.model]
+    # Judged where batches are cheapest, whatever depth the last generation ended at (1000
+    # positions at 20 us per row and position: 5 rows 0.028 + 0.1, K=4 5 / 0.136 = 36.8).
+    deep = Timings(dict(EPYC), 0.002, position_row=2e-5)
+    deep.cached = 1000
+    assert best_k(1.0, deep, 16)[0] == 0  # there, no draft length pays
+    assert AutoPlanner(deep, model=model_drafter(), learn_timings=False).model_can_pay()
+    assert deep.cached == 1000
     # In the loop: the draft model that cannot pay never reads the prompt; the output is
     # the target's own.
     for planner, reads in ((dear, False), (cheap, True)):
@@ -279,7 +286,7 @@ def test_a_verbatim_copy_of_16_tokens_is_drafted_where_a_shorter_match_is_not() 
     assert p.ngram is not None and p.ngram.last_match == 9
     assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / (0.8 * 0.0467))
     # A 20-token verbatim match (the indexed 8 extended back to the text's start): a copy,
-    # a = 0.97 and up to 16 drafts (COPY_CAP 20, k_max 16): K=16 e(0.97, 16) / 0.3767 =
+    # a = 0.97 and up to 16 drafts (COPY_CAP): K=16 e(0.97, 16) / 0.3767 =
     # 13.472 / 0.3767 = 35.76, above K=15 12.858 / 0.3800 = 33.8 and K=12 10.899 / 0.3899.
     p = planner()
     plan = p.plan([*src, 1, 2, *src[:20]], 16, GREEDY, RNG)
@@ -303,10 +310,11 @@ def test_match_length_extends_the_indexed_match_as_far_as_the_texts_agree() -> N
     assert matched([*src, 1, *src]) == LONG_MATCH == 32  # at most LONG_MATCH
     assert matched([5, 6, 7, 9, *src[:12], 5, 6, 8, *src[:12]]) == 12  # 9 against 8
     assert matched([5, 6, 7, *src[:6], 5, 6, 8, *src[:6]]) == 6  # shorter than n_max
-    # A stop token ends it (the suffix drafter's separator between generations).
-    text = [3, -1, 4, 5, 9, 3, 4, 5]
-    assert match_length(text, 4, 8, 2, stop=-1) == 2
-    assert match_length(text, 4, 8, 2) == 2  # -1 against 9: no agreement either
+    # A stop token ends it, even where both texts have one (the suffix drafter's separator
+    # between generations: no match runs across it).
+    text = [-1, 4, 5, 9, -1, 4, 5]
+    assert match_length(text, 3, 7, 2, stop=-1) == 2
+    assert match_length(text, 3, 7, 2) == 3  # without: -1 agrees with -1
 
 
 def test_the_streak_of_model_steps_is_averaged_when_it_ends() -> None:
@@ -371,7 +379,7 @@ def test_what_a_verification_teaches() -> None:
     p.observe(Plan(ngram, Draft([]), 0.0), 0, 0.010)
     assert p.ngram_len[2] == 4.0 and p.acc_ngram[2].trials == 0.0
     p.observe(Plan(ngram, Draft([1, 2, 3, 4]), 0.0), 2, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0, 16: 8.0}
+    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0, 16: 6.0}
     assert (p.acc_ngram[2].successes, p.acc_ngram[2].trials) == (2.0, 3.0)
     # Without learn_timings nothing about timings moves.
     q = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
@@ -394,7 +402,7 @@ def test_reset_starts_from_the_priors() -> None:
     assert (p.acc_model.rate, p.cont_model.rate) == (0.95, 0.6)
     assert all(a.rate == 0.6 and a.trials == 0.0 for a in p.acc_ngram.values())
     assert (p._model_steps, p.idle_model, p._streak, p.mean_streak) == (0, 0, 0, 1.0)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0, 16: 8.0} and p._last_ngram_bucket == 1
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0, 16: 6.0} and p._last_ngram_bucket == 1
     assert p.draft_min == 1 and p.p_min == 0.5 and p.drafters == [ngram, p.model]
     assert AutoPlanner(Timings(dict(HAND)), p_min=0.7, draft_min=3).p_min == 0.7
 
@@ -692,7 +700,7 @@ def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothi
     # Verified: 1 of the 2 accepted. Only suffix matching's bucket 4 learns.
     p.observe(plan, 1, 0.014)
     assert (p.acc_suffix[4].successes, p.acc_suffix[4].trials) == (1.0, 2.0)
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 8.0}  # 1 accepted: 1 + (1 - 1) / 2
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0}  # 1 accepted: 1 + (1 - 1) / 2
     assert all(a.trials == 0.0 for a in p.acc_ngram.values()) and p.ngram_len[4] == 4.0
     # An empty suffix draft teaches nothing.
     p.observe(Plan(p.suffix, Draft([]), 0.0), 0, 0.010)
@@ -720,7 +728,7 @@ def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
     p.suffix_len[2] = 3.0
     p.reset()
     assert all(x.trials == 0.0 for x in p.acc_suffix.values())
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 8.0} and p._last_suffix_bucket == 1
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0} and p._last_suffix_bucket == 1
 
 
 def test_suffix_chains_start_at_a_cap_of_six_and_grow_with_what_is_accepted() -> None:

@@ -431,7 +431,7 @@ BAD_CHAT_MESSAGES = {
     "lone surrogate": "lone UTF-16 surrogate",
     "NaN temperature": "finite number",
     "text part without its text": "a text part needs its text",
-    "assistant without content": "an assistant message needs text content (tool calls",
+    "assistant without content": "the assistant message needs text content (tool calls",
     "llama.cpp's grammar": "grammar (constrained generation) is not supported",
     "llama.cpp's repeat_penalty": "repeat_penalty (repetition penalties) is not supported",
     "nested speculative": "'speculative.n_max'",
@@ -454,8 +454,8 @@ def test_bad_chat_requests_get_400(
 def test_llama_cpp_fields_at_their_disabled_values_are_accepted(server: ServerProcess) -> None:
     # The values llama.cpp's server takes as "off" change nothing, so they are served.
     neutral = {"repeat_penalty": 1.0, "grammar": "", "dry_multiplier": 0, "mirostat": 0,
-               "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "n_probs": 0,
-               "samplers": [], "cache_prompt": True, "id_slot": -1}  # fmt: skip
+               "typical_p": 1.5, "top_n_sigma": 0, "dynatemp_range": -1.0, "xtc_probability": 0.0,
+               "n_probs": 0, "samplers": [], "cache_prompt": True, "id_slot": -1}  # fmt: skip
     body = {"messages": USER, "max_tokens": 3, "temperature": 0, "ignore_eos": True, **neutral}
     r = post(server, "/chat/completions", body)
     assert r.status_code == 200, r.text
@@ -905,7 +905,8 @@ def test_a_streamed_job_sends_text_at_most_every_stream_interval(
 
     clock = [100.0]
     monkeypatch.setattr(scheduler, "monotonic", lambda: clock[0])
-    steps = [(f"<{i}>", 0.02) for i in range(11)]  # (text, seconds the step took)
+    # (text, seconds the step took); an exception: the step fails
+    steps: list[tuple[str | Exception, float]] = [(f"<{i}>", 0.02) for i in range(11)]
 
     class Generation:
         result = "the result"
@@ -913,6 +914,8 @@ def test_a_streamed_job_sends_text_at_most_every_stream_interval(
         def __iter__(self) -> Any:
             for text, seconds in steps:
                 clock[0] += seconds
+                if isinstance(text, Exception):
+                    raise text
                 yield text
 
         def cancel(self) -> None:
@@ -933,11 +936,16 @@ def test_a_streamed_job_sends_text_at_most_every_stream_interval(
 
     events = asyncio.run(main())
     pieces = [e.text for e in events if e.kind == "piece"]
-    assert "".join(pieces) == "".join(t for t, _ in steps)
+    assert "".join(pieces) == "".join(str(t) for t, _ in steps)
     # sent when a step ends at 0.02, then 0.08 (0.06 after the last), 0.14, 0.20: the
     # steps in between are held; the last step's text (at 0.22) is sent at the end
     assert pieces == ["<0>", "<1><2><3>", "<4><5><6>", "<7><8><9>", "<10>"]
     assert events[-1].kind == "done" and events[-1].result == "the result"
+    # A generation that fails: the text held before the failure is sent, then the error.
+    steps[3:] = [(RuntimeError("llama.cpp failed"), 0.0)]
+    events = asyncio.run(main())
+    assert [(e.kind, e.text) for e in events[:2]] == [("piece", "<0>"), ("piece", "<1><2>")]
+    assert events[2].kind == "error" and str(events[2].error) == "llama.cpp failed"
 
 
 def test_scheduler_on_an_engine_thread_generates_on_the_thread_that_loaded() -> None:

@@ -135,13 +135,16 @@ NEAR_SPECIALS = ["<|", "|>", "<|im_", "im_end|>", "<", "|"]
 
 def test_min_tokens_counts_each_special_text_as_one_token(tiny_models: dict[str, Path]) -> None:
     with LlamaModel(tiny_models["target"], vocab_only=True) as m:
+        # 80 special texts, one token each, and 40 pieces of text between them, at least
+        # one token each
         text = "<|im_start|>user\nhi<|im_end|>" * 40
-        assert m.min_tokens(text) == 80
+        assert m.min_tokens(text) == 120 <= len(m.tokenize(text, add_special=False))
         assert m.tokenize(text, add_special=False).count(2) == 40  # <|im_end|>: one token
         pure = "<|im_end|><|endoftext|>" * 50
         assert m.min_tokens(pure) == 100 == len(m.tokenize(pure, add_special=False))
-        assert m.min_tokens("no special text here <| im_end |>") == 0
-        # Fewer characters than at_least: not scanned, and 0 is still a lower bound.
+        assert m.min_tokens("no special text here <| im_end |>") == 1
+        assert m.min_tokens("<|im_end|>  <|im_end|>") == 2  # whitespace may join a special
+        # Fewer characters than at_least: not looked at, and 0 is still a lower bound.
         assert m.min_tokens("<|im_end|>" * 5, at_least=100) == 0
         assert m.min_tokens("<|im_end|>" * 5, at_least=5) == 5
 

@@ -4,15 +4,18 @@ OpenAI-compatible HTTP server over it (:mod:`specgguf.server`)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
 from specgguf.cli import options as o
 from specgguf.cli.app import app, handled, setup_logging
 from specgguf.cli.output import stderr_say
+from specgguf.errors import EXIT_INTERRUPTED
 
 
 @app.command(context_settings={"allow_interspersed_args": True})
@@ -113,6 +116,9 @@ def serve(
     from specgguf.server.scheduler import engine_thread
     from specgguf.spec.sampling import SamplerParams
 
+    # SIGTERM before the server listens (downloads, loading, calibration) ends it as
+    # Ctrl-C does (exit 130); once it listens, uvicorn takes both signals (exit 0).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     setup_logging(verbose=verbose, quiet=quiet)
     # One line per request (INFO); with -v the text of prompts and completions (DEBUG).
     logging.getLogger("specgguf.server").setLevel(
@@ -129,9 +135,6 @@ def serve(
         hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, rpc=rpc, rpc_draft=rpc_draft,
         tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
     )  # fmt: skip
-    # SIGTERM before the server listens (loading, calibration) ends it as Ctrl-C does
-    # (exit 130, one line); once it listens, uvicorn takes both signals (exit 0).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     checked = preflight(config)  # before any weights load
     sock = bind(host, port)  # a taken port is reported before loading too
     if not is_loopback(sock) and not api_key:
@@ -154,11 +157,14 @@ def serve(
     # computing thread slows llama.cpp's OpenMP pools (see engine_thread).
     llama_thread = engine_thread()
     try:
-        engine = llama_thread.submit(Engine, config, checked=checked).result()
+        engine = _before_listening(llama_thread.submit(Engine, config, checked=checked))
         with engine:
             if config.speculative.drafter == "auto":
                 # calibrate now, not in the first request
-                llama_thread.submit(engine.timings).result()
+                _before_listening(llama_thread.submit(engine.timings))
+            # Once listening, a second SIGTERM while the server stops ends it (as before
+            # the handler above): uvicorn puts back the handler it found.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
             def ready(url: str) -> None:
                 d = engine.describe()
@@ -177,3 +183,17 @@ def serve(
     finally:
         llama_thread.shutdown(wait=False, cancel_futures=True)
         sock.close()
+
+
+T = TypeVar("T")
+
+
+def _before_listening(future: Future[T]) -> T:
+    """The result of the engine thread's load or calibration. Ctrl-C or SIGTERM meanwhile
+    exits at once (130): llama.cpp cannot be stopped in the middle of either, and the
+    interpreter would wait for that thread (seconds). Nothing is written then but the
+    calibration cache, which is replaced atomically."""
+    try:
+        return future.result()
+    except KeyboardInterrupt:
+        os._exit(EXIT_INTERRUPTED)

@@ -147,6 +147,14 @@ class Engine:
             self.drafting = Drafting(
                 model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings
             )
+            trained = self.preflight.target.context_length
+            if trained and self.n_ctx > trained:
+                # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context
+                # overflow"; said once the models have loaded (a refusal stays one line)
+                log.warning(
+                    "n_ctx %d is more than %s was trained for (%d): text past %d tokens may "
+                    "degrade", self.n_ctx, self.target_model.path.name, trained, trained,
+                )  # fmt: skip
         except BaseException:
             self._stack.close()
             raise

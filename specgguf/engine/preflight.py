@@ -5,7 +5,6 @@ go where, and whether every place holds its share."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 
 from specgguf.engine.config import EngineConfig, ModelConfig
@@ -23,8 +22,6 @@ from specgguf.llama.memory import (
     place_model,
 )
 from specgguf.llama.rpc import RpcServerInfo, parse_endpoints, probe
-
-log = logging.getLogger("specgguf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,14 +203,6 @@ def preflight(config: EngineConfig) -> Preflight:
         parts.append(model_memory(d_info, n_ctx=n_ctx_draft))
     plan = memory_plan(config, t_info, d_info, n_ctx, n_ctx_draft, servers=servers)
     needed = check_plan(plan) if config.check_memory else plan.need(LOCAL)
-    if t_info.context_length and n_ctx > t_info.context_length:
-        # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context overflow"
-        # (said once the models will load: a refusal stays one line)
-        log.warning(
-            "n_ctx %d is more than %s was trained for (%d): text past %d tokens may "
-            "degrade", n_ctx, config.target.path.name, t_info.context_length,
-            t_info.context_length,
-        )  # fmt: skip
     return Preflight(t_info, d_info, compat, parts, needed, n_ctx, n_ctx_draft, plan,
                      tuple(servers.values()))  # fmt: skip
 

@@ -19,7 +19,6 @@ import ctypes
 import functools
 import logging
 import os
-import re
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -254,32 +253,42 @@ class LlamaModel(_Native):
         return raw.decode("utf-8", errors="replace") if raw else ""
 
     @functools.cached_property
-    def _special_pattern(self) -> re.Pattern[str] | None:
+    def _special_texts(self) -> tuple[str, ...]:
         """The texts llama.cpp parses as special tokens (control, user-defined and
-        unknown tokens: ``cache_special_tokens`` in src/llama-vocab.cpp), longest first,
-        as one pattern; None when the vocabulary has none. Read from the vocabulary once
-        (about 0.1 s for 151,936 tokens)."""
+        unknown tokens: ``cache_special_tokens`` in src/llama-vocab.cpp), longest first as
+        llama.cpp splits them out. Read from the vocabulary once (about 0.1 s for 151,936
+        tokens)."""
         vocab = self._live_vocab()
         attr = native_fn("llama_vocab_get_attr", ctypes.c_int, ctypes.c_void_p, ctypes.c_int32)
         texts = {self.token_text(t) for t in range(self.n_vocab) if attr(vocab, t) & _SPECIAL_ATTRS}
         texts.discard("")
-        if not texts:
-            return None
-        return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+        return tuple(sorted(texts, key=len, reverse=True))
 
     def min_tokens(self, text: str, *, at_least: int = 0) -> int:
         """A lower bound on ``len(tokenize(text))`` (special-token texts parsed) that costs
-        a regular-expression scan, not a tokenization: the number of special-token texts
-        in ``text``, each of which llama.cpp splits out as one token before it tokenizes
-        the rest. llama.cpp's split is quadratic in their number (``tokenizer_st_partition``
-        in src/llama-vocab.cpp: 120,000 ``<|im_end|>`` take 25 s on 2 cores), so a prompt
-        can be refused by this bound before it is tokenized.
+        a few string splits, not a tokenization: llama.cpp first splits the special-token
+        texts out of the text, longest first, each one token (``tokenizer_st_partition``
+        in src/llama-vocab.cpp, done here the same way), and then tokenizes each piece of
+        text between them into one token at least. That split is quadratic in llama.cpp
+        (120,000 ``<|im_end|>`` take 25 s on 2 cores), so a prompt can be refused by this
+        bound before it is tokenized.
 
-        Returns 0 without scanning when ``text`` has fewer than ``at_least`` characters
-        (too few to hold that many special texts), or the vocabulary has none."""
-        if len(text) < at_least or self._special_pattern is None:
+        Returns 0 without looking when ``text`` has fewer than ``at_least`` characters (this
+        bound, at most one token per character, could not reach ``at_least``)."""
+        if len(text) < at_least:
             return 0
-        return sum(1 for _ in self._special_pattern.finditer(text))
+        n, pieces = 0, [text] if text else []
+        for special in self._special_texts:
+            if special not in text:  # (a piece holds nothing its text does not)
+                continue
+            split: list[str] = []
+            for piece in pieces:
+                parts = piece.split(special)
+                n += len(parts) - 1
+                split.extend(p for p in parts if p)
+            pieces = split
+        # A piece of whitespace alone may be taken into a special token (lstrip/rstrip).
+        return n + sum(1 for p in pieces if not p.isspace())
 
     # -- contexts and lifetime ----------------------------------------------------------
 

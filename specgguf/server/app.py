@@ -455,7 +455,10 @@ class _CountRequests:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            path = scope["path"] if scope["path"] in self.paths else "other"
+            # the route's path (/v1/models/{model:path}), never a client's: a label each
+            # (a request refused before routing, 401: its path, when it is a route's)
+            route = getattr(scope.get("route"), "path", scope["path"])
+            path = route if route in self.paths else "other"
             self.metrics.requests.labels(path, str(status)).inc()
 
 
@@ -598,7 +601,10 @@ def create_app(
     @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
     @app.api_route("/models/{model:path}", methods=["GET", "HEAD"], include_in_schema=False)
     async def one_model(model: str) -> dict[str, Any]:
-        """OpenAI's "retrieve model": the target under any of its names; 404 otherwise."""
+        """OpenAI's "retrieve model": the target under any of its names; 404 otherwise
+        (``/v1/models/``: the list)."""
+        if not model:
+            return await models()
         if model not in svc.names:
             raise APIError(
                 404, f"no model {model!r} here: this server serves {settings.model_id!r}",

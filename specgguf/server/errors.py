@@ -112,8 +112,10 @@ def _param(loc: Sequence[Any]) -> str | None:
 
 def refused(method: str, path: str, err: APIError) -> JSONResponse:
     """``err``'s response, and its line in the log (the message names fields and numbers,
-    never a prompt's text)."""
-    log.info("%s %s: %d %s", method, path, err.status, err.message)
+    never a prompt's text; the path with its control characters escaped, so that a
+    request cannot write lines of its own into the log)."""
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in path)
+    log.info("%s %s: %d %s", method, shown, err.status, err.message)
     return err.response()
 
 

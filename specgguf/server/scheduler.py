@@ -254,9 +254,9 @@ class Scheduler:
                 return
             job._generation = gen
         job.started.set()
+        held: list[str] = []  # text not sent yet (see stream_interval)
         try:
             if job.pieces:
-                held: list[str] = []
                 sent = -math.inf
                 for piece in gen:
                     held.append(piece)
@@ -265,14 +265,16 @@ class Scheduler:
                         job._emit(Event("piece", text="".join(held)))
                         held.clear()
                         sent = now
-                if held:
-                    job._emit(Event("piece", text="".join(held)))
             else:
                 for _ in gen:
                     pass
         except Exception as e:  # llama.cpp failed (BackendError) or a bug: the job ends
+            if held:  # the text before the failure is the client's
+                job._emit(Event("piece", text="".join(held)))
             job._emit(Event("error", error=e))
             return
+        if held:
+            job._emit(Event("piece", text="".join(held)))
         result = gen.result
         assert result is not None
         if self.on_result is not None:

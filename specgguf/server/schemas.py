@@ -143,8 +143,8 @@ class ChatCompletionRequest(_Generation):
                     m.role == "assistant" and m.model_extra and "tool_calls" in m.model_extra
                 ) else ""  # fmt: skip
                 raise bad_request(
-                    f"messages.{i}.content: {_article(m.role)} {m.role} message needs text "
-                    f"content{calls}", param=f"messages.{i}.content",
+                    f"messages.{i}.content: the {m.role} message needs text content{calls}",
+                    param=f"messages.{i}.content",
                 )  # fmt: skip
             if isinstance(m.content, str):
                 text = m.content
@@ -165,10 +165,6 @@ class ChatCompletionRequest(_Generation):
             role = "system" if m.role == "developer" else m.role
             out.append({"role": role, "content": text})
         return out
-
-
-def _article(word: str) -> str:
-    return "an" if word[:1] in "aeiou" else "a"
 
 
 class CompletionRequest(_Generation):
@@ -205,9 +201,9 @@ def _number_in(*neutral: float) -> Callable[[Any], bool]:
     return test
 
 
-def _number_below(bound: float) -> Callable[[Any], bool]:
+def _number_where(off: Callable[[float], bool]) -> Callable[[Any], bool]:
     def test(value: Any) -> bool:
-        return value is None or (_is_number(value) and value < bound)
+        return value is None or (_is_number(value) and off(value))
 
     return test
 
@@ -233,17 +229,17 @@ LLAMA_CPP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "repeat_penalty": (_number_in(1.0), "repeat_penalty (repetition penalties)"),
     "dry_multiplier": (_number_in(0.0), "dry_multiplier (DRY repetition penalty)"),
     "mirostat": (_number_in(0), "mirostat sampling"),
-    "typical_p": (_number_in(1.0), "typical_p (locally typical sampling)"),
-    "top_n_sigma": (_number_below(0.0), "top_n_sigma sampling"),
+    "typical_p": (_number_where(lambda v: v >= 1.0), "typical_p (locally typical sampling)"),
+    "top_n_sigma": (_number_where(lambda v: v <= 0.0), "top_n_sigma sampling"),
     "xtc_probability": (_number_in(0.0), "xtc_probability (XTC sampling)"),
-    "dynatemp_range": (_number_in(0.0), "dynatemp_range (dynamic temperature)"),
-    "adaptive_target": (_number_below(0.0), "adaptive_target (adaptive sampling)"),
+    "dynatemp_range": (_number_where(lambda v: v <= 0.0), "dynatemp_range (dynamic temperature)"),
+    "adaptive_target": (_number_where(lambda v: v < 0.0), "adaptive_target (adaptive sampling)"),
     "min_keep": (_number_in(0, 1), "min_keep"),
     "samplers": (_empty, "samplers (a sampler order)"),
     "n_probs": (_number_in(0), "n_probs (token probabilities)"),
     "n_cmpl": (_number_in(1), "n_cmpl > 1 (several choices per request)"),
     "n_indent": (_number_in(0), "n_indent"),
-    "t_max_predict_ms": (_number_below(1), "t_max_predict_ms (a time limit)"),
+    "t_max_predict_ms": (_number_where(lambda v: v <= 0), "t_max_predict_ms (a time limit)"),
     "lora": (_empty, "lora (LoRA adapters)"),
     "chat_template_kwargs": (_empty, "chat_template_kwargs"),
 }

@@ -549,13 +549,14 @@ class AutoPlanner:
     LOOKUP_PRIOR_MAX = 0.9
     #: ... except after a verbatim match of ``COPY_MATCH`` tokens or more: text being
     #: copied (code editing: 109 of 115 drafts accepted), whose drafts start at up to
-    #: ``COPY_CAP`` tokens. With 0.9 and a cap of 12, on a machine where batches cost nearly
-    #: their rows (13 rows 8.3x one), no draft length paid, nothing was verified and so the
-    #: prior was never corrected: code editing ran 128 steps without a draft after another
-    #: generation had refined the timings (2-core AMD EPYC), where drafts gave 1.3-1.9x.
+    #: ``COPY_CAP`` tokens (auto mode's largest). With 0.9 and a cap of 12, on a machine
+    #: where batches cost nearly their rows (13 rows 8.3x one), no draft length paid,
+    #: nothing was verified and so the prior was never corrected: code editing ran 128
+    #: steps without a draft after another generation had refined the timings (2-core AMD
+    #: EPYC), where drafts gave 1.3-1.9x.
     COPY_MATCH = 16
     COPY_PRIOR_MAX = 0.97
-    COPY_CAP = 20
+    COPY_CAP = AUTO_DRAFT_MAX
     SWITCH_MARGIN = 1.25  # n-gram lookup replaces a draft model in use only when this much faster
     NEAR_SYNC = 8  # a draft model at most this many tokens behind counts as in step
     EXPLORE_STEPS = 4  # steps of a generation in which the draft model is judged optimistically
@@ -601,8 +602,13 @@ class AutoPlanner:
         1.5x on a 2-core AMD EPYC), the draft model neither reads the prompt nor drafts."""
         if self.model is None:
             return False
-        _, rate = best_k(1.0, self.timings, self.draft_max_model)
-        return rate > self.MARGIN / self.timings.verify_time(1)
+        t = self.timings
+        cached, t.cached = t.cached, 0  # at the calibration's depth, where batches are cheapest
+        try:
+            _, rate = best_k(1.0, t, self.draft_max_model)
+            return rate > self.MARGIN / t.verify_time(1)
+        finally:
+            t.cached = cached
 
     def reset(self) -> None:
         """A new generation: the priors again, and the drafters it may use (the draft
@@ -634,7 +640,7 @@ class AutoPlanner:
         # The same for suffix matching, by the length of its match (for its chains and
         # trees: a tree node's estimate is its share product times a^depth).
         self.acc_suffix = {n: Acceptance() for n in self.NGRAM_PRIOR}
-        # Suffix chains start shorter (a cap of 6, not 12): matches in earlier
+        # Suffix chains start shorter (a cap of 6, not 12; copies: COPY_CAP): matches in earlier
         # generations are weaker evidence than the prompt's, and on a machine where a batch
         # costs its rows (5 rows 3x one) a long wrong draft costs several steps (measured:
         # 4 suffix steps drafting 35 tokens, 8 accepted, on code generation).
@@ -646,8 +652,8 @@ class AutoPlanner:
         bucket: node i's acceptance is estimated as its share product times a^depth, a
         the bucket's per-token rate (prior: the n-gram prior times the confidence); at most
         ``k_max`` nodes, and at most the bucket's cap of suffix chains (2 x the mean
-        accepted length + 4: 6 at first), so that a match nothing has confirmed yet costs
-        a short batch when it is wrong."""
+        accepted length + 4: 6 at first, ``COPY_CAP`` for a copy), so that a match nothing
+        has confirmed yet costs a short batch when it is wrong."""
         assert self.suffix is not None and tree.parents is not None and tree.probs is not None
         bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.suffix.last_match))
         a = self.acc_suffix[bucket].rate_with(self._lookup_prior(bucket))
