@@ -597,3 +597,32 @@ def test_timings_curve_edges_upper_bound_and_outliers_by_hand() -> None:
     assert _drop_outliers({1: 0.1, 2: 0.3, 3: 0.2, 4: 0.2})[2] == 0.3
     assert _drop_outliers({1: 0.1, 2: 0.5, 3: 0.2, 4: 0.4, 5: 0.4})[2] == 0.5
     assert _drop_outliers({1: 0.1, 2: 0.7, 3: 0.2, 4: 0.4})[2] == pytest.approx(0.15)
+
+
+def test_a_cached_calibration_of_shorter_batches_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A context set up for longer drafts (auto mode's 64) than the cached calibration
+    # measured (up to 17 rows: a context for drafts of 16) is measured again, up to the
+    # largest size its outputs allow; a calibration that measured enough is kept.
+    from specgguf.engine.calibration import pair_timings
+    from specgguf.spec.planner import calibration_sizes
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    clock = Clock()
+    monkeypatch.setattr("specgguf.spec.planner.time.perf_counter", clock)
+    target = ClockedContext(clock, 0.010, 0.001, n_ctx=1024, n_batch=512)
+    target.n_outputs_max = 65  # type: ignore[attr-defined]
+    assert max(calibration_sizes(target, None)) == 49
+    short = {n: 0.010 + 0.001 * n for n in (1, 2, 3, 4, 5, 7, 9, 13, 17)}
+    save_calibration("k", Timings(dict(short), 0.0, depth=64))
+    assert max(pair_timings("k", target, None, [1, 2, 3]).verify) == 49
+    loaded = load_calibration("k")
+    assert loaded is not None and max(loaded.verify) == 49  # cached for the next time
+    # Enough measured (and one decode step agreeing with it): the cache as it is.
+    planted = {**short, 25: 0.5, 33: 0.6, 49: 0.7}
+    save_calibration("k", Timings(dict(planted), 0.0, depth=64))
+    assert pair_timings("k", target, None, [1, 2, 3]).verify == planted
+    target.n_outputs_max = 17  # type: ignore[attr-defined]
+    save_calibration("k", Timings(dict(short), 0.0, depth=64))
+    assert pair_timings("k", target, None, [1, 2, 3]).verify == short

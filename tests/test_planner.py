@@ -203,7 +203,7 @@ def test_ngram_draft_length_follows_the_accepted_length() -> None:
     p = ngram_planner(FLAT)
     plan = p.plan(history, 16, GREEDY, RNG)
     p.observe(Plan(plan.drafter, Draft(plan.draft.tokens[:4]), 0.0), 0, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0, 16: 6.0}
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0, 16: 6.0, 32: 14.0}
     plan = p.plan(history, 16, GREEDY, RNG)
     assert plan.draft.tokens == list(range(4, 12))
     assert plan.expected_rate == pytest.approx(e(1.2 / 2.97, 8) / 0.010)
@@ -296,6 +296,62 @@ def test_a_verbatim_copy_of_16_tokens_is_drafted_where_a_shorter_match_is_not() 
     assert p._last_ngram_bucket == 16
 
 
+def test_a_long_verbatim_copy_drafts_longer_with_its_own_prior() -> None:
+    # A 32-token verbatim match (LONG_MATCH) is a long copy: a = LONG_COPY_PRIOR = 0.98
+    # whatever the target's confidence (0.5 here: a 20-token copy gets min(0.97, 0.5)),
+    # and drafts start at up to LONG_COPY_CAP = 32. On FLAT timings (every batch costs
+    # one row) the longest draft allowed pays most: 32 tokens, e(0.98, 32) per 0.010 s.
+    src = list(range(100, 180))
+
+    def planner() -> AutoPlanner:
+        p = AutoPlanner(Timings(dict(FLAT)), ngram=NgramDrafter(1, 8), learn_timings=False)
+        p.confidence = 0.5
+        return p
+
+    p = planner()
+    plan = p.plan([*src, 1, 2, *src[:40]], 64, GREEDY, RNG)
+    assert p.ngram is not None and p.ngram.last_match == 32
+    assert plan.draft.tokens == src[40:72]
+    assert plan.expected_rate == pytest.approx(e(0.98, 32) / 0.010)
+    assert p._last_ngram_bucket == 32
+    p = planner()
+    plan = p.plan([*src, 1, 2, *src[:20]], 64, GREEDY, RNG)
+    assert p.ngram.last_match == 20 and plan.draft.tokens == src[20:36]  # COPY_CAP 16
+    assert plan.expected_rate == pytest.approx(e(0.5, 16) / 0.010)
+
+
+def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
+    from specgguf.spec.drafters import RESUME_SPAN
+
+    # The source: a long text with the name 7 in it, and later 3, 4 (its suffix after the
+    # edit) followed by something else. The copy renames 7 to 8, 9; after the edit the
+    # latest occurrence of 3, 4 is the later one (50, 51, ...), the copy's is 21, 22, ...
+    head, tail = list(range(100, 120)), list(range(200, 230))
+    source = [*head, 7, 3, 4, *tail, 60, 3, 4, 50, 51, 52, 53]
+    copy = [*head, 8, 9, 3, 4]
+    d = NgramDrafter(2, 8)
+    d.propose([*source, 1, *head], 8, GREEDY, RNG)  # a 20-token match: a copy
+    assert d.last_match == 20 and not d.resumed
+    draft = d.propose([*source, 1, *copy], 8, GREEDY, RNG)
+    assert draft.tokens == tail[:8] and d.resumed and d.last_match == 2
+    # Without a long copy before, the latest occurrence.
+    fresh = NgramDrafter(2, 8)
+    assert fresh.propose([*source, 1, *copy], 4, GREEDY, RNG).tokens == [50, 51, 52, 53]
+    assert not fresh.resumed
+    # Nor once the text has gone RESUME_SPAN tokens past the copy's last long match.
+    d = NgramDrafter(2, 8)
+    d.propose([*source, 1, *head], 8, GREEDY, RNG)
+    later = [*source, 1, *head, *range(300, 300 + RESUME_SPAN), 3, 4]
+    assert d.propose(later, 4, GREEDY, RNG).tokens == [50, 51, 52, 53] and not d.resumed
+    # The planner judges a resumed match as a copy (bucket 16), not by its 2 tokens.
+    p = AutoPlanner(Timings(dict(FLAT)), ngram=NgramDrafter(2, 8), learn_timings=False)
+    p.confidence = 1.0
+    p.plan([*source, 1, *head], 16, GREEDY, RNG)
+    plan = p.plan([*source, 1, *copy], 16, GREEDY, RNG)
+    assert plan.drafter is p.ngram and plan.draft.tokens == tail[:16]
+    assert p._last_ngram_bucket == 16
+
+
 def test_match_length_extends_the_indexed_match_as_far_as_the_texts_agree() -> None:
     from specgguf.spec.drafters import LONG_MATCH, match_length
 
@@ -379,7 +435,7 @@ def test_what_a_verification_teaches() -> None:
     p.observe(Plan(ngram, Draft([]), 0.0), 0, 0.010)
     assert p.ngram_len[2] == 4.0 and p.acc_ngram[2].trials == 0.0
     p.observe(Plan(ngram, Draft([1, 2, 3, 4]), 0.0), 2, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0, 16: 6.0}
+    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0, 16: 6.0, 32: 14.0}
     assert (p.acc_ngram[2].successes, p.acc_ngram[2].trials) == (2.0, 3.0)
     # Without learn_timings nothing about timings moves.
     q = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
@@ -402,7 +458,7 @@ def test_reset_starts_from_the_priors() -> None:
     assert (p.acc_model.rate, p.cont_model.rate) == (0.95, 0.6)
     assert all(a.rate == 0.6 and a.trials == 0.0 for a in p.acc_ngram.values())
     assert (p._model_steps, p.idle_model, p._streak, p.mean_streak) == (0, 0, 0, 1.0)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0, 16: 6.0} and p._last_ngram_bucket == 1
+    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0, 16: 6.0, 32: 14.0} and p._last_ngram_bucket == 1
     assert p.draft_min == 1 and p.p_min == 0.5 and p.drafters == [ngram, p.model]
     assert AutoPlanner(Timings(dict(HAND)), p_min=0.7, draft_min=3).p_min == 0.7
 
@@ -700,7 +756,8 @@ def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothi
     # Verified: 1 of the 2 accepted. Only suffix matching's bucket 4 learns.
     p.observe(plan, 1, 0.014)
     assert (p.acc_suffix[4].successes, p.acc_suffix[4].trials) == (1.0, 2.0)
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0}  # 1 accepted: 1 + (1 - 1) / 2
+    # 1 accepted: 1 + (1 - 1) / 2
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 14.0}
     assert all(a.trials == 0.0 for a in p.acc_ngram.values()) and p.ngram_len[4] == 4.0
     # An empty suffix draft teaches nothing.
     p.observe(Plan(p.suffix, Draft([]), 0.0), 0, 0.010)
@@ -728,7 +785,8 @@ def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
     p.suffix_len[2] = 3.0
     p.reset()
     assert all(x.trials == 0.0 for x in p.acc_suffix.values())
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0} and p._last_suffix_bucket == 1
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 14.0}
+    assert p._last_suffix_bucket == 1
 
 
 def test_suffix_chains_start_at_a_cap_of_six_and_grow_with_what_is_accepted() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specgguf.cache import cache_dir, read_json_cache, update_json_cache
 from specgguf.spec.drafters import Evaluator
-from specgguf.spec.planner import DEPTH_PROBE, Timings, calibrate
+from specgguf.spec.planner import DEPTH_PROBE, Timings, calibrate, calibration_sizes
 
 
 def _file_key(path: Path) -> str:
@@ -81,13 +81,15 @@ def pair_timings(
     recalibrate: bool = False,
 ) -> Timings:
     """The timings of ``key``: from the cache when one fresh decode step agrees with it
-    (within a factor of 2), else measured now and cached. Both KV caches end empty.
+    (within a factor of 2) and it measured the largest batch the target's outputs allow
+    now (a context set up for longer drafts measures again), else measured now and cached.
+    Both KV caches end empty.
 
     Raises:
         BackendError: an evaluation failed.
     """
     cached = None if recalibrate else load_calibration(key)
-    if cached is not None:
+    if cached is not None and max(cached.verify) >= max(calibration_sizes(target, draft)):
         now = calibrate(target, None, sample_ids, sizes=(1,), repeats=3)
         if 0.5 <= now.verify[1] / cached.verify[1] <= 2.0:
             return cached

@@ -20,7 +20,7 @@ from pathlib import Path
 from specgguf.engine.drafting import DRAFTERS
 from specgguf.errors import UsageError
 from specgguf.llama.rpc import DEFAULT_TIMEOUT, parse_endpoints
-from specgguf.spec.planner import AUTO_DRAFT_MAX
+from specgguf.spec.planner import AUTO_LOOKUP_MAX
 
 #: The most devices a tensor split can name (llama.cpp's ``llama_max_devices()``).
 MAX_DEVICES = 16
@@ -47,9 +47,10 @@ def default_draft_tree(drafter: DrafterKind) -> int:
 
 
 def default_draft_max(drafter: DrafterKind) -> int:
-    """The draft length used when none is given: auto mode's largest (16), none for the
-    target alone, else ``FIXED_DRAFT_MAX``."""
-    return {"auto": AUTO_DRAFT_MAX, "none": 0}.get(drafter, FIXED_DRAFT_MAX)
+    """The draft length used when none is given: auto mode's largest (64 for lookup
+    drafts; its draft model drafts at most 16), none for the target alone, else
+    ``FIXED_DRAFT_MAX``."""
+    return {"auto": AUTO_LOOKUP_MAX, "none": 0}.get(drafter, FIXED_DRAFT_MAX)
 
 
 @dataclasses.dataclass(frozen=True)

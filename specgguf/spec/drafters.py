@@ -274,12 +274,27 @@ def match_length(text: Sequence[int], after: int, end: int, n: int, stop: int | 
     return m
 
 
+#: A copy (a match of this many tokens or more) that breaks is looked for again, for
+#: ``RESUME_SPAN`` tokens of text, within ``RESUME_WINDOW`` tokens of where its source
+#: would be had the text kept pace with it.
+RESUME_MATCH = 16
+RESUME_SPAN = 32
+RESUME_WINDOW = 8
+
+
 class NgramDrafter:
     """Prompt-lookup drafting over the prompt and the output so far.
 
     For n from ``n_max`` down to ``n_min``: if the last n tokens occurred earlier, propose
     the tokens that followed their most recent earlier occurrence. The index of n-grams is
     updated incrementally (O(n_max - n_min + 1) per committed token).
+
+    An edit inside a copy (a renamed name) breaks a long match; the copy goes on a few
+    tokens later, but its short suffix usually occurs elsewhere too, later in the text
+    (``(items):`` after every ``def``), where the latest occurrence is the wrong one. So
+    after a match of ``RESUME_MATCH`` or more, for ``RESUME_SPAN`` tokens, an occurrence
+    within ``RESUME_WINDOW`` tokens of the copy's expected source position is taken first
+    and ``resumed`` is set (the planner then judges it as a copy).
     """
 
     name = "ngram"
@@ -298,6 +313,9 @@ class NgramDrafter:
         }
         self._indexed_to = 0  # n-grams ending before this position are indexed
         self.last_match = 0  # length of the last match (0: none)
+        self.resumed = False  # whether the last match resumed a broken copy
+        # the latest long copy: (text length, source position) when it was proposed
+        self._copy: tuple[int, int] | None = None
 
     def _update(self, history: Sequence[int]) -> None:
         # Index n-grams ending at positions up to len(history) - 1, so that the current
@@ -321,7 +339,7 @@ class NgramDrafter:
         """The tokens that followed the most recent earlier occurrence of the longest
         suffix n-gram (n_max down to n_min), at most ``k``; ``p_min`` is ignored."""
         self._update(history)
-        self.last_match = 0
+        self.last_match, self.resumed = 0, False
         if k <= 0:
             return Draft([])
         size = len(history)
@@ -329,8 +347,33 @@ class NgramDrafter:
             j = self._index[n].get(tuple(history[size - n :]))
             if j is not None:
                 self.last_match = match_length(history, j, size, n)
-                return Draft(list(history[j : min(j + k, size)]))
-        return Draft([])
+                break
+        else:
+            j = None
+        if self.last_match < RESUME_MATCH and self._copy is not None:
+            at, src = self._copy
+            if size - at > RESUME_SPAN:
+                self._copy = None
+            elif (r := self._resume(history, src + size - at)) is not None:
+                j, self.last_match, self.resumed = r[0], r[1], True
+        if j is None:
+            return Draft([])
+        if self.last_match >= RESUME_MATCH or self.resumed:
+            self._copy = (size, j)
+        return Draft(list(history[j : min(j + k, size)]))
+
+    def _resume(self, history: Sequence[int], expected: int) -> tuple[int, int] | None:
+        """The source position and match length of the longest suffix n-gram (n_max down
+        to n_min) that occurs ending within ``RESUME_WINDOW`` of ``expected``, nearest
+        first; None if none does."""
+        size = len(history)
+        lo, hi = max(0, expected - RESUME_WINDOW), min(size - 1, expected + RESUME_WINDOW)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            gram = tuple(history[size - n :])
+            for j in sorted(range(max(lo, n), hi + 1), key=lambda p: abs(p - expected)):
+                if tuple(history[j - n : j]) == gram:
+                    return j, match_length(history, j, size, n)
+        return None
 
 
 class SuffixDrafter:

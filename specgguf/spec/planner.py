@@ -31,6 +31,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from specgguf.spec.drafters import (
+    LONG_MATCH,
     Draft,
     Drafter,
     Evaluator,
@@ -41,11 +42,17 @@ from specgguf.spec.drafters import (
 from specgguf.spec.sampling import SamplerParams
 from specgguf.spec.tree import depths
 
-#: The largest draft length of auto mode, and of the draft model in it. n-gram drafts pay
-#: up to about 16 here and lose beyond (code editing: 29-33 tokens/s at 16, 25-29 at 48),
-#: and a verification of K + 1 tokens sizes llama.cpp's logits buffer (0.6 MB per row for
-#: a 151,936-token vocabulary).
+#: The largest draft length of the draft model in auto mode: its tokens cost a forward
+#: pass each, and its acceptance falls along a draft.
 AUTO_DRAFT_MAX = 16
+
+#: The largest draft length of auto mode (its lookup drafts, which cost nothing to make).
+#: Only a long verbatim copy drafts this far (:attr:`AutoPlanner.LONG_COPY_PRIOR`): on a
+#: CPU a row of a 65-row batch costs 0.7x one of a 17-row batch (``llama-bench -p
+#: 17,65``, 2-core AMD EPYC), so a copy verified 64 tokens at a time is faster, as
+#: llama.cpp's ngram-mod does (common/speculative.cpp). A verification of K + 1 tokens
+#: sizes llama.cpp's logits buffer (0.6 MB per row for a 151,936-token vocabulary).
+AUTO_LOOKUP_MAX = 64
 
 #: Verification batch sizes measured by calibration (others are interpolated).
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49)
@@ -286,6 +293,16 @@ class Acceptance:
 # --- calibration ----------------------------------------------------------------------
 
 
+def calibration_sizes(
+    target: Evaluator, draft: Evaluator | None, sizes: Sequence[int] = CALIBRATION_SIZES
+) -> list[int]:
+    """The verification batch sizes of ``sizes`` that :func:`calibrate` measures: those
+    the target's batch, its outputs (K + 1 for a draft length K) and both contexts allow."""
+    room = min(ctx.n_ctx for ctx in (target, draft) if ctx is not None)
+    cap = min(target.n_batch, getattr(target, "n_outputs_max", target.n_batch), room - 1)
+    return [n for n in sizes if n <= cap] or [1]
+
+
 def calibrate(
     target: Evaluator,
     draft: Evaluator | None,
@@ -309,8 +326,7 @@ def calibrate(
     """
     toks = list(tokens) or [0]
     room = min(ctx.n_ctx for ctx in (target, draft) if ctx is not None)
-    cap = min(target.n_batch, getattr(target, "n_outputs_max", target.n_batch), room - 1)
-    sizes = [n for n in sizes if n <= cap] or [1]
+    sizes = calibration_sizes(target, draft, sizes)
     need = max(sizes)
     n_prefix = max(0, min(64, room - need - 1))
 
@@ -542,7 +558,7 @@ class AutoPlanner:
     #: n-gram acceptance prior, relative to the target's confidence, by match length: one
     #: token of context predicts little (measured a = 0.1-0.6 on six kinds of text), four or
     #: more about as well as the confidence itself (0.7-0.98).
-    NGRAM_PRIOR: ClassVar[dict[int, float]] = {1: 0.3, 2: 0.7, 4: 1.0, 16: 1.0}
+    NGRAM_PRIOR: ClassVar[dict[int, float]] = {1: 0.3, 2: 0.7, 4: 1.0, 16: 1.0, LONG_MATCH: 1.0}
     #: ... but never more than this: on code the target's confidence is 0.95-0.99, and a
     #: 4- or 8-token match then looked good for 8-12 drafts, of which 1-2 were accepted
     #: (code generation, 2-core AMD EPYC: auto at 0.90x of the target alone)
@@ -557,6 +573,12 @@ class AutoPlanner:
     COPY_MATCH = 16
     COPY_PRIOR_MAX = 0.97
     COPY_CAP = AUTO_DRAFT_MAX
+    #: A verbatim match of ``LONG_MATCH`` (32) tokens is a long copy: its acceptance prior
+    #: is this, not scaled by the target's confidence (a copy is accepted as long as the
+    #: text is copied, however sure the target is of each token), and its drafts start
+    #: at up to ``LONG_COPY_CAP`` tokens.
+    LONG_COPY_PRIOR = 0.98
+    LONG_COPY_CAP = 32
     SWITCH_MARGIN = 1.25  # n-gram lookup replaces a draft model in use only when this much faster
     NEAR_SYNC = 8  # a draft model at most this many tokens behind counts as in step
     EXPLORE_STEPS = 4  # steps of a generation in which the draft model is judged optimistically
@@ -665,13 +687,19 @@ class AutoPlanner:
 
     def _first_len(self, bucket: int, length: float) -> float:
         """A bucket's mean accepted length before any draft: ``length``, or for copies
-        the one that caps their drafts at ``COPY_CAP`` (the cap is 2 x it + 4)."""
+        the one that caps their drafts at ``COPY_CAP`` (``LONG_COPY_CAP`` for long ones;
+        the cap is 2 x it + 4)."""
+        if bucket >= LONG_MATCH:
+            return (self.LONG_COPY_CAP - 4) / 2
         return (self.COPY_CAP - 4) / 2 if bucket >= self.COPY_MATCH else length
 
     def _lookup_prior(self, bucket: int) -> float:
         """A lookup draft's acceptance before its bucket has evidence: the bucket's prior
         times the target's confidence, at most ``LOOKUP_PRIOR_MAX`` (``COPY_PRIOR_MAX``
-        after a match of ``COPY_MATCH`` tokens)."""
+        after a match of ``COPY_MATCH`` tokens; ``LONG_COPY_PRIOR`` after one of
+        ``LONG_MATCH``)."""
+        if bucket >= LONG_MATCH:
+            return self.LONG_COPY_PRIOR
         cap = self.COPY_PRIOR_MAX if bucket >= self.COPY_MATCH else self.LOOKUP_PRIOR_MAX
         return min(cap, self.NGRAM_PRIOR[bucket] * self.confidence)
 
@@ -726,6 +754,8 @@ class AutoPlanner:
             if len(cand.tokens) < k_min:
                 continue
             match = max(1, drafter.last_match)
+            if getattr(drafter, "resumed", False):  # a copy resumed after an edit
+                match = max(match, self.COPY_MATCH)
             bucket = max(b for b in self.NGRAM_PRIOR if b <= match)
             a = rates[bucket].rate_with(self._lookup_prior(bucket))
             cap = min(len(cand.tokens), max(k_min, int(2 * lens[bucket]) + 4))
