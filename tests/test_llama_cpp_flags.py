@@ -203,6 +203,26 @@ def test_draft_min_is_checked_and_reaches_each_generation(tiny_models: dict[str,
         assert engine.describe()["draft_min"] == 0
 
 
+def test_a_fixed_drafter_asked_for_under_auto_drafts_at_most_16(
+    tiny_models: dict[str, Path],
+) -> None:
+    # Auto mode's own largest draft (64) is for its lookup copies; a generation that asks
+    # for another drafter without a draft length gets 16, as auto's draft model does, and
+    # what it asks for when it asks.
+    from specgguf.spec.loop import GenerationParams
+    from specgguf.spec.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, AutoPlanner
+
+    assert SpeculativeConfig(drafter="auto").draft_max == AUTO_LOOKUP_MAX == 64
+    with load_engine(tiny_models["target"], tiny_models["draft-partial"], drafter="auto",
+                     draft_max=-1, n_ctx=512) as engine:  # fmt: skip
+        auto = engine.planner(GenerationParams())
+        assert isinstance(auto, AutoPlanner)
+        assert (auto.draft_max, auto.draft_max_model) == (64, AUTO_DRAFT_MAX) == (64, 16)
+        for kind in ("model", "ngram", "suffix"):
+            assert engine.planner(GenerationParams(drafter=kind)).draft_max == 16, kind
+        assert engine.planner(GenerationParams(drafter="ngram", draft_max=40)).draft_max == 40
+
+
 # --- load progress -------------------------------------------------------------------
 
 

@@ -318,11 +318,26 @@ def test_a_long_verbatim_copy_drafts_longer_with_its_own_prior() -> None:
     plan = p.plan([*src, 1, 2, *src[:20]], 64, GREEDY, RNG)
     assert p.ngram.last_match == 20 and plan.draft.tokens == src[20:36]  # COPY_CAP 16
     assert plan.expected_rate == pytest.approx(e(0.5, 16) / 0.010)
+    # Sampled, a copied token is accepted with the target's probability of it: the
+    # confidence, 0.5, not 0.98 (the same 32 drafts on flat timings).
+    p = planner()
+    plan = p.plan([*src, 1, 2, *src[:40]], 64, SamplerParams(temperature=1.0), RNG)
+    assert plan.draft.tokens == src[40:72]
+    assert plan.expected_rate == pytest.approx(e(0.5, 32) / 0.010)
+    # Suffix matching's long matches (maybe another generation's) are copies of 16, not
+    # long copies.
+    p = AutoPlanner(Timings(dict(FLAT)), suffix=SuffixDrafter(), learn_timings=False)
+    p.confidence = 0.5
+    plan = p.plan([*src, 1, 2, *src[:40]], 64, GREEDY, RNG)
+    assert p.suffix is not None and p.suffix.last_match == 32
+    assert plan.drafter is p.suffix and len(plan.draft.tokens) == 16
+    assert plan.expected_rate == pytest.approx(e(0.5, 16) / 0.010)
 
 
 def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
-    from specgguf.spec.drafters import RESUME_SPAN
+    from specgguf.spec.drafters import RESUME_SPAN, RESUME_WINDOW
 
+    assert (RESUME_SPAN, RESUME_WINDOW) == (32, 8)  # the geometry below
     # The source: a long text with the name 7 in it, and later 3, 4 (its suffix after the
     # edit) followed by something else. The copy renames 7 to 8, 9; after the edit the
     # latest occurrence of 3, 4 is the later one (50, 51, ...), the copy's is 21, 22, ...
@@ -338,11 +353,36 @@ def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
     fresh = NgramDrafter(2, 8)
     assert fresh.propose([*source, 1, *copy], 4, GREEDY, RNG).tokens == [50, 51, 52, 53]
     assert not fresh.resumed
-    # Nor once the text has gone RESUME_SPAN tokens past the copy's last long match.
+    # Nor once the text has gone more than RESUME_SPAN tokens past the copy's last long
+    # match, resumes in between or not (a resume realigns the copy, it does not extend
+    # the span). Here 30 tokens of the source (500-529) are replaced by new ones.
+    s2 = [*head, 500, 501, 4, 50, *range(504, 530), 3, 4, *tail, 60, 3, 4, 50, 51, 52, 53]
+    start = [*s2, 1, *head]  # a 20-token match: the long match, source position 20
+    for extra, resumes in (([], True), ([5], False)):
+        d = NgramDrafter(2, 8)
+        d.propose(start, 8, GREEDY, RNG)
+        # 32 tokens on (33 with the extra one): the copy's 3, 4 ends at 52 = 20 + 32
+        d.propose([*start, *range(300, 330), *extra, 3, 4], 4, GREEDY, RNG)
+        assert d.resumed == resumes, extra
     d = NgramDrafter(2, 8)
-    d.propose([*source, 1, *head], 8, GREEDY, RNG)
-    later = [*source, 1, *head, *range(300, 300 + RESUME_SPAN), 3, 4]
-    assert d.propose(later, 4, GREEDY, RNG).tokens == [50, 51, 52, 53] and not d.resumed
+    d.propose(start, 8, GREEDY, RNG)
+    text = [*start, 9, 9, 9, 504, 505]  # 5 on: 504, 505 ends at 26 in the source
+    assert d.propose(text, 4, GREEDY, RNG).tokens == [506, 507, 508, 509] and d.resumed
+    text = [*text, *range(300, 325), 3, 4]  # 32 on: resumed (expected 53, at 52)
+    assert d.propose(text, 4, GREEDY, RNG).tokens == tail[:4] and d.resumed
+    text = [*text, 5, 5, 5, 3, 4]  # 37 on, 5 past the last resume: not
+    d.propose(text, 4, GREEDY, RNG)
+    assert not d.resumed
+    # A longer match elsewhere wins: 5 tokens on, the text copies 60, 3, 4, 50 from the
+    # source's end; near the copy's source (position 25) only 4, 50 occurs.
+    d = NgramDrafter(2, 8)
+    d.propose(start, 8, GREEDY, RNG)
+    assert d.propose([*start, 8, 60, 3, 4, 50], 2, GREEDY, RNG).tokens == [51, 52]
+    assert d.last_match == 4 and not d.resumed
+    d = NgramDrafter(2, 8)  # (without the longer match, the resume)
+    d.propose(start, 8, GREEDY, RNG)
+    assert d.propose([*start, 8, 7, 6, 4, 50], 2, GREEDY, RNG).tokens == [504, 505]
+    assert d.resumed
     # The planner judges a resumed match as a copy (bucket 16), not by its 2 tokens.
     p = AutoPlanner(Timings(dict(FLAT)), ngram=NgramDrafter(2, 8), learn_timings=False)
     p.confidence = 1.0
@@ -757,7 +797,7 @@ def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothi
     p.observe(plan, 1, 0.014)
     assert (p.acc_suffix[4].successes, p.acc_suffix[4].trials) == (1.0, 2.0)
     # 1 accepted: 1 + (1 - 1) / 2
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 14.0}
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
     assert all(a.trials == 0.0 for a in p.acc_ngram.values()) and p.ngram_len[4] == 4.0
     # An empty suffix draft teaches nothing.
     p.observe(Plan(p.suffix, Draft([]), 0.0), 0, 0.010)
@@ -785,7 +825,7 @@ def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
     p.suffix_len[2] = 3.0
     p.reset()
     assert all(x.trials == 0.0 for x in p.acc_suffix.values())
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 14.0}
+    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
     assert p._last_suffix_bucket == 1
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from specgguf.engine.engine import Engine
 from specgguf.spec.drafters import SuffixDrafter
 from specgguf.spec.loop import GenerationParams, GenerationResult, GenerationStats
-from specgguf.spec.planner import AUTO_DRAFT_MAX, Timings, best_k
+from specgguf.spec.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, Timings, best_k
 from specgguf.spec.sampling import SamplerParams
 
 #: The row that pools every category.
@@ -296,7 +296,7 @@ def allowed_rate(
             continue
         accepted = sum(c.stats.accepted for c in measured)
         a = accepted / max(1, sum(c.stats.accepted + c.stats.rejected_steps for c in measured))
-        k, rate = best_k(a, timings, AUTO_DRAFT_MAX,
+        k, rate = best_k(a, timings, AUTO_DRAFT_MAX if family == "model" else AUTO_LOOKUP_MAX,
                          draft_cost=None if family == "model" else 0.0)  # fmt: skip
         if best is None or rate > best[3]:
             best = (family, a, k, rate)

@@ -33,6 +33,7 @@ from specgguf.engine.config import (
     check_draft_min,
     check_drafter,
     check_p_min,
+    default_draft_max,
     default_draft_tree,
 )
 from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
@@ -42,7 +43,7 @@ from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.spec.drafters import ModelDrafter, SuffixDrafter
 from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import Planner, Timings, calibrate
+from specgguf.spec.planner import AUTO_DRAFT_MAX, Planner, Timings, calibrate
 
 log = logging.getLogger("specgguf")
 
@@ -138,7 +139,9 @@ class Engine:
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
             # Said when the batch size is what clamps the draft length; a context smaller
             # than the draft length limits each step by the room left, as it should.
-            if spec.draft_max >= config.target.n_batch:
+            if spec.draft_max >= config.target.n_batch and (
+                spec.draft_max != default_draft_max(spec.drafter)  # asked for, not auto's
+            ):
                 log.warning(
                     "a draft length of %d does not fit a verification batch of %d tokens: "
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
@@ -296,6 +299,10 @@ class Engine:
         kind = params.drafter or spec.drafter
         check_drafter(kind)
         draft_max = spec.draft_max if params.draft_max is None else params.draft_max
+        if params.draft_max is None and spec.drafter == "auto" and kind != "auto":
+            # auto's largest draft is for its lookup copies; a fixed drafter asked for per
+            # generation drafts at most what auto's draft model does
+            draft_max = min(draft_max, AUTO_DRAFT_MAX)
         if draft_max < 0:
             raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
         p_min = spec.p_min if params.p_min is None else params.p_min

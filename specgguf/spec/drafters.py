@@ -293,8 +293,9 @@ class NgramDrafter:
     tokens later, but its short suffix usually occurs elsewhere too, later in the text
     (``(items):`` after every ``def``), where the latest occurrence is the wrong one. So
     after a match of ``RESUME_MATCH`` or more, for ``RESUME_SPAN`` tokens, an occurrence
-    within ``RESUME_WINDOW`` tokens of the copy's expected source position is taken first
-    and ``resumed`` is set (the planner then judges it as a copy).
+    within ``RESUME_WINDOW`` tokens of the copy's expected source position is taken unless
+    the latest occurrence matches longer, and ``resumed`` is set (the planner then judges
+    it as a copy).
     """
 
     name = "ngram"
@@ -314,8 +315,9 @@ class NgramDrafter:
         self._indexed_to = 0  # n-grams ending before this position are indexed
         self.last_match = 0  # length of the last match (0: none)
         self.resumed = False  # whether the last match resumed a broken copy
-        # the latest long copy: (text length, source position) when it was proposed
-        self._copy: tuple[int, int] | None = None
+        # the latest long copy: the text length at its last long match, and the text
+        # length and source position of its latest (long or resumed) match
+        self._copy: tuple[int, int, int] | None = None
 
     def _update(self, history: Sequence[int]) -> None:
         # Index n-grams ending at positions up to len(history) - 1, so that the current
@@ -351,15 +353,18 @@ class NgramDrafter:
         else:
             j = None
         if self.last_match < RESUME_MATCH and self._copy is not None:
-            at, src = self._copy
-            if size - at > RESUME_SPAN:
+            long_at, at, src = self._copy
+            if size - long_at > RESUME_SPAN:
                 self._copy = None
-            elif (r := self._resume(history, src + size - at)) is not None:
+            elif (r := self._resume(history, src + size - at)) is not None and (
+                r[1] >= self.last_match  # a longer match elsewhere wins
+            ):
                 j, self.last_match, self.resumed = r[0], r[1], True
+                self._copy = (long_at, size, j)  # realigned; the span still from the copy
         if j is None:
             return Draft([])
-        if self.last_match >= RESUME_MATCH or self.resumed:
-            self._copy = (size, j)
+        if self.last_match >= RESUME_MATCH:
+            self._copy = (size, size, j)
         return Draft(list(history[j : min(j + k, size)]))
 
     def _resume(self, history: Sequence[int], expected: int) -> tuple[int, int] | None:

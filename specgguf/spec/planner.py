@@ -47,7 +47,9 @@ from specgguf.spec.tree import depths
 AUTO_DRAFT_MAX = 16
 
 #: The largest draft length of auto mode (its lookup drafts, which cost nothing to make).
-#: Only a long verbatim copy drafts this far (:attr:`AutoPlanner.LONG_COPY_PRIOR`): on a
+#: Drafts this long are chosen by the cost model where acceptance is high (a long verbatim
+#: copy: :attr:`AutoPlanner.LONG_COPY_PRIOR`; any match whose drafts keep being accepted
+#: whole, whose cap grows with the accepted length): on a
 #: CPU a row of a 65-row batch costs 0.7x one of a 17-row batch (``llama-bench -p
 #: 17,65``, 2-core AMD EPYC), so a copy verified 64 tokens at a time is faster, as
 #: llama.cpp's ngram-mod does (common/speculative.cpp). A verification of K + 1 tokens
@@ -565,14 +567,14 @@ class AutoPlanner:
     LOOKUP_PRIOR_MAX = 0.9
     #: ... except after a verbatim match of ``COPY_MATCH`` tokens or more: text being
     #: copied (code editing: 109 of 115 drafts accepted), whose drafts start at up to
-    #: ``COPY_CAP`` tokens (auto mode's largest). With 0.9 and a cap of 12, on a machine
+    #: ``COPY_CAP`` tokens. With 0.9 and a cap of 12, on a machine
     #: where batches cost nearly their rows (13 rows 8.3x one), no draft length paid,
     #: nothing was verified and so the prior was never corrected: code editing ran 128
     #: steps without a draft after another generation had refined the timings (2-core AMD
     #: EPYC), where drafts gave 1.3-1.9x.
     COPY_MATCH = 16
     COPY_PRIOR_MAX = 0.97
-    COPY_CAP = AUTO_DRAFT_MAX
+    COPY_CAP = 16
     #: A verbatim match of ``LONG_MATCH`` (32) tokens is a long copy: its acceptance prior
     #: is this, not scaled by the target's confidence (a copy is accepted as long as the
     #: text is copied, however sure the target is of each token), and its drafts start
@@ -596,7 +598,7 @@ class AutoPlanner:
         model: ModelDrafter | None = None,
         ngram: NgramDrafter | None = None,
         suffix: SuffixDrafter | None = None,
-        draft_max: int = AUTO_DRAFT_MAX,
+        draft_max: int = AUTO_LOOKUP_MAX,
         draft_max_model: int = AUTO_DRAFT_MAX,
         p_min: float = 0.0,
         draft_min: int = 0,
@@ -666,7 +668,7 @@ class AutoPlanner:
         # generations are weaker evidence than the prompt's, and on a machine where a batch
         # costs its rows (5 rows 3x one) a long wrong draft costs several steps (measured:
         # 4 suffix steps drafting 35 tokens, 8 accepted, on code generation).
-        self.suffix_len = {n: self._first_len(n, 1.0) for n in self.NGRAM_PRIOR}
+        self.suffix_len = {n: self._first_len(n, 1.0, long_copy=False) for n in self.NGRAM_PRIOR}
         self._last_suffix_bucket = 1
 
     def _tree_size(self, tree: Draft, k_min: int, k_max: int) -> tuple[int, float, int]:
@@ -678,27 +680,29 @@ class AutoPlanner:
         has confirmed yet costs a short batch when it is wrong."""
         assert self.suffix is not None and tree.parents is not None and tree.probs is not None
         bucket = max(b for b in self.NGRAM_PRIOR if b <= max(1, self.suffix.last_match))
-        a = self.acc_suffix[bucket].rate_with(self._lookup_prior(bucket))
+        a = self.acc_suffix[bucket].rate_with(self._lookup_prior(bucket, long_copy=False))
         cap = max(k_min, int(2 * self.suffix_len[bucket]) + 4)
         est = [p * a**d for p, d in zip(tree.probs, depths(tree.parents), strict=True)]
         est = est[: min(k_max, cap)]
         m, rate = best_tree(est, self.timings, k_min=k_min)
         return m, rate, bucket
 
-    def _first_len(self, bucket: int, length: float) -> float:
+    def _first_len(self, bucket: int, length: float, *, long_copy: bool = True) -> float:
         """A bucket's mean accepted length before any draft: ``length``, or for copies
         the one that caps their drafts at ``COPY_CAP`` (``LONG_COPY_CAP`` for long ones;
-        the cap is 2 x it + 4)."""
-        if bucket >= LONG_MATCH:
+        the cap is 2 x it + 4; ``long_copy`` False: no long copies, for suffix matching)."""
+        if bucket >= LONG_MATCH and long_copy:
             return (self.LONG_COPY_CAP - 4) / 2
         return (self.COPY_CAP - 4) / 2 if bucket >= self.COPY_MATCH else length
 
-    def _lookup_prior(self, bucket: int) -> float:
+    def _lookup_prior(self, bucket: int, *, long_copy: bool = True) -> float:
         """A lookup draft's acceptance before its bucket has evidence: the bucket's prior
         times the target's confidence, at most ``LOOKUP_PRIOR_MAX`` (``COPY_PRIOR_MAX``
         after a match of ``COPY_MATCH`` tokens; ``LONG_COPY_PRIOR`` after one of
-        ``LONG_MATCH``)."""
-        if bucket >= LONG_MATCH:
+        ``LONG_MATCH``, where ``long_copy``: n-gram lookup in the text itself when greedy;
+        a sampled token is accepted with the target's probability of it, and suffix
+        matching's long matches may come from another generation)."""
+        if bucket >= LONG_MATCH and long_copy:
             return self.LONG_COPY_PRIOR
         cap = self.COPY_PRIOR_MAX if bucket >= self.COPY_MATCH else self.LOOKUP_PRIOR_MAX
         return min(cap, self.NGRAM_PRIOR[bucket] * self.confidence)
@@ -757,7 +761,8 @@ class AutoPlanner:
             if getattr(drafter, "resumed", False):  # a copy resumed after an edit
                 match = max(match, self.COPY_MATCH)
             bucket = max(b for b in self.NGRAM_PRIOR if b <= match)
-            a = rates[bucket].rate_with(self._lookup_prior(bucket))
+            long_copy = drafter is self.ngram and sampler.greedy
+            a = rates[bucket].rate_with(self._lookup_prior(bucket, long_copy=long_copy))
             cap = min(len(cand.tokens), max(k_min, int(2 * lens[bucket]) + 4))
             k, rate = best_k(a, t, cap, draft_cost=0.0, k_min=k_min, greedy=sampler.greedy)
             # the faster lookup draft; n-gram lookup on a tie
