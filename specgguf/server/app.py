@@ -267,7 +267,7 @@ class _Service:
             await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if waiter.done():
                 return waiter.result()
-            log.info("%s: the client went away; its generation was cancelled", label)
+            _log_cancelled(label)
             return None
         finally:
             job.cancel()  # no-op once finished
@@ -313,7 +313,7 @@ class _Service:
                 return
         finally:
             if not ended:
-                log.info("%s: the client went away; its generation was cancelled", label)
+                _log_cancelled(label)
             job.cancel()
 
     def log_result(self, label: str, result: GenerationResult, prompt: Any = None) -> None:
@@ -364,6 +364,10 @@ def _finished(result: GenerationResult | None) -> GenerationResult:
     if result is None or result.finish_reason == "interrupted":
         raise _shutting_down()
     return result
+
+
+def _log_cancelled(label: str) -> None:
+    log.info("%s: the client went away; its generation was cancelled", label)
 
 
 def _waiting(max_queue: int) -> str:

@@ -373,10 +373,11 @@ class NgramDrafter:
         first; None if none does."""
         size = len(history)
         lo, hi = max(0, expected - RESUME_WINDOW), min(size - 1, expected + RESUME_WINDOW)
+        nearest = sorted(range(lo, hi + 1), key=lambda p: abs(p - expected))
         for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
             gram = tuple(history[size - n :])
-            for j in sorted(range(max(lo, n), hi + 1), key=lambda p: abs(p - expected)):
-                if tuple(history[j - n : j]) == gram:
+            for j in nearest:
+                if j >= n and tuple(history[j - n : j]) == gram:
                     return j, match_length(history, j, size, n)
         return None
 
@@ -402,6 +403,7 @@ class SuffixDrafter:
     """
 
     name = "suffix"
+    resumed = False  # (n-gram lookup's resumed copies; never here)
     LENGTHS = (1, 2, 4, 8)
     SEPARATOR = -1  # between generations: no match runs across
 

@@ -758,7 +758,7 @@ class AutoPlanner:
             if len(cand.tokens) < k_min:
                 continue
             match = max(1, drafter.last_match)
-            if getattr(drafter, "resumed", False):  # a copy resumed after an edit
+            if drafter.resumed:  # a copy resumed after an edit
                 match = max(match, self.COPY_MATCH)
             bucket = max(b for b in self.NGRAM_PRIOR if b <= match)
             long_copy = drafter is self.ngram and sampler.greedy
