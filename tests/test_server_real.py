@@ -106,3 +106,16 @@ def test_sigterm_before_listening_ends_it_as_ctrl_c_does(
     rest = proc.stderr.read()
     assert proc.wait(60) == 130, "".join(seen[-5:]) + rest[-2000:]
     assert "Traceback" not in rest and "listening on" not in rest
+
+
+def test_the_server_holds_its_weights_on_huge_pages(
+    server: ServerProcess, real_models: dict[str, Path]
+) -> None:
+    from specgguf.llama.hugepages import thp_mode
+
+    if thp_mode() != "madvise" or os.environ.get("SPECGGUF_HUGEPAGES") is not None:
+        pytest.skip("THP mode not madvise, or SPECGGUF_HUGEPAGES decides: not serve's default")
+    rollup = Path(f"/proc/{server.proc.pid}/smaps_rollup").read_text()
+    huge = next(int(x.split()[1]) * 1024 for x in rollup.splitlines() if x.startswith("AnonHuge"))
+    weights = sum(real_models[n].stat().st_size for n in (testmodels.TARGET, testmodels.DRAFT))
+    assert huge > 0.7 * weights, rollup

@@ -3,6 +3,7 @@ OpenAI-compatible HTTP server over it (:mod:`specgguf.server`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -135,6 +136,12 @@ def serve(
         hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, rpc=rpc, rpc_draft=rpc_draft,
         tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
     )  # fmt: skip
+    # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
+    config = dataclasses.replace(
+        config,
+        target=dataclasses.replace(config.target, huge_pages=True),
+        draft=config.draft and dataclasses.replace(config.draft, huge_pages=True),
+    )
     checked = preflight(config)  # before any weights load
     sock = bind(host, port)  # a taken port is reported before loading too
     if not is_loopback(sock) and not api_key:

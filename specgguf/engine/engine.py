@@ -205,7 +205,7 @@ class Engine:
         progress = functools.partial(report, m.path) if report is not None else None
         model = LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack,
                            devices=devices, tensor_split=m.tensor_split,
-                           progress=progress)  # fmt: skip
+                           progress=progress, huge_pages=m.huge_pages)  # fmt: skip
         return self._stack.enter_context(model)
 
     def _context(

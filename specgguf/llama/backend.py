@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError, UsageError
+from specgguf.llama.hugepages import LoadAdvice
 from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_policy
 
 log = logging.getLogger("specgguf")
@@ -118,6 +119,9 @@ class LlamaModel(_Native):
         progress: called with the share of the weights loaded (0.0 to 1.0) as llama.cpp
             loads them (``llama_model_params.progress_callback``); an exception raised in
             it (Ctrl-C) aborts the load and is raised again here.
+        huge_pages: advise transparent huge pages for the weights held in this process's
+            memory when ``SPECGGUF_HUGEPAGES`` does not say (see
+            :mod:`specgguf.llama.hugepages`); ``huge_pages_advised`` is then the bytes.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist.
@@ -135,6 +139,7 @@ class LlamaModel(_Native):
         devices: Sequence[str | int] | None = None,
         tensor_split: Sequence[float] = (),
         progress: Callable[[float], None] | None = None,
+        huge_pages: bool = False,
     ) -> None:
         self._lc = lc = llama()
         self.path = Path(path)
@@ -175,10 +180,16 @@ class LlamaModel(_Native):
             split_array = (ctypes.c_float * n_max)(*list(tensor_split)[:n_max])
             params.tensor_split = ctypes.cast(split_array, ctypes.POINTER(ctypes.c_float))
         raised: list[BaseException] = []
+        # Weights in this process's memory (repacked, or read: not offloaded) get huge pages.
+        advice = LoadAdvice(huge_pages) if not vocab_only and not self.offloads else None
+        if advice is not None and advice.active:
+            progress = _advised(advice, progress)
         callback = _progress_callback(lc, progress, raised) if progress is not None else None
         if callback is not None:
             params.progress_callback = callback
         model = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        #: bytes of weights advised to transparent huge pages (:mod:`specgguf.llama.hugepages`)
+        self.huge_pages_advised = advice.advised if advice is not None else 0
         del device_array, split_array
         if raised:
             if model:
@@ -366,6 +377,19 @@ def _device_handles(lc: Any, names: Sequence[str | int]) -> list[int]:
             )
         handles.append(int(dev))
     return handles
+
+
+def _advised(
+    advice: LoadAdvice, progress: Callable[[float], None] | None
+) -> Callable[[float], None]:
+    """``progress`` that first lets ``advice`` see the load's buffers."""
+
+    def hook(value: float) -> None:
+        advice.on_progress(value)
+        if progress is not None:
+            progress(value)
+
+    return hook
 
 
 def _progress_callback(
