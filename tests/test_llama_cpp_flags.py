@@ -242,11 +242,15 @@ def test_load_progress_reaches_every_model_and_ends_at_one(tiny_models: dict[str
         assert len(shares) > 2
 
 
+@pytest.mark.parametrize("huge_pages", [False, True])
 def test_an_exception_in_the_progress_callback_aborts_the_load(
-    tiny_models: dict[str, Path],
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, huge_pages: bool
 ) -> None:
+    from specgguf.llama import hugepages
     from specgguf.llama.backend import LlamaModel
 
+    # With huge pages the caller's callback runs behind the advice's hook: the same holds.
+    monkeypatch.setattr(hugepages, "enabled", lambda default: default)
     calls: list[float] = []
 
     def interrupt(share: float) -> None:
@@ -255,10 +259,10 @@ def test_an_exception_in_the_progress_callback_aborts_the_load(
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        LlamaModel(tiny_models["target"], progress=interrupt)
+        LlamaModel(tiny_models["target"], progress=interrupt, huge_pages=huge_pages)
     assert len(calls) == 2  # llama.cpp stopped at the first refusal
     # Control: the same load without the interruption succeeds.
-    with LlamaModel(tiny_models["target"], progress=calls.append) as model:
+    with LlamaModel(tiny_models["target"], progress=calls.append, huge_pages=huge_pages) as model:
         assert model.n_vocab > 0 and calls[-1] == 1.0
 
 

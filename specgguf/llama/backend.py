@@ -181,7 +181,8 @@ class LlamaModel(_Native):
             params.tensor_split = ctypes.cast(split_array, ctypes.POINTER(ctypes.c_float))
         raised: list[BaseException] = []
         # Weights in this process's memory (repacked, or read: not offloaded) get huge pages.
-        advice = LoadAdvice(huge_pages) if not vocab_only and not self.offloads else None
+        in_memory = params.use_extra_bufts and not vocab_only and not self.offloads
+        advice = LoadAdvice(huge_pages) if in_memory else None
         if advice is not None and advice.active:
             progress = _advised(advice, progress)
         callback = _progress_callback(lc, progress, raised) if progress is not None else None
