@@ -145,9 +145,10 @@ def untouched(ranges: list[Range]) -> list[Range]:
         vec = (ctypes.c_ubyte * n)()
         if fn(start, end - start, vec) != 0:
             continue
-        resident = (np.ctypeslib.as_array(vec) & 1).reshape(-1, per_huge).any(axis=1)
+        pages = np.ctypeslib.as_array(vec).reshape(-1, per_huge)
+        busy_at = [bool(x) for x in np.any(pages & 1, axis=1).tolist()]
         run: int | None = None  # the first free huge page of the current run
-        for i, busy in enumerate([*resident.tolist(), 1]):
+        for i, busy in enumerate([*busy_at, True]):
             if not busy and run is None:
                 run = i
             elif busy and run is not None:
