@@ -334,6 +334,39 @@ def test_a_long_verbatim_copy_drafts_longer_with_its_own_prior() -> None:
     assert plan.expected_rate == pytest.approx(e(0.5, 16) / 0.010)
 
 
+#: The calibration of a 2-core AMD EPYC up to 49 rows, as auto mode measured it (2026-12-02)
+LONG = {1: 0.0461, 2: 0.0928, 3: 0.1119, 4: 0.139, 5: 0.1673, 7: 0.2486, 9: 0.3522,
+        13: 0.4289, 17: 0.4646, 25: 0.6067, 33: 0.6893, 49: 0.9944}  # fmt: skip
+
+
+@pytest.mark.parametrize(("weight", "k"), [(AutoPlanner.LONG_COPY_WEIGHT, 32), (2.0, 48)])
+def test_one_long_copy_accepted_whole_does_not_make_the_next_one_longer(
+    monkeypatch: pytest.MonkeyPatch, weight: float, k: int
+) -> None:
+    # A long copy's first draft: 32 tokens (LONG_COPY_CAP), all accepted. Its bucket then
+    # holds 32 successes in 32 trials, faded once by the next step's tick to 31.04 / 31.04,
+    # and its cap is 2 x (14 + 0.5 x (32 - 14)) + 4 = 50. With the prior 0.98 weighing 50
+    # tokens, a = (31.04 + 49) / (31.04 + 50) = 0.98766: K=32 e(a, 32) / 0.6893 = 27.244 /
+    # 0.6893 = 39.52 tokens/s, above K=48 36.936 / 0.9944 = 37.14. Weighing 2 tokens, as
+    # other priors do, a = 33 / 33.04 = 0.99879 and K=48 wins (47.603 / 0.9944 = 47.87,
+    # K=32 46.96): the draft that the rename in code editing broke at its 20th token,
+    # 0.99 s where 32 cost 0.69 s.
+    assert round(AutoPlanner.LONG_COPY_WEIGHT) == 50
+    monkeypatch.setattr(AutoPlanner, "LONG_COPY_WEIGHT", weight)
+    p = AutoPlanner(Timings(dict(LONG)), ngram=NgramDrafter(1, 8), learn_timings=False)
+    p.confidence = 0.9
+    src = list(range(100, 300))
+    text = [*src, 1, 2, *src[:40]]
+    first = p.plan(text, 64, GREEDY, RNG)
+    assert first.draft.tokens == src[40:72] and p._last_ngram_bucket == 32
+    p.observe(first, 32, 0.69, 0.99, rows=33)
+    plan = p.plan([*text, *src[40:73]], 64, GREEDY, RNG)
+    assert p._last_ngram_bucket == 32 and plan.draft.tokens == src[73 : 73 + k]
+    a = (31.04 + weight * 0.98) / (31.04 + weight)
+    verify = {32: 0.6893, 48: 0.9944}[k]  # 33 and 49 rows
+    assert plan.expected_rate == pytest.approx(e(a, k) / verify)
+
+
 def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
     from specgguf.spec.drafters import RESUME_SPAN, RESUME_WINDOW
 

@@ -273,9 +273,12 @@ class Acceptance:
     successes: float = 0.0
     trials: float = 0.0
 
-    def rate_with(self, prior: float | None = None) -> float:
+    def rate_with(self, prior: float | None = None, weight: float | None = None) -> float:
+        """The counts blended with ``prior`` (default: :attr:`prior`) worth ``weight``
+        trials (default: :attr:`weight`)."""
         p = self.prior if prior is None else prior
-        return (self.successes + p * self.weight) / (self.trials + self.weight)
+        w = self.weight if weight is None else weight
+        return (self.successes + p * w) / (self.trials + w)
 
     @property
     def rate(self) -> float:
@@ -581,6 +584,13 @@ class AutoPlanner:
     #: at up to ``LONG_COPY_CAP`` tokens.
     LONG_COPY_PRIOR = 0.98
     LONG_COPY_CAP = 32
+    #: ... and that prior weighs as many tokens as it expects between two breaks, 1 / (1 -
+    #: 0.98) = 50, not the 2 of other priors: a copy breaks where the text is edited, a
+    #: rare event whose rate a few drafts accepted whole cannot tell. With 2, one 32-token
+    #: draft accepted whole read as 0.999 a token, and the next draft was 48 tokens where
+    #: 32 pay best at 0.98 (a row of a 49-row batch costs 20 ms against a 46 ms lone step);
+    #: the rename in code editing broke it at 20 (2-core AMD EPYC).
+    LONG_COPY_WEIGHT = 1 / (1 - LONG_COPY_PRIOR)
     SWITCH_MARGIN = 1.25  # n-gram lookup replaces a draft model in use only when this much faster
     NEAR_SYNC = 8  # a draft model at most this many tokens behind counts as in step
     EXPLORE_STEPS = 4  # steps of a generation in which the draft model is judged optimistically
@@ -762,7 +772,8 @@ class AutoPlanner:
                 match = max(match, self.COPY_MATCH)
             bucket = max(b for b in self.NGRAM_PRIOR if b <= match)
             long_copy = drafter is self.ngram and sampler.greedy
-            a = rates[bucket].rate_with(self._lookup_prior(bucket, long_copy=long_copy))
+            weight = self.LONG_COPY_WEIGHT if long_copy and bucket >= LONG_MATCH else None
+            a = rates[bucket].rate_with(self._lookup_prior(bucket, long_copy=long_copy), weight)
             cap = min(len(cand.tokens), max(k_min, int(2 * lens[bucket]) + 4))
             k, rate = best_k(a, t, cap, draft_cost=0.0, k_min=k_min, greedy=sampler.greedy)
             # the faster lookup draft; n-gram lookup on a tie
