@@ -3,9 +3,9 @@
 When the CPU's weights are repacked (or read rather than mapped), llama.cpp keeps them in
 anonymous memory from ``posix_memalign`` (ggml/src/ggml.c, ``ggml_aligned_malloc``). Linux
 backs that memory with 4 KiB pages unless the process asks for transparent huge pages
-(2 MiB) with ``madvise(MADV_HUGEPAGE)``: the kernel's THP mode ``madvise`` (Ubuntu's
-default, and this project's test machines') grants them only where asked, ``always``
-everywhere, ``never`` nowhere (Documentation/admin-guide/mm/transhuge.rst). Every generated
+(2 MiB) with ``madvise(MADV_HUGEPAGE)``: the kernel's THP mode ``madvise`` (this
+project's test machines run it) grants them only where asked, ``always`` everywhere,
+``never`` nowhere (Documentation/admin-guide/mm/transhuge.rst). Every generated
 token reads every weight once; with 4 KiB pages a 1 GB model is 260,000 page-table entries
 per token, with 2 MiB pages 500. ``scripts/bench-hugepages`` measures the step time of the
 same model loaded both ways in one process: 3-4% less with huge pages for Qwen2.5-Coder
