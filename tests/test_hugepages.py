@@ -135,13 +135,6 @@ def test_load_advice_does_nothing_when_disabled(monkeypatch: pytest.MonkeyPatch)
     assert advice.advised == 0
 
 
-def _anon_huge_bytes() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 @pytest.mark.real_models
 @pytest.mark.skipif(hp.thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
 def test_a_model_loaded_with_huge_pages_has_its_weights_on_them(
@@ -153,13 +146,13 @@ def test_a_model_loaded_with_huge_pages_has_its_weights_on_them(
         assert model.huge_pages_advised == 0
         if not model.use_extra_bufts or model.offloads:
             pytest.skip("the weights are not copied into this process's memory here")
-    before = _anon_huge_bytes()
+    before = hp.anon_huge_bytes()
     with LlamaModel(path, huge_pages=True) as model:
         size = path.stat().st_size
         # The repacked weights are about the file's size: most of it advised and backed.
         assert model.huge_pages_advised > 0.8 * size
         if hp.thp_mode() == "madvise":  # under "always" the other load's pages count too
-            assert _anon_huge_bytes() - before > 0.7 * size
+            assert hp.anon_huge_bytes() - before > 0.7 * size
         with model.new_context(n_ctx=256) as ctx:
             logits = ctx.eval(model.tokenize("The capital of France is"), logits="last")
             assert logits.shape == (1, model.n_vocab)

@@ -111,14 +111,13 @@ def test_sigterm_before_listening_ends_it_as_ctrl_c_does(
 def test_the_server_holds_its_weights_on_huge_pages(
     server: ServerProcess, real_models: dict[str, Path]
 ) -> None:
-    from specgguf.llama.hugepages import thp_mode
+    from specgguf.llama.hugepages import anon_huge_bytes, thp_mode
     from specgguf.llama.runtime import local_gpu_offload, repack_policy
 
     if thp_mode() != "madvise" or os.environ.get("SPECGGUF_HUGEPAGES") is not None:
         pytest.skip("THP mode not madvise, or SPECGGUF_HUGEPAGES decides: not serve's default")
     if local_gpu_offload() or not repack_policy().use_extra_bufts:
         pytest.skip("the weights are not copied into the server's memory here")
-    rollup = Path(f"/proc/{server.proc.pid}/smaps_rollup").read_text()
-    huge = next(int(x.split()[1]) * 1024 for x in rollup.splitlines() if x.startswith("AnonHuge"))
+    huge = anon_huge_bytes(server.proc.pid)
     weights = sum(real_models[n].stat().st_size for n in (testmodels.TARGET, testmodels.DRAFT))
-    assert huge > 0.7 * weights, rollup
+    assert huge > 0.7 * weights, (huge, weights)

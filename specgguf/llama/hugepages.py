@@ -33,6 +33,7 @@ is ``never``, nothing is advised.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -64,6 +65,10 @@ def thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str |
     return text[start + 1 : end] if 0 <= start < end else None
 
 
+_YES = ("1", "true", "yes", "on")
+_NO = ("0", "false", "no", "off")
+
+
 def enabled(default: bool) -> bool:
     """Whether a load is advised: ``SPECGGUF_HUGEPAGES`` if it says (1, true, yes, on or
     0, false, no, off), else ``default``; and only on Linux where the THP mode is not
@@ -71,10 +76,6 @@ def enabled(default: bool) -> bool:
     env = os.environ.get("SPECGGUF_HUGEPAGES", "").strip().lower()
     wanted = True if env in _YES else False if env in _NO else default
     return wanted and sys.platform.startswith("linux") and thp_mode() in ("madvise", "always")
-
-
-_YES = ("1", "true", "yes", "on")
-_NO = ("0", "false", "no", "off")
 
 
 def anonymous_ranges(maps: str) -> list[Range]:
@@ -130,14 +131,35 @@ def _read_maps() -> str:
     return Path("/proc/self/maps").read_text()
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library with ``madvise`` and ``mincore`` typed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    libc.mincore.restype = ctypes.c_int
+    return libc
+
+
+def anon_huge_bytes(pid: int | str = "self") -> int:
+    """A process's anonymous memory backed by transparent huge pages, bytes
+    (``AnonHugePages`` of ``/proc/PID/smaps_rollup``; 0 where it is not given).
+
+    Raises:
+        OSError: the file cannot be read (not Linux, no such process).
+    """
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def untouched(ranges: list[Range]) -> list[Range]:
     """The parts of ``ranges`` (2 MiB-aligned) whose 2 MiB pages have no page resident
     yet (``mincore``): memory allocated and not yet written, as a load's weight buffers
     are at its first progress callback, unlike a malloc arena that grew meanwhile."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.mincore
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    fn.restype = ctypes.c_int
+    fn = _libc().mincore
     per_huge = HUGE_PAGE // mmap.PAGESIZE
     out: list[Range] = []
     for start, end in ranges:
@@ -160,10 +182,7 @@ def untouched(ranges: list[Range]) -> list[Range]:
 def advise(ranges: list[Range]) -> int:
     """``madvise(MADV_HUGEPAGE)`` each range (page-aligned); returns the bytes advised.
     A range the kernel refuses is skipped (logged at debug level)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    fn = _libc().madvise
     done = 0
     for start, end in ranges:
         if fn(start, end - start, MADV_HUGEPAGE) == 0:
