@@ -152,6 +152,13 @@ def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
     assert a == pytest.approx(0.87008, abs=1e-5)
     assert plan.drafter is p.ngram and plan.draft.tokens == [8, 9, 1]
     assert plan.expected_rate == pytest.approx(e(a, 3) / 0.0304)
+    # The draft is verified and teaches its positions (8 is also the shadow's 4th token):
+    # the shadow ends, so 8 is counted once. All 3 accepted: 0.9 x 2.9109 + 3 = 5.6198,
+    # faded by the next step's tick to 5.4512.
+    assert not p._shadows
+    p.observe(plan, 3, 0.03, None, rows=4)
+    p.plan([*history, 5, 6, 7, 8, 9, 1, 2], 16, GREEDY, RNG)
+    assert acc.successes == pytest.approx(0.97 * (0.9 * s + 3))
     # A token that differs from the proposal is a rejection, and ends the shadow.
     p = ngram_planner(ROWS_COST)
     p.confidence = 0.9
@@ -163,6 +170,26 @@ def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
         pytest.approx(1.97),
     )
     assert 0 not in p._shadows
+
+
+def test_a_shadow_draft_cut_short_never_shortens_the_accepted_length() -> None:
+    """A shadow matched to its end (SHADOW_LEN tokens) says its copy went on at least
+    that far, not that it stopped there: a copy's mean accepted length (6 at first,
+    drafts up to 16) is not pulled down by it; a shadow broken after 1 token is an
+    accepted length of 1, and moves the mean halfway to it."""
+    src = list(range(100, 140))
+    history = [*src, 1, 2, *src[:20]]  # a 20-token match: the copy bucket, 16
+    p = ngram_planner(ROWS_COST)
+    p.confidence = 0.3  # a = 0.3 at first and at most 0.76 below: nothing drafts
+    assert p.plan(history, 16, GREEDY, RNG).drafter is None
+    assert p._shadows[0].bucket == 16 and p.ngram_len[16] == 6.0
+    for n in range(1, 5):
+        p.plan(history + src[20 : 20 + n], 16, GREEDY, RNG)
+    assert p.acc_ngram[16].trials > 0 and p.ngram_len[16] == 6.0  # 4 of 4: not lowered
+    history += src[20:24]
+    assert p._shadows[0].start == len(history)  # the next shadow, from here
+    p.plan([*history, src[24], 7], 16, GREEDY, RNG)  # the copy breaks after 1 token
+    assert p.ngram_len[16] == pytest.approx(3.5)
 
 
 def test_a_shadow_draft_is_not_kept_for_the_drafter_that_drafts() -> None:

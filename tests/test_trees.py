@@ -243,6 +243,19 @@ def test_auto_planner_leaves_the_tree_out_where_batches_cost_their_rows() -> Non
     assert plan.expected_rate == pytest.approx(1.0)
 
 
+def test_a_suffix_tree_not_drafted_is_watched_along_its_first_branch() -> None:
+    # The tree above is left out on AMD's timings; its first branch (10, 11), from an
+    # 8-token match (bucket 4), is checked against what the target produces instead.
+    rng = np.random.default_rng(0)
+    p = auto(AMD)
+    assert p.plan([1, 2, 3], 8, GREEDY, rng).drafter is None
+    assert p._shadows[1].tokens == [10, 11] and p._shadows[1].bucket == 4
+    p.plan([1, 2, 3, 10], 8, GREEDY, rng)
+    p.plan([1, 2, 3, 10, 11], 8, GREEDY, rng)  # both produced: 1, faded by 0.97, plus 1
+    acc = p.acc_suffix[4]
+    assert acc.successes == pytest.approx(1.97) and acc.trials == pytest.approx(1.97)
+
+
 def test_auto_planner_trees_only_when_greedy_and_enabled() -> None:
     rng = np.random.default_rng(0)
     sampled = SamplerParams(temperature=0.7)

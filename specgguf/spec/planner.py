@@ -40,7 +40,7 @@ from specgguf.spec.drafters import (
     SuffixDrafter,
 )
 from specgguf.spec.sampling import SamplerParams
-from specgguf.spec.tree import depths
+from specgguf.spec.tree import depths, first_branch
 
 #: The largest draft length of the draft model in auto mode: its tokens cost a forward
 #: pass each, and its acceptance falls along a draft.
@@ -435,6 +435,7 @@ class _Shadow:
     tokens: list[int]
     bucket: int  # the match-length bucket it was proposed from
     accepted: int = 0  # tokens the target has produced as proposed so far
+    counted: bool = False  # whether any of its evidence has been counted
 
 
 @dataclasses.dataclass
@@ -779,21 +780,37 @@ class AutoPlanner:
         one accepts a point-mass draft token with its probability p(token) (modified
         rejection sampling, Leviathan et al. 2023, section 2.3), the probability that it
         samples that token. So an unverified bucket's estimate follows the text without
-        paying for drafts that lose: on a machine where a batch of 2 rows costs two lone
-        steps, only a bucket accepting about 0.87 a token pays, and exploring drafts (3-5
-        a request, about 60% accepted) cost code generation 2-4% (2-core AMD EPYC)."""
+        paying for drafts that lose: on a machine where a batch of 2, 3 or 4 rows costs
+        2.0, 2.4 or 3.0 lone steps, only a bucket accepting about 0.85 a token or more
+        pays (by ``MARGIN``), and exploring drafts (10-22 tokens a request, about 60%
+        accepted) cost code generation 3-7% (2-core AMD EPYC).
+
+        The counts are those :meth:`Acceptance.observe` would make for the verification,
+        faded once at the shadow's first evidence; as they arrive over several steps,
+        each step's ``tick`` has faded the older counts a little more (0.97 a step)."""
         for i, shadow in list(self._shadows.items()):
             seen = history[shadow.start : shadow.start + len(shadow.tokens)]
+            if not seen:
+                continue
             m = shadow.accepted
             while m < len(seen) and seen[m] == shadow.tokens[m]:
                 m += 1
             _, rates, lens = lookups[i]
             rejected = m < len(seen)
-            rates[shadow.bucket].add(m - shadow.accepted, rejected)
+            acc = rates[shadow.bucket]
+            if not shadow.counted:  # its first evidence: older counts fade, as in observe
+                acc.decay_once()
+                shadow.counted = True
+            acc.add(m - shadow.accepted, rejected)
             shadow.accepted = m
-            if rejected or m == len(shadow.tokens):
+            if rejected:
                 del self._shadows[i]
                 lens[shadow.bucket] += 0.5 * (m - lens[shadow.bucket])
+            elif m == len(shadow.tokens):
+                # cut at SHADOW_LEN, not broken: a lower bound of the accepted length,
+                # which may raise the bucket's mean but never lowers it
+                del self._shadows[i]
+                lens[shadow.bucket] += 0.5 * max(0.0, m - lens[shadow.bucket])
 
     def _verify_time(self, n: float) -> float:
         """t_verify at a fractional batch size (an expected number of tokens)."""
@@ -871,6 +888,8 @@ class AutoPlanner:
             tree = self.suffix.propose_tree(history, k_max, self.tree_branches)
             if len(tree.tokens) >= k_min and tree.parents is not None and tree.probs:
                 m, rate, bucket = self._tree_size(tree, k_min, k_max)
+                branch = [tree.tokens[j] for j in first_branch(tree.parents)]
+                proposals[1] = (self.suffix, branch[: self.SHADOW_LEN], bucket)
                 if m > 0 and rate > threshold and (lookup_plan is None or rate > lookup_plan[1]):
                     assert tree.probs is not None
                     cut = Draft(tree.tokens[:m], parents=tree.parents[:m], probs=tree.probs[:m])
@@ -930,11 +949,22 @@ class AutoPlanner:
         if self._streak and (lookup_wins or model_plan is None):
             self.mean_streak += 0.5 * (self._streak - self.mean_streak)
             self._streak = 0
-        chosen = lookup if lookup_plan is not None and lookup_wins else None
+        chosen = (
+            None
+            if not lookup_wins
+            else self.suffix
+            if tree_plan is not None
+            else lookup
+            if lookup_plan is not None
+            else None
+        )
         for i, (drafter, tokens, bucket) in proposals.items():
-            if drafter is not chosen and i not in self._shadows:
+            if drafter is chosen:
+                # its draft is verified now, and teaches the same positions: the shadow's
+                # tokens counted so far stay counted, the rest are the draft's
+                self._shadows.pop(i, None)
+            elif i not in self._shadows:
                 self._shadows[i] = _Shadow(len(history), tokens, bucket)
-                lookups[i][1][bucket].decay_once()  # as a verification's observation does
         if tree_plan is not None and lookup_wins:
             rate, cut, bucket = tree_plan
             self._last_suffix_bucket = bucket
