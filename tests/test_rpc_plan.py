@@ -373,6 +373,29 @@ def test_lost_server_is_singled_out(fake: type[FakeServer]) -> None:
     assert both.endpoints == [str(alive.endpoint)] and "llama.cpp:" in both.detail
 
 
+def test_a_server_still_listening_as_it_dies_is_singled_out_once_it_stops() -> None:
+    """A killed rpc-server closes its connection to the client before its listening
+    socket: a connection opened in between still succeeds. The server that stops
+    accepting within the settle time is the one named, not every server."""
+    msg = "/x/ggml-rpc.cpp:566: Remote RPC server crashed or returned malformed response"
+    with socket.create_server(("127.0.0.1", 0)) as live:
+        dying = socket.create_server(("127.0.0.1", 0))
+        ends = [rpc.Endpoint("127.0.0.1", s.getsockname()[1]) for s in (live, dying)]
+        closer = threading.Timer(0.5, dying.close)
+        closer.start()
+        try:
+            err = rpc.lost_error(msg, ends)
+        finally:
+            closer.join()
+            dying.close()
+    assert err.endpoints == [str(ends[1])]
+    assert err.detail.startswith("connection refused now")
+    # Without the wait (settle 0) the same moment names both: the CI failure.
+    with socket.create_server(("127.0.0.1", 0)) as a, socket.create_server(("127.0.0.1", 0)) as b:
+        ends = [rpc.Endpoint("127.0.0.1", s.getsockname()[1]) for s in (a, b)]
+        assert rpc.lost_error(msg, ends, settle=0).endpoints == [str(e) for e in ends]
+
+
 def test_keep_alive_sets_dead_peer_timeouts(fake: type[FakeServer]) -> None:
     s = fake()
     other = fake()

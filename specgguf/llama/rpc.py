@@ -51,6 +51,7 @@ import shutil
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -387,14 +388,28 @@ def _reachable(ep: Endpoint, timeout: float = 1.0) -> str | None:
         return e.strerror or str(e)
 
 
-def lost_error(message: str, endpoints: Sequence[Endpoint]) -> RpcServerLost:
+#: Seconds to wait for a lost server to stop accepting connections: a killed process
+#: closes its connection to us before its listening socket, and a connection opened in
+#: between is accepted by the kernel (CI: a killed server was not singled out).
+LOST_SETTLE = 2.0
+
+
+def lost_error(
+    message: str, endpoints: Sequence[Endpoint], *, settle: float = LOST_SETTLE
+) -> RpcServerLost:
     """The error for ggml-rpc's abort ``message``: the servers among ``endpoints`` that no
-    longer accept a connection (all of them when none can be singled out)."""
+    longer accept a connection, asked again every 0.1 s for up to ``settle`` seconds until
+    one does not (all of them when none can be singled out)."""
     detail = message.split(": ", 1)[-1].strip()  # drop ggml's "file:line: "
     named = [ep for ep in endpoints if str(ep) in message]
     if named:
         return RpcServerLost([str(ep) for ep in named], detail)
-    gone = [(ep, why) for ep in endpoints if (why := _reachable(ep)) is not None]
+    deadline = time.monotonic() + settle
+    while True:
+        gone = [(ep, why) for ep in endpoints if (why := _reachable(ep)) is not None]
+        if gone or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     if gone:
         return RpcServerLost([str(ep) for ep, _ in gone], f"{gone[0][1]} now; llama.cpp: {detail}")
     return RpcServerLost([str(ep) for ep in endpoints], f"llama.cpp: {detail}")
