@@ -951,15 +951,9 @@ class AutoPlanner:
         if self._streak and (lookup_wins or model_plan is None):
             self.mean_streak += 0.5 * (self._streak - self.mean_streak)
             self._streak = 0
-        chosen = (
-            None
-            if not lookup_wins
-            else self.suffix
-            if tree_plan is not None
-            else lookup
-            if lookup_plan is not None
-            else None
-        )
+        chosen = None  # the lookup drafter whose draft is verified now, if any
+        if lookup_wins:
+            chosen = self.suffix if tree_plan is not None else lookup
         for i, (drafter, tokens, bucket) in proposals.items():
             if drafter is chosen:
                 # its draft is verified now, and teaches the same positions: the shadow's
