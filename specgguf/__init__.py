@@ -34,11 +34,11 @@ _EXPORTS = {
     "EngineConfig": "specgguf.engine.config",
     "ModelConfig": "specgguf.engine.config",
     "SpeculativeConfig": "specgguf.engine.config",
-    "Generation": "specgguf.spec.loop",
-    "GenerationParams": "specgguf.spec.loop",
-    "GenerationResult": "specgguf.spec.loop",
-    "GenerationStats": "specgguf.spec.loop",
-    "SamplerParams": "specgguf.spec.sampling",
+    "Generation": "specgguf.speculative.loop",
+    "GenerationParams": "specgguf.speculative.loop",
+    "GenerationResult": "specgguf.speculative.loop",
+    "GenerationStats": "specgguf.speculative.loop",
+    "SamplerParams": "specgguf.speculative.sampling",
     "SpecggufError": "specgguf.errors",
 }
 
@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
     from specgguf.engine.engine import Engine
     from specgguf.errors import SpecggufError
-    from specgguf.spec.loop import Generation, GenerationParams, GenerationResult, GenerationStats
-    from specgguf.spec.sampling import SamplerParams
+    from specgguf.speculative.loop import Generation, GenerationParams, GenerationResult, GenerationStats
+    from specgguf.speculative.sampling import SamplerParams
 
 
 def __getattr__(name: str) -> Any:

@@ -94,7 +94,7 @@ class FakeTreeContext(FakeContext):
     def eval_tree(
         self, root: int, tokens: Sequence[int], parents: Sequence[int]
     ) -> npt.NDArray[np.float32]:
-        from specgguf.spec.tree import check_tree, leaves
+        from specgguf.speculative.tree import check_tree, leaves
 
         self.log.append(("tree", len(self.kv), root, list(tokens), list(parents)))
         assert self._tree is None
@@ -161,7 +161,7 @@ class ScriptedDrafter:
         pass
 
     def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
-        from specgguf.spec.drafters import Draft
+        from specgguf.speculative.drafters import Draft
 
         self.ks.append(k)
         return Draft(self.script(history, k)[:k])

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from specgguf.engine import Engine
-    from specgguf.spec.sampling import SamplerParams
+    from specgguf.speculative.sampling import SamplerParams
 
 ROOT = Path(__file__).resolve().parent.parent
 

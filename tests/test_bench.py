@@ -207,7 +207,7 @@ def test_suffix_configurations_never_see_the_same_question_answered_before(
 
 def test_a_cells_mean_depth_is_its_generations_prompts_and_half_their_output() -> None:
     from specgguf.engine.bench import Cell
-    from specgguf.spec.loop import GenerationStats
+    from specgguf.speculative.loop import GenerationStats
 
     cell = Cell("multi-turn", "auto")
     # A two-turn conversation: prompts of 100 and 300 tokens (the second holds the first

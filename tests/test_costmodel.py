@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from specgguf.engine.calibration import calibration_key, load_calibration, save_calibration
-from specgguf.spec.drafters import ModelDrafter, NgramDrafter
-from specgguf.spec.loop import DrafterStats, GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import (
+from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
+from specgguf.speculative.loop import DrafterStats, GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import (
     Acceptance,
     AutoPlanner,
     FixedPlanner,
@@ -20,7 +20,7 @@ from specgguf.spec.planner import (
     best_k,
     expected_tokens,
 )
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, one_hot_rule
 
@@ -148,7 +148,7 @@ def test_timings_interpolate_and_learn() -> None:
 
 
 def test_calibration_outliers_are_replaced() -> None:
-    from specgguf.spec.planner import _drop_outliers
+    from specgguf.speculative.planner import _drop_outliers
 
     raw = {1: 0.08, 2: 0.12, 3: 0.50, 4: 0.12, 5: 0.17, 9: 0.25, 13: 0.99, 17: 0.32, 25: 0.4}
     clean = _drop_outliers(raw)
@@ -451,8 +451,8 @@ class ClockedContext(FakeContext):
 
 
 def test_calibrate_measures_each_batch_size_and_the_draft(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specgguf.spec import planner as planner_module
-    from specgguf.spec.planner import calibrate
+    from specgguf.speculative import planner as planner_module
+    from specgguf.speculative.planner import calibrate
 
     clock = Clock()
     monkeypatch.setattr(planner_module.time, "perf_counter", clock)
@@ -508,8 +508,8 @@ class DeepClockedContext(ClockedContext):
 
 
 def test_calibrate_measures_what_each_cached_position_adds(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specgguf.spec import planner as planner_module
-    from specgguf.spec.planner import calibrate
+    from specgguf.speculative import planner as planner_module
+    from specgguf.speculative.planner import calibrate
 
     clock = Clock()
     monkeypatch.setattr(planner_module.time, "perf_counter", clock)
@@ -547,7 +547,7 @@ def test_calibrate_measures_what_each_cached_position_adds(monkeypatch: pytest.M
 def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from specgguf.spec import drafters as drafters_module
+    from specgguf.speculative import drafters as drafters_module
 
     clock = Clock()
     monkeypatch.setattr(drafters_module.time, "perf_counter", clock)
@@ -580,7 +580,7 @@ def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
 
 
 def test_timings_curve_edges_upper_bound_and_outliers_by_hand() -> None:
-    from specgguf.spec.planner import _drop_outliers, _upper
+    from specgguf.speculative.planner import _drop_outliers, _upper
 
     t = Timings({2: 0.1, 6: 0.3})
     assert t.verify_time(3) == pytest.approx(0.15) and t.verify_time(5) == pytest.approx(0.25)
@@ -606,11 +606,11 @@ def test_a_cached_calibration_of_shorter_batches_is_measured_again(
     # measured (up to 17 rows: a context for drafts of 16) is measured again, up to the
     # largest size its outputs allow; a calibration that measured enough is kept.
     from specgguf.engine.calibration import pair_timings
-    from specgguf.spec.planner import calibration_sizes
+    from specgguf.speculative.planner import calibration_sizes
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     clock = Clock()
-    monkeypatch.setattr("specgguf.spec.planner.time.perf_counter", clock)
+    monkeypatch.setattr("specgguf.speculative.planner.time.perf_counter", clock)
     target = ClockedContext(clock, 0.010, 0.001, n_ctx=1024, n_batch=512)
     target.n_outputs_max = 65  # type: ignore[attr-defined]
     assert max(calibration_sizes(target, None)) == 49

@@ -14,10 +14,10 @@ import pytest
 
 from specgguf.errors import BackendError
 from specgguf.hub import testmodels
-from specgguf.spec.drafters import NgramDrafter
-from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import FixedPlanner
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.drafters import NgramDrafter
+from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import FixedPlanner
+from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, ScriptedDrafter
 from .helpers import load_engine, run_cli

@@ -12,9 +12,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from specgguf.spec import drafters as drafters_module
-from specgguf.spec.drafters import ModelDrafter, NgramDrafter
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative import drafters as drafters_module
+from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
+from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, one_hot_rule
 

@@ -183,8 +183,8 @@ def test_an_unknown_device_is_refused_before_anything_loads(
 
 
 def test_draft_min_is_checked_and_reaches_each_generation(tiny_models: dict[str, Path]) -> None:
-    from specgguf.spec.loop import GenerationParams
-    from specgguf.spec.planner import FixedPlanner
+    from specgguf.speculative.loop import GenerationParams
+    from specgguf.speculative.planner import FixedPlanner
 
     with pytest.raises(errors.UsageError, match="larger than the draft length"):
         SpeculativeConfig(drafter="model", draft_max=4, draft_min=5)
@@ -209,8 +209,8 @@ def test_a_fixed_drafter_asked_for_under_auto_drafts_at_most_16(
     # Auto mode's own largest draft (64) is for its lookup copies; a generation that asks
     # for another drafter without a draft length gets 16, as auto's draft model does, and
     # what it asks for when it asks.
-    from specgguf.spec.loop import GenerationParams
-    from specgguf.spec.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, AutoPlanner
+    from specgguf.speculative.loop import GenerationParams
+    from specgguf.speculative.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, AutoPlanner
 
     assert SpeculativeConfig(drafter="auto").draft_max == AUTO_LOOKUP_MAX == 64
     with load_engine(tiny_models["target"], tiny_models["draft-partial"], drafter="auto",

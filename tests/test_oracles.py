@@ -4,7 +4,7 @@ against itself.
 - sampled speculative decoding on the fake backend, with draft distributions that differ
   from position to position, against the exact joint distribution of the first two
   tokens, p1(x) * p2(y | x), computed here from the rules' logits with plain numpy;
-- :func:`~specgguf.spec.sampling.distribution` against llama.cpp's own sampler chain
+- :func:`~specgguf.speculative.sampling.distribution` against llama.cpp's own sampler chain
   (``llama_sampler_init_top_k/top_p/min_p/temp`` through llama-cpp-python) on random
   logits.
 """
@@ -19,10 +19,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from specgguf.spec.drafters import ModelDrafter
-from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import FixedPlanner
-from specgguf.spec.sampling import SamplerParams, distribution
+from specgguf.speculative.drafters import ModelDrafter
+from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import FixedPlanner
+from specgguf.speculative.sampling import SamplerParams, distribution
 
 from .fakes import FakeContext, FakeVocab
 from .helpers import llama_cpp_chain
@@ -150,7 +150,7 @@ def test_top_k_keeps_exactly_the_k_largest_and_ties_stay_sorted() -> None:
 
 
 def test_distribution_orders_ties_by_token_id_and_survives_large_logits() -> None:
-    from specgguf.spec.sampling import keyed_uniform, sample_at
+    from specgguf.speculative.sampling import keyed_uniform, sample_at
 
     # 64 tokens, four values repeated: within equal logits, ascending ids (a stable sort),
     # so that keyed draws (sample_at) pick the same token on every platform.

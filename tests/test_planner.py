@@ -1,5 +1,5 @@
 """AutoPlanner's single decisions and bookkeeping against numbers worked out by hand from
-the documented model (module docstring of specgguf.spec.planner: E(K) = (1 - a^(K+1)) /
+the documented model (module docstring of specgguf.speculative.planner: E(K) = (1 - a^(K+1)) /
 (1 - a), a step costs its draft evaluations and a verification of K + 1 tokens), not
 read off the code: the n-gram buckets, caps and margin, the optimistic first steps of the
 draft model, the streak of model steps, what a verification teaches, FixedPlanner's
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from specgguf.spec.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
-from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import AutoPlanner, FixedPlanner, Plan, Timings, best_k
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Plan, Timings, best_k
+from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
 from .test_speculative_logic import target_next, truth
@@ -491,7 +491,7 @@ def test_one_long_copy_accepted_whole_does_not_make_the_next_one_longer(
 
 
 def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
-    from specgguf.spec.drafters import RESUME_SPAN, RESUME_WINDOW
+    from specgguf.speculative.drafters import RESUME_SPAN, RESUME_WINDOW
 
     assert (RESUME_SPAN, RESUME_WINDOW) == (32, 8)  # the geometry below
     # The source: a long text with the name 7 in it, and later 3, 4 (its suffix after the
@@ -549,7 +549,7 @@ def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
 
 
 def test_match_length_extends_the_indexed_match_as_far_as_the_texts_agree() -> None:
-    from specgguf.spec.drafters import LONG_MATCH, match_length
+    from specgguf.speculative.drafters import LONG_MATCH, match_length
 
     src = list(range(100, 160))
 
@@ -836,7 +836,7 @@ def test_sampled_model_drafts_carry_their_distributions() -> None:
 
 
 def test_best_k_minimum_and_ties() -> None:
-    from specgguf.spec.planner import best_k
+    from specgguf.speculative.planner import best_k
 
     # HAND at a = 0.8 (test_cost_model_against_hand_computed_numbers): K=2 is best
     # (135.56); from K=3 on: K=3 at 2.952 / 0.022 = 134.18.
@@ -848,7 +848,7 @@ def test_best_k_minimum_and_ties() -> None:
 
 
 def test_outliers_by_hand() -> None:
-    from specgguf.spec.planner import _drop_outliers
+    from specgguf.speculative.planner import _drop_outliers
 
     # 0.5 is over 1.5 times the next two (0.2, 0.3), though not the third (0.4): replaced
     # by the interpolation of its neighbours, 0.15.
@@ -895,7 +895,7 @@ def test_a_long_catch_up_is_never_free_when_the_curves_last_sizes_are_reversed()
 
 
 def test_calibration_log_by_hand() -> None:
-    from specgguf.spec.planner import calibrate
+    from specgguf.speculative.planner import calibrate
 
     # Room 8, sizes 1 and 2 (need 2): a prefix of 8 - 2 - 1 = 5 tokens, a warm-up, 3
     # repeats per size (the default) each after one draft token, then 5 draft timings

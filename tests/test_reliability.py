@@ -145,7 +145,7 @@ def test_a_forced_configuration_slower_than_the_target_alone_is_reported(
     # The target alone's rate comes from the pair's calibration: plant one that is far
     # faster than any run (the message must appear) and one far slower (it must not).
     from specgguf.engine.calibration import save_calibration
-    from specgguf.spec.planner import Timings
+    from specgguf.speculative.planner import Timings
 
     from .helpers import load_engine
 
@@ -185,7 +185,7 @@ def test_the_live_panel_says_when_speculation_loses() -> None:
     from rich.console import Console
 
     from specgguf.cli.display import LiveStats
-    from specgguf.spec.loop import GenerationStats
+    from specgguf.speculative.loop import GenerationStats
 
     def panel(target_alone: float) -> str:
         stats = GenerationStats(generated=64, seconds=10.0)  # 6.4 tokens/s

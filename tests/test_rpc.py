@@ -25,8 +25,8 @@ from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
 from specgguf.errors import RpcServerError
 from specgguf.llama import rpc
 from specgguf.llama.memory import assign_layers
-from specgguf.spec.loop import GenerationParams
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.loop import GenerationParams
+from specgguf.speculative.sampling import SamplerParams
 
 from .conftest import free_port, require_rpc, rpc_servers_running
 from .helpers import ROOT, ServerProcess, run_cli

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from specgguf.llama.backend import LlamaModel
-from specgguf.spec.loop import GenerationParams
-from specgguf.spec.sampling import (
+from specgguf.speculative.loop import GenerationParams
+from specgguf.speculative.sampling import (
     Distribution,
     SamplerParams,
     accept_or_resample,

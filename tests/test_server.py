@@ -814,7 +814,7 @@ def test_scheduler_runs_jobs_in_arrival_order_and_bounds_the_queue() -> None:
     import asyncio
 
     from specgguf.server.scheduler import Job, QueueFull, Scheduler
-    from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
+    from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
 
     from .fakes import FakeContext, FakeVocab, one_hot_rule
 
@@ -858,7 +858,7 @@ def test_a_job_without_pieces_reports_only_its_end() -> None:
     import asyncio
 
     from specgguf.server.scheduler import Job, Scheduler
-    from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
+    from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
 
     from .fakes import FakeContext, FakeVocab, one_hot_rule
 
@@ -901,7 +901,7 @@ def test_a_streamed_job_sends_text_at_most_every_stream_interval(
 
     from specgguf.server import scheduler
     from specgguf.server.scheduler import Job, Scheduler
-    from specgguf.spec.loop import GenerationParams
+    from specgguf.speculative.loop import GenerationParams
 
     clock = [100.0]
     monkeypatch.setattr(scheduler, "monotonic", lambda: clock[0])
@@ -954,7 +954,7 @@ def test_scheduler_on_an_engine_thread_generates_on_the_thread_that_loaded() -> 
     import asyncio
 
     from specgguf.server.scheduler import Job, Scheduler, engine_thread
-    from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
+    from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
 
     from .fakes import FakeContext, FakeVocab, one_hot_rule
 

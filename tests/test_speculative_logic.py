@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from specgguf.errors import ContextOverflowError, UsageError
-from specgguf.spec.drafters import Drafter, ModelDrafter, NgramDrafter
-from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import FixedPlanner
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
+from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import FixedPlanner
+from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
 
@@ -539,7 +539,7 @@ def test_statistics_of_a_generation() -> None:
 
 
 def test_statistics_pool_with_add() -> None:
-    from specgguf.spec.loop import DrafterStats, GenerationStats
+    from specgguf.speculative.loop import DrafterStats, GenerationStats
 
     a = GenerationStats(prompt_tokens=3, prompt_seconds=0.5, generated=10, steps=4, drafted=8,
                         accepted=6, seconds=2.0, target_seconds=1.5, draft_seconds=0.25,
@@ -647,7 +647,7 @@ def test_text_held_for_a_stop_string_is_released_at_the_end() -> None:
 
 
 def test_an_auto_planner_learns_from_the_loop() -> None:
-    from specgguf.spec.planner import AutoPlanner, Timings
+    from specgguf.speculative.planner import AutoPlanner, Timings
 
     ctx = FakeContext(one_hot_rule(target_next, V), V)
     model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
@@ -665,7 +665,7 @@ def test_an_auto_planner_learns_from_the_loop() -> None:
 
 
 def test_deterministic_mode_drafts_greedily_and_keys_draws_by_output_position() -> None:
-    from specgguf.spec.drafters import Draft
+    from specgguf.speculative.drafters import Draft
 
     class Recording(ScriptedDrafter):
         def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
@@ -686,7 +686,7 @@ def test_deterministic_mode_drafts_greedily_and_keys_draws_by_output_position() 
 
 
 def test_statistics_as_json_are_rounded_as_documented() -> None:
-    from specgguf.spec.loop import GenerationStats
+    from specgguf.speculative.loop import GenerationStats
 
     s = GenerationStats(generated=7, steps=3, drafted=3, accepted=2, seconds=1 / 3)
     s.target_seconds, s.draft_seconds, s.prompt_seconds = 1 / 7, 1 / 9, 1 / 6

@@ -12,8 +12,8 @@ import pytest
 from specgguf.hub import testmodels
 from specgguf.llama.backend import LlamaModel
 from specgguf.llama.invariance import batch_invariance
-from specgguf.spec.loop import GenerationParams
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.loop import GenerationParams
+from specgguf.speculative.sampling import SamplerParams
 
 from .helpers import load_engine
 

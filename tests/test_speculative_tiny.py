@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from specgguf.llama.backend import LlamaModel
-from specgguf.spec.loop import GenerationParams
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.loop import GenerationParams
+from specgguf.speculative.sampling import SamplerParams
 
 from .helpers import load_engine
 

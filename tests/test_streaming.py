@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
-from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import FixedPlanner
-from specgguf.spec.sampling import SamplerParams
-from specgguf.spec.streaming import TextStream
+from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import FixedPlanner
+from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.streaming import TextStream
 
 from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
 

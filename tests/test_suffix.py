@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from specgguf.spec.drafters import SuffixDrafter
-from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import FixedPlanner
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.drafters import SuffixDrafter
+from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import FixedPlanner
+from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, one_hot_rule
 
@@ -32,7 +32,7 @@ def test_the_continuation_most_occurrences_share() -> None:
     assert draft(d, text) == [3, 4, 0, 1]
     # matched on "1 2"; the latest occurrence agrees with the text for 3 tokens ("0 1 2")
     assert d.last_match == 3 and abs(d.last_confidence - 3 / 4) < 1e-9
-    from specgguf.spec.drafters import NgramDrafter
+    from specgguf.speculative.drafters import NgramDrafter
 
     assert NgramDrafter(1, 8).propose(text, 2, GREEDY, RNG).tokens == [9, 9]
 
@@ -185,7 +185,7 @@ def test_the_corpus_keeps_the_most_recent_half_of_its_capacity() -> None:
 
 
 def test_seconds_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specgguf.spec import drafters as drafters_module
+    from specgguf.speculative import drafters as drafters_module
 
     times = iter([1.0, 1.25, 2.0, 2.5])
     monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgguf.spec import loop as loop_module
-from specgguf.spec.drafters import Draft, SuffixDrafter
-from specgguf.spec.loop import GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import AutoPlanner, FixedPlanner, Timings, best_tree
-from specgguf.spec.sampling import SamplerParams
-from specgguf.spec.tree import accept_greedy, first_branch, leaves
+from specgguf.speculative import loop as loop_module
+from specgguf.speculative.drafters import Draft, SuffixDrafter
+from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Timings, best_tree
+from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.tree import accept_greedy, first_branch, leaves
 
 from .fakes import FakeTreeContext, FakeVocab, one_hot_rule
 

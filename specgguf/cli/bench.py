@@ -90,7 +90,7 @@ def bench(
         sample_per_category,
     )
     from specgguf.errors import UsageError
-    from specgguf.spec.planner import AUTO_LOOKUP_MAX
+    from specgguf.speculative.planner import AUTO_LOOKUP_MAX
 
     say = stderr_say()
     try:

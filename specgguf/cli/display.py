@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from specgguf.spec.loop import Generation, GenerationResult, GenerationStats
+from specgguf.speculative.loop import Generation, GenerationResult, GenerationStats
 
 
 def _same_terminal(a: IO[Any], b: IO[Any]) -> bool:

@@ -400,7 +400,7 @@ def engine_config(
     is llama.cpp's name for the drafter (:func:`spec_type_drafter`). The drafter defaults
     to auto, or, with a fixed ``--draft K``, to the draft model when there is one, else
     n-gram lookup. Without a draft model (and unless ``no_draft``), one is chosen among the
-    models on disk when the drafter can use it (:func:`specgguf.hub.drafts.find_drafts`;
+    models on disk when the drafter can use it (:func:`specgguf.hub.draft_search.find_drafts`;
     ``draft_search``: more folders), and ``say`` tells which and why. ``rpc``
     (``HOST:PORT,...``) spreads the target over RPC servers with ``tensor_split``; the
     draft stays local unless ``rpc_draft`` names servers for it.
@@ -421,7 +421,7 @@ def engine_config(
         try:
             check_drafter(drafter)
         except UsageError:
-            from specgguf.engine.drafting import DRAFTERS
+            from specgguf.engine.drafter_map import DRAFTERS
 
             raise UsageError(
                 f"--drafter must be one of {', '.join(DRAFTERS)}, not {drafter!r}"
@@ -530,7 +530,7 @@ def _find_draft(
     import shlex
 
     from specgguf.cli.output import size
-    from specgguf.hub.drafts import count, find_drafts
+    from specgguf.hub.draft_search import count, find_drafts
     from specgguf.hub.registry import load_registry
 
     found = find_drafts(target, search_dirs=dirs, registry=load_registry(registry))

@@ -165,7 +165,7 @@ def _list_drafts(target: str, dirs: list[Path], *, json_out: bool, registry: Pat
     from rich.table import Table
 
     from specgguf.cli.options import model_path
-    from specgguf.hub.drafts import count, find_drafts
+    from specgguf.hub.draft_search import count, find_drafts
     from specgguf.hub.registry import load_registry
 
     path = model_path(target, registry)

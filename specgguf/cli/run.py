@@ -104,8 +104,8 @@ def run(
     from specgguf.cli.prompt import read_prompt
     from specgguf.engine import Engine, preflight, render_prompt
     from specgguf.errors import Interrupted, UsageError
-    from specgguf.spec.loop import GenerationParams
-    from specgguf.spec.sampling import SamplerParams
+    from specgguf.speculative.loop import GenerationParams
+    from specgguf.speculative.sampling import SamplerParams
 
     setup_logging(verbose=verbose, quiet=quiet)
     say = stderr_say(quiet)

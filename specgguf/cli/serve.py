@@ -115,7 +115,7 @@ def serve(
     from specgguf.server import ServerSettings, bind, serve
     from specgguf.server.listen import is_loopback
     from specgguf.server.scheduler import engine_thread
-    from specgguf.spec.sampling import SamplerParams
+    from specgguf.speculative.sampling import SamplerParams
 
     # SIGTERM before the server listens (downloads, loading, calibration) ends it as
     # Ctrl-C does (exit 130); once it listens, uvicorn takes both signals (exit 0).

@@ -3,7 +3,7 @@ built-in prompt set with categories or on Spec-Bench's questions, with speedups 
 target alone measured in the same run.
 
 Configurations: ``target`` (no speculation), ``model-K<k>`` and ``ngram-K<k>`` for each
-draft length asked for, and ``auto`` (:class:`specgguf.spec.planner.AutoPlanner`). Rounds go
+draft length asked for, and ``auto`` (:class:`specgguf.speculative.planner.AutoPlanner`). Rounds go
 over categories and configurations in turn, so that machine noise hits all alike; the
 numbers of a (category, configuration) cell pool its rounds (tokens over seconds), and an
 "overall" row per configuration pools every category, as Spec-Bench computes it (total
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.engine.engine import Engine
-from specgguf.spec.drafters import SuffixDrafter
-from specgguf.spec.loop import GenerationParams, GenerationResult, GenerationStats
-from specgguf.spec.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, Timings, best_k
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.drafters import SuffixDrafter
+from specgguf.speculative.loop import GenerationParams, GenerationResult, GenerationStats
+from specgguf.speculative.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, Timings, best_k
+from specgguf.speculative.sampling import SamplerParams
 
 #: The row that pools every category.
 OVERALL = "overall"

@@ -1,5 +1,5 @@
 """Timings of the loaded pair on this machine, for auto mode's cost model: measured once
-(:func:`specgguf.spec.planner.calibrate`, at two depths of the context: 10-20 seconds on
+(:func:`specgguf.speculative.planner.calibrate`, at two depths of the context: 10-20 seconds on
 two CPU cores for a 1.5B target) and cached in
 ``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
 threads, the repacking setting and the layers' placement (RPC servers). A cached
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specgguf.cache import cache_dir, read_json_cache, update_json_cache
-from specgguf.spec.drafters import Evaluator
-from specgguf.spec.planner import DEPTH_PROBE, Timings, calibrate, calibration_sizes
+from specgguf.speculative.drafters import Evaluator
+from specgguf.speculative.planner import DEPTH_PROBE, Timings, calibrate, calibration_sizes
 
 
 def _file_key(path: Path) -> str:

@@ -17,15 +17,15 @@ import dataclasses
 import math
 from pathlib import Path
 
-from specgguf.engine.drafting import DRAFTERS
+from specgguf.engine.drafter_map import DRAFTERS
 from specgguf.errors import UsageError
 from specgguf.llama.rpc import DEFAULT_TIMEOUT, parse_endpoints
-from specgguf.spec.planner import AUTO_LOOKUP_MAX
+from specgguf.speculative.planner import AUTO_LOOKUP_MAX
 
 #: The most devices a tensor split can name (llama.cpp's ``llama_max_devices()``).
 MAX_DEVICES = 16
 
-#: A drafter's name: a key of :data:`specgguf.engine.drafting.DRAFTERS` ("auto", "model",
+#: A drafter's name: a key of :data:`specgguf.engine.drafter_map.DRAFTERS` ("auto", "model",
 #: "ngram", "none").
 DrafterKind = str
 
@@ -126,7 +126,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """How to draft, by default (a generation may ask for other settings within what was
-    loaded: :class:`specgguf.spec.loop.GenerationParams`).
+    loaded: :class:`specgguf.speculative.loop.GenerationParams`).
 
     Args:
         drafter: "auto" (n-gram lookup, suffix matching and the draft model, chosen per

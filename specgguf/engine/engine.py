@@ -36,14 +36,14 @@ from specgguf.engine.config import (
     default_draft_max,
     default_draft_tree,
 )
-from specgguf.engine.drafting import DRAFTERS, Drafting, DraftSettings
+from specgguf.engine.drafter_map import DRAFTERS, Drafting, DraftSettings
 from specgguf.engine.preflight import Preflight, preflight
 from specgguf.errors import BackendError, ContextOverflowError, UsageError
 from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
-from specgguf.spec.drafters import ModelDrafter, SuffixDrafter
-from specgguf.spec.loop import Generation, GenerationParams, SpeculativeDecoder
-from specgguf.spec.planner import AUTO_DRAFT_MAX, Planner, Timings, calibrate
+from specgguf.speculative.drafters import ModelDrafter, SuffixDrafter
+from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import AUTO_DRAFT_MAX, Planner, Timings, calibrate
 
 log = logging.getLogger("specgguf")
 
@@ -327,7 +327,7 @@ class Engine:
         text, tokens, finish reason and statistics when it ends.
 
         The draft length is clamped, at every step, to what the verification batch, the
-        context and ``n_predict`` leave (:mod:`specgguf.spec.loop`); ``stats.draft_max``
+        context and ``n_predict`` leave (:mod:`specgguf.speculative.loop`); ``stats.draft_max``
         reports the largest usable.
 
         Raises:

@@ -8,7 +8,7 @@ class is not used: it keeps n_ctx x n_vocab float32 logits when ``logits_all`` i
 a verifier would need (151,936-token Qwen at n_ctx 2048: 1.2 GB). Here logits are requested
 only at the batch positions that need them, and read as a zero-copy NumPy view.
 
-The speculative loop only needs the :class:`specgguf.spec.drafters.Evaluator` interface
+The speculative loop only needs the :class:`specgguf.speculative.drafters.Evaluator` interface
 (``eval``, ``rollback``, ``n_past``, ``n_ctx``, ``n_batch``, ``n_vocab``), which
 ``LlamaContext`` implements.
 """
@@ -639,7 +639,7 @@ class LlamaContext(_Native):
 
         ``root`` is the next committed token (at position ``n_past``); ``tokens[i]`` is a
         draft token whose parent is ``tokens[parents[i]]``, or the root for -1 (parents
-        first, see :mod:`specgguf.spec.tree`), at position ``n_past + depth``. Each leaf is
+        first, see :mod:`specgguf.speculative.tree`), at position ``n_past + depth``. Each leaf is
         a llama.cpp sequence 1..L that first receives the committed text (sequence 0, by
         ``llama_memory_seq_cp``: cell metadata only, in a unified cache); a node belongs to
         the sequences of the leaves under it and the root to all, sequence 0 included.
@@ -731,7 +731,7 @@ class LlamaContext(_Native):
 
     def keep_tree_path(self, path: Sequence[int]) -> None:
         """Keep the root and the branch ``path`` (node indices from the root down, as
-        :func:`specgguf.spec.tree.accept_greedy` gives) of the tree :meth:`eval_tree`
+        :func:`specgguf.speculative.tree.accept_greedy` gives) of the tree :meth:`eval_tree`
         evaluated, in sequence 0, and drop the rest: ``n_past`` grows by
         ``1 + len(path)``.
 

@@ -52,8 +52,8 @@ from specgguf.server.schemas import (
     _Generation,
     check_supported,
 )
-from specgguf.spec.loop import GenerationParams, GenerationResult, GenerationStats
-from specgguf.spec.sampling import SamplerParams
+from specgguf.speculative.loop import GenerationParams, GenerationResult, GenerationStats
+from specgguf.speculative.sampling import SamplerParams
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor

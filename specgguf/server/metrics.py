@@ -22,7 +22,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
-from specgguf.spec.loop import GenerationResult
+from specgguf.speculative.loop import GenerationResult
 
 
 class Metrics:

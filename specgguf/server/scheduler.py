@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from time import monotonic
 from typing import TYPE_CHECKING, Literal
 
-from specgguf.spec.loop import Generation, GenerationParams, GenerationResult
+from specgguf.speculative.loop import Generation, GenerationParams, GenerationResult
 
 if TYPE_CHECKING:
     from specgguf.engine import Engine

@@ -5,17 +5,17 @@ Each step (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2):
 1. a drafter proposes up to K tokens d1..dK after the committed sequence S;
 2. the target evaluates [S[-1], d1..dK] in one batch, with logits at every position;
 3. greedy: d_i is accepted while it equals the target's argmax; sampled: by modified
-   rejection sampling (:mod:`specgguf.spec.sampling`); the first rejection is replaced by
+   rejection sampling (:mod:`specgguf.speculative.sampling`); the first rejection is replaced by
    the target's token, and when all K are accepted the target adds a bonus token;
 4. both KV caches are rolled back to the committed length (the target keeps S[:-1]: the
    last committed token is evaluated at the start of the next step).
 
 Greedy output is token for token what the target alone produces (K = 0 is that baseline);
 sampled output follows the target's distribution under the same sampler settings. The loop
-talks only to the :class:`~specgguf.spec.drafters.Evaluator` and :class:`Vocabulary`
+talks only to the :class:`~specgguf.speculative.drafters.Evaluator` and :class:`Vocabulary`
 interfaces, so it runs on llama.cpp (through :class:`specgguf.engine.Engine`) or on a fake
 backend in tests. Which drafter proposes, and how many tokens, is the planner's choice
-(:mod:`specgguf.spec.planner`); the loop clamps the draft length K to what the target's
+(:mod:`specgguf.speculative.planner`); the loop clamps the draft length K to what the target's
 batch, its context and ``n_predict`` leave, at every step, and nowhere else.
 
 The draft length is called ``draft_max`` in code, JSON and flags (llama.cpp's
@@ -34,9 +34,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from specgguf.errors import ContextOverflowError, UsageError
-from specgguf.spec.drafters import Draft, Evaluator
-from specgguf.spec.planner import FixedPlanner, Planner, call_sizes
-from specgguf.spec.sampling import (
+from specgguf.speculative.drafters import Draft, Evaluator
+from specgguf.speculative.planner import FixedPlanner, Planner, call_sizes
+from specgguf.speculative.sampling import (
     SamplerParams,
     accept_or_resample,
     accept_point_mass,
@@ -45,8 +45,8 @@ from specgguf.spec.sampling import (
     sample,
     sample_at,
 )
-from specgguf.spec.streaming import TextStream
-from specgguf.spec.tree import accept_greedy, first_branch, is_chain, leaves
+from specgguf.speculative.streaming import TextStream
+from specgguf.speculative.tree import accept_greedy, first_branch, is_chain, leaves
 
 FinishReason = Literal["stop", "length", "interrupted"]
 GREEDY = SamplerParams(temperature=0.0)
@@ -79,7 +79,7 @@ class GenerationParams:
     token it gives less than this probability), ``deterministic``
     (output independent of the drafter, the draft length and timings: drafts are greedy
     point masses, and sampled tokens come from draws keyed by their output position, see
-    :mod:`specgguf.spec.sampling`; the engine also fixes the verification batch shapes),
+    :mod:`specgguf.speculative.sampling`; the engine also fixes the verification batch shapes),
     ``draft_tree`` (the most branches of a token tree, greedy only; 0: chains; at most what
     the engine was loaded with, see :class:`specgguf.engine.SpeculativeConfig`).
     """
@@ -335,7 +335,7 @@ class SpeculativeDecoder:
         # the target's own draws keyed by output position.
         draft_sampler = GREEDY if deterministic else sampler
         k_max = stats.draft_max
-        # Token trees: greedy only (see specgguf.spec.tree), and not in deterministic mode,
+        # Token trees: greedy only (see specgguf.speculative.tree), and not in deterministic mode,
         # whose verification batches have fixed shapes.
         tree_branches = int(getattr(target, "tree_branches", 0))
         trees = sampler.greedy and not deterministic and tree_branches >= 2

@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.spec.sampling import Distribution, SamplerParams, distribution, sample
+from specgguf.speculative.sampling import Distribution, SamplerParams, distribution, sample
 
 log = logging.getLogger("specgguf")
 
@@ -35,7 +35,7 @@ class Draft:
     """Proposed token ids, and for sampled model drafts the distribution each was drawn
     from (``dists[i]`` is q for ``tokens[i]``).
 
-    A tree draft (several continuations, :mod:`specgguf.spec.tree`) also has ``parents``:
+    A tree draft (several continuations, :mod:`specgguf.speculative.tree`) also has ``parents``:
     the index of each token's parent in ``tokens``, -1 for the last committed token
     (parents come first); None is a chain. ``probs``: the drafter's estimate, per token,
     that the target reaches and keeps it (for a suffix tree, the product of the shares of
@@ -88,7 +88,7 @@ class Drafter(Protocol):
     ``--draft-p-min``); lookup drafters ignore it.
 
     A new kind of drafter is one class implementing this protocol and one entry in the
-    engine's name -> factory map (:data:`specgguf.engine.drafting.DRAFTERS`).
+    engine's name -> factory map (:data:`specgguf.engine.drafter_map.DRAFTERS`).
     """
 
     name: str

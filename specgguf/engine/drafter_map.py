@@ -1,10 +1,10 @@
 """Drafters by name: one name -> factory map, so that a new kind of drafter is one class
-(:class:`specgguf.spec.drafters.Drafter`) and one entry in :data:`DRAFTERS`.
+(:class:`specgguf.speculative.drafters.Drafter`) and one entry in :data:`DRAFTERS`.
 
 A factory makes the planner of one generation from what the engine loaded
 (:class:`Drafting`) and that generation's settings (:class:`DraftSettings`): a fixed
-drafter is a :class:`~specgguf.spec.planner.FixedPlanner`; auto mode an
-:class:`~specgguf.spec.planner.AutoPlanner` over every drafter that is loaded.
+drafter is a :class:`~specgguf.speculative.planner.FixedPlanner`; auto mode an
+:class:`~specgguf.speculative.planner.AutoPlanner` over every drafter that is loaded.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable
 
 from specgguf.errors import UsageError
-from specgguf.spec.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specgguf.spec.planner import AUTO_DRAFT_MAX, AutoPlanner, FixedPlanner, Planner, Timings
+from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.planner import AUTO_DRAFT_MAX, AutoPlanner, FixedPlanner, Planner, Timings
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The automatic choice of a draft model among the models on disk (hub/drafts.py), and
+"""The automatic choice of a draft model among the models on disk (hub/draft_search.py), and
 ``run``/``list --drafts-for`` over it."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as Q
 
 from specgguf import errors
 from specgguf.gguf.tiny import TinySpec, fixture_specs, spm_vocab, write_tiny_model
-from specgguf.hub import drafts
-from specgguf.hub.drafts import CHOSEN, COMPATIBLE, REJECTED, UNCHECKED, find_drafts
+from specgguf.hub import draft_search as drafts
+from specgguf.hub.draft_search import CHOSEN, COMPATIBLE, REJECTED, UNCHECKED, find_drafts
 from specgguf.hub.registry import load_registry
 
 from .helpers import run_cli

@@ -30,7 +30,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from specgguf.spec.drafters import (
+from specgguf.speculative.drafters import (
     LONG_MATCH,
     Draft,
     Drafter,
@@ -39,8 +39,8 @@ from specgguf.spec.drafters import (
     NgramDrafter,
     SuffixDrafter,
 )
-from specgguf.spec.sampling import SamplerParams
-from specgguf.spec.tree import depths, first_branch
+from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.tree import depths, first_branch
 
 #: The largest draft length of the draft model in auto mode: its tokens cost a forward
 #: pass each, and its acceptance falls along a draft.
