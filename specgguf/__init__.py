@@ -60,7 +60,12 @@ if TYPE_CHECKING:
     from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
     from specgguf.engine.engine import Engine
     from specgguf.errors import SpecggufError
-    from specgguf.speculative.loop import Generation, GenerationParams, GenerationResult, GenerationStats
+    from specgguf.speculative.loop import (
+        Generation,
+        GenerationParams,
+        GenerationResult,
+        GenerationStats,
+    )
     from specgguf.speculative.sampling import SamplerParams
 
 

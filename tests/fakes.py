@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from specgguf.speculative.arms import Arm, LookupArm, ModelArm, Step, SuffixArm
+from specgguf.speculative.costmodel import Timings
+from specgguf.speculative.draft import Draft, Drafter, TreeDrafter
+from specgguf.speculative.drafters import ModelDrafter
+from specgguf.speculative.planner import AutoPlanner
+from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
 #: rule(prefix) -> float32[n_vocab] integer-valued logits for the token after ``prefix``.
 Rule = Callable[[Sequence[int]], npt.NDArray[np.float32]]
@@ -26,17 +35,23 @@ def one_hot_rule(next_token: Callable[[Sequence[int]], int], n_vocab: int) -> Ru
 
 
 class FakeContext:
-    """An ``Evaluator``: a KV cache that is a list of token ids, logits from ``rule``.
+    """A ``TargetEvaluator`` without token trees: a KV cache that is a list of token ids,
+    logits from ``rule``.
 
     Records every call in ``log`` (("eval", n_past, tokens, mode) / ("rollback", n_keep))
-    and refuses to go past ``n_ctx`` or ``n_batch``, as llama.cpp would.
+    and refuses to go past ``n_ctx`` or ``n_batch``, as llama.cpp would. ``rows_per_decode``
+    is only recorded: the loop splits its lazy verification itself.
     """
+
+    tree_branches = 0
 
     def __init__(self, rule: Rule, n_vocab: int, n_ctx: int = 256, n_batch: int = 64) -> None:
         self.rule = rule
         self.n_vocab = n_vocab
         self.n_ctx = n_ctx
         self.n_batch = n_batch
+        self.n_outputs_max = n_batch
+        self.rows_per_decode: int | None = None
         self.kv: list[int] = []
         self.log: list[tuple[object, ...]] = []
         self.eval_seconds = 0.0
@@ -73,6 +88,17 @@ class FakeContext:
         assert 0 <= n_keep <= len(self.kv)
         del self.kv[n_keep:]
 
+    def set_rows_per_decode(self, rows: int | None) -> None:
+        self.rows_per_decode = rows
+
+    def eval_tree(
+        self, root: int, tokens: Sequence[int], parents: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        raise AssertionError("a tree verified on a context without trees")
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        raise AssertionError("a tree kept on a context without trees")
+
 
 class FakeTreeContext(FakeContext):
     """A :class:`FakeContext` that also verifies token trees (``TreeEvaluator``): each
@@ -82,7 +108,7 @@ class FakeTreeContext(FakeContext):
 
     def __init__(self, *args: object, tree_branches: int = 4, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.tree_branches = tree_branches
+        self.tree_branches = tree_branches  # type: ignore[misc]
         self._tree: tuple[int, list[int], list[int]] | None = None
 
     def eval(
@@ -147,7 +173,7 @@ class FakeVocab:
         return bytes([ord("a") + token % 26])
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes what ``script(history, k)`` returns; records the k it was given."""
 
     name = "scripted"
@@ -157,11 +183,52 @@ class ScriptedDrafter:
         self.seconds = 0.0
         self.ks: list[int] = []
 
-    def reset(self) -> None:
-        pass
-
     def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
-        from specgguf.speculative.drafters import Draft
-
         self.ks.append(k)
         return Draft(self.script(history, k)[:k])
+
+
+def auto_planner(
+    timings: Timings,
+    *,
+    model: ModelDrafter | None = None,
+    ngram: Drafter | None = None,
+    suffix: TreeDrafter | None = None,
+    draft_max: int = AUTO_TUNING.draft_max_lookup,
+    draft_max_model: int = AUTO_TUNING.draft_max_model,
+    p_min: float = 0.0,
+    draft_min: int = 0,
+    learn_timings: bool = True,
+    tree_branches: int = 0,
+    tuning: AutoTuning | None = None,
+) -> AutoPlanner:
+    """Auto mode over the arms of the drafters given, in the engine's order (n-gram lookup,
+    suffix matching, the draft model): :func:`specgguf.engine.drafter_map.make_planner`
+    without an engine. ``tuning``: default :data:`TUNING`, which a test may replace."""
+    arms: list[Arm] = []
+    if ngram is not None:
+        arms.append(LookupArm(ngram))
+    if suffix is not None:
+        arms.append(SuffixArm(suffix, tree_branches=tree_branches))
+    if model is not None:
+        arms.append(ModelArm(model, draft_max=draft_max_model, p_min=p_min))
+    return AutoPlanner(timings, arms, draft_max=draft_max, draft_min=draft_min,
+                       learn_timings=learn_timings, tuning=tuning or TUNING)  # fmt: skip
+
+
+#: The tuning of :func:`auto_planner` when none is given (a fixture may replace it with
+#: ``monkeypatch.setattr(fakes, "TUNING", ...)``).
+TUNING = AUTO_TUNING
+
+
+def tuned(**fields: object) -> AutoTuning:
+    """Auto mode's tuning with ``fields`` replaced."""
+    return dataclasses.replace(AUTO_TUNING, **fields)  # type: ignore[arg-type]
+
+
+def first_eval_cost(p: AutoPlanner, history: Sequence[int]) -> float:
+    """Seconds the draft-model arm of ``p`` expects its first evaluation to take at a step
+    after ``history`` (its catch-up, spread over its expected run)."""
+    step = Step(history, 1, 16, SamplerParams(temperature=0.0), np.random.default_rng(0),
+                p.timings, len(history) - 1, p.confidence, 0.0, p.tuning)  # fmt: skip
+    return p.arm("model")._first_eval_cost(step)  # type: ignore[attr-defined,no-any-return]

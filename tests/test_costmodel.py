@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,19 +11,16 @@ import numpy as np
 import pytest
 
 from specgguf.engine.calibration import calibration_key, load_calibration, save_calibration
+from specgguf.speculative.costmodel import Timings, best_k, expected_tokens, verify_time_at
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
+from specgguf.speculative.estimates import Acceptance
 from specgguf.speculative.loop import DrafterStats, GenerationParams, SpeculativeDecoder
-from specgguf.speculative.planner import (
-    Acceptance,
-    AutoPlanner,
-    FixedPlanner,
-    Timings,
-    best_k,
-    expected_tokens,
-)
+from specgguf.speculative.planner import FixedPlanner
 from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.tuning import AUTO_TUNING
 
-from .fakes import FakeContext, FakeVocab, one_hot_rule
+from . import fakes
+from .fakes import FakeContext, FakeVocab, auto_planner, first_eval_cost, one_hot_rule
 
 FLAT_10MS = Timings({1: 0.010, 2: 0.010, 17: 0.010}, draft=0.001)
 
@@ -71,11 +69,11 @@ def test_cost_model_against_hand_computed_numbers() -> None:
 def test_acceptance_counts_against_hand_computed_numbers() -> None:
     acc = Acceptance()  # prior 0.6 worth 2 trials, decay 0.9, fade 0.97
     assert acc.rate == pytest.approx(0.6)
-    acc.observe(drafted=4, accepted=2)  # 2 successes, 3 trials (the first rejection)
+    acc.observe(accepted=2, rejected=True)  # 2 successes, 3 trials (the first rejection)
     assert acc.rate == pytest.approx(0.64)  # (2 + 1.2) / (3 + 2)
-    acc.observe(drafted=4, accepted=4)  # 0.9 * 2 + 4 = 5.8 of 0.9 * 3 + 4 = 6.7
+    acc.observe(accepted=4, rejected=False)  # 0.9 * 2 + 4 = 5.8 of 0.9 * 3 + 4 = 6.7
     assert acc.rate == pytest.approx(7.0 / 8.7)
-    acc.observe(drafted=0, accepted=0)  # nothing drafted: nothing learned
+    acc.observe(accepted=0, rejected=False)  # nothing drafted: nothing learned
     assert acc.rate == pytest.approx(7.0 / 8.7)
     acc.tick()  # 5.626 of 6.499
     assert acc.rate_with(0.5) == pytest.approx(6.626 / 8.499)
@@ -92,11 +90,11 @@ def test_planner_draft_model_rate_against_hand_computed_numbers() -> None:
     #   K=2: proposed 1.71 after 0.9 evaluations, step 0.002 + 0.0018 + t_verify(2.71)
     #        = 0.0038 + 0.01342 = 0.01722, rate 2.586025 / 0.01722 = 150.18
     model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
-    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
-    planner._model_steps = AutoPlanner.EXPLORE_STEPS
+    planner = auto_planner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    planner.arm("model").steps = AUTO_TUNING.explore_steps
     greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
-    assert planner._verify_time(2.71) == pytest.approx(0.01342)
-    assert planner._first_eval_cost([1]) == pytest.approx(0.002)
+    assert verify_time_at(planner.timings, 2.71) == pytest.approx(0.01342)
+    assert first_eval_cost(planner, [1]) == pytest.approx(0.002)
     for k_max, k, rate in ((2, 2, 150.1757), (1, 1, 134.4203)):
         planner.confidence = 0.9
         plan = planner.plan([1], k_max, greedy, rng)
@@ -111,8 +109,8 @@ def test_planner_draft_model_rate_against_hand_computed_numbers() -> None:
     assert plan.expected_rate == pytest.approx(102.1095, rel=1e-5)
     # ...one 12 tokens behind pays a catch-up of 0.2 * (t_verify(12) - t_verify(2)) =
     # 0.0064 more and is not used: the target alone, at 100 tokens/s.
-    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
-    planner._model_steps = AutoPlanner.EXPLORE_STEPS
+    planner = auto_planner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    planner.arm("model").steps = AUTO_TUNING.explore_steps
     planner.confidence = 0.3
     plan = planner.plan([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], 2, greedy, rng)
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
@@ -148,7 +146,7 @@ def test_timings_interpolate_and_learn() -> None:
 
 
 def test_calibration_outliers_are_replaced() -> None:
-    from specgguf.speculative.planner import _drop_outliers
+    from specgguf.engine.calibration import _drop_outliers
 
     raw = {1: 0.08, 2: 0.12, 3: 0.50, 4: 0.12, 5: 0.17, 9: 0.25, 13: 0.99, 17: 0.32, 25: 0.4}
     clean = _drop_outliers(raw)
@@ -161,10 +159,10 @@ def test_calibration_outliers_are_replaced() -> None:
 def test_acceptance_tracks_the_text() -> None:
     acc = Acceptance(prior=0.5, weight=2)
     for _ in range(40):
-        acc.observe(drafted=4, accepted=4)
+        acc.observe(accepted=4, rejected=False)
     assert acc.rate > 0.95
     for _ in range(40):
-        acc.observe(drafted=4, accepted=0)
+        acc.observe(accepted=0, rejected=True)
     assert acc.rate < 0.15  # the prior (0.5 worth 2 trials) keeps it off zero
     assert acc.rate_with(0.0) < 0.06
     for _ in range(300):  # unused for long: old observations fade, the prior takes over
@@ -207,7 +205,7 @@ def run_auto(draft_rule, prompt: list[int], n: int = 120, draft_s: float = 0.001
     target = FakeContext(one_hot_rule(target_next, V), V)
     model = ModelDrafter(FakeContext(one_hot_rule(draft_rule, V), V), V)  # type: ignore[arg-type]
     timings = Timings(dict(FLAT_10MS.verify), draft_s)
-    planner = AutoPlanner(timings, model=model, ngram=NgramDrafter(2, 6), draft_max=16,
+    planner = auto_planner(timings, model=model, ngram=NgramDrafter(2, 6), draft_max=16,
                           learn_timings=False)  # fmt: skip
     dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
     params = GenerationParams(n_predict=n, sampler=SamplerParams(temperature=0))
@@ -219,7 +217,7 @@ def test_planner_drafts_long_when_the_draft_is_right() -> None:
     s = res.stats
     assert s.acceptance_rate > 0.9
     assert s.mean_accepted > 4  # K grew well beyond 2
-    assert planner.acc_model.rate > 0.9
+    assert planner.arm("model").accepted.rate > 0.9
 
 
 def test_planner_stops_drafting_when_the_draft_is_wrong() -> None:
@@ -264,20 +262,20 @@ def test_catch_up_is_spread_only_over_the_models_runs() -> None:
     # By hand, with HAND's table and t_draft 0.002: the draft costs 0.2 of a target decode
     # step; 100 tokens cost 0.2 * t_verify(100) = 0.2 * (0.016 + 96/4 * 0.014) = 0.0704.
     model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
-    planner = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    planner = auto_planner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
     history = list(range(100))
-    assert planner._first_eval_cost(history) == pytest.approx(0.0704)
+    assert first_eval_cost(planner, history) == pytest.approx(0.0704)
     # Spread over a mean run of 8 steps: 0.2 * 0.012 + 0.2 * (0.352 - 0.012) / 8 = 0.0109;
     # over 4: 0.0194; the spread never goes beyond CATCH_UP_HORIZON (8) steps.
-    planner.mean_streak = 8.0
-    assert planner._first_eval_cost(history) == pytest.approx(0.0109)
-    planner.mean_streak = 4.0
-    assert planner._first_eval_cost(history) == pytest.approx(0.0194)
-    planner.mean_streak = 20.0
-    assert planner._first_eval_cost(history) == pytest.approx(0.0109)
+    planner.arm("model").mean_streak = 8.0
+    assert first_eval_cost(planner, history) == pytest.approx(0.0109)
+    planner.arm("model").mean_streak = 4.0
+    assert first_eval_cost(planner, history) == pytest.approx(0.0194)
+    planner.arm("model").mean_streak = 20.0
+    assert first_eval_cost(planner, history) == pytest.approx(0.0109)
     # Two tokens behind or fewer is a normal step: 0.2 * t_verify(2) = 0.0024.
-    assert planner._first_eval_cost(history[:2]) == pytest.approx(0.0024)
-    assert planner._first_eval_cost(history[:1]) == pytest.approx(0.002)
+    assert first_eval_cost(planner, history[:2]) == pytest.approx(0.0024)
+    assert first_eval_cost(planner, history[:1]) == pytest.approx(0.002)
 
 
 def test_planner_probes_a_draft_model_that_nearly_pays() -> None:
@@ -307,18 +305,18 @@ def test_planner_probes_a_draft_model_that_nearly_pays() -> None:
     conf = next(c / 1000 for c in range(300, 1000) if best_rate(c / 1000) > 0.95 * base)
     assert best_rate(conf) < base
     model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
-    planner = AutoPlanner(timings, model=model, learn_timings=False)
-    planner._model_steps = AutoPlanner.EXPLORE_STEPS  # past its optimistic first steps
+    planner = auto_planner(timings, model=model, learn_timings=False)
+    planner.arm("model").steps = AUTO_TUNING.explore_steps  # past its optimistic first steps
     greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
     history = [1]
     kinds = []
-    for _ in range(2 * AutoPlanner.PROBE_EVERY - 1):
+    for _ in range(2 * AUTO_TUNING.probe_every - 1):
         planner.confidence = conf
         plan = planner.plan(history, 16, greedy, rng)
         kinds.append(len(plan.draft.tokens) if plan.drafter is model else 0)
         # The history stays one token long: the model is never behind (no catch-up cost).
     probes = [i for i, k in enumerate(kinds) if k]
-    assert probes == [AutoPlanner.PROBE_EVERY - 1], kinds
+    assert probes == [AUTO_TUNING.probe_every - 1], kinds
     assert 1 <= kinds[probes[0]] <= 4
 
 
@@ -340,7 +338,7 @@ def test_an_early_rejection_does_not_rule_out_the_draft_model(
     def model_tokens() -> int:
         target = FakeContext(one_hot_rule(target_next, V), V)
         model = ModelDrafter(FakeContext(one_hot_rule(once_wrong, V), V), V)  # type: ignore[arg-type]
-        planner = AutoPlanner(Timings(dict(QWEN_LIKE), 0.029), model=model, learn_timings=False)
+        planner = auto_planner(Timings(dict(QWEN_LIKE), 0.029), model=model, learn_timings=False)
         dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
         params = GenerationParams(n_predict=26, sampler=SamplerParams(temperature=0))
         res = dec.generate([1, 2, 3], params, planner).run()
@@ -348,7 +346,7 @@ def test_an_early_rejection_does_not_rule_out_the_draft_model(
         return res.stats.by_drafter.get("model", DrafterStats()).accepted
 
     assert model_tokens() >= 15  # accepted model drafts: most of the 26 tokens
-    monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
+    monkeypatch.setattr(fakes, "TUNING", dataclasses.replace(fakes.TUNING, explore_steps=0))
     assert model_tokens() <= 3
 
 
@@ -364,7 +362,7 @@ def test_the_draft_model_stops_at_an_unsure_token(monkeypatch: pytest.MonkeyPatc
     def model_row() -> list[int]:
         target = FakeContext(one_hot_rule(target_next, V), V)
         model = ModelDrafter(FakeContext(unsure_rule, V), V)  # type: ignore[arg-type]
-        planner = AutoPlanner(Timings(dict(FLAT_10MS.verify), 0.001), model=model,
+        planner = auto_planner(Timings(dict(FLAT_10MS.verify), 0.001), model=model,
                               learn_timings=False)  # fmt: skip
         dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
         params = GenerationParams(n_predict=28, sampler=SamplerParams(temperature=0))
@@ -374,7 +372,7 @@ def test_the_draft_model_stops_at_an_unsure_token(monkeypatch: pytest.MonkeyPatc
 
     row = model_row()
     assert row.drafted >= 15 and row.accepted == row.drafted
-    monkeypatch.setattr(AutoPlanner, "P_STOP", 0.0)
+    monkeypatch.setattr(fakes, "TUNING", dataclasses.replace(fakes.TUNING, p_stop=0.0))
     row = model_row()
     assert row.accepted < row.drafted
 
@@ -388,9 +386,9 @@ def test_model_drafter_reports_where_it_stopped() -> None:
     drafter = ModelDrafter(FakeContext(rule, V), V)  # type: ignore[arg-type]
     greedy, rng = SamplerParams(temperature=0), np.random.default_rng(0)
     draft = drafter.propose([1, 2], 8, greedy, rng, p_min=0.5)
-    assert draft.tokens == [3, 4] and drafter.last_stopped
+    assert draft.tokens == [3, 4] and draft.stopped
     draft = drafter.propose([1, 2], 8, greedy, rng, p_min=0.0)
-    assert len(draft.tokens) == 8 and not drafter.last_stopped
+    assert len(draft.tokens) == 8 and not draft.stopped
     # A fixed drafter's p_min reaches the drafter (llama.cpp's --draft-p-min).
     assert FixedPlanner(drafter, 8, p_min=0.5).plan([1, 2], 8, greedy, rng).draft.tokens == [3, 4]
     assert len(FixedPlanner(drafter, 8).plan([1, 2], 8, greedy, rng).draft.tokens) == 8
@@ -401,7 +399,7 @@ def test_auto_planner_verifies_no_draft_shorter_than_draft_min(draft_min: int) -
     def run(minimum: int) -> tuple[list[int], list[int]]:
         target = FakeContext(one_hot_rule(target_next, V), V)
         model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
-        planner = AutoPlanner(Timings(dict(FLAT_10MS.verify), 0.001), model=model,
+        planner = auto_planner(Timings(dict(FLAT_10MS.verify), 0.001), model=model,
                               ngram=NgramDrafter(2, 6), draft_max=16, draft_min=minimum,
                               learn_timings=False)  # fmt: skip
         dec = SpeculativeDecoder(target, FakeVocab(V))  # type: ignore[arg-type]
@@ -451,8 +449,8 @@ class ClockedContext(FakeContext):
 
 
 def test_calibrate_measures_each_batch_size_and_the_draft(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specgguf.speculative import planner as planner_module
-    from specgguf.speculative.planner import calibrate
+    from specgguf.engine import calibration as planner_module
+    from specgguf.engine.calibration import calibrate
 
     clock = Clock()
     monkeypatch.setattr(planner_module.time, "perf_counter", clock)
@@ -508,8 +506,8 @@ class DeepClockedContext(ClockedContext):
 
 
 def test_calibrate_measures_what_each_cached_position_adds(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specgguf.speculative import planner as planner_module
-    from specgguf.speculative.planner import calibrate
+    from specgguf.engine import calibration as planner_module
+    from specgguf.engine.calibration import calibrate
 
     clock = Clock()
     monkeypatch.setattr(planner_module.time, "perf_counter", clock)
@@ -530,8 +528,7 @@ def test_calibrate_measures_what_each_cached_position_adds(monkeypatch: pytest.M
     assert target.n_past == 0 and draft.n_past == 0
     assert max(e[1] for e in draft.log if e[0] == "eval") == 64
     # Its cost model: 4 rows at 1064 cached positions cost 1000 * 4 * 4 us more.
-    t.cached = 1064
-    assert t.verify_time(4) == pytest.approx(0.014 + 64 * 4 * 4e-6 + 1000 * 4 * 4e-6)
+    assert t.verify_time(4, 1064) == pytest.approx(0.014 + 64 * 4 * 4e-6 + 1000 * 4 * 4e-6)
     # Without deep, or without 128 positions more room than the first prefix: flat.
     for kw in ({}, {"deep": 150}):
         flat = calibrate(DeepClockedContext(clock, 1e-6, 4e-6, n_ctx=1024, n_batch=64), None,
@@ -547,7 +544,7 @@ def test_calibrate_measures_what_each_cached_position_adds(monkeypatch: pytest.M
 def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from specgguf.speculative import drafters as drafters_module
+    from specgguf.speculative.drafters import model as drafters_module
 
     clock = Clock()
     monkeypatch.setattr(drafters_module.time, "perf_counter", clock)
@@ -557,11 +554,11 @@ def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
     # First call: the history (5 tokens) in one evaluation, then 3 one-token evaluations.
     draft = drafter.propose([1, 2, 3, 4, 5], 4, greedy, rng)
     assert draft.tokens == [6, 7, 8, 9] and draft.dists is None
-    assert drafter.last_token_seconds == pytest.approx(0.005)  # the catch-up excluded
+    assert draft.token_seconds == pytest.approx(0.005)  # the catch-up excluded
     assert drafter.seconds == pytest.approx(0.009 + 3 * 0.005)
     # A one-token draft in step (the last token only): its one evaluation is its cost.
-    drafter.propose([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1, greedy, rng)
-    assert drafter.last_token_seconds == pytest.approx(0.006)  # 2 tokens: 9 and 10
+    draft = drafter.propose([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1, greedy, rng)
+    assert draft.token_seconds == pytest.approx(0.006)  # 2 tokens: 9 and 10
     # A draft never takes more than half the draft's context.
     small = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V, n_ctx=10), V)  # type: ignore[arg-type]
     assert len(small.propose([1, 2], 8, greedy, rng).tokens) == 5
@@ -580,7 +577,8 @@ def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
 
 
 def test_timings_curve_edges_upper_bound_and_outliers_by_hand() -> None:
-    from specgguf.speculative.planner import _drop_outliers, _upper
+    from specgguf.engine.calibration import _drop_outliers
+    from specgguf.speculative.estimates import upper as _upper
 
     t = Timings({2: 0.1, 6: 0.3})
     assert t.verify_time(3) == pytest.approx(0.15) and t.verify_time(5) == pytest.approx(0.25)
@@ -605,12 +603,11 @@ def test_a_cached_calibration_of_shorter_batches_is_measured_again(
     # A context set up for longer drafts (auto mode's 64) than the cached calibration
     # measured (up to 17 rows: a context for drafts of 16) is measured again, up to the
     # largest size its outputs allow; a calibration that measured enough is kept.
-    from specgguf.engine.calibration import pair_timings
-    from specgguf.speculative.planner import calibration_sizes
+    from specgguf.engine.calibration import calibration_sizes, pair_timings
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     clock = Clock()
-    monkeypatch.setattr("specgguf.speculative.planner.time.perf_counter", clock)
+    monkeypatch.setattr("specgguf.engine.calibration.time.perf_counter", clock)
     target = ClockedContext(clock, 0.010, 0.001, n_ctx=1024, n_batch=512)
     target.n_outputs_max = 65  # type: ignore[attr-defined]
     assert max(calibration_sizes(target, None)) == 49

@@ -76,7 +76,7 @@ def test_greedy_verification_stops_at_the_decode_call_that_shows_a_rejection() -
 
     def run(rows: int | None, drafter: object | None, k: int) -> tuple[list[int], FakeContext]:
         ctx = FakeContext(soft_rule, V)
-        ctx.rows_per_decode = rows  # type: ignore[attr-defined]
+        ctx.set_rows_per_decode(rows)  # type: ignore[attr-defined]
         dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
         params = GenerationParams(n_predict=30, sampler=greedy, deterministic=True)
         planner = FixedPlanner(drafter, k)  # type: ignore[arg-type]
@@ -263,7 +263,7 @@ def test_lone_rows_go_unpadded_only_up_to_the_limit_the_probe_allows(
                 lone_row_difference(ctx, prompt[:291], past=True)
             # A lone row: one row decoded below the limit, two (a throw-away row) from it on.
             ctx.set_rows_per_decode(2)
-            ctx.lone_rows_max = LONE_ROW_LIMIT
+            ctx.set_lone_rows_max(LONE_ROW_LIMIT)
             sizes = []
             for n in (10, LONE_ROW_LIMIT - 1, LONE_ROW_LIMIT):
                 ctx.rollback(0)
@@ -272,7 +272,7 @@ def test_lone_rows_go_unpadded_only_up_to_the_limit_the_probe_allows(
                 sizes.append(ctx._batch.n_tokens)
                 assert ctx.n_past == n + 1
             assert sizes == [1, 1, 2]
-            ctx.lone_rows_max = 0  # no limit measured: always padded
+            ctx.set_lone_rows_max(0)  # no limit measured: always padded
             ctx.rollback(0)
             ctx.eval(prompt[:10], logits="none")
             ctx.eval([prompt[10]], logits="last")

@@ -12,8 +12,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from specgguf.speculative import drafters as drafters_module
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
+from specgguf.speculative.drafters import model as drafters_module
 from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, one_hot_rule
@@ -43,7 +43,7 @@ def last(n_past: int, tokens: list[int]) -> tuple[object, ...]:
 
 def test_prefill_then_drafts_evaluate_each_token_once() -> None:
     d, ctx = drafter()
-    assert (d.seconds, d.last_token_seconds, d.last_stopped) == (0.0, 0.0, False)
+    assert d.seconds == 0.0
     d.prefill([1, 2, 3, 4, 5])
     assert log_of(ctx) == [("rollback", 0), ("eval", 0, [1, 2, 3, 4], "none")]
     # The same prompt again: all but its last token are held; nothing to evaluate.
@@ -175,7 +175,7 @@ def test_p_min_stops_at_the_first_token_below_it() -> None:
     for p_min, tokens, stopped in [(0.5, [10, 20, 20], False), (0.51, [10], True)]:
         d = ModelDrafter(FakeContext(two_way, V), V)  # type: ignore[arg-type]
         draft = d.propose([1], 3, GREEDY, RNG, p_min=p_min)
-        assert (draft.tokens, d.last_stopped) == (tokens, stopped), p_min
+        assert (draft.tokens, draft.stopped) == (tokens, stopped), p_min
 
 
 def test_seconds_add_up_over_prefills_and_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,18 +186,18 @@ def test_seconds_add_up_over_prefills_and_drafts(monkeypatch: pytest.MonkeyPatch
     assert d.seconds == 0.5
     d.prefill([1, 2, 3, 4])
     assert d.seconds == 0.75
-    d.propose([1, 2, 3, 4], 1, GREEDY, RNG)  # started at 30.0, ended at 30.125
-    assert d.seconds == 0.875 and d.last_token_seconds == 0.125
+    draft = d.propose([1, 2, 3, 4], 1, GREEDY, RNG)  # started at 30.0, ended at 30.125
+    assert d.seconds == 0.875 and draft.token_seconds == 0.125
 
 
 def test_ngram_defaults_bounds_and_state() -> None:
     d = NgramDrafter()
-    assert (d.n_min, d.n_max, d.seconds, d.last_match) == (2, 8, 0.0, 0)
+    assert (d.n_min, d.n_max, d.seconds) == (2, 8, 0.0)
     # Default n_min 2: a repeated 2-gram is enough.
-    assert d.propose([1, 2, 9, 1, 2], 3, GREEDY, RNG).tokens == [9, 1, 2]
-    assert d.last_match == 2
-    d.reset()
-    assert d.last_match == 0
+    draft = d.propose([1, 2, 9, 1, 2], 3, GREEDY, RNG)
+    assert draft.tokens == [9, 1, 2] and draft.match == 2
+    d.reset()  # the index is emptied: no match
+    assert d.propose([1, 2], 3, GREEDY, RNG).match == 0
     # Default n_max 8: the suffix 1..9 occurred whole once (then 50), and its last 8
     # tokens later too (then 60): an 8-gram is the longest looked up.
     h = [*range(1, 10), 50, 0, *range(2, 10), 60, *range(1, 10)]
@@ -205,7 +205,8 @@ def test_ngram_defaults_bounds_and_state() -> None:
     assert NgramDrafter(2, 9).propose(h, 3, GREEDY, RNG).tokens == [50, 0, 2]  # control
     # k = 0: no draft and no match reported, though one exists.
     d = NgramDrafter()
-    assert d.propose([1, 2, 9, 1, 2], 0, GREEDY, RNG).tokens == [] and d.last_match == 0
+    draft = d.propose([1, 2, 9, 1, 2], 0, GREEDY, RNG)
+    assert draft.tokens == [] and draft.match == 0
     with pytest.raises(ValueError, match=r"need 1 <= n_min <= n_max, got 3, 2"):
         NgramDrafter(3, 2)
 
@@ -216,9 +217,9 @@ def test_seconds_per_token_leave_out_a_catch_up(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))
     d, _ = drafter()
     # Two tokens after a 3-token catch-up: the second token's evaluation, 0.125 s.
-    assert d.propose([1, 2, 3], 2, GREEDY, RNG).tokens == [4, 5]
-    assert d.last_token_seconds == 0.125
+    draft = d.propose([1, 2, 3], 2, GREEDY, RNG)
+    assert draft.tokens == [4, 5] and draft.token_seconds == 0.125
     # One token after a catch-up of 3 (history 6 7 8 new): not a per-token time; kept.
     d2, _ = drafter()
-    assert d2.propose([6, 7, 8], 1, GREEDY, RNG).tokens == [9]
-    assert d2.last_token_seconds == 0.0 and d2.seconds == 0.375
+    draft = d2.propose([6, 7, 8], 1, GREEDY, RNG)
+    assert draft.tokens == [9] and draft.token_seconds == 0.0 and d2.seconds == 0.375

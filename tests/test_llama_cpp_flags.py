@@ -210,14 +210,18 @@ def test_a_fixed_drafter_asked_for_under_auto_drafts_at_most_16(
     # for another drafter without a draft length gets 16, as auto's draft model does, and
     # what it asks for when it asks.
     from specgguf.speculative.loop import GenerationParams
-    from specgguf.speculative.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, AutoPlanner
+    from specgguf.speculative.planner import AutoPlanner
+    from specgguf.speculative.tuning import AUTO_TUNING
 
-    assert SpeculativeConfig(drafter="auto").draft_max == AUTO_LOOKUP_MAX == 64
+    assert SpeculativeConfig(drafter="auto").draft_max == AUTO_TUNING.draft_max_lookup == 64
     with load_engine(tiny_models["target"], tiny_models["draft-partial"], drafter="auto",
                      draft_max=-1, n_ctx=512) as engine:  # fmt: skip
         auto = engine.planner(GenerationParams())
         assert isinstance(auto, AutoPlanner)
-        assert (auto.draft_max, auto.draft_max_model) == (64, AUTO_DRAFT_MAX) == (64, 16)
+        model_arm = auto.arm("model")
+        assert (auto.draft_max, model_arm.draft_max) == (64, AUTO_TUNING.draft_max_model)  # type: ignore[attr-defined]
+        assert AUTO_TUNING.draft_max_model == 16
+        assert [arm.name for arm in auto.arms] == ["ngram", "suffix", "model"]
         for kind in ("model", "ngram", "suffix"):
             assert engine.planner(GenerationParams(drafter=kind)).draft_max == 16, kind
         assert engine.planner(GenerationParams(drafter="ngram", draft_max=40)).draft_max == 40

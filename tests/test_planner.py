@@ -7,18 +7,32 @@ limits."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from specgguf.speculative.drafters import Draft, ModelDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.arms import StepPlan
+from specgguf.speculative.costmodel import Timings, best_k
+from specgguf.speculative.draft import Draft
+from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
 from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
-from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Plan, Timings, best_k
+from specgguf.speculative.planner import AutoPlanner, FixedPlanner
 from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.tuning import AUTO_TUNING
 
-from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
+from . import fakes
+from .fakes import (
+    FakeContext,
+    FakeVocab,
+    ScriptedDrafter,
+    auto_planner,
+    first_eval_cost,
+    one_hot_rule,
+    tuned,
+)
 from .test_speculative_logic import target_next, truth
 
 V = 32
@@ -36,7 +50,7 @@ def mean_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
     standard error (``LOOKUP_Z``): the hand computations of buckets, caps, margins and
     costs below are written for the estimate; the lower bound has tests of its own
     (test_short_lookup_matches_draft_on_their_acceptance_less_one_standard_error)."""
-    monkeypatch.setattr(AutoPlanner, "LOOKUP_Z", 0.0)
+    monkeypatch.setattr(fakes, "TUNING", tuned(lookup_z=0.0))
 
 
 def e(a: float, k: int) -> float:
@@ -53,7 +67,7 @@ def model_drafter() -> ModelDrafter:
 
 
 def ngram_planner(timings: dict[int, float], **kw: object) -> AutoPlanner:
-    return AutoPlanner(Timings(dict(timings)), ngram=NgramDrafter(1, 8), learn_timings=False,
+    return auto_planner(Timings(dict(timings)), ngram=NgramDrafter(1, 8), learn_timings=False,
                        **kw)  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -65,18 +79,18 @@ def test_ngram_drafts_are_judged_by_their_match_length() -> None:
     p = ngram_planner(HAND)
     p.confidence = 0.9
     plan = p.plan([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 16, GREEDY, RNG)
-    assert plan.drafter is p.ngram and plan.draft.tokens == [5, 6, 7]
+    assert plan.drafter is p.arm("ngram").drafter and plan.draft.tokens == [5, 6, 7]
     assert plan.expected_rate == pytest.approx(3.439 / 0.016)
     # A 3-token match counts as 2 (prior 0.7 of the confidence 0.6: a = 0.42); all four
     # tokens found are drafted at flat timings.
     p = ngram_planner(FLAT)
     plan = p.plan([7, 8, 9, 5, 7, 8, 9], 16, GREEDY, RNG)
-    assert plan.draft.tokens == [5, 7, 8, 9] and p._last_ngram_bucket == 2
+    assert plan.draft.tokens == [5, 7, 8, 9] and plan.bucket == 2
     assert plan.expected_rate == pytest.approx(e(0.42, 4) / 0.010)
     # A 1-token match: prior 0.3 of the confidence (a = 0.18).
     p = ngram_planner(FLAT)
     plan = p.plan([5, 6, 9, 1, 6], 16, GREEDY, RNG)
-    assert plan.draft.tokens == [9, 1, 6] and p._last_ngram_bucket == 1
+    assert plan.draft.tokens == [9, 1, 6] and plan.bucket == 1
     assert plan.expected_rate == pytest.approx(e(0.18, 3) / 0.010)
 
 
@@ -90,7 +104,9 @@ def test_a_lookup_prior_is_at_most_0_9() -> None:
     assert plan.draft.tokens == [5, 6, 7]
     assert plan.expected_rate == pytest.approx(3.439 / 0.016)
     # Below the cap the prior is the bucket's times the confidence (0.7 * 0.99 = 0.693).
-    assert p._lookup_prior(2) == pytest.approx(0.693) and p._lookup_prior(4) == 0.9
+    ngram = p.arm("ngram")
+    assert ngram.prior(2, 0.99, long_copy=True) == pytest.approx(0.693)
+    assert ngram.prior(4, 0.99, long_copy=True) == 0.9
 
 
 #: a 2-core AMD EPYC's verification curve relative to a lone row of 10 ms (measured: a
@@ -123,7 +139,7 @@ def test_short_lookup_matches_draft_on_their_acceptance_less_one_standard_error(
     p.confidence = 0.9
     plan = p.plan(history, 16, GREEDY, RNG)
     assert plan.drafter is None
-    assert p._shadows[0].tokens == [5, 6, 7, 8] and p._shadows[0].bucket == 4
+    assert p.arm("ngram").shadow.tokens == [5, 6, 7, 8] and p.arm("ngram").shadow.bucket == 4
 
 
 def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
@@ -134,7 +150,7 @@ def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
     p = ngram_planner(ROWS_COST)
     p.confidence = 0.9
     assert p.plan(history, 16, GREEDY, RNG).drafter is None  # the test above
-    acc = p.acc_ngram[4]
+    acc = p.arm("ngram").rates[4]
     # The target produced 5: 1 accepted in 1 trial. a = (1 + 0.9 x 2) / 3 = 0.93333, less
     # 0.14402: 0.78931, which pays at no K.
     assert p.plan([*history, 5], 16, GREEDY, RNG).drafter is None
@@ -150,12 +166,12 @@ def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
     s = 0.97 * 1.97 + 1
     a = lower((s + 1.8) / (s + 2), s)
     assert a == pytest.approx(0.87008, abs=1e-5)
-    assert plan.drafter is p.ngram and plan.draft.tokens == [8, 9, 1]
+    assert plan.drafter is p.arm("ngram").drafter and plan.draft.tokens == [8, 9, 1]
     assert plan.expected_rate == pytest.approx(e(a, 3) / 0.0304)
     # The draft is verified and teaches its positions (8 is also the shadow's 4th token):
     # the shadow ends, so 8 is counted once. All 3 accepted: 0.9 x 2.9109 + 3 = 5.6198,
     # faded by the next step's tick to 5.4512.
-    assert not p._shadows
+    assert p.arm("ngram").shadow is None
     p.observe(plan, 3, 0.03, None, rows=4)
     p.plan([*history, 5, 6, 7, 8, 9, 1, 2], 16, GREEDY, RNG)
     assert acc.successes == pytest.approx(0.97 * (0.9 * s + 3))
@@ -165,11 +181,11 @@ def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
     p.plan(history, 16, GREEDY, RNG)
     p.plan([*history, 5], 16, GREEDY, RNG)
     p.plan([*history, 5, 20], 16, GREEDY, RNG)
-    assert (p.acc_ngram[4].successes, p.acc_ngram[4].trials) == (
+    assert (p.arm("ngram").rates[4].successes, p.arm("ngram").rates[4].trials) == (
         pytest.approx(0.97),
         pytest.approx(1.97),
     )
-    assert 0 not in p._shadows
+    assert p.arm("ngram").shadow is None
 
 
 def test_a_shadow_draft_cut_short_never_shortens_the_accepted_length() -> None:
@@ -182,14 +198,16 @@ def test_a_shadow_draft_cut_short_never_shortens_the_accepted_length() -> None:
     p = ngram_planner(ROWS_COST)
     p.confidence = 0.3  # a = 0.3 at first and at most 0.76 below: nothing drafts
     assert p.plan(history, 16, GREEDY, RNG).drafter is None
-    assert p._shadows[0].bucket == 16 and p.ngram_len[16] == 6.0
+    assert p.arm("ngram").shadow.bucket == 16 and p.arm("ngram").lengths[16] == 6.0
     for n in range(1, 5):
         p.plan(history + src[20 : 20 + n], 16, GREEDY, RNG)
-    assert p.acc_ngram[16].trials > 0 and p.ngram_len[16] == 6.0  # 4 of 4: not lowered
+    assert (
+        p.arm("ngram").rates[16].trials > 0 and p.arm("ngram").lengths[16] == 6.0
+    )  # 4 of 4: not lowered
     history += src[20:24]
-    assert p._shadows[0].start == len(history)  # the next shadow, from here
+    assert p.arm("ngram").shadow.start == len(history)  # the next shadow, from here
     p.plan([*history, src[24], 7], 16, GREEDY, RNG)  # the copy breaks after 1 token
-    assert p.ngram_len[16] == pytest.approx(3.5)
+    assert p.arm("ngram").lengths[16] == pytest.approx(3.5)
 
 
 def test_a_shadow_draft_is_not_kept_for_the_drafter_that_drafts() -> None:
@@ -198,7 +216,7 @@ def test_a_shadow_draft_is_not_kept_for_the_drafter_that_drafts() -> None:
     p = ngram_planner(HAND)
     p.confidence = 0.9
     plan = p.plan([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 16, GREEDY, RNG)
-    assert plan.drafter is p.ngram and not p._shadows
+    assert plan.drafter is p.arm("ngram").drafter and p.arm("ngram").shadow is None
 
 
 @pytest.mark.usefixtures("mean_lookups")
@@ -230,20 +248,19 @@ def test_a_padded_lone_row_makes_one_draft_token_free() -> None:
     # (83.33/s) and K=1 (104.58) wins by 25%.
     history = [5, 6, 9, 1, 6]
     timings = Timings(dict(HAND), lone_max=4)
-    p = AutoPlanner(timings, ngram=NgramDrafter(1, 8), learn_timings=False)
+    p = auto_planner(timings, ngram=NgramDrafter(1, 8), learn_timings=False)
     p.confidence = 0.85
     plan = p.plan(history, 16, GREEDY, RNG)
-    assert timings.cached == 4 and timings.padded
+    assert p.cached == 4 and timings.padded(4)
     assert plan.draft.tokens == [9] and plan.expected_rate == pytest.approx(1.255 / 0.012)
     # Up to the limit, a lone row costs its own time: no drafts, as without a limit.
     timings.lone_max = 5
     plan = p.plan(history, 16, GREEDY, RNG)
-    assert not timings.padded
+    assert not timings.padded(4)
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
     # A padded lone row's measured time teaches the batch correction, not the single one.
     timings.lone_max = 4
-    p.plan(history, 16, GREEDY, RNG)
-    timings.observe_verify(1, 0.012 * 1.2, weight=0.5)
+    timings.observe_verify(1, 0.012 * 1.2, 4, weight=0.5)
     assert timings.scale_batch == pytest.approx(1.1) and timings.scale_single == 1.0
 
 
@@ -252,21 +269,21 @@ def test_batches_cost_more_deeper_in_the_context() -> None:
     depth, a batch of n rows costs n * position_row per position more, a lone row
     position_single."""
     t = Timings(dict(HAND), depth=64, position_single=1e-6, position_row=2e-6)
-    t.cached = 10  # above the calibration's depth: the curve as measured
-    assert t.verify_time(1) == pytest.approx(0.010) and t.verify_time(4) == pytest.approx(0.016)
-    t.cached = 1064  # 1000 positions deeper
-    assert t.verify_time(1) == pytest.approx(0.010 + 1000 * 1e-6)
-    assert t.verify_time(3) == pytest.approx(0.014 + 1000 * 3 * 2e-6)  # 0.020
-    assert t.verify_time(4) == pytest.approx(0.016 + 1000 * 4 * 2e-6)  # 0.024
+    # 10 cached, above the calibration's depth: the curve as measured
+    assert t.verify_time(1, 10) == pytest.approx(0.010)
+    assert t.verify_time(4, 10) == pytest.approx(0.016)
+    deep = 1064  # 1000 positions deeper
+    assert t.verify_time(1, deep) == pytest.approx(0.010 + 1000 * 1e-6)
+    assert t.verify_time(3, deep) == pytest.approx(0.014 + 1000 * 3 * 2e-6)  # 0.020
+    assert t.verify_time(4, deep) == pytest.approx(0.016 + 1000 * 4 * 2e-6)  # 0.024
     # A measurement teaches the correction against the cost at that depth: 0.030 for the
     # 0.024 expected is 1.25x, half of which (weight 0.5) is learnt.
-    t.observe_verify(4, 0.030, weight=0.5)
+    t.observe_verify(4, 0.030, deep, weight=0.5)
     assert t.scale_batch == pytest.approx(1.125) and t.scale_single == 1.0
-    assert t.verify_time(2) == pytest.approx((0.012 + 1000 * 2 * 2e-6) * 1.125)
+    assert t.verify_time(2, deep) == pytest.approx((0.012 + 1000 * 2 * 2e-6) * 1.125)
     # A padded lone row (deterministic mode) costs two rows at that depth.
     padded = Timings(dict(HAND), lone_max=4, position_single=1e-6, position_row=2e-6)
-    padded.cached = 1000
-    assert padded.verify_time(1) == pytest.approx(0.012 + 1000 * 2 * 2e-6)
+    assert padded.verify_time(1, 1000) == pytest.approx(0.012 + 1000 * 2 * 2e-6)
 
 
 @pytest.mark.usefixtures("mean_lookups")
@@ -277,17 +294,17 @@ def test_a_lookup_draft_that_pays_near_the_start_does_not_deep_in_the_context() 
     # K=4: 4.0951/0.0199 = 205.8 -> K=3.
     pattern = [1, 2, 3, 4, 5, 6, 7, 8]
     timings = Timings(dict(HAND), position_row=5e-6)
-    p = AutoPlanner(timings, ngram=NgramDrafter(1, 8), learn_timings=False)
+    p = auto_planner(timings, ngram=NgramDrafter(1, 8), learn_timings=False)
     p.confidence = 1.0
     plan = p.plan(pattern * 2 + [1], 16, GREEDY, RNG)
-    assert timings.cached == 16 and plan.draft.tokens == [2, 3, 4]
+    assert p.cached == 16 and plan.draft.tokens == [2, 3, 4]
     assert plan.expected_rate == pytest.approx(e(0.9, 3) / 0.01632)
     # 1000 positions cached: each row of a batch costs 5 ms more: K=1: 1.9/0.022 = 86.4,
     # K=2: 2.71/0.029 = 93.4, K=3: 3.439/0.036 = 95.5, K=4: 4.0951/0.0445 = 92.0, all
     # below the target alone (100, its lone row unchanged): no drafts. (The same 9-token
     # match after other text: a longer one would be a copy, COPY_MATCH.)
     plan = p.plan([20] * 984 + pattern * 2 + [1], 16, GREEDY, RNG)
-    assert timings.cached == 1000
+    assert p.cached == 1000
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
 
 
@@ -315,18 +332,18 @@ def test_ngram_draft_length_follows_the_accepted_length() -> None:
     history = [*range(20), 0, 1, 2, 3]
     p = ngram_planner(FLAT)
     assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(4, 16))
-    p.ngram_len[4] = 2.6
+    p.arm("ngram").lengths[4] = 2.6
     assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(4, 13))
     p = ngram_planner(FLAT, draft_min=10)
-    p.ngram_len[4] = 0.0
+    p.arm("ngram").lengths[4] = 0.0
     assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(4, 14))
     # What a verification of 4 drafts with 0 accepted teaches bucket 4: the mean accepted
     # length halves towards 0 (4 -> 2: cap 8); acceptance 0 of 1 trial, faded by 0.97
     # at the next step: a = (0 + 0.6 * 2) / (0.97 + 2).
     p = ngram_planner(FLAT)
     plan = p.plan(history, 16, GREEDY, RNG)
-    p.observe(Plan(plan.drafter, Draft(plan.draft.tokens[:4]), 0.0), 0, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 2.0, 16: 6.0, 32: 14.0}
+    p.observe(dataclasses.replace(plan, draft=Draft(plan.draft.tokens[:4])), 0, 0.010)
+    assert p.arm("ngram").lengths == {1: 4.0, 2: 4.0, 4: 2.0, 16: 6.0, 32: 14.0}
     plan = p.plan(history, 16, GREEDY, RNG)
     assert plan.draft.tokens == list(range(4, 12))
     assert plan.expected_rate == pytest.approx(e(1.2 / 2.97, 8) / 0.010)
@@ -340,11 +357,11 @@ def test_a_draft_model_is_judged_optimistically_in_its_first_steps() -> None:
     #   K=4: proposed p = 0.94641 + ... + 0.94641^4 = 3.49206 after 2.68979 evaluations,
     #        step 0.002 + 2.68979 * 0.002 + t_verify(4.49206) = 0.0251018,
     #        E = 1 + p = 4.49206 (c = 1 * 0.94641): 178.95 tokens/s, the best of K <= 4.
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
     plan = p.plan([1], 16, GREEDY, RNG)
-    assert plan.drafter is p.model and len(plan.draft.tokens) == 4
+    assert plan.drafter is p.arm("model").drafter and len(plan.draft.tokens) == 4
     assert plan.expected_rate == pytest.approx(178.9537, rel=1e-5)
-    assert (p._model_steps, p.idle_model, p._streak) == (1, 0, 1)
+    assert (p.arm("model").steps, p.arm("model").idle, p.arm("model").streak) == (1, 0, 1)
 
 
 #: A 2-core AMD EPYC's curve (llama-bench pp1..pp17: 2 rows 1.5x one, 3 rows 2x, 5 rows
@@ -357,30 +374,31 @@ def test_a_draft_model_that_cannot_pay_even_when_always_accepted_is_left_out() -
     # K + 1 tokens in K * 0.006 + t_verify(K + 1): K=1 2 / 0.021 = 95.2, K=4 5 / 0.052 =
     # 96.2, K=8 9 / 0.095 = 94.7, K=16 17 / 0.177 = 96.0 tokens/s, never the 105 that the
     # margin asks over the target alone's 100.
-    dear = AutoPlanner(Timings(dict(EPYC), 0.006), model=model_drafter(), learn_timings=False)
-    assert not dear.model_can_pay() and dear.drafters == []
-    dear.idle_model, dear.confidence = 100, 0.99  # the probe's conditions: still no draft
+    dear = auto_planner(Timings(dict(EPYC), 0.006), model=model_drafter(), learn_timings=False)
+    assert dear.active == [] and dear.drafters == []
+    dear.arm("model").idle, dear.confidence = 100, 0.99  # the probe's conditions: still no draft
     assert dear.plan([1, 2, 3], 16, GREEDY, RNG).drafter is None
     # At 0.2 of a step it pays: K=4 5 / (0.008 + 0.028) = 138.9 tokens/s.
-    cheap = AutoPlanner(Timings(dict(EPYC), 0.002), model=model_drafter(), learn_timings=False)
-    assert cheap.model_can_pay() and cheap.drafters == [cheap.model]
+    cheap = auto_planner(Timings(dict(EPYC), 0.002), model=model_drafter(), learn_timings=False)
+    assert cheap.active == cheap.arms and cheap.drafters == [cheap.arm("model").drafter]
     # Judged where batches are cheapest, whatever depth the last generation ended at (1000
     # positions at 20 us per row and position: 5 rows 0.028 + 0.1, K=4 5 / 0.136 = 36.8).
     deep = Timings(dict(EPYC), 0.002, position_row=2e-5)
-    deep.cached = 1000
-    assert best_k(1.0, deep, 16)[0] == 0  # there, no draft length pays
-    assert AutoPlanner(deep, model=model_drafter(), learn_timings=False).model_can_pay()
-    assert deep.cached == 1000
+    assert best_k(1.0, deep, 16, cached=1000)[0] == 0  # there, no draft length pays
+    far = auto_planner(deep, model=model_drafter(), learn_timings=False)
+    far.plan(list(range(1001)), 16, GREEDY, RNG)  # a generation that ended 1000 deep
+    far.reset()
+    assert far.active == far.arms
     # In the loop: the draft model that cannot pay never reads the prompt; the output is
     # the target's own.
     for planner, reads in ((dear, False), (cheap, True)):
-        assert planner.model is not None
+        assert planner.arm("model").drafter is not None
         ctx = FakeContext(one_hot_rule(target_next, V), V)
         dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
         res = dec.generate([1, 5, 9, 2], GenerationParams(n_predict=10, sampler=GREEDY), planner)
         res = res.run()
         assert res.tokens == truth([1, 5, 9, 2], 10)
-        draft_ctx = planner.model.ctx
+        draft_ctx = planner.arm("model").drafter.ctx
         assert (len(draft_ctx.log) > 0) == reads, draft_ctx.log  # type: ignore[attr-defined]
 
 
@@ -399,24 +417,24 @@ def test_a_verbatim_copy_of_16_tokens_is_drafted_where_a_shorter_match_is_not() 
     src = list(range(100, 140))
 
     def planner() -> AutoPlanner:
-        p = AutoPlanner(Timings(dict(STUCK), scale_single=0.8), ngram=NgramDrafter(1, 8),
+        p = auto_planner(Timings(dict(STUCK), scale_single=0.8), ngram=NgramDrafter(1, 8),
                         learn_timings=False)  # fmt: skip
         p.confidence = 1.0
         return p
 
     p = planner()
     plan = p.plan([*src[:30], 1, 2, *src[:9]], 16, GREEDY, RNG)
-    assert p.ngram is not None and p.ngram.last_match == 9
+    assert match_of([*src[:30], 1, 2, *src[:9]]) == 9
     assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / (0.8 * 0.0467))
     # A 20-token verbatim match (the indexed 8 extended back to the text's start): a copy,
     # a = 0.97 and up to 16 drafts (COPY_CAP): K=16 e(0.97, 16) / 0.3767 =
     # 13.472 / 0.3767 = 35.76, above K=15 12.858 / 0.3800 = 33.8 and K=12 10.899 / 0.3899.
     p = planner()
     plan = p.plan([*src, 1, 2, *src[:20]], 16, GREEDY, RNG)
-    assert p.ngram is not None and p.ngram.last_match == 20
-    assert plan.drafter is p.ngram and plan.draft.tokens == src[20:36]
+    assert plan.draft.match == 20
+    assert plan.drafter is p.arm("ngram").drafter and plan.draft.tokens == src[20:36]
     assert plan.expected_rate == pytest.approx(e(0.97, 16) / 0.3767)
-    assert p._last_ngram_bucket == 16
+    assert plan.bucket == 16
 
 
 def test_a_long_verbatim_copy_drafts_longer_with_its_own_prior() -> None:
@@ -427,19 +445,19 @@ def test_a_long_verbatim_copy_drafts_longer_with_its_own_prior() -> None:
     src = list(range(100, 180))
 
     def planner() -> AutoPlanner:
-        p = AutoPlanner(Timings(dict(FLAT)), ngram=NgramDrafter(1, 8), learn_timings=False)
+        p = auto_planner(Timings(dict(FLAT)), ngram=NgramDrafter(1, 8), learn_timings=False)
         p.confidence = 0.5
         return p
 
     p = planner()
     plan = p.plan([*src, 1, 2, *src[:40]], 64, GREEDY, RNG)
-    assert p.ngram is not None and p.ngram.last_match == 32
+    assert plan.draft.match == 32
     assert plan.draft.tokens == src[40:72]
     assert plan.expected_rate == pytest.approx(e(0.98, 32) / 0.010)
-    assert p._last_ngram_bucket == 32
+    assert plan.bucket == 32
     p = planner()
     plan = p.plan([*src, 1, 2, *src[:20]], 64, GREEDY, RNG)
-    assert p.ngram.last_match == 20 and plan.draft.tokens == src[20:36]  # COPY_CAP 16
+    assert plan.draft.match == 20 and plan.draft.tokens == src[20:36]  # copy_cap 16
     assert plan.expected_rate == pytest.approx(e(0.5, 16) / 0.010)
     # Sampled, a copied token is accepted with the target's probability of it: the
     # confidence, 0.5, not 0.98 (the same 32 drafts on flat timings).
@@ -449,11 +467,11 @@ def test_a_long_verbatim_copy_drafts_longer_with_its_own_prior() -> None:
     assert plan.expected_rate == pytest.approx(e(0.5, 32) / 0.010)
     # Suffix matching's long matches (maybe another generation's) are copies of 16, not
     # long copies.
-    p = AutoPlanner(Timings(dict(FLAT)), suffix=SuffixDrafter(), learn_timings=False)
+    p = auto_planner(Timings(dict(FLAT)), suffix=SuffixDrafter(), learn_timings=False)
     p.confidence = 0.5
     plan = p.plan([*src, 1, 2, *src[:40]], 64, GREEDY, RNG)
-    assert p.suffix is not None and p.suffix.last_match == 32
-    assert plan.drafter is p.suffix and len(plan.draft.tokens) == 16
+    assert plan.draft.match == 32
+    assert plan.drafter is p.arm("suffix").drafter and len(plan.draft.tokens) == 16
     assert plan.expected_rate == pytest.approx(e(0.5, 16) / 0.010)
 
 
@@ -462,9 +480,9 @@ LONG = {1: 0.0461, 2: 0.0928, 3: 0.1119, 4: 0.139, 5: 0.1673, 7: 0.2486, 9: 0.35
         13: 0.4289, 17: 0.4646, 25: 0.6067, 33: 0.6893, 49: 0.9944}  # fmt: skip
 
 
-@pytest.mark.parametrize(("weight", "k"), [(AutoPlanner.LONG_COPY_WEIGHT, 32), (2.0, 48)])
+@pytest.mark.parametrize(("weight", "k"), [(AUTO_TUNING.long_copy_weight, 32), (2.0, 48)])
 def test_one_long_copy_accepted_whole_does_not_make_the_next_one_longer(
-    monkeypatch: pytest.MonkeyPatch, weight: float, k: int
+    weight: float, k: int
 ) -> None:
     # A long copy's first draft: 32 tokens (LONG_COPY_CAP), all accepted. Its bucket then
     # holds 32 successes in 32 trials, faded once by the next step's tick to 31.04 / 31.04,
@@ -474,24 +492,24 @@ def test_one_long_copy_accepted_whole_does_not_make_the_next_one_longer(
     # other priors do, a = 33 / 33.04 = 0.99879 and K=48 wins (47.603 / 0.9944 = 47.87,
     # K=32 46.96): the draft that the rename in code editing broke at its 20th token,
     # 0.99 s where 32 cost 0.69 s.
-    assert round(AutoPlanner.LONG_COPY_WEIGHT) == 50
-    monkeypatch.setattr(AutoPlanner, "LONG_COPY_WEIGHT", weight)
-    p = AutoPlanner(Timings(dict(LONG)), ngram=NgramDrafter(1, 8), learn_timings=False)
+    assert round(AUTO_TUNING.long_copy_weight) == 50
+    p = auto_planner(Timings(dict(LONG)), ngram=NgramDrafter(1, 8), learn_timings=False,
+                     tuning=tuned(long_copy_weight=weight))  # fmt: skip
     p.confidence = 0.9
     src = list(range(100, 300))
     text = [*src, 1, 2, *src[:40]]
     first = p.plan(text, 64, GREEDY, RNG)
-    assert first.draft.tokens == src[40:72] and p._last_ngram_bucket == 32
+    assert first.draft.tokens == src[40:72] and first.bucket == 32
     p.observe(first, 32, 0.69, 0.99, rows=33)
     plan = p.plan([*text, *src[40:73]], 64, GREEDY, RNG)
-    assert p._last_ngram_bucket == 32 and plan.draft.tokens == src[73 : 73 + k]
+    assert plan.bucket == 32 and plan.draft.tokens == src[73 : 73 + k]
     a = (31.04 + weight * 0.98) / (31.04 + weight)
     verify = {32: 0.6893, 48: 0.9944}[k]  # 33 and 49 rows
     assert plan.expected_rate == pytest.approx(e(a, k) / verify)
 
 
 def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
-    from specgguf.speculative.drafters import RESUME_SPAN, RESUME_WINDOW
+    from specgguf.speculative.drafters.ngram import RESUME_SPAN, RESUME_WINDOW
 
     assert (RESUME_SPAN, RESUME_WINDOW) == (32, 8)  # the geometry below
     # The source: a long text with the name 7 in it, and later 3, 4 (its suffix after the
@@ -501,14 +519,13 @@ def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
     source = [*head, 7, 3, 4, *tail, 60, 3, 4, 50, 51, 52, 53]
     copy = [*head, 8, 9, 3, 4]
     d = NgramDrafter(2, 8)
-    d.propose([*source, 1, *head], 8, GREEDY, RNG)  # a 20-token match: a copy
-    assert d.last_match == 20 and not d.resumed
+    first = d.propose([*source, 1, *head], 8, GREEDY, RNG)  # a 20-token match: a copy
+    assert first.match == 20 and not first.resumed
     draft = d.propose([*source, 1, *copy], 8, GREEDY, RNG)
-    assert draft.tokens == tail[:8] and d.resumed and d.last_match == 2
+    assert draft.tokens == tail[:8] and draft.resumed and draft.match == 2
     # Without a long copy before, the latest occurrence.
-    fresh = NgramDrafter(2, 8)
-    assert fresh.propose([*source, 1, *copy], 4, GREEDY, RNG).tokens == [50, 51, 52, 53]
-    assert not fresh.resumed
+    fresh = NgramDrafter(2, 8).propose([*source, 1, *copy], 4, GREEDY, RNG)
+    assert fresh.tokens == [50, 51, 52, 53] and not fresh.resumed
     # Nor once the text has gone more than RESUME_SPAN tokens past the copy's last long
     # match, resumes in between or not (a resume realigns the copy, it does not extend
     # the span). Here 30 tokens of the source (500-529) are replaced by new ones.
@@ -518,34 +535,35 @@ def test_a_copy_broken_by_an_edit_resumes_where_its_source_goes_on() -> None:
         d = NgramDrafter(2, 8)
         d.propose(start, 8, GREEDY, RNG)
         # 32 tokens on (33 with the extra one): the copy's 3, 4 ends at 52 = 20 + 32
-        d.propose([*start, *range(300, 330), *extra, 3, 4], 4, GREEDY, RNG)
-        assert d.resumed == resumes, extra
+        draft = d.propose([*start, *range(300, 330), *extra, 3, 4], 4, GREEDY, RNG)
+        assert draft.resumed == resumes, extra
     d = NgramDrafter(2, 8)
     d.propose(start, 8, GREEDY, RNG)
     text = [*start, 9, 9, 9, 504, 505]  # 5 on: 504, 505 ends at 26 in the source
-    assert d.propose(text, 4, GREEDY, RNG).tokens == [506, 507, 508, 509] and d.resumed
+    draft = d.propose(text, 4, GREEDY, RNG)
+    assert draft.tokens == [506, 507, 508, 509] and draft.resumed
     text = [*text, *range(300, 325), 3, 4]  # 32 on: resumed (expected 53, at 52)
-    assert d.propose(text, 4, GREEDY, RNG).tokens == tail[:4] and d.resumed
+    draft = d.propose(text, 4, GREEDY, RNG)
+    assert draft.tokens == tail[:4] and draft.resumed
     text = [*text, 5, 5, 5, 3, 4]  # 37 on, 5 past the last resume: not
-    d.propose(text, 4, GREEDY, RNG)
-    assert not d.resumed
+    assert not d.propose(text, 4, GREEDY, RNG).resumed
     # A longer match elsewhere wins: 5 tokens on, the text copies 60, 3, 4, 50 from the
     # source's end; near the copy's source (position 25) only 4, 50 occurs.
     d = NgramDrafter(2, 8)
     d.propose(start, 8, GREEDY, RNG)
-    assert d.propose([*start, 8, 60, 3, 4, 50], 2, GREEDY, RNG).tokens == [51, 52]
-    assert d.last_match == 4 and not d.resumed
+    draft = d.propose([*start, 8, 60, 3, 4, 50], 2, GREEDY, RNG)
+    assert draft.tokens == [51, 52] and draft.match == 4 and not draft.resumed
     d = NgramDrafter(2, 8)  # (without the longer match, the resume)
     d.propose(start, 8, GREEDY, RNG)
-    assert d.propose([*start, 8, 7, 6, 4, 50], 2, GREEDY, RNG).tokens == [504, 505]
-    assert d.resumed
+    draft = d.propose([*start, 8, 7, 6, 4, 50], 2, GREEDY, RNG)
+    assert draft.tokens == [504, 505] and draft.resumed
     # The planner judges a resumed match as a copy (bucket 16), not by its 2 tokens.
-    p = AutoPlanner(Timings(dict(FLAT)), ngram=NgramDrafter(2, 8), learn_timings=False)
+    p = auto_planner(Timings(dict(FLAT)), ngram=NgramDrafter(2, 8), learn_timings=False)
     p.confidence = 1.0
     p.plan([*source, 1, *head], 16, GREEDY, RNG)
     plan = p.plan([*source, 1, *copy], 16, GREEDY, RNG)
-    assert plan.drafter is p.ngram and plan.draft.tokens == tail[:16]
-    assert p._last_ngram_bucket == 16
+    assert plan.drafter is p.arm("ngram").drafter and plan.draft.tokens == tail[:16]
+    assert plan.bucket == 16
 
 
 def test_match_length_extends_the_indexed_match_as_far_as_the_texts_agree() -> None:
@@ -553,11 +571,7 @@ def test_match_length_extends_the_indexed_match_as_far_as_the_texts_agree() -> N
 
     src = list(range(100, 160))
 
-    def matched(text: list[int]) -> int:
-        d = NgramDrafter(1, 8)
-        d.propose(text, 4, GREEDY, RNG)
-        return d.last_match
-
+    matched = match_of
     assert matched([*src, 1, *src[:25]]) == 25  # back to the text's start
     assert matched([*src, 1, *src]) == LONG_MATCH == 32  # at most LONG_MATCH
     assert matched([5, 6, 7, 9, *src[:12], 5, 6, 8, *src[:12]]) == 12  # 9 against 8
@@ -569,26 +583,43 @@ def test_match_length_extends_the_indexed_match_as_far_as_the_texts_agree() -> N
     assert match_length(text, 3, 7, 2) == 3  # without: -1 agrees with -1
 
 
+def match_of(text: list[int]) -> int:
+    """The match n-gram lookup (1 to 8 tokens) finds at the end of ``text``."""
+    return NgramDrafter(1, 8).propose(text, 4, GREEDY, RNG).match
+
+
 def test_the_streak_of_model_steps_is_averaged_when_it_ends() -> None:
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
     kinds = []
     for conf in (0.9, 0.9, 0.9, 0.05, 0.9, 0.05, 0.05):
         # Confidence 0.05: even optimistic (a = 0.204), K=1 gives 97.04 < 100 tokens/s.
         p.confidence = conf
         kinds.append(p.plan([1], 16, GREEDY, RNG).drafter is not None)
         if len(kinds) == 4:  # a run of 3 ended: the mean run moves halfway from 1 to 3
-            assert (p.mean_streak, p._streak, p.idle_model) == (2.0, 0, 1)
+            assert (p.arm("model").mean_streak, p.arm("model").streak, p.arm("model").idle) == (
+                2.0,
+                0,
+                1,
+            )
     assert kinds == [True, True, True, False, True, False, False]
-    assert p.mean_streak == 1.5 and p._streak == 0  # then halfway from 2 to a run of 1
-    assert p.idle_model == 2 and p._model_steps == 4
+    assert (
+        p.arm("model").mean_streak == 1.5 and p.arm("model").streak == 0
+    )  # then halfway from 2 to a run of 1
+    assert p.arm("model").idle == 2 and p.arm("model").steps == 4
 
 
 def test_what_a_verification_teaches() -> None:
     model = model_drafter()
     ngram = NgramDrafter(1, 4)
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, ngram=ngram)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model, ngram=ngram)
     # The confidence: a running mean over the first ten steps, then a moving average.
-    none = Plan(None, Draft([]), 100.0)
+    none = StepPlan(None, Draft([]), 100.0)
+    arm, ngram_arm = p.arm("model"), p.arm("ngram")
+
+    def model_plan(tokens: list[int], seconds: float, stopped: bool = False) -> StepPlan:
+        draft = Draft(tokens, token_seconds=seconds, stopped=stopped)
+        return StepPlan(model, draft, 0.0, arm)
+
     p.observe(none, 0, 0.0125, confidence=0.9)
     assert p.confidence == pytest.approx(0.9)
     # The decode step took 1.25 times the calibrated 0.010 s: its correction moves 5%.
@@ -604,59 +635,59 @@ def test_what_a_verification_teaches() -> None:
     # A model draft of 3, 2 accepted, not stopped: 2 successes of 3 trials; its 3 tokens
     # passed P_STOP (3 of 3); t_draft moves 5% towards the 0.004 s measured per token; the
     # batch of 4 took 1.2 times t_verify(4).
-    model.last_token_seconds = 0.004
-    p.observe(Plan(model, Draft([1, 2, 3]), 0.0), 2, 0.0192)
-    assert (p.acc_model.successes, p.acc_model.trials) == (2.0, 3.0)
-    assert (p.cont_model.successes, p.cont_model.trials) == (3.0, 3.0)
+    p.observe(model_plan([1, 2, 3], 0.004), 2, 0.0192)
+    assert (p.arm("model").accepted.successes, p.arm("model").accepted.trials) == (2.0, 3.0)
+    assert (p.arm("model").passed.successes, p.arm("model").passed.trials) == (3.0, 3.0)
     assert p.timings.draft == pytest.approx(0.0021)
     assert p.timings.scale_batch == pytest.approx(1.01)
     # An empty model draft teaches no draft time; a one-token draft does.
-    model.last_token_seconds = 0.012
-    p.observe(Plan(model, Draft([]), 0.0), 0, 0.010)
+    p.observe(model_plan([], 0.012), 0, 0.010)
     assert p.timings.draft == pytest.approx(0.0021)
-    p.observe(Plan(model, Draft([1]), 0.0), 1, 0.012)
+    p.observe(model_plan([1], 0.012), 1, 0.012)
     assert p.timings.draft == pytest.approx(0.0021 + 0.05 * (0.012 - 0.0021))
     p.timings.draft = 0.0021
-    p.acc_model = type(p.acc_model)(prior=0.95, successes=2.0, trials=3.0)
-    p.cont_model = type(p.cont_model)(successes=3.0, trials=3.0)
-    # Stopped at an unsure token after 2: the continuation failed once more.
-    model.last_stopped = True
-    model.last_token_seconds = 0.0  # not measured: t_draft unchanged
-    p.observe(Plan(model, Draft([1, 2]), 0.0), 2, 0.012)
-    assert p.cont_model.successes == pytest.approx(0.9 * 3 + 2)
-    assert p.cont_model.trials == pytest.approx(0.9 * 3 + 3)
+    arm.accepted = type(arm.accepted)(prior=0.95, successes=2.0, trials=3.0)
+    arm.passed = type(arm.passed)(successes=3.0, trials=3.0)
+    # Stopped at an unsure token after 2: the continuation failed once more; not measured:
+    # t_draft unchanged.
+    p.observe(model_plan([1, 2], 0.0, stopped=True), 2, 0.012)
+    assert p.arm("model").passed.successes == pytest.approx(0.9 * 3 + 2)
+    assert p.arm("model").passed.trials == pytest.approx(0.9 * 3 + 3)
     assert p.timings.draft == pytest.approx(0.0021)
     # An n-gram draft counts for the bucket of its match, and only a non-empty one.
-    p._last_ngram_bucket = 2
-    p.observe(Plan(ngram, Draft([]), 0.0), 0, 0.010)
-    assert p.ngram_len[2] == 4.0 and p.acc_ngram[2].trials == 0.0
-    p.observe(Plan(ngram, Draft([1, 2, 3, 4]), 0.0), 2, 0.010)
-    assert p.ngram_len == {1: 4.0, 2: 3.0, 4: 4.0, 16: 6.0, 32: 14.0}
-    assert (p.acc_ngram[2].successes, p.acc_ngram[2].trials) == (2.0, 3.0)
+    p.observe(StepPlan(ngram, Draft([]), 0.0, ngram_arm, 2), 0, 0.010)
+    assert p.arm("ngram").lengths[2] == 4.0 and p.arm("ngram").rates[2].trials == 0.0
+    p.observe(StepPlan(ngram, Draft([1, 2, 3, 4]), 0.0, ngram_arm, 2), 2, 0.010)
+    assert p.arm("ngram").lengths == {1: 4.0, 2: 3.0, 4: 4.0, 16: 6.0, 32: 14.0}
+    assert (p.arm("ngram").rates[2].successes, p.arm("ngram").rates[2].trials) == (2.0, 3.0)
     # Without learn_timings nothing about timings moves.
-    q = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
-    model.last_token_seconds = 0.004
-    q.observe(Plan(model, Draft([1, 2, 3]), 0.0), 2, 0.05)
+    q = auto_planner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    q.observe(StepPlan(model, Draft([1, 2, 3], token_seconds=0.004), 0.0, q.arm("model")), 2,
+              0.05)  # fmt: skip
     assert (q.timings.draft, q.timings.scale_batch, q.timings.scale_single) == (0.002, 1.0, 1.0)
 
 
 def test_reset_starts_from_the_priors() -> None:
     ngram = NgramDrafter(1, 4)
     ngram.propose([1, 2, 1], 4, GREEDY, RNG)
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), ngram=ngram)
-    assert ngram.last_match == 0  # the drafters were reset too
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), ngram=ngram)
+    assert not ngram._index[1]  # the drafters were reset too
     for _ in range(3):
         p.confidence = 0.9
         p.plan([1], 16, GREEDY, RNG)
-    p.observe(Plan(p.model, Draft([1, 2]), 0.0), 0, 0.02, confidence=0.1)
+    p.observe(StepPlan(p.arm("model").drafter, Draft([1, 2]), 0.0, p.arm("model")), 0, 0.02,
+              confidence=0.1)  # fmt: skip
     p.reset()
     assert p.confidence == 0.6 and p._n_confidence == 0
-    assert (p.acc_model.rate, p.cont_model.rate) == (0.95, 0.6)
-    assert all(a.rate == 0.6 and a.trials == 0.0 for a in p.acc_ngram.values())
-    assert (p._model_steps, p.idle_model, p._streak, p.mean_streak) == (0, 0, 0, 1.0)
-    assert p.ngram_len == {1: 4.0, 2: 4.0, 4: 4.0, 16: 6.0, 32: 14.0} and p._last_ngram_bucket == 1
-    assert p.draft_min == 1 and p.p_min == 0.5 and p.drafters == [ngram, p.model]
-    assert AutoPlanner(Timings(dict(HAND)), p_min=0.7, draft_min=3).p_min == 0.7
+    assert (p.arm("model").accepted.rate, p.arm("model").passed.rate) == (0.95, 0.6)
+    assert all(a.rate == 0.6 and a.trials == 0.0 for a in p.arm("ngram").rates.values())
+    arm = p.arm("model")
+    assert (arm.steps, arm.idle, arm.streak, arm.mean_streak) == (0, 0, 0, 1.0)
+    assert p.arm("ngram").lengths == {1: 4.0, 2: 4.0, 4: 4.0, 16: 6.0, 32: 14.0}
+    assert p.arm("ngram").shadow is None
+    assert p.draft_min == 1 and arm.p_stop == 0.5 and p.drafters == [ngram, arm.drafter]
+    q = auto_planner(Timings(dict(HAND)), model=model_drafter(), p_min=0.7, draft_min=3)
+    assert q.arm("model").p_stop == 0.7 and q.draft_min == 3
 
 
 def test_fixed_planner_limits() -> None:
@@ -690,7 +721,7 @@ def test_ngram_replaces_a_draft_model_in_use_only_when_clearly_faster(
     # after a 4-token match K=3 at E(0.7, 3) / 0.016 = 158.31: 1.125 times faster, which
     # takes over a model not in use but not one in use (1.25 needed). Confidence 0.9: the
     # model's best is K=4 at 161.37, n-gram K=3 at 214.94: 1.33 times, it takes over.
-    monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
+    monkeypatch.setattr(fakes, "TUNING", dataclasses.replace(fakes.TUNING, explore_steps=0))
     history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
     for steps, conf, kind, n, rate in (
         (1, 0.7, "model", 7, 140.7310),
@@ -699,36 +730,36 @@ def test_ngram_replaces_a_draft_model_in_use_only_when_clearly_faster(
     ):
         model = model_drafter()
         model.prefill(history)
-        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, ngram=NgramDrafter(1, 8),
+        p = auto_planner(Timings(dict(HAND), 0.002), model=model, ngram=NgramDrafter(1, 8),
                         learn_timings=False)  # fmt: skip
-        p._model_steps, p._streak, p.confidence = steps, 3, conf
+        p.arm("model").steps, p.arm("model").streak, p.confidence = steps, 3, conf
         plan = p.plan(history, 16, GREEDY, RNG)
         assert plan.drafter is not None and plan.drafter.name == kind, (steps, conf)
         assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate, rel=1e-5)
         # A run of 3 model steps ends when n-gram lookup takes over: mean 1 -> 2.
         want = (2.0, 0) if kind == "ngram" else (1.0, 4)
-        assert (p.mean_streak, p._streak) == want
+        assert (p.arm("model").mean_streak, p.arm("model").streak) == want
 
 
 def test_the_draft_model_length_and_sync_limits() -> None:
     # Confidence 0.9 after the optimistic steps: the model's best is K=4 (161.37), or
     # K=2 (150.18) when draft_max_model is 2.
     for cap, n, rate in ((16, 4, 161.3663), (2, 2, 150.1757)):
-        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(),
+        p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(),
                         draft_max_model=cap, learn_timings=False)  # fmt: skip
-        p._model_steps, p.confidence = AutoPlanner.EXPLORE_STEPS, 0.9
+        p.arm("model").steps, p.confidence = AUTO_TUNING.explore_steps, 0.9
         plan = p.plan([1], 16, GREEDY, RNG)
         assert len(plan.draft.tokens) == n and plan.expected_rate == pytest.approx(rate, rel=1e-5)
     # A model 8 tokens behind counts as in step: judged optimistically (as in
     # test_a_draft_model_is_judged_optimistically_in_its_first_steps, with a catch-up of
     # 0.2 * t_verify(2) + 0.2 * (t_verify(8) - t_verify(2)) = 0.006 s): K=4 at 154.36.
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
     plan = p.plan(list(range(1, 9)), 16, GREEDY, RNG)
     assert plan.draft.tokens == [9, 10, 11, 12]
     assert plan.expected_rate == pytest.approx(154.3568, rel=1e-5)
     # 9 behind: judged plainly (a_acc 0.95, a_cont 0.6, catch-up 0.0067 s): K=11 at
     # 102.46, below the margin: the target alone.
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
     assert p.plan(list(range(1, 10)), 16, GREEDY, RNG).drafter is None
 
 
@@ -744,24 +775,27 @@ def three_way(prefix: Sequence[int]) -> np.ndarray:
 
 def test_a_model_draft_that_stops_below_draft_min_is_dropped_and_counted() -> None:
     model = ModelDrafter(FakeContext(three_way, V), V)  # type: ignore[arg-type]
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, draft_min=3, learn_timings=False)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model, draft_min=3, learn_timings=False)
     p.confidence = 0.9
     plan = p.plan([1], 16, GREEDY, RNG)
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
     # One token passed P_STOP, the next did not: 1 success of 2 trials.
-    assert (p.cont_model.successes, p.cont_model.trials) == (1.0, 2.0)
-    assert p.acc_model.trials == 0.0 and (p._model_steps, p._streak) == (1, 1)
+    assert (p.arm("model").passed.successes, p.arm("model").passed.trials) == (1.0, 2.0)
+    assert p.arm("model").accepted.trials == 0.0 and (
+        p.arm("model").steps,
+        p.arm("model").streak,
+    ) == (1, 1)
 
 
 def test_optimistic_drafts_are_at_most_4_and_time_units_do_not_matter() -> None:
     # Flat 10 ms verification, t_draft 2 ms, optimistic rates 1 and 0.94641 (as above):
     # K=1..4 at 162.20, 204.57, 235.26, 258.47 tokens/s, still rising, cut at K = 4.
-    p = AutoPlanner(Timings(dict(FLAT), 0.002), model=model_drafter(), learn_timings=False)
+    p = auto_planner(Timings(dict(FLAT), 0.002), model=model_drafter(), learn_timings=False)
     plan = p.plan([1], 16, GREEDY, RNG)
     assert len(plan.draft.tokens) == 4 and plan.expected_rate == pytest.approx(258.4675, rel=1e-5)
     # The same machine 1000 times slower: the same choice at a thousandth of the rate.
     slow = {n: 1000 * s for n, s in HAND.items()}
-    p = AutoPlanner(Timings(slow, 2.0), model=model_drafter(), learn_timings=False)
+    p = auto_planner(Timings(slow, 2.0), model=model_drafter(), learn_timings=False)
     plan = p.plan([1], 16, GREEDY, RNG)
     assert len(plan.draft.tokens) == 4
     assert plan.expected_rate == pytest.approx(0.1789537, rel=1e-5)
@@ -775,13 +809,13 @@ def test_a_probe_drafts_the_best_k_up_to_4_only_while_nothing_was_measured(
     # 0.85 of it (89.25): after PROBE_EVERY idle steps a probe of K=2. Confidence 0.05:
     # K=1 at 86.57, no probe. Measured before (2 trials, fading by 0.97 a step: still
     # above 1 after 20 steps): no probe either.
-    monkeypatch.setattr(AutoPlanner, "EXPLORE_STEPS", 0)
+    monkeypatch.setattr(fakes, "TUNING", dataclasses.replace(fakes.TUNING, explore_steps=0))
 
     def kinds(conf: float, trials: float = 0.0) -> list[int]:
-        p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
-        p.acc_model.successes, p.acc_model.trials = 0.95 * trials, trials
+        p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+        p.arm("model").accepted.successes, p.arm("model").accepted.trials = 0.95 * trials, trials
         out = []
-        for _ in range(AutoPlanner.PROBE_EVERY + 4):
+        for _ in range(AUTO_TUNING.probe_every + 4):
             p.confidence = conf
             plan = p.plan([1], 16, GREEDY, RNG)
             out.append(len(plan.draft.tokens))
@@ -789,22 +823,22 @@ def test_a_probe_drafts_the_best_k_up_to_4_only_while_nothing_was_measured(
                 break
         return out
 
-    assert kinds(0.3) == [0] * (AutoPlanner.PROBE_EVERY - 1) + [2]
-    assert kinds(0.05) == [0] * (AutoPlanner.PROBE_EVERY + 4)
-    assert kinds(0.3, trials=2.0) == [0] * (AutoPlanner.PROBE_EVERY + 4)
+    assert kinds(0.3) == [0] * (AUTO_TUNING.probe_every - 1) + [2]
+    assert kinds(0.05) == [0] * (AUTO_TUNING.probe_every + 4)
+    assert kinds(0.3, trials=2.0) == [0] * (AUTO_TUNING.probe_every + 4)
 
 
 def test_a_model_far_behind_is_not_in_use() -> None:
     # Past its optimistic steps, 9 tokens behind (not in step): judged against the
     # margin, 102.46 (K=11, as above) is not enough, though it beats the target alone.
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
-    p._model_steps = AutoPlanner.EXPLORE_STEPS
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p.arm("model").steps = AUTO_TUNING.explore_steps
     assert p.plan(list(range(1, 10)), 16, GREEDY, RNG).drafter is None
     # In step (one behind) at the same estimate: kept, it beats the target alone.
     model = model_drafter()
     model.prefill(list(range(1, 10)))
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
-    p._model_steps = AutoPlanner.EXPLORE_STEPS
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    p.arm("model").steps = AUTO_TUNING.explore_steps
     p.confidence = 0.3
     plan = p.plan(list(range(1, 10)), 16, GREEDY, RNG)
     assert plan.drafter is model and plan.expected_rate == pytest.approx(102.1095, rel=1e-5)
@@ -817,7 +851,7 @@ def test_ngram_k_respects_draft_min_and_costs_no_draft_time() -> None:
     # K=4 at 4.0951 / 0.0195 = 210.01.
     history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
     for draft_min, n, rate in ((0, 3, 3.439 / 0.016), (4, 4, 4.0951 / 0.0195)):
-        p = AutoPlanner(Timings(dict(HAND), 0.05), ngram=NgramDrafter(1, 8),
+        p = auto_planner(Timings(dict(HAND), 0.05), ngram=NgramDrafter(1, 8),
                         draft_min=draft_min, learn_timings=False)  # fmt: skip
         p.confidence = 0.9
         plan = p.plan(history, 16, GREEDY, RNG)
@@ -828,16 +862,14 @@ def test_ngram_k_respects_draft_min_and_costs_no_draft_time() -> None:
 
 
 def test_sampled_model_drafts_carry_their_distributions() -> None:
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
     sampled = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     plan = p.plan([1], 16, sampled, np.random.default_rng(5))
-    assert plan.drafter is p.model and plan.draft.dists is not None
+    assert plan.drafter is p.arm("model").drafter and plan.draft.dists is not None
     assert len(plan.draft.dists) == len(plan.draft.tokens) == 4
 
 
 def test_best_k_minimum_and_ties() -> None:
-    from specgguf.speculative.planner import best_k
-
     # HAND at a = 0.8 (test_cost_model_against_hand_computed_numbers): K=2 is best
     # (135.56); from K=3 on: K=3 at 2.952 / 0.022 = 134.18.
     t = Timings(dict(HAND), draft=0.002)
@@ -848,7 +880,7 @@ def test_best_k_minimum_and_ties() -> None:
 
 
 def test_outliers_by_hand() -> None:
-    from specgguf.speculative.planner import _drop_outliers
+    from specgguf.engine.calibration import _drop_outliers
 
     # 0.5 is over 1.5 times the next two (0.2, 0.3), though not the third (0.4): replaced
     # by the interpolation of its neighbours, 0.15.
@@ -861,9 +893,9 @@ def test_outliers_by_hand() -> None:
 
 def test_first_evaluation_cost_three_behind_is_spread() -> None:
     # Three behind, a mean run of 4: 0.2 * t_verify(2) + 0.2 * (0.014 - 0.012) / 4.
-    p = AutoPlanner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
-    p.mean_streak = 4.0
-    assert p._first_eval_cost([1, 2, 3]) == pytest.approx(0.0025)
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), learn_timings=False)
+    p.arm("model").mean_streak = 4.0
+    assert first_eval_cost(p, [1, 2, 3]) == pytest.approx(0.0025)
 
 
 #: A calibration measured on the 2-core AMD EPYC (Qwen2.5-Coder 1.5B, 17 rows at most),
@@ -882,20 +914,20 @@ def test_a_long_catch_up_is_never_free_when_the_curves_last_sizes_are_reversed()
     assert t.verify_time(93) == pytest.approx(0.3324 + 76 * slope)
     assert t.verify_time(17) == 0.3324 and t.verify_time(15) == pytest.approx(0.34105)
     model = model_drafter()
-    p = AutoPlanner(t, model=model, learn_timings=False)
+    p = auto_planner(t, model=model, learn_timings=False)
     text = [i % 30 + 1 for i in range(160)]
     model.prefill(text[:67])  # it holds the first 66 tokens: 94 behind the 160
     per = 0.020 / 0.0333
     catch_up = per * 0.0648 + per * (t.verify_time(94) - 0.0648)  # a first run: whole
-    assert p._first_eval_cost(text) == pytest.approx(catch_up) and catch_up > 1.0
+    assert first_eval_cost(p, text) == pytest.approx(catch_up) and catch_up > 1.0
     # Nothing measured yet and idle long enough for a probe: still no draft model.
-    p.idle_model, p.confidence = 83, 0.975
+    p.arm("model").idle, p.confidence = 83, 0.975
     plan = p.plan(text, 16, GREEDY, RNG)
     assert plan.drafter is None and model.cached_tokens(text) == 66
 
 
 def test_calibration_log_by_hand() -> None:
-    from specgguf.speculative.planner import calibrate
+    from specgguf.engine.calibration import calibrate
 
     # Room 8, sizes 1 and 2 (need 2): a prefix of 8 - 2 - 1 = 5 tokens, a warm-up, 3
     # repeats per size (the default) each after one draft token, then 5 draft timings
@@ -932,7 +964,7 @@ def test_calibration_log_by_hand() -> None:
 
 
 def suffix_planner(timings: dict[int, float], **kw: object) -> AutoPlanner:
-    return AutoPlanner(Timings(dict(timings)), ngram=NgramDrafter(2, 8), suffix=SuffixDrafter(),
+    return auto_planner(Timings(dict(timings)), ngram=NgramDrafter(2, 8), suffix=SuffixDrafter(),
                        learn_timings=False, **kw)  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -943,24 +975,27 @@ def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothi
     # match (bucket 4, prior 1.0 x confidence 0.6 = a 0.6) with 2 tokens after it.
     # HAND: K=1: 1.6 / 0.012 = 133.33; K=2: 1.96 / 0.014 = 140.0: K = 2.
     p = suffix_planner(HAND)
-    assert p.drafters == [p.ngram, p.suffix]
-    assert p.suffix is not None
-    p.suffix.propose([11, 12, 13, 14, 15, 16], 4, GREEDY, RNG)
+    assert p.drafters == [p.arm("ngram").drafter, p.arm("suffix").drafter]
+    assert p.arm("suffix").drafter is not None
+    p.arm("suffix").drafter.propose([11, 12, 13, 14, 15, 16], 4, GREEDY, RNG)
     p.reset()  # a new generation: the earlier one stays in the suffix corpus
     plan = p.plan([1, 2, 11, 12, 13, 14], 16, GREEDY, RNG)
-    assert p.ngram is not None and p.ngram.last_match == 0
-    assert plan.drafter is p.suffix and plan.draft.tokens == [15, 16]
+    assert NgramDrafter(2, 8).propose([1, 2, 11, 12, 13, 14], 4, GREEDY, RNG).match == 0
+    assert plan.drafter is p.arm("suffix").drafter and plan.draft.tokens == [15, 16]
     assert plan.expected_rate == pytest.approx(1.96 / 0.014)
-    assert p._last_suffix_bucket == 4 and p._last_ngram_bucket == 1
+    assert plan.bucket == 4 and plan.arm is p.arm("suffix")
     # Verified: 1 of the 2 accepted. Only suffix matching's bucket 4 learns.
     p.observe(plan, 1, 0.014)
-    assert (p.acc_suffix[4].successes, p.acc_suffix[4].trials) == (1.0, 2.0)
+    assert (p.arm("suffix").rates[4].successes, p.arm("suffix").rates[4].trials) == (1.0, 2.0)
     # 1 accepted: 1 + (1 - 1) / 2
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
-    assert all(a.trials == 0.0 for a in p.acc_ngram.values()) and p.ngram_len[4] == 4.0
+    assert p.arm("suffix").lengths == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
+    assert (
+        all(a.trials == 0.0 for a in p.arm("ngram").rates.values())
+        and p.arm("ngram").lengths[4] == 4.0
+    )
     # An empty suffix draft teaches nothing.
-    p.observe(Plan(p.suffix, Draft([]), 0.0), 0, 0.010)
-    assert p.acc_suffix[4].trials == 2.0 and p.suffix_len[4] == 1.0
+    p.observe(dataclasses.replace(plan, draft=Draft([])), 0, 0.010)
+    assert p.arm("suffix").rates[4].trials == 2.0 and p.arm("suffix").lengths[4] == 1.0
 
 
 @pytest.mark.usefixtures("mean_lookups")
@@ -971,22 +1006,22 @@ def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
     history = [7, 8, 9, 5, 6, 7, 8, 9]
     p = suffix_planner(FLAT)
     plan = p.plan(history, 16, GREEDY, RNG)
-    assert plan.drafter is p.ngram and plan.draft.tokens == [5, 6, 7, 8, 9]
+    assert plan.drafter is p.arm("ngram").drafter and plan.draft.tokens == [5, 6, 7, 8, 9]
     # Suffix matching measured better in bucket 2 (a = (3 + 0.6 * 0.7 * 2) / (3 + 2)): it
     # drafts now, with the same tokens, at its own rate.
     p = suffix_planner(FLAT)
-    p.acc_suffix[2] = type(p.acc_suffix[2])(successes=3.0, trials=3.0)
+    p.arm("suffix").rates[2] = type(p.arm("suffix").rates[2])(successes=3.0, trials=3.0)
     plan = p.plan(history, 16, GREEDY, RNG)
     a = (3.0 * 0.97 + 0.42 * 2) / (3.0 * 0.97 + 2)
-    assert plan.drafter is p.suffix and plan.draft.tokens == [5, 6, 7, 8, 9]
+    assert plan.drafter is p.arm("suffix").drafter and plan.draft.tokens == [5, 6, 7, 8, 9]
     assert plan.expected_rate == pytest.approx(e(a, 5) / 0.010)
-    assert p._last_suffix_bucket == 2
+    assert plan.bucket == 2
     # reset: suffix matching's estimates start from the priors again
-    p.suffix_len[2] = 3.0
+    p.arm("suffix").lengths[2] = 3.0
     p.reset()
-    assert all(x.trials == 0.0 for x in p.acc_suffix.values())
-    assert p.suffix_len == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
-    assert p._last_suffix_bucket == 1
+    assert all(x.trials == 0.0 for x in p.arm("suffix").rates.values())
+    assert p.arm("suffix").lengths == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
+    assert p.arm("suffix").shadow is None
 
 
 def test_suffix_chains_start_at_a_cap_of_six_and_grow_with_what_is_accepted() -> None:
@@ -994,14 +1029,14 @@ def test_suffix_chains_start_at_a_cap_of_six_and_grow_with_what_is_accepted() ->
     # 2 * 1.0 + 4 = 6 tokens (flat timings: the cap is K); 6 accepted: the mean accepted
     # length moves halfway, 1 -> 3.5, and the cap to 2 * 3.5 + 4 = 11.
     p = suffix_planner(FLAT)
-    assert p.suffix is not None
-    p.suffix.propose([21, 22, 23, 24, *range(30, 40)], 16, GREEDY, RNG)
+    assert p.arm("suffix").drafter is not None
+    p.arm("suffix").drafter.propose([21, 22, 23, 24, *range(30, 40)], 16, GREEDY, RNG)
     p.reset()
     history = [1, 2, 21, 22, 23, 24]
     plan = p.plan(history, 16, GREEDY, RNG)
-    assert plan.drafter is p.suffix and plan.draft.tokens == list(range(30, 36))
+    assert plan.drafter is p.arm("suffix").drafter and plan.draft.tokens == list(range(30, 36))
     p.observe(plan, 6, 0.010)
-    assert p.suffix_len[4] == 3.5
+    assert p.arm("suffix").lengths[4] == 3.5
     assert p.plan(history, 16, GREEDY, RNG).draft.tokens == list(range(30, 40))[:11]
 
 
@@ -1019,17 +1054,16 @@ def test_a_lone_row_never_costs_more_per_cached_position_than_a_row_of_a_batch()
     # model drafting one token looked free; capped at the batch row's 14.02 us: 40.3 ms.
     t = Timings(dict(EPYC_DEEP), 0.02008, depth=64, position_single=6.015e-5,
                 position_row=1.4025e-5)  # fmt: skip
-    t.cached = 779
-    assert t.verify_time(1) == pytest.approx(0.03029 + 715 * 1.4025e-5)
-    assert t.verify_time(2) == pytest.approx(0.05513 + 715 * 2 * 1.4025e-5)
+    assert t.verify_time(1, 779) == pytest.approx(0.03029 + 715 * 1.4025e-5)
+    assert t.verify_time(2, 779) == pytest.approx(0.05513 + 715 * 2 * 1.4025e-5)
     # The draft model in step with a confident target (0.99) and nothing measured yet: at
     # 20 ms a draft token (two thirds of a target step here) it does not pay. One token
     # at its optimistic bound (acceptance 1.0): 2 / (0.02008 + 0.07519) = 21.0 tokens/s,
     # against 1 / 0.04032 = 24.8 for the target alone.
     model = model_drafter()
-    p = AutoPlanner(t, model=model, learn_timings=False)
+    p = auto_planner(t, model=model, learn_timings=False)
     text = [i % 30 + 1 for i in range(780)]
     model.prefill(text)
     p.confidence = 0.99
     plan = p.plan(text, 16, GREEDY, RNG)
-    assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / t.verify_time(1))
+    assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / t.verify_time(1, 779))

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from specgguf.errors import ContextOverflowError, UsageError
-from specgguf.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
+from specgguf.speculative.draft import Drafter
+from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import FixedPlanner
 from specgguf.speculative.sampling import SamplerParams
 
-from .fakes import FakeContext, FakeVocab, ScriptedDrafter, one_hot_rule
+from .fakes import FakeContext, FakeVocab, ScriptedDrafter, auto_planner, one_hot_rule
 
 V = 32
 EOS = 31
@@ -424,8 +425,8 @@ def test_ngram_drafter_prefers_the_most_recent_occurrence() -> None:
     # 7 (then 8 9 1): the later one is proposed.
     rng = np.random.default_rng(0)
     d = NgramDrafter(1, 3)
-    assert d.propose([5, 1, 2, 7, 1, 2, 8, 9, 1, 2], 3, GREEDY, rng).tokens == [8, 9, 1]
-    assert d.last_match == 2
+    draft = d.propose([5, 1, 2, 7, 1, 2, 8, 9, 1, 2], 3, GREEDY, rng)
+    assert draft.tokens == [8, 9, 1] and draft.match == 2
 
 
 def test_ngram_drafter_prefers_the_longest_match() -> None:
@@ -433,15 +434,16 @@ def test_ngram_drafter_prefers_the_longest_match() -> None:
     # occurred later too (then 8 and 8 4 1): the longest n-gram wins.
     rng = np.random.default_rng(0)
     d = NgramDrafter(1, 3)
-    assert d.propose([4, 1, 2, 7, 3, 2, 8, 4, 1, 2], 3, GREEDY, rng).tokens == [7, 3, 2]
-    assert d.last_match == 3
+    draft = d.propose([4, 1, 2, 7, 3, 2, 8, 4, 1, 2], 3, GREEDY, rng)
+    assert draft.tokens == [7, 3, 2] and draft.match == 3
 
 
 def test_ngram_drafter_limits_and_incremental_index() -> None:
     rng = np.random.default_rng(0)
     d = NgramDrafter(2, 3)
     # A 1-gram match is below n_min: nothing.
-    assert d.propose([1, 5, 6, 1], 4, GREEDY, rng).tokens == [] and d.last_match == 0
+    draft = d.propose([1, 5, 6, 1], 4, GREEDY, rng)
+    assert draft.tokens == [] and draft.match == 0
     # The continuation stops at the end of the history; k bounds it too; k = 0: nothing.
     d = NgramDrafter(2, 3)
     assert d.propose([1, 2, 3, 1, 2], 8, GREEDY, rng).tokens == [3, 1, 2]
@@ -647,14 +649,14 @@ def test_text_held_for_a_stop_string_is_released_at_the_end() -> None:
 
 
 def test_an_auto_planner_learns_from_the_loop() -> None:
-    from specgguf.speculative.planner import AutoPlanner, Timings
+    from specgguf.speculative.costmodel import Timings
 
     ctx = FakeContext(one_hot_rule(target_next, V), V)
     model = ModelDrafter(FakeContext(one_hot_rule(target_next, V), V), V)  # type: ignore[arg-type]
     # Calibrated at 10 s per step: the fake runs far faster, so the learned corrections
     # fall to their floor of 0.8.
     timings = Timings({1: 10.0, 2: 10.0, 17: 10.0}, draft=1.0)
-    planner = AutoPlanner(timings, model=model, ngram=NgramDrafter(2, 4))
+    planner = auto_planner(timings, model=model, ngram=NgramDrafter(2, 4))
     dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
     res = dec.generate([1, 2, 3], GenerationParams(n_predict=60, sampler=GREEDY), planner).run()
     assert res.tokens == truth([1, 2, 3], 60)
@@ -665,7 +667,7 @@ def test_an_auto_planner_learns_from_the_loop() -> None:
 
 
 def test_deterministic_mode_drafts_greedily_and_keys_draws_by_output_position() -> None:
-    from specgguf.speculative.drafters import Draft
+    from specgguf.speculative.draft import Draft
 
     class Recording(ScriptedDrafter):
         def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
@@ -700,8 +702,8 @@ def test_statistics_as_json_are_rounded_as_documented() -> None:
 def test_ngram_drafter_with_a_single_length() -> None:
     rng = np.random.default_rng(0)
     d = NgramDrafter(2, 2)
-    assert d.propose([1, 2, 9, 3, 1, 2], 2, GREEDY, rng).tokens == [9, 3]
-    assert d.last_match == 2
+    draft = d.propose([1, 2, 9, 3, 1, 2], 2, GREEDY, rng)
+    assert draft.tokens == [9, 3] and draft.match == 2
     # Only n = 2: the trailing 1-gram "2" alone, matched earlier, is not enough.
     assert NgramDrafter(2, 2).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == []
     assert NgramDrafter(1, 1).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == [5, 1, 2]

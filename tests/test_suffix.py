@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from specgguf.speculative.draft import Draft
 from specgguf.speculative.drafters import SuffixDrafter
 from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import FixedPlanner
@@ -20,8 +21,25 @@ GREEDY = SamplerParams(temperature=0.0)
 RNG = np.random.default_rng(0)
 
 
+#: each drafter's latest draft, by id
+LAST: dict[int, Draft] = {}
+
+
 def draft(d: SuffixDrafter, history: Sequence[int], k: int = 4) -> list[int]:
-    return d.propose(history, k, GREEDY, RNG).tokens
+    LAST[id(d)] = out = d.propose(history, k, GREEDY, RNG)
+    return out.tokens
+
+
+def match(d: SuffixDrafter) -> int:
+    """The match length of ``d``'s latest draft."""
+    return LAST[id(d)].match
+
+
+def confidence(d: SuffixDrafter) -> float:
+    """The estimated acceptance of ``d``'s latest draft as a whole (the product of the
+    shares: its last token's probability; 0 for an empty draft)."""
+    probs = LAST[id(d)].probs
+    return probs[-1] if probs else 0.0
 
 
 def test_the_continuation_most_occurrences_share() -> None:
@@ -31,7 +49,7 @@ def test_the_continuation_most_occurrences_share() -> None:
     d = SuffixDrafter(min_share=0.5)
     assert draft(d, text) == [3, 4, 0, 1]
     # matched on "1 2"; the latest occurrence agrees with the text for 3 tokens ("0 1 2")
-    assert d.last_match == 3 and abs(d.last_confidence - 3 / 4) < 1e-9
+    assert match(d) == 3 and abs(confidence(d) - 3 / 4) < 1e-9
     from specgguf.speculative.drafters import NgramDrafter
 
     assert NgramDrafter(1, 8).propose(text, 2, GREEDY, RNG).tokens == [9, 9]
@@ -41,7 +59,7 @@ def test_the_longest_suffix_wins() -> None:
     # "7 1 2" occurred once, followed by 5; "1 2" more often, followed by 3.
     text = [1, 2, 3, 0, 1, 2, 3, 0, 7, 1, 2, 5, 0, 7, 1, 2]
     d = SuffixDrafter()
-    assert draft(d, text, k=1) == [5] and d.last_match == 4  # "0 7 1 2"
+    assert draft(d, text, k=1) == [5] and match(d) == 4  # "0 7 1 2"
 
 
 def test_drafts_stop_where_occurrences_disagree() -> None:
@@ -110,9 +128,9 @@ def test_output_equals_the_target_alone_with_suffix_drafts() -> None:
 def test_defaults_and_the_state_before_any_match() -> None:
     d = SuffixDrafter()
     assert (d.capacity, d.max_occurrences, d.min_share) == (32768, 16, 0.5)
-    assert (d.seconds, d.last_match, d.last_confidence) == (0.0, 0, 0.0)
+    assert d.seconds == 0.0
     # Nothing matched: no draft, no match, no confidence.
-    assert draft(d, [1, 2, 3]) == [] and (d.last_match, d.last_confidence) == (0, 0.0)
+    assert draft(d, [1, 2, 3]) == [] and (match(d), confidence(d)) == (0, 0.0)
 
 
 def test_a_growing_history_drafts_as_the_whole_of_it() -> None:
@@ -123,11 +141,11 @@ def test_a_growing_history_drafts_as_the_whole_of_it() -> None:
     grown = SuffixDrafter()
     for end in range(1, len(seq) + 1):
         fresh = SuffixDrafter()
-        want = (draft(fresh, seq[:end]), fresh.last_match, fresh.last_confidence)
-        got = (draft(grown, seq[:end]), grown.last_match, grown.last_confidence)
+        want = (draft(fresh, seq[:end]), match(fresh), confidence(fresh))
+        got = (draft(grown, seq[:end]), match(grown), confidence(grown))
         assert got == want, end
     # The same history twice: the same answer (it is not a new generation).
-    again = (draft(grown, seq), grown.last_match, grown.last_confidence)
+    again = (draft(grown, seq), match(grown), confidence(grown))
     assert again == want
 
 
@@ -140,14 +158,14 @@ def test_the_latest_token_pair_and_a_one_token_history_are_matched() -> None:
     d = SuffixDrafter()
     draft(d, [3, 4])
     d.reset()
-    assert draft(d, [3]) == [4] and d.last_match == 1
+    assert draft(d, [3]) == [4] and match(d) == 1
 
 
 def test_a_history_that_is_not_an_extension_starts_a_new_generation() -> None:
     d = SuffixDrafter()
     draft(d, [1, 2, 3, 4])
     # Longer but different: a new generation behind a separator (no reset() called).
-    assert draft(d, [9, 9, 9, 9, 9]) == [9] and d.last_match == 4
+    assert draft(d, [9, 9, 9, 9, 9]) == [9] and match(d) == 4
     # Control: the four 9s would not match had they been appended to 1 2 3 4.
     assert draft(SuffixDrafter(), [1, 2, 3, 4, 9]) == []
 
@@ -156,16 +174,16 @@ def test_only_the_latest_occurrences_are_kept() -> None:
     # "1" was followed by 9, 6 and 2; with two occurrences kept, 6 and 2 remain: a tie,
     # won by the larger id, at a share of one half.
     d = SuffixDrafter(max_occurrences=2)
-    assert draft(d, [1, 9, 1, 6, 1, 2, 1], k=1) == [6] and d.last_confidence == 0.5
+    assert draft(d, [1, 9, 1, 6, 1, 2, 1], k=1) == [6] and confidence(d) == 0.5
     # With all three: 9, 6 and 2 once each: 9, at a third.
     d = SuffixDrafter(max_occurrences=3)
-    assert draft(d, [1, 9, 1, 6, 1, 2, 1], k=1) == [9] and abs(d.last_confidence - 1 / 3) < 1e-9
+    assert draft(d, [1, 9, 1, 6, 1, 2, 1], k=1) == [9] and abs(confidence(d) - 1 / 3) < 1e-9
 
 
 def test_a_share_of_exactly_min_share_ends_the_draft() -> None:
     # "1" was followed by 2 twice, then by 5 and by 6: the second token has a share of 1/2.
     d = SuffixDrafter(min_share=0.5)
-    assert draft(d, [1, 2, 5, 1, 2, 6, 1], k=4) == [2] and d.last_confidence == 1.0
+    assert draft(d, [1, 2, 5, 1, 2, 6, 1], k=4) == [2] and confidence(d) == 1.0
     assert draft(SuffixDrafter(min_share=0.4), [1, 2, 5, 1, 2, 6, 1], k=2) == [2, 6]
 
 
@@ -185,7 +203,7 @@ def test_the_corpus_keeps_the_most_recent_half_of_its_capacity() -> None:
 
 
 def test_seconds_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specgguf.speculative import drafters as drafters_module
+    from specgguf.speculative.drafters import suffix as drafters_module
 
     times = iter([1.0, 1.25, 2.0, 2.5])
     monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))

@@ -4,20 +4,23 @@ trees; on real llama.cpp, trees through the tiny fixtures and the real Qwen pair
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from specgguf.speculative import loop as loop_module
-from specgguf.speculative.drafters import Draft, SuffixDrafter
+from specgguf.speculative import verification as verification_module
+from specgguf.speculative.costmodel import Timings, best_tree
+from specgguf.speculative.draft import Draft, Drafter
+from specgguf.speculative.drafters import SuffixDrafter
 from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
-from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Timings, best_tree
+from specgguf.speculative.planner import AutoPlanner, FixedPlanner
 from specgguf.speculative.sampling import SamplerParams
 from specgguf.speculative.tree import accept_greedy, first_branch, leaves
 
-from .fakes import FakeTreeContext, FakeVocab, one_hot_rule
+from .fakes import FakeTreeContext, FakeVocab, auto_planner, one_hot_rule, tuned
 
 GREEDY = SamplerParams(temperature=0.0)
 V = 50
@@ -35,7 +38,7 @@ def target_alone(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-class RandomTreeDrafter:
+class RandomTreeDrafter(Drafter):
     """Trees of random shape: each node is the target's next token after its branch with
     probability ``p_right``, else another token; at most ``branches`` leaves."""
 
@@ -50,9 +53,6 @@ class RandomTreeDrafter:
         self.p_right = p_right
         self.seconds = 0.0
         self.trees: list[Draft] = []
-
-    def reset(self) -> None:
-        pass
 
     def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
         return Draft([])
@@ -150,7 +150,7 @@ def test_a_wrong_acceptance_walk_fails_the_exactness_check(
             path.append(child)
             at = child
 
-    monkeypatch.setattr(loop_module, "accept_greedy", first_child)
+    monkeypatch.setattr(verification_module, "accept_greedy", first_child)
     prompt = [3, 1, 4, 1, 5]
     dec, _ = decoder()
     planner = FixedPlanner(RandomTreeDrafter(1, 3), 8, tree_branches=3)  # type: ignore[arg-type]
@@ -200,18 +200,14 @@ def test_best_tree_by_hand() -> None:
     assert best_tree([0.5, 0.45], Timings(dict(XEON)), k_min=3) == (0, 1.0)
 
 
-class FixedTreeSuffix:
+class FixedTreeSuffix(Drafter):
     """Stands in for the suffix drafter: always the same tree, from an 8-token match."""
 
     name = "suffix"
     seconds = 0.0
-    last_match = 8
 
     def __init__(self, tree: Draft) -> None:
-        self.tree = tree
-
-    def reset(self) -> None:
-        pass
+        self.tree = dataclasses.replace(tree, match=8)
 
     def propose_tree(self, history: Sequence[int], k: int, branches: int) -> Draft:
         return self.tree
@@ -221,10 +217,10 @@ class FixedTreeSuffix:
 
 
 def auto(verify: dict[int, float], tree_branches: int = 4) -> AutoPlanner:
-    p = AutoPlanner(Timings(dict(verify)), suffix=FixedTreeSuffix(TWO_BRANCHES),  # type: ignore[arg-type]
-                    tree_branches=tree_branches)  # fmt: skip
+    # (the lookup prior uncapped, for the numbers by hand)
+    p = auto_planner(Timings(dict(verify)), suffix=FixedTreeSuffix(TWO_BRANCHES),
+                     tree_branches=tree_branches, tuning=tuned(lookup_prior_max=1.0))  # fmt: skip
     p.confidence = 1.0  # an 8-token match's prior is the confidence: a = 1, estimates = probs
-    p.LOOKUP_PRIOR_MAX = 1.0  # (uncapped, for the numbers by hand)
     return p
 
 
@@ -249,10 +245,10 @@ def test_a_suffix_tree_not_drafted_is_watched_along_its_first_branch() -> None:
     rng = np.random.default_rng(0)
     p = auto(AMD)
     assert p.plan([1, 2, 3], 8, GREEDY, rng).drafter is None
-    assert p._shadows[1].tokens == [10, 11] and p._shadows[1].bucket == 4
+    assert p.arm("suffix").shadow.tokens == [10, 11] and p.arm("suffix").shadow.bucket == 4
     p.plan([1, 2, 3, 10], 8, GREEDY, rng)
     p.plan([1, 2, 3, 10, 11], 8, GREEDY, rng)  # both produced: 1, faded by 0.97, plus 1
-    acc = p.acc_suffix[4]
+    acc = p.arm("suffix").rates[4]
     assert acc.successes == pytest.approx(1.97) and acc.trials == pytest.approx(1.97)
 
 
@@ -271,16 +267,15 @@ def test_a_suffix_tree_is_cut_to_the_cap_of_suffix_chains() -> None:
     suffix chains are, and the cap grows with the depth accepted from trees."""
     rng = np.random.default_rng(0)
     chain = Draft(list(range(10, 22)), parents=[-1, *range(11)], probs=[1.0] * 12)
-    p = AutoPlanner(Timings({1: 1.0, 2: 1.0}), suffix=FixedTreeSuffix(chain),  # type: ignore[arg-type]
-                    tree_branches=4, learn_timings=False)  # fmt: skip
+    p = auto_planner(Timings({1: 1.0, 2: 1.0}), suffix=FixedTreeSuffix(chain), tree_branches=4,
+                     learn_timings=False, tuning=tuned(lookup_prior_max=1.0))  # fmt: skip
     p.confidence = 1.0  # every node's estimate is 1: at flat costs, as many as allowed
-    p.LOOKUP_PRIOR_MAX = 1.0
     plan = p.plan([1, 2, 3], 16, GREEDY, rng)
     assert plan.draft.tokens == list(range(10, 16)) and plan.expected_rate == pytest.approx(7.0)
     # 6 accepted: the mean accepted length of bucket 4 (matches of 4 or more) moves
     # halfway from 1.0, to 3.5: a cap of 11.
     p.observe(plan, 6, 1.0)
-    assert p.suffix_len[4] == pytest.approx(3.5)
+    assert p.arm("suffix").lengths[4] == pytest.approx(3.5)
     assert p.plan([1, 2, 3], 16, GREEDY, rng).draft.tokens == list(range(10, 21))
 
 
@@ -293,7 +288,7 @@ def test_suffix_tree_branches_where_the_occurrences_split() -> None:
     text = [7, 8, 1, 2, 10, 11, 0, 7, 8, 1, 2, 20, 21, 0, 7, 8, 1, 2, 10, 12, 0, 7, 8, 1, 2]
     s = SuffixDrafter()
     tree = s.propose_tree(text, 5, 4)
-    assert s.last_match == 5  # "7 8 1 2" matched; its latest occurrence agrees for "0 7 8 1 2"
+    assert tree.match == 5  # "7 8 1 2" matched; its latest occurrence agrees for "0 7 8 1 2"
     # 10 (2 of 3), 20 (1/3); after 10: 11 (1/2 -> 1/3), 12 (1/3); after 20: 21 (1/3)
     assert tree.tokens[:2] == [10, 20] and tree.parents[:2] == [-1, -1]  # type: ignore[index]
     assert sorted(zip(tree.tokens[2:], tree.parents[2:], strict=True)) == [  # type: ignore[arg-type]

@@ -90,7 +90,7 @@ def bench(
         sample_per_category,
     )
     from specgguf.errors import UsageError
-    from specgguf.speculative.planner import AUTO_LOOKUP_MAX
+    from specgguf.speculative.tuning import AUTO_TUNING
 
     say = stderr_say()
     try:
@@ -111,7 +111,7 @@ def bench(
         chosen = [p for p in chosen if p.category in wanted]
     if per_category is not None:
         chosen = sample_per_category(chosen, per_category, seed)
-    draft_max = max(AUTO_LOOKUP_MAX, *ks)
+    draft_max = max(AUTO_TUNING.draft_max_lookup, *ks)
     config = o.engine_config(
         model=model, model_draft=model_draft, drafter="auto", draft=draft_max,
         ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry,

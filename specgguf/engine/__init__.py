@@ -6,12 +6,13 @@ faces over this package."""
 
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
-from specgguf.engine.drafter_map import DRAFTERS
+from specgguf.engine.drafter_map import DRAFTER_KINDS, DRAFTERS
 from specgguf.engine.engine import Engine, Prompt
 from specgguf.engine.preflight import Preflight, preflight
 
 __all__ = [
     "DRAFTERS",
+    "DRAFTER_KINDS",
     "ChatMessage",
     "Engine",
     "EngineConfig",

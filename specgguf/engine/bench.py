@@ -3,8 +3,8 @@ built-in prompt set with categories or on Spec-Bench's questions, with speedups 
 target alone measured in the same run.
 
 Configurations: ``target`` (no speculation), ``model-K<k>`` and ``ngram-K<k>`` for each
-draft length asked for, and ``auto`` (:class:`specgguf.speculative.planner.AutoPlanner`). Rounds go
-over categories and configurations in turn, so that machine noise hits all alike; the
+draft length asked for, and ``auto`` (:class:`specgguf.speculative.planner.AutoPlanner`).
+Rounds go over categories and configurations in turn, so that machine noise hits all alike; the
 numbers of a (category, configuration) cell pool its rounds (tokens over seconds), and an
 "overall" row per configuration pools every category, as Spec-Bench computes it (total
 tokens over total time, against the target alone's). Each ``auto`` row also carries what
@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.engine.engine import Engine
+from specgguf.speculative.costmodel import Timings, best_k
 from specgguf.speculative.drafters import SuffixDrafter
 from specgguf.speculative.loop import GenerationParams, GenerationResult, GenerationStats
-from specgguf.speculative.planner import AUTO_DRAFT_MAX, AUTO_LOOKUP_MAX, Timings, best_k
 from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.tuning import AUTO_TUNING
 
 #: The row that pools every category.
 OVERALL = "overall"
@@ -276,15 +277,15 @@ class Cell:
 
 
 def allowed_rate(
-    cells: dict[tuple[str, str], Cell], category: str, timings: Timings
+    cells: dict[tuple[str, str], Cell], category: str, timings: Timings, cached: int = 0
 ) -> tuple[str, float, int, float] | None:
     """What the measured batch costs allow for the acceptance the drafters reach in
     ``category``: for each drafter measured at fixed K (``model-K*``, ``ngram-K*``,
     ``suffix-K*``), its per-token acceptance a pooled
     over its K, and the best draft length for it by the cost model, E(K) / (K t_draft +
     t_verify(K + 1)) with E(K) = (1 - a^(K+1)) / (1 - a) (Leviathan et al. 2023, section
-    3.4), t_verify from this run's calibration at ``timings.cached`` positions (the
-    category's mean depth, set by the caller) and t_draft 0 for lookup drafters. Returns
+    3.4), t_verify from this run's calibration at ``cached`` positions (the
+    category's mean depth) and t_draft 0 for lookup drafters. Returns
     the fastest (drafter, a, K, tokens/s), where K = 0 is the target alone; None when no
     drafter was measured. An upper bound for auto mode only in so far as a is one number
     per drafter and text: auto mode can do better where acceptance varies along the text."""
@@ -296,7 +297,9 @@ def allowed_rate(
             continue
         accepted = sum(c.stats.accepted for c in measured)
         a = accepted / max(1, sum(c.stats.accepted + c.stats.rejected_steps for c in measured))
-        k, rate = best_k(a, timings, AUTO_DRAFT_MAX if family == "model" else AUTO_LOOKUP_MAX,
+        t = AUTO_TUNING
+        k_max = t.draft_max_model if family == "model" else t.draft_max_lookup
+        k, rate = best_k(a, timings, k_max, cached=cached,
                          draft_cost=None if family == "model" else 0.0)  # fmt: skip
         if best is None or rate > best[3]:
             best = (family, a, k, rate)
@@ -383,16 +386,16 @@ def run_bench(
             "by_drafter": s.as_dict()["by_drafter"],
         }  # fmt: skip
         if name == "auto" and cat != OVERALL and base is not None:
-            timings.cached = c.mean_depth  # the batch costs at the category's depth
-            limit = allowed_rate(cells, cat, timings)
+            depth = c.mean_depth  # the batch costs at the category's depth
+            limit = allowed_rate(cells, cat, timings, depth)
             if limit is not None:
                 drafter, a, k_best, rate = limit
                 # the cost model's speedup over its own target alone (1 / t_verify(1)),
                 # against auto's measured speedup over the measured target alone
-                allowed = rate * timings.verify_time(1)
+                allowed = rate * timings.verify_time(1, depth)
                 row["cost_model_limit"] = {
                     "drafter": drafter if k_best else "none",
-                    "per_token_acceptance": round(a, 4), "k": k_best, "depth": timings.cached,
+                    "per_token_acceptance": round(a, 4), "k": k_best, "depth": depth,
                     "tokens_per_s": round(rate, 3), "speedup": round(allowed, 3),
                     "ratio": round(s.tokens_per_s / base.stats.tokens_per_s / allowed, 3),
                 }  # fmt: skip

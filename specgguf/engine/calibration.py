@@ -1,6 +1,6 @@
-"""Timings of the loaded pair on this machine, for auto mode's cost model: measured once
-(:func:`specgguf.speculative.planner.calibrate`, at two depths of the context: 10-20 seconds on
-two CPU cores for a 1.5B target) and cached in
+"""Timings of the loaded pair on this machine, for auto mode's cost model
+(:class:`specgguf.speculative.costmodel.Timings`): measured once (:func:`calibrate`, at two
+depths of the context: 10-20 seconds on two CPU cores for a 1.5B target) and cached in
 ``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
 threads, the repacking setting and the layers' placement (RPC servers). A cached
 calibration is checked against one fresh decode step first: one taken while the machine
@@ -13,10 +13,143 @@ import hashlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from specgguf.cache import cache_dir, read_json_cache, update_json_cache
-from specgguf.speculative.drafters import Evaluator
-from specgguf.speculative.planner import DEPTH_PROBE, Timings, calibrate, calibration_sizes
+from specgguf.speculative.costmodel import Timings
+from specgguf.speculative.draft import Evaluator
+
+#: Verification batch sizes measured by calibration (others are interpolated): every size
+#: a draft length up to 48 needs, denser where drafts are usually short. Unchanged since
+#: the first calibration; measuring them takes about 22 s of a 2-core VM with a 1.5B target.
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49)
+
+#: The sizes measured again deeper in the context (calibrate's ``deep``), and how deep:
+#: every row of a batch attends to every cached position, so batches cost more there (4
+#: rows: 2.8x one row at 64 positions, 3.6x at 1024, on a 2-core AMD EPYC; 8-11 us per
+#: row and position). The probe's prefix takes about 4 s there.
+DEPTH_SIZES = (1, 5, 17)
+DEPTH_PROBE = 384
+#: The least distance between the two depths for a slope to be measured.
+DEPTH_SPAN_MIN = 128
+
+#: A batch size that took this many times longer than the larger sizes after it was a
+#: hiccup of the machine, not of the kernel: it is interpolated from its neighbours.
+OUTLIER_RATIO = 1.5
+
+
+def calibration_sizes(
+    target: Evaluator, draft: Evaluator | None, sizes: Sequence[int] = CALIBRATION_SIZES
+) -> list[int]:
+    """The verification batch sizes of ``sizes`` that :func:`calibrate` measures: those
+    the target's batch, its outputs (K + 1 for a draft length K) and both contexts allow."""
+    room = min(ctx.n_ctx for ctx in (target, draft) if ctx is not None)
+    cap = min(target.n_batch, target.n_outputs_max, room - 1)
+    return [n for n in sizes if n <= cap] or [1]
+
+
+def calibrate(
+    target: Evaluator,
+    draft: Evaluator | None,
+    tokens: Sequence[int],
+    *,
+    sizes: Sequence[int] = CALIBRATION_SIZES,
+    repeats: int = 3,
+    deep: int = 0,
+) -> Timings:
+    """Measure t_verify(n) on the target and t_draft on the draft (the minimum of
+    ``repeats``), after a prefix of up to 64 of ``tokens`` (any valid ids: the timing, not
+    the text, matters), for the batch sizes the target's batch, outputs and context allow.
+    With ``deep``, measure the sizes of :data:`DEPTH_SIZES` again after a prefix of up to
+    ``deep`` tokens (at least 128 more than the first), for what each cached position adds
+    (:attr:`Timings.position_single`, :attr:`Timings.position_row`: a lone row's slope,
+    and the batches' pooled over their rows; the lone row's at most the batches'). Both
+    caches are left empty.
+
+    Raises:
+        BackendError: an evaluation failed.
+    """
+    toks = list(tokens) or [0]
+    room = min(ctx.n_ctx for ctx in (target, draft) if ctx is not None)
+    sizes = calibration_sizes(target, draft, sizes)
+    need = max(sizes)
+    n_prefix = max(0, min(64, room - need - 1))
+
+    def ids(start: int, n: int) -> list[int]:
+        return [toks[i % len(toks)] for i in range(start, start + n)]
+
+    prefix = ids(0, n_prefix)
+    body = ids(0, need)
+
+    def timed(
+        ctx: Evaluator,
+        batch: list[int],
+        logits: Literal["last", "all"],
+        other: Evaluator | None,
+        at: int,
+    ) -> float:
+        # As in a real step, the other model has just run and evicted our weights from
+        # the CPU caches.
+        if other is not None:
+            other.rollback(len(prefix))
+            other.eval(body[:1], logits="last")
+        ctx.rollback(at)
+        t0 = time.perf_counter()
+        ctx.eval(batch, logits=logits)
+        return time.perf_counter() - t0
+
+    def curve(at: int, ns: Sequence[int]) -> dict[int, float]:
+        # The minimum of the repeats: other work on the machine only ever adds time.
+        return {n: min(timed(target, body[:n], "all", draft, at) for _ in range(repeats))
+                for n in ns}  # fmt: skip
+
+    for ctx in (target, draft):
+        if ctx is not None:
+            ctx.rollback(0)
+            if prefix:
+                ctx.eval(prefix, logits="none")
+    timed(target, body[:1], "all", draft, n_prefix)  # warm-up
+    verify = curve(n_prefix, sizes)
+    td = 0.0
+    if draft is not None:
+        td = min(timed(draft, body[:1], "last", target, n_prefix) for _ in range(repeats + 2))
+    timings = Timings(_drop_outliers(verify), td, depth=n_prefix)
+    deep_sizes = [n for n in DEPTH_SIZES if n in verify]
+    at = min(deep, target.n_ctx - max(deep_sizes, default=1) - 1)
+    if deep and at - n_prefix >= DEPTH_SPAN_MIN and 1 in verify:
+        target.rollback(n_prefix)
+        target.eval(ids(n_prefix, at - n_prefix), logits="none")
+        _add_depth(timings, curve(at, deep_sizes), at - n_prefix)
+    for ctx in (target, draft):
+        if ctx is not None:
+            ctx.rollback(0)
+    return timings
+
+
+def _add_depth(timings: Timings, deeper: dict[int, float], span: int) -> None:
+    """Set what each cached position adds from a curve measured ``span`` positions deeper:
+    a lone row's slope, and the batches' pooled over their rows; the lone row's at most
+    the batches' (see :meth:`Timings._at_depth`)."""
+    base = timings.verify
+    single = max(0.0, (deeper[1] - base[1]) / span)
+    rows = [n for n in deeper if n > 1]
+    if rows:
+        extra = sum(deeper[n] - base[n] for n in rows)
+        timings.position_row = max(0.0, extra / (span * sum(rows)))
+    timings.position_single = min(single, timings.position_row)
+
+
+def _drop_outliers(verify: dict[int, float]) -> dict[int, float]:
+    """Replace a batch size that took far longer than the larger ones (a hiccup of the
+    machine, not of the kernel) by the interpolation of its neighbours."""
+    xs = sorted(verify)
+    out = dict(verify)
+    for i, n in enumerate(xs[:-1]):
+        larger = [verify[m] for m in xs[i + 1 : i + 3]]
+        if verify[n] > OUTLIER_RATIO * max(larger) and i > 0:
+            lo, hi = xs[i - 1], xs[i + 1]
+            out[n] = verify[lo] + (n - lo) / (hi - lo) * (verify[hi] - verify[lo])
+    return out
 
 
 def _file_key(path: Path) -> str:

@@ -17,10 +17,10 @@ import dataclasses
 import math
 from pathlib import Path
 
-from specgguf.engine.drafter_map import DRAFTERS
+from specgguf.engine.drafter_map import DRAFTER_KINDS
 from specgguf.errors import UsageError
 from specgguf.llama.rpc import DEFAULT_TIMEOUT, parse_endpoints
-from specgguf.speculative.planner import AUTO_LOOKUP_MAX
+from specgguf.speculative.tuning import AUTO_TUNING
 
 #: The most devices a tensor split can name (llama.cpp's ``llama_max_devices()``).
 MAX_DEVICES = 16
@@ -50,7 +50,7 @@ def default_draft_max(drafter: DrafterKind) -> int:
     """The draft length used when none is given: auto mode's largest (64 for lookup
     drafts; its draft model drafts at most 16), none for the target alone, else
     ``FIXED_DRAFT_MAX``."""
-    return {"auto": AUTO_LOOKUP_MAX, "none": 0}.get(drafter, FIXED_DRAFT_MAX)
+    return {"auto": AUTO_TUNING.draft_max_lookup, "none": 0}.get(drafter, FIXED_DRAFT_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +230,8 @@ class EngineConfig:
 
 def check_drafter(kind: str) -> None:
     """Raises UsageError unless ``kind`` names a drafter."""
-    if kind not in DRAFTERS:
-        raise UsageError(f"the drafter must be {', '.join(DRAFTERS)}, not {kind!r}")
+    if kind not in DRAFTER_KINDS:
+        raise UsageError(f"the drafter must be {', '.join(DRAFTER_KINDS)}, not {kind!r}")
 
 
 def check_p_min(p_min: float) -> None:

@@ -1,10 +1,14 @@
 """Drafters by name: one name -> factory map, so that a new kind of drafter is one class
-(:class:`specgguf.speculative.drafters.Drafter`) and one entry in :data:`DRAFTERS`.
+(:class:`specgguf.speculative.draft.Drafter`) and one entry in :data:`DRAFTERS`.
 
-A factory makes the planner of one generation from what the engine loaded
-(:class:`Drafting`) and that generation's settings (:class:`DraftSettings`): a fixed
-drafter is a :class:`~specgguf.speculative.planner.FixedPlanner`; auto mode an
-:class:`~specgguf.speculative.planner.AutoPlanner` over every drafter that is loaded.
+A factory makes the drafter's arm for one generation (:mod:`specgguf.speculative.arms`)
+from what the engine loaded (:class:`Drafting`) and that generation's settings
+(:class:`DraftSettings`), or None where the drafter needs a draft model and none was
+loaded. Auto mode
+is an :class:`~specgguf.speculative.planner.AutoPlanner` over the arms of every entry, in
+the map's order (on a tie, the earlier wins: free drafters first); a fixed drafter
+(``--drafter NAME``) is a :class:`~specgguf.speculative.planner.FixedPlanner` over the
+drafter of its arm.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import dataclasses
 from collections.abc import Callable
 
 from specgguf.errors import UsageError
+from specgguf.speculative.arms import Arm, LookupArm, ModelArm, SuffixArm
+from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specgguf.speculative.planner import AUTO_DRAFT_MAX, AutoPlanner, FixedPlanner, Planner, Timings
+from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Planner
+from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
 
 @dataclasses.dataclass
@@ -30,52 +37,70 @@ class Drafting:
     #: the pair's timings, measured on first use, for normal (False) or deterministic
     #: (True) verification batches
     timings: Callable[[bool], Timings]
-
-    def require_model(self) -> ModelDrafter:
-        """Raises UsageError when no draft model was loaded."""
-        if self.model is None:
-            raise UsageError("the model drafter needs a draft model, and none was loaded")
-        return self.model
+    #: auto mode's tuning
+    tuning: AutoTuning = AUTO_TUNING
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftSettings:
     """One generation's drafting: the draft length, p_min, deterministic mode, the
-    shortest draft worth verifying (``draft_min``; 0: any), and the most branches of a
-    token tree (``tree_branches``; 0: chains only)."""
+    shortest draft worth verifying (``draft_min``; 0: any), the most branches of a
+    token tree (``tree_branches``; 0: chains only), and whether the drafter runs under
+    auto mode (``auto``: a draft model then drafts at most ``draft_max_model``)."""
 
     draft_max: int
     p_min: float = 0.0
     deterministic: bool = False
     draft_min: int = 0
     tree_branches: int = 0
+    auto: bool = False
+
+    @property
+    def trees(self) -> int:
+        """The most branches of a tree this generation verifies (none in deterministic
+        mode, whose verification batches have fixed shapes)."""
+        return 0 if self.deterministic else self.tree_branches
 
 
-PlannerFactory = Callable[[Drafting, DraftSettings], Planner]
+ArmFactory = Callable[[Drafting, DraftSettings], Arm | None]
 
 
-def _auto(d: Drafting, s: DraftSettings) -> Planner:
-    return AutoPlanner(
-        d.timings(s.deterministic), model=d.model, ngram=NgramDrafter(*d.ngram), suffix=d.suffix,
-        draft_max=s.draft_max, draft_max_model=min(AUTO_DRAFT_MAX, s.draft_max), p_min=s.p_min,
-        draft_min=s.draft_min,
-        tree_branches=0 if s.deterministic else s.tree_branches,
-    )  # fmt: skip
+def _model(d: Drafting, s: DraftSettings) -> Arm | None:
+    if d.model is None:
+        return None
+    draft_max = min(d.tuning.draft_max_model, s.draft_max) if s.auto else s.draft_max
+    return ModelArm(d.model, draft_max=draft_max, p_min=s.p_min)
 
 
-#: Drafter kind -> the planner for one generation.
-DRAFTERS: dict[str, PlannerFactory] = {
-    "auto": _auto,
-    "model": lambda d, s: FixedPlanner(
-        d.require_model(), s.draft_max, p_min=s.p_min, draft_min=s.draft_min
-    ),
-    "ngram": lambda d, s: FixedPlanner(NgramDrafter(*d.ngram), s.draft_max, draft_min=s.draft_min),
-    "suffix": lambda d, s: FixedPlanner(
-        d.suffix,
-        s.draft_max,
-        p_min=s.p_min,
-        draft_min=s.draft_min,
-        tree_branches=0 if s.deterministic else s.tree_branches,
-    ),
-    "none": lambda d, s: FixedPlanner(None, 0),
+#: Drafter name -> its arm for one generation, in the order auto mode weighs them.
+DRAFTERS: dict[str, ArmFactory] = {
+    "ngram": lambda d, s: LookupArm(NgramDrafter(*d.ngram)),
+    "suffix": lambda d, s: SuffixArm(d.suffix, tree_branches=s.trees),
+    "model": _model,
 }
+
+#: What ``--drafter`` takes: auto mode, a drafter of :data:`DRAFTERS`, or none.
+DRAFTER_KINDS = ("auto", *DRAFTERS, "none")
+
+
+def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
+    """The planner of one generation for drafter ``kind`` (see :data:`DRAFTER_KINDS`).
+
+    Raises:
+        UsageError: an unknown kind, or a drafter that cannot run here (the model drafter
+            without a loaded draft model).
+    """
+    if kind == "none":
+        return FixedPlanner(None, 0)
+    if kind == "auto":
+        s = dataclasses.replace(s, auto=True)
+        arms = [arm for make in DRAFTERS.values() if (arm := make(d, s)) is not None]
+        return AutoPlanner(d.timings(s.deterministic), arms, draft_max=s.draft_max,
+                           draft_min=s.draft_min, tuning=d.tuning)  # fmt: skip
+    if kind not in DRAFTERS:
+        raise UsageError(f"the drafter must be {', '.join(DRAFTER_KINDS)}, not {kind!r}")
+    arm = DRAFTERS[kind](d, s)
+    if arm is None:
+        raise UsageError(f"the {kind} drafter needs a draft model, and none was loaded")
+    return FixedPlanner(arm.drafter, s.draft_max, p_min=s.p_min, draft_min=s.draft_min,
+                        tree_branches=s.trees)  # fmt: skip

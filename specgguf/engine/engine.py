@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specgguf.engine.calibration import calibration_key, load_calibration, pair_timings
+from specgguf.engine.calibration import calibrate, calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import (
     EngineConfig,
@@ -36,14 +36,16 @@ from specgguf.engine.config import (
     default_draft_max,
     default_draft_tree,
 )
-from specgguf.engine.drafter_map import DRAFTERS, Drafting, DraftSettings
+from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
 from specgguf.engine.preflight import Preflight, preflight
 from specgguf.errors import BackendError, ContextOverflowError, UsageError
 from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
+from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.drafters import ModelDrafter, SuffixDrafter
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
-from specgguf.speculative.planner import AUTO_DRAFT_MAX, Planner, Timings, calibrate
+from specgguf.speculative.planner import Planner
+from specgguf.speculative.tuning import AUTO_TUNING
 
 log = logging.getLogger("specgguf")
 
@@ -183,7 +185,8 @@ class Engine:
                 f"same tokens (largest differences: {detail})"
             )
         self.deterministic_rows = rows
-        lone = self.target_ctx.lone_rows_max = lone_rows_max(diffs)
+        lone = lone_rows_max(diffs)
+        self.target_ctx.set_lone_rows_max(lone)
         log.info("deterministic mode: K cache %s, verification in batches of 2 to %d rows, %s",
                  self.target_ctx.type_k, rows,
                  "lone rows never padded" if lone == NO_LIMIT
@@ -302,7 +305,7 @@ class Engine:
         if params.draft_max is None and spec.drafter == "auto" and kind != "auto":
             # auto's largest draft is for its lookup copies; a fixed drafter asked for per
             # generation drafts at most what auto's draft model does
-            draft_max = min(draft_max, AUTO_DRAFT_MAX)
+            draft_max = min(draft_max, AUTO_TUNING.draft_max_model)
         if draft_max < 0:
             raise UsageError(f"the draft length must be 0 or more, not {draft_max}")
         p_min = spec.p_min if params.p_min is None else params.p_min
@@ -320,7 +323,7 @@ class Engine:
             raise UsageError(f"a token tree has 0 or more branches, not {tree}")
         tree = min(tree, self.target_ctx.tree_branches)
         settings = DraftSettings(draft_max, p_min, bool(det), draft_min, tree)
-        return DRAFTERS[kind](self.drafting, settings)
+        return make_planner(kind, self.drafting, settings)
 
     def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
         """Start a generation: iterate the result for text pieces; ``result`` holds the
@@ -342,7 +345,7 @@ class Engine:
         params = dataclasses.replace(params, deterministic=det)
         planner = self.planner(params)
         ids = self.prompt_ids(prompt)
-        self.target_ctx.rows_per_decode = self.deterministic_rows if det else None
+        self.target_ctx.set_rows_per_decode(self.deterministic_rows if det else None)
         return self.decoder.generate(ids, params, planner)
 
     # -- facts ------------------------------------------------------------------------
@@ -380,14 +383,14 @@ class Engine:
         if det in self._timings and not recalibrate:
             return self._timings[det]
         saved = self.target_ctx.rows_per_decode
-        self.target_ctx.rows_per_decode = self.deterministic_rows if det else None
+        self.target_ctx.set_rows_per_decode(self.deterministic_rows if det else None)
         try:
             self._timings[det] = pair_timings(
                 self._calibration_key(det), self.target_ctx, self.draft_ctx,
                 self._calibration_ids(), recalibrate=recalibrate,
             )  # fmt: skip
         finally:
-            self.target_ctx.rows_per_decode = saved
+            self.target_ctx.set_rows_per_decode(saved)
         if det:  # past this a lone row costs two (a throw-away row)
             self._timings[det].lone_max = self.target_ctx.lone_rows_max
             self._timings[det].chunk_rows = self.deterministic_rows

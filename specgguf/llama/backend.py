@@ -8,7 +8,7 @@ class is not used: it keeps n_ctx x n_vocab float32 logits when ``logits_all`` i
 a verifier would need (151,936-token Qwen at n_ctx 2048: 1.2 GB). Here logits are requested
 only at the batch positions that need them, and read as a zero-copy NumPy view.
 
-The speculative loop only needs the :class:`specgguf.speculative.drafters.Evaluator` interface
+The speculative loop only needs the :class:`specgguf.speculative.draft.TargetEvaluator` interface
 (``eval``, ``rollback``, ``n_past``, ``n_ctx``, ``n_batch``, ``n_vocab``), which
 ``LlamaContext`` implements.
 """
@@ -495,12 +495,8 @@ class LlamaContext(_Native):
         #: positions this context uses: the size asked for (0: what llama.cpp chose), one
         #: fewer when nothing is left for deterministic mode's throw-away row
         self.n_ctx: int = min(n_ctx, self.n_ctx_allocated) if n_ctx > 0 else self.n_ctx_allocated
-        #: deterministic mode: the most rows per ``llama_decode`` when logits are returned
-        #: (None: any number); set it with :meth:`set_rows_per_decode`
-        self.rows_per_decode: int | None = None
-        #: deterministic mode: a lone row is decoded without a throw-away second row while
-        #: it leaves at most this many positions cached (0: always padded)
-        self.lone_rows_max = 0
+        self._rows_per_decode: int | None = None
+        self._lone_rows_max = 0
         self.n_batch: int = lc.llama_n_batch(ctx)
         self.n_outputs_max = min(n_outputs_max, self.n_batch)
         self.n_vocab: int = model.n_vocab
@@ -758,6 +754,29 @@ class LlamaContext(_Native):
             self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
         self._tree = None
 
+    @property
+    def rows_per_decode(self) -> int | None:
+        """Deterministic mode: the most rows per ``llama_decode`` when logits are returned
+        (None: any number); set with :meth:`set_rows_per_decode`."""
+        return self._rows_per_decode
+
+    @property
+    def lone_rows_max(self) -> int:
+        """Deterministic mode: a lone row is decoded without a throw-away second row while
+        it leaves at most this many positions cached (0: always padded); set with
+        :meth:`set_lone_rows_max`."""
+        return self._lone_rows_max
+
+    def set_lone_rows_max(self, n: int) -> None:
+        """Set :attr:`lone_rows_max`.
+
+        Raises:
+            ValueError: a negative number.
+        """
+        if n < 0:
+            raise ValueError(f"lone_rows_max must be 0 or more, not {n}")
+        self._lone_rows_max = n
+
     def set_rows_per_decode(self, rows: int | None) -> None:
         """Deterministic mode on (``rows``: 2 or more, see :meth:`eval`) or off (None).
 
@@ -770,7 +789,7 @@ class LlamaContext(_Native):
                 raise ValueError(f"rows per decode must be 2..{self.n_batch}, not {rows}")
             if self.n_ctx >= self.n_ctx_allocated:
                 raise ValueError("deterministic mode needs one KV position beyond n_ctx")
-        self.rows_per_decode = rows
+        self._rows_per_decode = rows
 
     def rollback(self, n_keep: int) -> None:
         """Drop every KV-cache position from ``n_keep`` on, so that ``n_past == n_keep``

@@ -102,7 +102,7 @@ def row_differences(
         BackendError: a decode failed.
     """
     saved = ctx.rows_per_decode
-    ctx.rows_per_decode = None
+    ctx.set_rows_per_decode(None)
     try:
         ctx.rollback(0)
         ctx.eval(prompt[:-1], logits="none")
@@ -115,9 +115,9 @@ def row_differences(
             rows = []
             for i in range(n_rows):
                 ctx.rollback(base + i)
-                ctx.rows_per_decode = 2  # a lone row with a throw-away second row
+                ctx.set_rows_per_decode(2)  # a lone row with a throw-away second row
                 rows.append(ctx.eval([seq[i]], logits="last")[0].copy())
-                ctx.rows_per_decode = None
+                ctx.set_rows_per_decode(None)
             return rows
 
         ref = padded_rows()
@@ -132,7 +132,7 @@ def row_differences(
         ctx.rollback(0)
         return out
     finally:
-        ctx.rows_per_decode = saved
+        ctx.set_rows_per_decode(saved)
 
 
 def lone_row_difference(
@@ -162,23 +162,24 @@ def lone_row_difference(
     saved, saved_lone = ctx.rows_per_decode, ctx.lone_rows_max
     try:
         worst = 0.0
-        ctx.lone_rows_max = 0  # the reference: padded
+        ctx.set_lone_rows_max(0)  # the reference: padded
         for start in starts:
-            ctx.rows_per_decode = None
+            ctx.set_rows_per_decode(None)
             ctx.rollback(0)
             ctx.eval(prompt[:start], logits="none")
             for i in range(start, start + n_rows):
-                ctx.rows_per_decode = None
+                ctx.set_rows_per_decode(None)
                 lone = ctx.eval([prompt[i]], logits="last")[0].copy()
                 ctx.rollback(i)
-                ctx.rows_per_decode = 2
+                ctx.set_rows_per_decode(2)
                 ref = ctx.eval([prompt[i]], logits="last")[0]
                 worst = max(worst, float(np.abs(lone - ref).max()))
-        ctx.rows_per_decode = None
+        ctx.set_rows_per_decode(None)
         ctx.rollback(0)
         return worst
     finally:
-        ctx.rows_per_decode, ctx.lone_rows_max = saved, saved_lone
+        ctx.set_rows_per_decode(saved)
+        ctx.set_lone_rows_max(saved_lone)
 
 
 def lone_rows_max(diffs: dict[int, float]) -> int:
@@ -245,8 +246,14 @@ def deterministic_rows(
         diffs = {int(k): float(v) for k, v in hit["diffs"].items()}
         return invariant_rows(diffs), diffs
     prompt = model.tokenize(_PROBE_TEXT, add_special=False)[:300]
+    # reserve: the position of a lone row's throw-away row, as deterministic mode's own
     with model.new_context(
-        n_ctx=512, n_batch=64, n_threads=n_threads, n_outputs_max=max_rows + 1, type_k=type_k
+        n_ctx=512,
+        n_batch=64,
+        n_threads=n_threads,
+        n_outputs_max=max_rows + 1,
+        reserve=1,
+        type_k=type_k,
     ) as ctx:
         diffs = row_differences(ctx, prompt, max_rows=max_rows)
         diffs[-1] = lone_row_difference(ctx, prompt)

@@ -1,0 +1,162 @@
+"""The arm of the draft model: drafts that cost a forward pass per token, made only when
+taken, judged by two rates, with the cost of catching up after idle steps."""
+
+from __future__ import annotations
+
+from specgguf.speculative.arms.base import Offer, Step, StepPlan
+from specgguf.speculative.costmodel import Timings, best_k, expected_tokens, verify_time_at
+from specgguf.speculative.draft import Draft
+from specgguf.speculative.drafters.model import ModelDrafter
+from specgguf.speculative.estimates import Acceptance, upper
+from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
+
+
+class ModelArm:
+    """A draft model as auto mode weighs it.
+
+    The draft model drafts greedily until it gives a token less than ``p_stop`` (as
+    llama.cpp's ``--spec-draft-p-min``), so two rates describe it: how often a token passes
+    ``p_stop`` (prior: the target's confidence) and how often a token that passed is
+    accepted (prior: ``model_prior``); E(K) uses their product, and the cost of a step the
+    expected number of draft evaluations and verified tokens.
+
+    Its state matters: a model that has been idle must first evaluate the tokens it missed
+    (that cost is spread over the steps it is expected to stay in use, at most
+    ``catch_up_horizon``), so a model in step is judged generously: optimistically (one
+    standard error, drafts of at most ``explore_k``) in its first ``explore_steps`` steps
+    of a generation, and in step (a sticky offer: kept while it beats the target alone,
+    replaced only by an arm ``switch_margin`` times faster) once it has drafted and is at
+    most ``near_sync`` tokens behind. When an idle model's estimate falls just short
+    (``probe_share`` of the threshold) and nothing recent was measured, a short draft
+    measures it (a probe, at most every ``probe_every`` steps).
+
+    Args:
+        drafter: the draft model's drafter.
+        draft_max: its longest draft.
+        p_min: it stops at a token it gives less than this, or ``p_stop`` if higher.
+    """
+
+    def __init__(self, drafter: ModelDrafter, *, draft_max: int, p_min: float = 0.0) -> None:
+        self.drafter = drafter
+        self.name = drafter.name
+        self.draft_max = draft_max
+        self.p_min = p_min
+        self._fresh(AUTO_TUNING)
+
+    def reset(self, timings: Timings, tuning: AutoTuning) -> bool:
+        """Also: whether the model could be faster than the target alone on these timings
+        at all, where batches are cheapest (the calibration's depth): some draft length up
+        to ``draft_max`` beats the target alone by the margin even if every draft token
+        were accepted. Where it cannot (a draft token that costs most of a target step,
+        batches that cost nearly their rows: 0.6 and 1.5x on a 2-core AMD EPYC), the
+        model neither reads the prompt nor drafts."""
+        self.drafter.reset()
+        self._fresh(tuning)
+        _, rate = best_k(1.0, timings, self.draft_max)
+        return rate > tuning.margin / timings.verify_time(1)
+
+    def _fresh(self, tuning: AutoTuning) -> None:
+        t = self.tuning = tuning
+        # how often a token that passed p_stop is accepted, and how often one passes
+        self.accepted = Acceptance(t.model_prior, t.prior_trials, t.decay, t.fade)
+        self.passed = Acceptance(t.confidence_start, t.prior_trials, t.decay, t.fade)
+        self.steps = 0  # steps it drafted in this generation
+        self.idle = 0  # steps since it last drafted
+        # consecutive steps it drafted, now and on average: a catch-up is paid back only
+        # over the steps the model stays in use
+        self.streak = 0
+        self.mean_streak = t.streak_start
+
+    def tick(self) -> None:
+        self.accepted.tick()
+        self.passed.tick()
+
+    def offer(self, step: Step) -> Offer | None:
+        t, history = self.tuning, step.history
+        a_acc = self.accepted.rate
+        a_pass = self.passed.rate_with(step.confidence)
+        near = len(history) - self.drafter.cached_tokens(history) <= t.near_sync
+        k_top = min(step.k_max, self.draft_max)
+        if near and self.steps < t.explore_steps:
+            # Little evidence yet: judged by an upper bound, so that one early rejection,
+            # or a misleading confidence, does not rule out a draft model that pays.
+            a_acc = upper(a_acc, self.accepted.trials, t.prior_trials)
+            a_pass = upper(a_pass, self.passed.trials, t.prior_trials)
+            k_top = min(k_top, max(t.explore_k, step.k_min))
+        k, rate = self._best(a_acc, a_pass, k_top, step)
+        self.idle += 1
+        sticky = near and self.steps > 0
+        if step.admits(rate, sticky):
+            return Offer(self, k, rate, sticky=sticky)
+        if (
+            rate > t.probe_share * step.threshold
+            and self.accepted.trials < t.probe_trials
+            and self.idle >= t.probe_every
+        ):
+            # The confidence proxy says "almost": measure instead of guessing.
+            k = max(step.k_min, min(t.explore_k, k or t.explore_k))
+            return Offer(self, k, rate, sticky=sticky, probe=True)
+        return None
+
+    def _best(self, a_acc: float, a_pass: float, k_top: int, step: Step) -> tuple[int, float]:
+        """The draft length up to ``k_top`` (at least ``k_min``; 0: none) with the highest
+        expected rate, and that rate (tokens/s). Draft token i is proposed when the i
+        before it passed ``p_stop`` (a_pass^i) and yields a token when all of them are
+        accepted too (c^i, c = a_acc * a_pass)."""
+        t = step.timings
+        first = self._first_eval_cost(step)
+        c = a_acc * a_pass
+        best = (0, 0.0)
+        proposed = evals = 0.0
+        for k in range(1, k_top + 1):
+            evals = proposed  # the k-th proposal needs no evaluation of its own
+            proposed += a_pass**k
+            cost = first + evals * t.draft + verify_time_at(t, 1.0 + proposed, step.cached)
+            rate = expected_tokens(c, k) / cost
+            if k >= step.k_min and rate > best[1]:
+                best = (k, rate)
+        return best
+
+    def _first_eval_cost(self, step: Step) -> float:
+        """Seconds for the model's first evaluation of a step: the tokens it has not seen
+        (usually the last 1-2: the final draft token and the target's own). A longer
+        catch-up after idle steps is spread over the steps the model is expected to stay
+        in use (its mean run of consecutive steps, at most ``catch_up_horizon``)."""
+        t, history = step.timings, step.history
+        behind = max(1, len(history) - self.drafter.cached_tokens(history))
+        per = t.draft / t.curve(1)
+        if behind <= 2:
+            return per * t.curve(behind)
+        extra = per * max(0.0, t.curve(behind) - t.curve(2))
+        horizon = min(float(self.tuning.catch_up_horizon), max(1.0, self.mean_streak))
+        return per * t.curve(2) + extra / horizon
+
+    def settle(self, step: Step, taken: Offer | None) -> None:
+        if taken is not None and taken.arm is self:
+            self.idle = 0
+            self.streak += 1
+            self.steps += 1
+        elif self.streak:
+            self.mean_streak += self.tuning.streak_weight * (self.streak - self.mean_streak)
+            self.streak = 0
+
+    @property
+    def p_stop(self) -> float:
+        """The probability below which it stops drafting: ``p_min``, or the tuning's
+        ``p_stop`` if higher."""
+        return max(self.tuning.p_stop, self.p_min)
+
+    def draft(self, offer: Offer, step: Step) -> Draft:
+        """The model's draft of ``offer.k`` tokens; one that stopped early (an unsure
+        token) below ``k_min`` is too short to verify: what it taught about passing
+        ``p_stop`` counts, and the step runs without drafts."""
+        draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
+                                     p_min=self.p_stop)  # fmt: skip
+        if len(draft.tokens) < step.k_min:
+            self.passed.observe(len(draft.tokens), draft.stopped)
+            return Draft([])
+        return draft
+
+    def observe(self, plan: StepPlan, accepted: int, rejected: bool) -> None:
+        self.accepted.observe(accepted, rejected)
+        self.passed.observe(len(plan.draft.tokens), plan.draft.stopped)

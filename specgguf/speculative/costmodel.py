@@ -1,0 +1,243 @@
+"""When does speculation pay? A cost model from measured timings: pure functions of the
+timings and the depth of the context.
+
+Expected tokens per step for per-token acceptance rate ``a`` and draft length K (Leviathan
+et al. 2023, section 3.1, equation 1, with i.i.d. acceptance)::
+
+    E(K) = (1 - a^(K+1)) / (1 - a)          (E(0) = 1)
+
+Cost of a step: K draft evaluations plus one verification of K + 1 tokens::
+
+    C(K) = K * t_draft + t_verify(K + 1)
+
+:func:`best_k` is the K (0 included: no speculation) that maximises E(K) / C(K) tokens per
+second; :func:`best_tree` the same for a token tree. The timings come from a calibration
+(:mod:`specgguf.engine.calibration`, which measures them on the loaded pair) and are
+corrected online from every verification (:meth:`Timings.observe_verify`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from specgguf.speculative.tuning import AUTO_TUNING
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E(K) = (1 - a^(K+1)) / (1 - a): tokens a step yields with K drafts accepted
+    independently with probability ``a`` (the +1 is the target's own token)."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def call_sizes(n: int, rows_per_call: int) -> list[int]:
+    """The sizes of the decode calls that evaluate ``n`` rows at most ``rows_per_call`` at a
+    time, as even as possible, larger first (the split of deterministic mode's
+    :meth:`specgguf.llama.backend.LlamaContext.eval`)."""
+    calls = -(-n // rows_per_call)
+    return [n // calls + (i < n % calls) for i in range(calls)]
+
+
+@dataclasses.dataclass(slots=True)
+class Timings:
+    """Seconds per evaluation: ``verify[n]`` for a target batch of n tokens (n = 1 is a
+    plain decode step), as calibrated, and ``draft`` per draft-model token (0 without a
+    draft model).
+
+    Online refinement keeps the calibrated curve and learns two correction factors, one
+    for decode steps and one for batches (``scale_single``, ``scale_batch``): during a run
+    the target and the draft evict each other's weights from the CPU caches, which makes
+    real steps slower than calibrated ones (about 1.3x for 10-token batches, measured).
+
+    The curve holds at ``depth`` cached positions (the calibration's prefix). Every row of
+    a verification attends to every cached position, so a batch costs more deeper in the
+    context: ``position_row`` seconds per row and cached position past ``depth``, and a
+    lone row ``position_single``, at most ``position_row`` (llama.cpp's CPU FlashAttention
+    splits a lone row's positions over the threads: ``ggml-cpu/ops.cpp``, its split-KV
+    path). Measured on Qwen2.5-Coder 1.5B, 2-core AMD EPYC: 4 rows cost 2.8x one row at
+    64 positions and 3.6x at 1024. Every cost is read at a number of ``cached`` positions
+    (the positions before the step's first row).
+
+    Deterministic mode decodes a lone row with a throw-away second row once more than
+    ``lone_max`` positions are cached (:attr:`specgguf.llama.backend.LlamaContext.
+    lone_rows_max`; with an f16 K cache 256, with q8_0 never): then a lone row costs
+    what two rows do, and drafting one token costs no more verification than drafting
+    none. Its greedy verification runs in calls of at most ``chunk_rows`` rows and stops
+    after the first call that shows a rejection (:meth:`expected_verify_time`).
+    """
+
+    verify: dict[int, float]
+    draft: float = 0.0
+    scale_single: float = 1.0
+    scale_batch: float = 1.0
+    #: positions up to which a lone row is decoded alone (None: always)
+    lone_max: int | None = None
+    #: deterministic mode's most rows per decode call (None: one evaluation of every row)
+    chunk_rows: int | None = None
+    #: cached positions at which ``verify`` was measured
+    depth: int = 0
+    #: seconds each cached position past ``depth`` adds to a lone row, and to each row of
+    #: a batch
+    position_single: float = 0.0
+    position_row: float = 0.0
+
+    def padded(self, cached: int) -> bool:
+        """Whether a lone row is decoded with a throw-away row after ``cached`` positions."""
+        return self.lone_max is not None and cached + 1 > self.lone_max
+
+    def curve(self, n: int) -> float:
+        """The calibrated seconds of a batch of ``n`` rows at the calibration's depth,
+        without corrections: linearly interpolated between measured sizes, extrapolated
+        past the largest."""
+        if n in self.verify:
+            return self.verify[n]
+        xs = sorted(self.verify)
+        if n <= xs[0]:
+            return self.verify[xs[0]]
+        lo = max((x for x in xs if x < n), default=xs[0])
+        hi = min((x for x in xs if x > n), default=None)
+        if hi is None:
+            # Past the largest size, from the last two, each row adding at least the mean
+            # of what a row added over the measured sizes: noise can make the last two
+            # flat or reversed (13 rows measured slower than 17), and a catch-up of 90
+            # tokens then cost nothing.
+            last = xs[-1]
+            if len(xs) == 1:
+                return self.verify[last] * n / last
+            v = self.verify
+            slope = max((v[last] - v[xs[-2]]) / (last - xs[-2]),
+                        (v[last] - v[xs[0]]) / (last - xs[0]), 0.0)  # fmt: skip
+            return v[last] + (n - last) * slope
+        w = (n - lo) / (hi - lo)
+        return self.verify[lo] + w * (self.verify[hi] - self.verify[lo])
+
+    def _at_depth(self, n: int, cached: int) -> float:
+        """The calibrated curve at n rows, plus what attention to the positions cached past
+        the calibration's ``depth`` adds."""
+        deeper = max(0, cached - self.depth)
+        # A lone row attends to the positions one row of a batch does, and llama.cpp's
+        # split-KV path only makes that cheaper: its slope is at most a batch row's. Its
+        # measurement is the noisiest (one row, about 1 ms over 320 positions), and a
+        # measured 60 us (against 14 for a batch row, and no slope by llama-bench -d
+        # 64,384,800) made one row at 779 positions cost what two did: the draft model
+        # looked free and auto ran at 0.83x of the target alone on Spec-Bench's rag.
+        single = min(self.position_single, self.position_row)
+        per = single if n == 1 else n * self.position_row
+        return self.curve(n) + deeper * per
+
+    def verify_time(self, n: int, cached: int = 0) -> float:
+        """t_verify(n) in seconds after ``cached`` positions: the calibrated curve, with
+        what depth adds, times the learned correction; a lone row that is padded
+        (:meth:`padded`) costs two rows."""
+        if n == 1 and self.padded(cached):
+            n = 2
+        return self._at_depth(n, cached) * (self.scale_single if n == 1 else self.scale_batch)
+
+    def expected_verify_time(self, n: int, a: float, cached: int = 0) -> float:
+        """The expected t_verify of ``n`` rows (the last token, then n - 1 drafts each
+        accepted with probability ``a``) when greedy verification is decoded in calls of
+        at most ``chunk_rows`` rows (sizes as even as possible, larger first, as
+        :meth:`specgguf.llama.backend.LlamaContext.eval` splits them) and stops after the
+        first call that shows a rejection: call j runs only when the s_0 + ... + s_(j-1)
+        drafts the calls before it verified were all accepted, so the expectation is
+        sum_j a^(s_0 + ... + s_(j-1)) t_verify(s_j). Without ``chunk_rows``, or for one
+        call, t_verify(n)."""
+        r = self.chunk_rows
+        if not r or n <= r:
+            return self.verify_time(n, cached)
+        total, before = 0.0, 0
+        for size in call_sizes(n, r):
+            total += a**before * self.verify_time(size, cached)
+            before += size
+        return total
+
+    def observe_verify(
+        self,
+        n: int,
+        seconds: float,
+        cached: int = 0,
+        *,
+        weight: float = AUTO_TUNING.timing_weight,
+        clamp: tuple[float, float] = AUTO_TUNING.timing_clamp,
+    ) -> None:
+        """Refine the correction for batches of ``n`` with a measurement of ``seconds``
+        after ``cached`` positions (a padded lone row is a batch of two): the ratio to the
+        calibration, within ``clamp``, moves the correction by ``weight``."""
+        if n == 1 and self.padded(cached):
+            n = 2
+        ratio = min(clamp[1], max(clamp[0], seconds / self._at_depth(n, cached)))
+        if n == 1:
+            self.scale_single += weight * (ratio - self.scale_single)
+        else:
+            self.scale_batch += weight * (ratio - self.scale_batch)
+
+    def observe_draft(
+        self, seconds_per_token: float, *, weight: float = AUTO_TUNING.timing_weight
+    ) -> None:
+        """Move ``draft`` towards a measurement (seconds per draft-model token)."""
+        self.draft += weight * (seconds_per_token - self.draft)
+
+
+def best_k(
+    a: float,
+    timings: Timings,
+    k_max: int,
+    *,
+    cached: int = 0,
+    draft_cost: float | None = None,
+    k_min: int = 1,
+    greedy: bool = False,
+) -> tuple[int, float]:
+    """The draft length maximising E(K) / C(K) after ``cached`` positions, and that rate
+    (tokens/s); K is 0 (no drafts) or between ``k_min`` and ``k_max``. ``draft_cost``
+    overrides t_draft (seconds per drafted token; 0 for lookups). ``greedy``: the
+    verification's expected cost where it stops at a rejection
+    (:meth:`Timings.expected_verify_time`)."""
+    td = timings.draft if draft_cost is None else draft_cost
+    best, rate = 0, 1.0 / timings.verify_time(1, cached)
+    for k in range(max(1, k_min), max(0, k_max) + 1):
+        if greedy:
+            verify = timings.expected_verify_time(k + 1, a, cached)
+        else:
+            verify = timings.verify_time(k + 1, cached)
+        r = expected_tokens(a, k) / (k * td + verify)
+        if r > rate:
+            best, rate = k, r
+    return best, rate
+
+
+def best_tree(
+    probs: Sequence[float], timings: Timings, *, cached: int = 0, k_min: int = 1
+) -> tuple[int, float]:
+    """The number of nodes m (0, or ``k_min`` to ``len(probs)``) of a tree draft whose
+    first m nodes maximise E(m) / t_verify(m + 1) after ``cached`` positions, and that rate
+    (tokens/s).
+
+    ``probs[i]`` is the estimated probability that node i is accepted (that the target's
+    argmax follows its whole branch), in an order where parents come first, so that every
+    prefix is a tree. A step yields one token of the target's own plus every accepted
+    node, and at most one node per depth is accepted, so E(m) = 1 + sum(probs[:m])
+    (SpecInfer, Miao et al. 2023; Sequoia, Chen et al. 2024, section 3.1). A chain with
+    i.i.d. acceptance ``a`` has probs a, a^2, ..., and E(m) is :func:`expected_tokens`.
+    The verification is one batch of m + 1 rows, costed from the measured curve."""
+    best, rate = 0, 1.0 / timings.verify_time(1, cached)
+    e = 1.0
+    for m, p in enumerate(probs, start=1):
+        e += p
+        r = e / timings.verify_time(m + 1, cached)
+        if m >= k_min and r > rate:
+            best, rate = m, r
+    return best, rate
+
+
+def verify_time_at(timings: Timings, n: float, cached: int = 0) -> float:
+    """t_verify at a fractional batch size (an expected number of rows), linearly
+    interpolated between the whole sizes around it."""
+    lo = int(n)
+    w = n - lo
+    t = timings.verify_time(lo, cached)
+    return t if w == 0.0 else t + w * (timings.verify_time(lo + 1, cached) - t)

@@ -1,0 +1,173 @@
+"""What a drafter proposes (:class:`Draft`), what a drafter is (:class:`Drafter`), and what the
+loop needs from a model context (:class:`Evaluator`, :class:`TargetEvaluator`) and from the
+target's vocabulary (:class:`Vocabulary`).
+
+A draft is deterministic (``dists is None``: lookups, or any greedy draft) or carries the
+draft distribution q of each token (sampled drafts from a model), as modified rejection
+sampling needs. It also carries what its drafter knows about it, so that auto mode can
+weigh it without asking the drafter afterwards: the length of a lookup's match, whether it
+resumes a copy, whether a model's draft stopped at an unsure token, and what its tokens
+cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from specgguf.speculative.sampling import Distribution, SamplerParams
+from specgguf.speculative.tree import depths
+
+
+@dataclasses.dataclass
+class Draft:
+    """Proposed token ids and what the drafter knows about them.
+
+    Args:
+        tokens: the proposed ids.
+        dists: for sampled model drafts, ``dists[i]`` is the distribution q ``tokens[i]``
+            was drawn from; None for deterministic drafts.
+        parents: for a token tree (:mod:`specgguf.speculative.tree`), the index of each
+            token's parent in ``tokens``, -1 for the last committed token (parents come
+            first); None for a chain.
+        probs: for a tree, the drafter's estimate per token that the target reaches and
+            keeps it (for a suffix tree, the product of the shares of earlier occurrences
+            along its branch), which the planner calibrates.
+        match: for a lookup, the length in tokens of the match it continues (0: none).
+        resumed: for n-gram lookup, whether the match resumes a copy broken by an edit.
+        stopped: for a model, whether drafting stopped at a token below ``p_min`` before
+            the length asked for.
+        token_seconds: for a model, its latest measurement of seconds per drafted token
+            (catch-up evaluation excluded; 0: none yet).
+    """
+
+    tokens: list[int]
+    dists: list[Distribution] | None = None
+    parents: list[int] | None = None
+    probs: list[float] | None = None
+    match: int = 0
+    resumed: bool = False
+    stopped: bool = False
+    token_seconds: float = 0.0
+
+    def head(self, k: int) -> Draft:
+        """The first ``k`` tokens of a chain, with their distributions, estimates and the
+        drafter's metadata."""
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens[:k],
+            dists=None if self.dists is None else self.dists[:k],
+            probs=None if self.probs is None else self.probs[:k],
+        )
+
+    @property
+    def depth(self) -> int:
+        """The longest branch in tokens (a chain's length): a verification that accepts
+        fewer tokens than this rejected one."""
+        if self.parents:
+            return max(depths(self.parents))
+        return len(self.tokens)
+
+
+class Evaluator(Protocol):
+    """What drafting and calibration need from a model context (see
+    ``backend.LlamaContext``): evaluate tokens at the next positions and read logits, roll
+    the KV cache back.
+
+    ``n_outputs_max``: the most rows of one evaluation that return logits (a verification
+    of K + 1 tokens needs K + 1). ``eval_seconds``: wall time spent evaluating, in seconds.
+    """
+
+    n_ctx: int
+    n_batch: int
+    n_vocab: int
+    n_outputs_max: int
+    eval_seconds: float
+
+    @property
+    def n_past(self) -> int: ...
+
+    def eval(
+        self, tokens: Sequence[int], *, logits: Literal["last", "all", "none"] = "last"
+    ) -> npt.NDArray[np.float32]: ...
+
+    def rollback(self, n_keep: int) -> None: ...
+
+
+class TargetEvaluator(Evaluator, Protocol):
+    """What the loop needs from the target's context: an :class:`Evaluator` that also
+    verifies token trees in one batch (``eval_tree``, ``keep_tree_path``; at most
+    ``tree_branches`` leaves, 0: none, chains only) and, in deterministic mode, decodes in
+    calls of at most ``rows_per_decode`` rows (None: any number; changed only through
+    ``set_rows_per_decode``, which validates it)."""
+
+    @property
+    def tree_branches(self) -> int: ...
+
+    @property
+    def rows_per_decode(self) -> int | None: ...
+
+    def set_rows_per_decode(self, rows: int | None) -> None: ...
+
+    def eval_tree(
+        self, root: int, tokens: Sequence[int], parents: Sequence[int]
+    ) -> npt.NDArray[np.float32]: ...
+
+    def keep_tree_path(self, path: Sequence[int]) -> None: ...
+
+
+class Vocabulary(Protocol):
+    """The target's vocabulary as the loop needs it (see ``backend.LlamaModel``)."""
+
+    n_vocab: int
+    eog_ids: frozenset[int]
+
+    def token_to_piece(self, token: int) -> bytes: ...
+
+
+class Drafter(Protocol):
+    """Proposes up to ``k`` tokens to follow ``history`` (prompt + committed output).
+
+    ``history`` only ever grows by appending between calls, until :meth:`reset`.
+    ``seconds`` is the wall time spent drafting, in seconds. ``p_min``: a drafter with
+    probabilities stops at a token it gives less than this (llama.cpp's
+    ``--spec-draft-p-min``); lookup drafters ignore it.
+
+    A new kind of drafter is one class implementing this protocol and one entry in the
+    engine's name -> factory map (:data:`specgguf.engine.drafter_map.DRAFTERS`), which also
+    gives auto mode its arm (:mod:`specgguf.speculative.arms`). A class that subclasses
+    this protocol inherits :meth:`reset` and :meth:`prefill`, which do nothing.
+    """
+
+    name: str
+    seconds: float
+
+    def reset(self) -> None:
+        """A new generation starts: the next history need not extend the previous one."""
+        return None
+
+    def prefill(self, history: Sequence[int]) -> None:
+        """Read the prompt ahead of generation, as the target does (a draft model fills its
+        KV cache); lookups need nothing."""
+        return None
+
+    def propose(
+        self,
+        history: Sequence[int],
+        k: int,
+        sampler: SamplerParams,
+        rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
+    ) -> Draft: ...
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that also proposes token trees (:mod:`specgguf.speculative.tree`)."""
+
+    def propose_tree(self, history: Sequence[int], max_nodes: int, max_leaves: int) -> Draft: ...

@@ -1,0 +1,162 @@
+"""A small draft model (a second GGUF) evaluated through the same backend layer,
+autoregressively, K tokens per step. Its KV cache follows the committed sequence: after a
+step only the tokens it does not already hold are evaluated."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from specgguf.speculative.draft import Draft, Drafter, Evaluator
+from specgguf.speculative.sampling import Distribution, SamplerParams, distribution, sample
+
+log = logging.getLogger("specgguf")
+
+
+class ModelDrafter(Drafter):
+    """Drafts with a small model whose vocabulary matches the target's.
+
+    The draft's KV cache holds the history from ``offset`` on. When the history (and the
+    draft) would not fit the draft's context, the cache starts again on the most recent
+    half of its context: the draft model then sees only the recent text, which costs
+    acceptance, never correctness (the target verifies every token). A warning says so
+    once.
+
+    Args:
+        ctx: the draft model's context (its own n_ctx, n_batch and threads).
+        n_vocab_target: ids at or beyond this are never proposed (a draft vocabulary may
+            be padded past the target's; those logits are cut off before choosing).
+    """
+
+    name = "model"
+
+    def __init__(self, ctx: Evaluator, n_vocab_target: int) -> None:
+        self.ctx = ctx
+        self.n_vocab = min(n_vocab_target, ctx.n_vocab)
+        self.offset = 0  # the history index of the first token in the draft's KV cache
+        self._held: list[int] = []  # the tokens in the draft's KV cache, in order
+        self._synced = 0  # a prefix of _held known to equal the history's prefix
+        self._warned = False
+        self.seconds = 0.0
+        # seconds per drafted token at the latest proposal that measured it
+        self._token_seconds = 0.0
+
+    def reset(self) -> None:
+        # The cache is kept: a new prompt that shares a prefix with it reuses that prefix.
+        self._synced = 0
+
+    def _fit(self, history: Sequence[int], k: int) -> None:
+        """Keep the cache's window on ``history`` such that its tokens and ``k`` more
+        positions fit the draft's context; when they do not, start the window again on
+        the most recent half of the context (the cache is emptied)."""
+        n_ctx = self.ctx.n_ctx
+        if len(history) - self.offset + k <= n_ctx:
+            return
+        keep = max(1, min(n_ctx // 2, n_ctx - k))
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "the draft model's context (%d tokens) is smaller than the text so far "
+                "(%d tokens): it drafts from the most recent %d tokens",
+                n_ctx, len(history) + k, keep,
+            )  # fmt: skip
+        self.offset = len(history) - keep
+        self.ctx.rollback(0)
+        self._held.clear()
+        self._synced = 0
+
+    def prefill(self, history: Sequence[int]) -> None:
+        """Evaluate the prompt (all but its last token) ahead of generation, as the target
+        does, so that drafting starts without a long catch-up."""
+        t0 = time.perf_counter()
+        if self.offset > len(history) - 1 or self._common_prefix(history) == 0:
+            self.offset = 0  # another text: the window starts at its beginning
+        self._fit(history, 1)
+        keep = min(self._common_prefix(history), len(history) - 1 - self.offset)
+        self.ctx.rollback(keep)
+        del self._held[keep:]
+        start = self.offset + keep
+        if len(history) - 1 > start:
+            self.ctx.eval(history[start:-1], logits="none")
+            self._held.extend(history[start:-1])
+        self._synced = len(history) - 1 - self.offset
+        self.seconds += time.perf_counter() - t0
+
+    def cached_tokens(self, history: Sequence[int]) -> int:
+        """How many leading tokens of ``history`` need no evaluation by the draft: those
+        before its window and those its cache holds (its accepted drafts included)."""
+        return self.offset + self._common_prefix(history)
+
+    def propose(
+        self,
+        history: Sequence[int],
+        k: int,
+        sampler: SamplerParams,
+        rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
+    ) -> Draft:
+        """Up to ``k`` draft tokens after ``history``; greedy drafting stops early at a
+        token whose probability under the draft is below ``p_min`` (0: never), and the
+        draft's ``stopped`` says whether it did. Its ``token_seconds`` is the latest
+        measured time per drafted token (a proposal of one token after a catch-up measures
+        none, and repeats the one before)."""
+        # A draft of k tokens evaluates k - 1 of them: never more than half the context.
+        k = min(k, max(1, self.ctx.n_ctx // 2))
+        if k <= 0 or not history:
+            return Draft([], token_seconds=self._token_seconds)
+        t0 = time.perf_counter()
+        self._fit(history, k - 1)
+        common = self._common_prefix(history)
+        # At least the last history token is evaluated, to get logits after it.
+        keep = min(common, len(history) - 1 - self.offset)
+        self.ctx.rollback(keep)
+        del self._held[keep:]
+        start = self.offset + keep
+        logits = self.ctx.eval(history[start:], logits="last")
+        self._held.extend(history[start:])
+        self._synced = len(history) - self.offset
+        t_first = time.perf_counter()
+        tokens: list[int] = []
+        dists: list[Distribution] | None = None if sampler.greedy else []
+        stopped = False
+        for i in range(k):
+            row = logits[-1, : self.n_vocab]
+            if dists is None:
+                tok = int(row.argmax())
+                if p_min > 0.0:
+                    top = 1.0 / float(np.exp(row - row[tok]).sum())
+                    if top < p_min:
+                        stopped = True
+                        break
+            else:
+                q = distribution(row, sampler)
+                tok = sample(q, rng)
+                dists.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self.ctx.eval([tok], logits="last")
+                self._held.append(tok)
+        t_end = time.perf_counter()
+        self.seconds += t_end - t0
+        # The first evaluation may catch up on many tokens; the others are one token each.
+        if len(tokens) > 1:
+            self._token_seconds = (t_end - t_first) / (len(tokens) - 1)
+        elif start >= len(history) - 2:
+            self._token_seconds = t_end - t0
+        return Draft(tokens, dists, stopped=stopped, token_seconds=self._token_seconds)
+
+    def _common_prefix(self, history: Sequence[int]) -> int:
+        """How many leading tokens of the cache equal the history's from ``offset`` on
+        (only the tail past the last sync can differ: the history is append-only). A cache
+        rolled back by someone else (a calibration) holds only its first ``n_past``."""
+        if len(self._held) > self.ctx.n_past:
+            del self._held[self.ctx.n_past :]
+        n = min(self._synced, len(self._held))
+        limit = min(len(self._held), len(history) - self.offset)
+        while n < limit and self._held[n] == history[self.offset + n]:
+            n += 1
+        return n

@@ -1,0 +1,139 @@
+"""Prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; llama.cpp's ngram-simple in
+common/ngram-map.cpp): find the longest recent n-gram of the text so far that occurred
+before, and propose what followed it. Costs no model evaluation, and pays when the output
+repeats its input (editing given code, extracting from given text)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specgguf.speculative.draft import Draft, Drafter
+from specgguf.speculative.sampling import SamplerParams
+
+#: The longest match a lookup drafter measures (``Draft.match``): its indexed n-gram
+#: extended backwards, token by token, as far as the two texts agree. A long verbatim
+#: match is the evidence of copying that long drafts need (llama.cpp's ngram-mod drafts
+#: only after 24 matching tokens: common/speculative.cpp, ``--spec-default``).
+LONG_MATCH = 32
+
+#: A copy (a match of this many tokens or more) that breaks is looked for again, for
+#: ``RESUME_SPAN`` tokens of text, within ``RESUME_WINDOW`` tokens of where its source
+#: would be had the text kept pace with it.
+RESUME_MATCH = 16
+RESUME_SPAN = 32
+RESUME_WINDOW = 8
+
+
+def match_length(text: Sequence[int], after: int, end: int, n: int, stop: int | None = None) -> int:
+    """How many tokens before ``end`` equal those before ``after`` in ``text`` (at least
+    ``n``, known to match; at most :data:`LONG_MATCH`; never past a ``stop`` token)."""
+    m = n
+    while m < LONG_MATCH and after - 1 - m >= 0:
+        t = text[after - 1 - m]
+        if t == stop or t != text[end - 1 - m]:
+            break
+        m += 1
+    return m
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafting over the prompt and the output so far.
+
+    For n from ``n_max`` down to ``n_min``: if the last n tokens occurred earlier, propose
+    the tokens that followed their most recent earlier occurrence. The index of n-grams is
+    updated incrementally (O(n_max - n_min + 1) per committed token).
+
+    An edit inside a copy (a renamed name) breaks a long match; the copy goes on a few
+    tokens later, but its short suffix usually occurs elsewhere too, later in the text
+    (``(items):`` after every ``def``), where the latest occurrence is the wrong one. So
+    after a match of ``RESUME_MATCH`` or more, for ``RESUME_SPAN`` tokens, an occurrence
+    within ``RESUME_WINDOW`` tokens of the copy's expected source position is taken unless
+    the latest occurrence matches longer, and the draft says ``resumed`` (the planner then
+    judges it as a copy).
+
+    Raises:
+        ValueError: not ``1 <= n_min <= n_max``.
+    """
+
+    name = "ngram"
+
+    def __init__(self, n_min: int = 2, n_max: int = 8) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.seconds = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        # _index[n][ngram] = position right after the latest indexed occurrence
+        self._index: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(self.n_min, self.n_max + 1)
+        }
+        self._indexed_to = 0  # n-grams ending before this position are indexed
+        # the latest long copy: the text length at its last long match, and the text
+        # length and source position of its latest (long or resumed) match
+        self._copy: tuple[int, int, int] | None = None
+
+    def _update(self, history: Sequence[int]) -> None:
+        # Index n-grams ending at positions up to len(history) - 1, so that the current
+        # suffix (ending at len(history)) finds only earlier occurrences.
+        end = len(history) - 1
+        for j in range(max(self._indexed_to, 1), end + 1):
+            for n, table in self._index.items():
+                if j >= n:
+                    table[tuple(history[j - n : j])] = j
+        self._indexed_to = max(self._indexed_to, end + 1)
+
+    def propose(
+        self,
+        history: Sequence[int],
+        k: int,
+        sampler: SamplerParams,
+        rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
+    ) -> Draft:
+        """The tokens that followed the most recent earlier occurrence of the longest
+        suffix n-gram (n_max down to n_min), at most ``k``, with the match's length
+        (``match``, 0: none) and whether it ``resumed`` a copy; ``p_min`` is ignored."""
+        self._update(history)
+        if k <= 0:
+            return Draft([])
+        size, match, resumed = len(history), 0, False
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            j = self._index[n].get(tuple(history[size - n :]))
+            if j is not None:
+                match = match_length(history, j, size, n)
+                break
+        else:
+            j = None
+        if match < RESUME_MATCH and self._copy is not None:
+            long_at, at, src = self._copy
+            if size - long_at > RESUME_SPAN:
+                self._copy = None
+            elif (r := self._resume(history, src + size - at)) is not None and (
+                r[1] >= match  # a longer match elsewhere wins
+            ):
+                j, match, resumed = r[0], r[1], True
+                self._copy = (long_at, size, j)  # realigned; the span still from the copy
+        if j is None:
+            return Draft([])
+        if match >= RESUME_MATCH:
+            self._copy = (size, size, j)
+        return Draft(list(history[j : min(j + k, size)]), match=match, resumed=resumed)
+
+    def _resume(self, history: Sequence[int], expected: int) -> tuple[int, int] | None:
+        """The source position and match length of the longest suffix n-gram (n_max down
+        to n_min) that occurs ending within ``RESUME_WINDOW`` of ``expected``, nearest
+        first; None if none does."""
+        size = len(history)
+        lo, hi = max(0, expected - RESUME_WINDOW), min(size - 1, expected + RESUME_WINDOW)
+        nearest = sorted(range(lo, hi + 1), key=lambda p: abs(p - expected))
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            gram = tuple(history[size - n :])
+            for j in nearest:
+                if j >= n and tuple(history[j - n : j]) == gram:
+                    return j, match_length(history, j, size, n)
+        return None

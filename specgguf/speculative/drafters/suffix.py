@@ -1,0 +1,214 @@
+"""Suffix matching over everything seen, with counts (SuffixDecoding, Oliaro et al. 2024,
+arXiv 2411.04975; llama.cpp's lookup caches, ``common/ngram-cache.cpp``): chains that follow
+the majority of earlier occurrences, and token trees of their continuations."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from specgguf.speculative.draft import Draft, Drafter
+from specgguf.speculative.drafters.ngram import LONG_MATCH, match_length
+from specgguf.speculative.sampling import SamplerParams
+
+
+class SuffixDrafter(Drafter):
+    """Suffix matching over everything seen, with counts: the prompt, the output so far,
+    and the earlier generations drafted for (a server's earlier responses, a benchmark's
+    earlier questions).
+
+    The longest suffix of the text (one of ``LENGTHS`` tokens) that occurred before selects
+    its earlier occurrences (the most recent ``max_occurrences`` of each n-gram; the draft's
+    ``match`` is the latest one's agreement with the text, up to :data:`LONG_MATCH`); the
+    draft then follows them token by token, taking at each step the continuation most of
+    the surviving occurrences share and keeping only those, and stops when no more than
+    ``min_share`` of them agree. The draft's ``probs`` are the running products of the
+    shares (an estimate of each token's acceptance).
+
+    Memory: the last ``capacity`` tokens seen and an index of ``len(LENGTHS)`` n-grams per
+    token, each with at most ``max_occurrences`` positions: at the default 32,768 tokens at
+    most about 22 MB (every n-gram distinct; 4 MB on source code), measured in
+    tests/test_suffix.py. Older generations are forgotten first.
+    """
+
+    name = "suffix"
+    LENGTHS = (1, 2, 4, 8)
+    SEPARATOR = -1  # between generations: no match runs across
+
+    def __init__(
+        self, *, capacity: int = 32768, max_occurrences: int = 16, min_share: float = 0.5
+    ) -> None:
+        self.capacity = capacity
+        self.max_occurrences = max_occurrences
+        self.min_share = min_share
+        self.seconds = 0.0
+        self._corpus: list[int] = []
+        # hash of an n-gram -> the corpus positions right after its latest occurrences (a
+        # hash collision only ever costs a worse draft, never a wrong output)
+        self._index: dict[int, list[int]] = {}
+        self._indexed = 0  # n-grams ending before this corpus position are indexed
+        self._start = 0  # where the current generation starts in the corpus
+        self._synced = 0  # history tokens appended to the corpus
+
+    def reset(self) -> None:
+        """A new generation: the text so far stays in the corpus, behind a separator."""
+        if len(self._corpus) > self._start:
+            self._corpus.append(self.SEPARATOR)
+        self._start = len(self._corpus)
+        self._synced = 0
+
+    def _sync(self, history: Sequence[int]) -> None:
+        if len(history) < self._synced or (
+            self._synced
+            and self._corpus[self._start + self._synced - 1] != history[self._synced - 1]
+        ):
+            # not an extension of what was seen: start a new generation
+            self.reset()
+        self._corpus.extend(history[self._synced :])
+        self._synced = len(history)
+        if len(self._corpus) > self.capacity:
+            self._forget(len(self._corpus) - self.capacity // 2)
+        # Index n-grams that end before the last token: the current suffix must find
+        # only earlier occurrences.
+        c, limit = self._corpus, len(self._corpus) - 1
+        for j in range(max(self._indexed, 1), limit + 1):
+            for n in self.LENGTHS:
+                if j < n:
+                    break
+                gram = tuple(c[j - n : j])
+                if self.SEPARATOR in gram:
+                    continue
+                occ = self._index.setdefault(hash(gram), [])
+                occ.append(j)
+                if len(occ) > self.max_occurrences:
+                    del occ[0]
+        self._indexed = max(self._indexed, limit + 1)
+
+    def _forget(self, drop: int) -> None:
+        """Drop the oldest ``drop`` corpus tokens and rebuild the index."""
+        drop = min(drop, self._start)  # the current generation is kept whole
+        if drop <= 0:
+            return
+        self._corpus = self._corpus[drop:]
+        self._start -= drop
+        self._index.clear()
+        self._indexed = 0
+
+    def _match(self, history: Sequence[int]) -> tuple[list[int], int]:
+        """Take in the history; the corpus positions right after the earlier occurrences
+        of its longest suffix of ``LENGTHS`` tokens, and that match's length (0: none)."""
+        self._sync(history)
+        c, end = self._corpus, len(self._corpus)
+        for n in reversed(self.LENGTHS):
+            if n <= len(history):
+                occ = self._index.get(hash(tuple(c[end - n : end])), [])
+                if occ:
+                    # the longest of the latest occurrence's agreement, within this text
+                    n_max = min(len(history), LONG_MATCH)
+                    return occ, min(n_max, match_length(c, occ[-1], end, n, self.SEPARATOR))
+        return [], 0
+
+    def propose(
+        self,
+        history: Sequence[int],
+        k: int,
+        sampler: SamplerParams,
+        rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
+    ) -> Draft:
+        """Up to ``k`` tokens following the longest earlier occurrence of the text's
+        suffix, by majority of its occurrences; ``p_min`` raises ``min_share``."""
+        t0 = time.perf_counter()
+        occ, match = self._match(history)
+        c, end = self._corpus, len(self._corpus)
+        tokens: list[int] = []
+        probs: list[float] = []
+        confidence = 1.0
+        share_min = max(self.min_share, p_min)
+        while occ and len(tokens) < k:
+            counts: dict[int, int] = {}
+            for pos in occ:
+                t = c[pos + len(tokens)] if pos + len(tokens) < end else self.SEPARATOR
+                if t != self.SEPARATOR:
+                    counts[t] = counts.get(t, 0) + 1
+            if not counts:
+                break
+            best = max(counts, key=lambda t: (counts[t], t))
+            share = counts[best] / len(occ)
+            if share <= share_min and tokens:
+                break
+            confidence *= share
+            tokens.append(best)
+            probs.append(confidence)
+            occ = [
+                pos
+                for pos in occ
+                if pos + len(tokens) - 1 < end and c[pos + len(tokens) - 1] == best
+            ]
+        self.seconds += time.perf_counter() - t0
+        return Draft(tokens, probs=probs, match=match)
+
+    def propose_tree(
+        self, history: Sequence[int], max_nodes: int, max_leaves: int, *, min_prob: float = 0.05
+    ) -> Draft:
+        """A token tree of the continuations of the longest earlier occurrences of the
+        text's suffix, branching where they split (SuffixDecoding, Oliaro et al. 2024,
+        section 4.2: the speculation tree grown greedily by estimated probability).
+
+        The occurrences a node keeps are those that continue with its branch; a child's
+        probability is its parent's times the share of the parent's occurrences that
+        continue with the child's token. Nodes are added best first (ties: the earlier
+        candidate), while their probability is at least ``min_prob``, up to ``max_nodes``
+        and ``max_leaves`` leaves; so ``probs`` never increases along the list and every
+        prefix of the tree is the best tree of its size by these estimates.
+
+        Returns:
+            a :class:`Draft` with ``parents``, ``probs`` and ``match`` (the matched suffix
+            length; empty when nothing matched).
+        """
+        t0 = time.perf_counter()
+        occ, match = self._match(history)
+        c, end = self._corpus, len(self._corpus)
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        has_child: list[bool] = []
+        n_leaves = 0
+        # candidates: (-probability, order, parent, depth, token, occurrences)
+        heap: list[tuple[float, int, int, int, int, list[int]]] = []
+        order = 0
+
+        def expand(parent: int, depth: int, prob: float, occs: list[int]) -> None:
+            nonlocal order
+            groups: dict[int, list[int]] = {}
+            for pos in occs:
+                t = c[pos + depth] if pos + depth < end else self.SEPARATOR
+                if t != self.SEPARATOR:
+                    groups.setdefault(t, []).append(pos)
+            for t, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), -kv[0])):
+                p = prob * len(g) / len(occs)
+                if p >= min_prob:
+                    heapq.heappush(heap, (-p, order, parent, depth + 1, t, g))
+                    order += 1
+
+        if occ and max_nodes > 0 and max_leaves > 0:
+            expand(-1, 0, 1.0, occ)
+        while heap and len(tokens) < max_nodes:
+            neg, _, parent, depth, t, g = heapq.heappop(heap)
+            opens_branch = bool(tokens) if parent < 0 else has_child[parent]
+            if opens_branch and n_leaves >= max_leaves:
+                continue  # a new leaf beside others: no room
+            n_leaves += opens_branch or not tokens
+            if parent >= 0:
+                has_child[parent] = True
+            tokens.append(t)
+            parents.append(parent)
+            probs.append(-neg)
+            has_child.append(False)
+            expand(len(tokens) - 1, depth, -neg, g)
+        self.seconds += time.perf_counter() - t0
+        return Draft(tokens, parents=parents, probs=probs, match=match)

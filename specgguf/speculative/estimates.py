@@ -1,0 +1,76 @@
+"""Acceptance estimates: per-token acceptance rates from exponentially decaying counts,
+blended with a prior, and their one-standard-error bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from specgguf.speculative.tuning import AUTO_TUNING
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """Per-token acceptance rate of one drafter, from exponentially decaying counts: a
+    verification adds its accepted drafts as successes and its first rejection as a
+    failure. The counts are blended with a prior worth ``weight`` trials; the prior can be
+    passed at each reading (auto mode passes one scaled by the target's recent confidence,
+    which tracks acceptance closely), and :meth:`tick` fades old observations at every
+    step, used or not, so that the estimate follows the text. The defaults are
+    :data:`~specgguf.speculative.tuning.AUTO_TUNING`'s."""
+
+    prior: float = AUTO_TUNING.confidence_start
+    weight: float = AUTO_TUNING.prior_trials
+    decay: float = AUTO_TUNING.decay
+    fade: float = AUTO_TUNING.fade
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def rate_with(self, prior: float | None = None, weight: float | None = None) -> float:
+        """The counts blended with ``prior`` (default: :attr:`prior`) worth ``weight``
+        trials (default: :attr:`weight`)."""
+        p = self.prior if prior is None else prior
+        w = self.weight if weight is None else weight
+        return (self.successes + p * w) / (self.trials + w)
+
+    @property
+    def rate(self) -> float:
+        return self.rate_with(None)
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        """A verification: ``accepted`` draft tokens kept, then a rejection or not (the end
+        of the draft). Older counts fade by ``decay`` first; nothing drafted teaches
+        nothing."""
+        if accepted <= 0 and not rejected:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + rejected
+
+    def tick(self) -> None:
+        """A step passed: fade the counts by ``fade``."""
+        self.successes *= self.fade
+        self.trials *= self.fade
+
+    def decay_once(self) -> None:
+        """Fade the counts as :meth:`observe` does before a verification's counts, for
+        one observed in parts with :meth:`add`."""
+        self.successes *= self.decay
+        self.trials *= self.decay
+
+    def add(self, accepted: int, rejected: bool) -> None:
+        """Part of a verification: ``accepted`` more draft tokens accepted, then a
+        rejection or not."""
+        self.successes += accepted
+        self.trials += accepted + rejected
+
+
+def upper(a: float, trials: float, prior_trials: float = AUTO_TUNING.prior_trials) -> float:
+    """A rate plus one standard error (the prior counted as ``prior_trials`` trials)."""
+    return min(1.0, a + math.sqrt(a * (1.0 - a) / (trials + prior_trials)))
+
+
+def lower(
+    a: float, trials: float, z: float = 1.0, prior_trials: float = AUTO_TUNING.prior_trials
+) -> float:
+    """A rate less ``z`` standard errors (the prior counted as ``prior_trials`` trials)."""
+    return max(0.0, a - z * math.sqrt(a * (1.0 - a) / (trials + prior_trials)))

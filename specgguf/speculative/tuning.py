@@ -1,0 +1,204 @@
+"""Every tuning number of auto mode, in one frozen object.
+
+Each field says what it trades, where its value came from, and the values it has had (the
+git history of ``specgguf/costmodel.py``, later ``specgguf/spec/planner.py``, 2026-11-30 to
+2026-12-02). "EPYC" and "Xeon" are the 2-core VMs of ``../shared/machines`` (their
+verification batch costs differ: on the EPYC a batch costs nearly its rows one by one, on
+the Xeon 5 rows cost 1.8 lone rows). Where no measurement is recorded, the field says so
+and gives the reason the value was chosen. None of these values came from a sweep: each
+measurement compared one change with the code before it, on one machine, within that
+machine's noise of about 10%. ``docs/auto-mode.md`` describes how auto mode uses them.
+
+A planner takes one :class:`AutoTuning` (``AutoPlanner(tuning=...)``); tests and
+experiments pass another with :func:`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specgguf.speculative.drafters.ngram import LONG_MATCH
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoTuning:
+    """Auto mode's tuning (see the module).
+
+    Units: rates are per-token probabilities, lengths are tokens, weights are the share a
+    new observation moves an average by, margins are ratios of expected tokens/s.
+    """
+
+    # -- choosing an arm ------------------------------------------------------------------
+
+    #: Speculate only when expected to beat the target alone by this ratio: noisy estimates
+    #: against the risk of a loss. Was 1.05, 1.1, then 1.05 ("n-gram lookup on summaries
+    #: pays at small margins"; Xeon, `specgguf bench --draft 4,8 --rounds 2`).
+    margin: float = 1.05
+    #: An arm in step (a draft model in use) is left only for one expected this much
+    #: faster: leaving costs a catch-up when it returns. No measurement recorded; only value.
+    switch_margin: float = 1.25
+
+    # -- the target's confidence (the prior of acceptance) ------------------------------
+
+    #: The target's top-1 probability assumed before any step: the prior of every
+    #: acceptance estimate scaled by it. No measurement recorded; only value.
+    confidence_start: float = 0.6
+    #: Its average is a running mean while 1/n is above this, then a moving average with
+    #: this weight ("a running mean over the first ten steps"). No measurement; only value.
+    confidence_weight: float = 0.1
+
+    # -- acceptance estimates ------------------------------------------------------------
+
+    #: A prior is worth this many trials: how fast evidence overrides it; also the prior's
+    #: trials in the one-standard-error bounds. No measurement recorded; only value.
+    prior_trials: float = 2.0
+    #: Older counts are multiplied by this at each verification: how fast an estimate
+    #: follows the text. No measurement recorded; only value.
+    decay: float = 0.9
+    #: ... and by this at every step, drafted or not, so that an arm left idle returns
+    #: towards its prior. No measurement recorded; only value.
+    fade: float = 0.97
+
+    # -- lookups: n-gram lookup and suffix matching -------------------------------------
+
+    #: Acceptance prior of a lookup, relative to the confidence, by match length (the
+    #: buckets: a match counts in the longest bucket it reaches). Measured a = 0.1-0.6 after
+    #: one token on six kinds of text, 0.7-0.98 after four (no command recorded); 0.7 for
+    #: two tokens is not explained. Buckets 16 and 32 came with copies; values never changed.
+    lookup_priors: tuple[tuple[int, float], ...] = (
+        (1, 0.3), (2, 0.7), (4, 1.0), (16, 1.0), (LONG_MATCH, 1.0),
+    )  # fmt: skip
+    #: A lookup prior is at most this: on code the confidence is 0.95-0.99 and 4-8 token
+    #: matches drafted 8-12 tokens for 1-2 accepted (EPYC: auto at 0.90x of the target
+    #: alone); with the cap, code generation 33.8 -> 35.1 tokens/s. Only value.
+    lookup_prior_max: float = 0.9
+    #: A match of this many tokens is a copy (code editing: 109 of 115 drafts accepted):
+    #: its own prior and first cap. Only value.
+    copy_match: int = 16
+    #: A copy's prior is at most this: with 0.9 and a cap of 12, code editing ran 128
+    #: steps without a draft (EPYC, 13 rows cost 8.3 lone rows). 0.97 itself not measured.
+    copy_prior_max: float = 0.97
+    #: A copy's first drafts are at most this long (the cap it starts from). 20, then 16
+    #: (auto mode's largest model draft); no measurement recorded for either.
+    copy_cap: int = 16
+    #: A verbatim match of ``LONG_MATCH`` tokens in the text itself, greedy, is a long
+    #: copy: this prior, not scaled by the confidence (a copy is accepted while the text is
+    #: copied). Only value; not measured on its own (code editing 1.59x of the target alone
+    #: with it, EPYC, `scripts/bench-llama-cpp --server --rounds 4`).
+    long_copy_prior: float = 0.98
+    #: A long copy's first drafts are at most this long: at 0.98 a 32-token draft pays best
+    #: (a row of a 49-row batch costs 20 ms against a 46 ms lone step, EPYC). Only value.
+    long_copy_cap: int = 32
+    #: The long-copy prior weighs the tokens it expects between breaks, 1 / (1 - 0.98), not
+    #: ``prior_trials``: with 2, one 32-token draft accepted whole read as 0.999 and the next
+    #: was 48 tokens, broken at 20 (code editing, EPYC, 6 rounds: 30.91 -> 32.95 tokens/s).
+    long_copy_weight: float = 1 / (1 - 0.98)
+    #: Below ``copy_match``, a lookup is judged at its acceptance less this many standard
+    #: errors (shadow drafts bring evidence free). Tried against 0 (no bound, no shadows):
+    #: 1.065x and 0.954x on code generation, 8 and 5 rounds, EPYC: within noise.
+    lookup_z: float = 1.0
+    #: A lookup proposal not drafted is checked against the target's tokens up to this many
+    #: (a shadow draft): evidence against bookkeeping. No measurement recorded; only value.
+    shadow_len: int = 4
+    #: A lookup draft is at most ``cap_slope`` x its bucket's mean accepted length +
+    #: ``cap_base``: drafts grow while accepted whole, shrink when broken early. The base was
+    #: 2, then 4 ("wider cap"); the slope always 2. No measurement recorded for either.
+    cap_slope: float = 2.0
+    cap_base: int = 4
+    #: An n-gram bucket's mean accepted length before any draft (a first cap of 12). No
+    #: measurement recorded; only value.
+    ngram_first_length: float = 4.0
+    #: A suffix-matching bucket's (a first cap of 6): matches in other generations are
+    #: weaker evidence; at 4, code generation's 4 suffix steps drafted 35 tokens for 8
+    #: accepted where 5 rows cost 3 lone rows. Was 4.0, then 1.0.
+    suffix_first_length: float = 1.0
+    #: The weight of a new accepted length in a bucket's mean. No measurement; only value.
+    length_weight: float = 0.5
+
+    # -- the draft model ---------------------------------------------------------------
+
+    #: Acceptance of a draft token that passed ``p_stop`` before any verification. Before
+    #: it, the confidence was the prior; measured nearby: the target agreed with 98-100% of
+    #: such tokens on code and JSON, 84-89% on prose. Only value.
+    model_prior: float = 0.95
+    #: The draft model stops at a token it gives less than this probability (llama.cpp's
+    #: --spec-draft-p-min): the target agreed with 35-50% of the tokens below 0.5 on prose
+    #: (Qwen pair, greedy, 128 tokens per kind of text). No other threshold compared.
+    p_stop: float = 0.5
+    #: Steps of a generation in which the draft model is judged at its estimates plus one
+    #: standard error: one early rejection must not rule out a model that gains about 20%
+    #: at best (test timings of the Qwen pair). Only value.
+    explore_steps: int = 4
+    #: The longest draft of those optimistic steps and of a probe: a wrong guess stays
+    #: cheap. No measurement recorded; only value.
+    explore_k: int = 4
+    #: A draft model at most this many tokens behind the text counts as in step (no long
+    #: catch-up to try it). No measurement recorded; only value.
+    near_sync: int = 8
+    #: An idle draft model whose estimate comes within this share of the margin is
+    #: measured with a short draft (a probe): the confidence proxy underestimates agreement
+    #: on code (0.93 against 0.98 measured). Only value.
+    probe_share: float = 0.85
+    #: ... only while its acceptance counts hold less than this many trials (nothing
+    #: recent was measured), ...
+    probe_trials: float = 1.0
+    #: ... and at most once in this many steps. No measurement recorded; only value.
+    probe_every: int = 16
+    #: A catch-up of a draft model that was idle is paid back over its mean run of steps,
+    #: at most this many. First a fixed horizon of 8, then this cap; not measured.
+    catch_up_horizon: int = 8
+    #: The mean run of draft-model steps before any run ended: 1 charges a first catch-up
+    #: whole. A reason, not a measurement.
+    streak_start: float = 1.0
+    #: The weight of a finished run in that mean. No measurement recorded; only value.
+    streak_weight: float = 0.5
+
+    # -- timings learnt online -----------------------------------------------------------
+
+    #: The weight of a measured step in the learnt correction of the calibrated costs
+    #: (draft and target). Was 0.1, then 0.05; no measurement recorded.
+    timing_weight: float = 0.05
+    #: A measured step moves the correction by at most this ratio of the calibration, so
+    #: that one wild measurement cannot run away. Was (0.5, 3.0); no measurement recorded.
+    timing_clamp: tuple[float, float] = (0.8, 1.5)
+
+    # -- draft lengths -----------------------------------------------------------------
+
+    #: The longest draft of the draft model: its tokens cost a forward pass each and its
+    #: acceptance falls along a draft. Only value (16); no measurement recorded.
+    draft_max_model: int = 16
+    #: The longest lookup draft: a row of a 65-row batch costs 0.7 of a row of a 17-row
+    #: one (EPYC, `llama-bench -p 17,65`). Was 48, then 16 (code editing 29-33 tokens/s at
+    #: 16 against 25-29 at 48, machine not named), then 64 with long copies.
+    draft_max_lookup: int = 64
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The match lengths of ``lookup_priors``, shortest first."""
+        return tuple(b for b, _ in self.lookup_priors)
+
+    def bucket(self, match: int) -> int:
+        """The longest bucket a match of ``match`` tokens reaches (at least the first)."""
+        return max(b for b in self.buckets if b <= max(self.buckets[0], match))
+
+    def lookup_prior(self, bucket: int) -> float:
+        """The prior of ``bucket`` relative to the confidence."""
+        return dict(self.lookup_priors)[bucket]
+
+    def first_length(self, bucket: int, length: float, *, long_copies: bool) -> float:
+        """A bucket's mean accepted length before any draft: ``length``, or for copies the
+        one whose cap is ``copy_cap`` (``long_copy_cap`` for long ones, where
+        ``long_copies``)."""
+        if bucket >= LONG_MATCH and long_copies:
+            return (self.long_copy_cap - self.cap_base) / self.cap_slope
+        if bucket >= self.copy_match:
+            return (self.copy_cap - self.cap_base) / self.cap_slope
+        return length
+
+    def cap(self, mean_length: float) -> int:
+        """The longest draft of a bucket whose mean accepted length is ``mean_length``."""
+        return int(self.cap_slope * mean_length) + self.cap_base
+
+
+#: The tuning auto mode uses unless given another.
+AUTO_TUNING = AutoTuning()
