@@ -421,10 +421,10 @@ def engine_config(
         try:
             check_drafter(drafter)
         except UsageError:
-            from specgguf.engine.drafter_map import DRAFTER_KINDS
+            from specgguf.engine.drafter_map import drafter_kinds
 
             raise UsageError(
-                f"--drafter must be one of {', '.join(DRAFTER_KINDS)}, not {drafter!r}"
+                f"--drafter must be one of {', '.join(drafter_kinds())}, not {drafter!r}"
             ) from None
     if spec_type is not None:
         kind_of_type, note = spec_type_drafter(spec_type)

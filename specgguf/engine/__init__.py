@@ -1,18 +1,17 @@
 """The engine: one configuration (:mod:`.config`), checks before loading
-(:mod:`.preflight`), chat prompts (:mod:`.chat`), drafters by name (:mod:`.drafting`),
+(:mod:`.preflight`), chat prompts (:mod:`.chat`), drafters by name (:mod:`.drafter_map`),
 loading and starting generations (:mod:`.engine`), timing calibration
 (:mod:`.calibration`) and the benchmark (:mod:`.bench`). The command line and a server are
 faces over this package."""
 
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
-from specgguf.engine.drafter_map import DRAFTER_KINDS, DRAFTERS
+from specgguf.engine.drafter_map import DRAFTERS, drafter_kinds
 from specgguf.engine.engine import Engine, Prompt
 from specgguf.engine.preflight import Preflight, preflight
 
 __all__ = [
     "DRAFTERS",
-    "DRAFTER_KINDS",
     "ChatMessage",
     "Engine",
     "EngineConfig",
@@ -21,6 +20,7 @@ __all__ = [
     "PreparedPrompt",
     "Prompt",
     "SpeculativeConfig",
+    "drafter_kinds",
     "preflight",
     "render_prompt",
 ]

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from specgguf.engine.drafter_map import DRAFTER_KINDS
+from specgguf.engine.drafter_map import drafter_kinds
 from specgguf.errors import UsageError
 from specgguf.llama.rpc import DEFAULT_TIMEOUT, parse_endpoints
 from specgguf.speculative.tuning import AUTO_TUNING
@@ -230,8 +230,8 @@ class EngineConfig:
 
 def check_drafter(kind: str) -> None:
     """Raises UsageError unless ``kind`` names a drafter."""
-    if kind not in DRAFTER_KINDS:
-        raise UsageError(f"the drafter must be {', '.join(DRAFTER_KINDS)}, not {kind!r}")
+    if kind not in drafter_kinds():
+        raise UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {kind!r}")
 
 
 def check_p_min(p_min: float) -> None:

@@ -79,12 +79,14 @@ DRAFTERS: dict[str, ArmFactory] = {
     "model": _model,
 }
 
-#: What ``--drafter`` takes: auto mode, a drafter of :data:`DRAFTERS`, or none.
-DRAFTER_KINDS = ("auto", *DRAFTERS, "none")
+
+def drafter_kinds() -> tuple[str, ...]:
+    """What ``--drafter`` takes: auto mode, a drafter of :data:`DRAFTERS`, or none."""
+    return ("auto", *DRAFTERS, "none")
 
 
 def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
-    """The planner of one generation for drafter ``kind`` (see :data:`DRAFTER_KINDS`).
+    """The planner of one generation for drafter ``kind`` (see :func:`drafter_kinds`).
 
     Raises:
         UsageError: an unknown kind, or a drafter that cannot run here (the model drafter
@@ -98,7 +100,7 @@ def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
         return AutoPlanner(d.timings(s.deterministic), arms, draft_max=s.draft_max,
                            draft_min=s.draft_min, tuning=d.tuning)  # fmt: skip
     if kind not in DRAFTERS:
-        raise UsageError(f"the drafter must be {', '.join(DRAFTER_KINDS)}, not {kind!r}")
+        raise UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {kind!r}")
     arm = DRAFTERS[kind](d, s)
     if arm is None:
         raise UsageError(f"the {kind} drafter needs a draft model, and none was loaded")

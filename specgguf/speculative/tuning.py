@@ -55,8 +55,8 @@ class AutoTuning:
     #: Older counts are multiplied by this at each verification: how fast an estimate
     #: follows the text. No measurement recorded; only value.
     decay: float = 0.9
-    #: ... and by this at every step, drafted or not, so that an arm left idle returns
-    #: towards its prior. No measurement recorded; only value.
+    #: Counts are multiplied by this at every step, drafted or not, so that an arm left
+    #: idle returns towards its prior. No measurement recorded; only value.
     fade: float = 0.97
 
     # -- lookups: n-gram lookup and suffix matching -------------------------------------
@@ -73,13 +73,14 @@ class AutoTuning:
     #: alone); with the cap, code generation 33.8 -> 35.1 tokens/s. Only value.
     lookup_prior_max: float = 0.9
     #: A match of this many tokens is a copy (code editing: 109 of 115 drafts accepted):
-    #: its own prior and first cap. Only value.
+    #: its own prior and first cap. Only value; 16 itself not measured against others.
     copy_match: int = 16
     #: A copy's prior is at most this: with 0.9 and a cap of 12, code editing ran 128
-    #: steps without a draft (EPYC, 13 rows cost 8.3 lone rows). 0.97 itself not measured.
+    #: steps without a draft (EPYC, 13 rows cost 8.3 lone rows). Only value; 0.97 itself
+    #: not measured.
     copy_prior_max: float = 0.97
-    #: A copy's first drafts are at most this long (the cap it starts from). 20, then 16
-    #: (auto mode's largest model draft); no measurement recorded for either.
+    #: A copy's first drafts are at most this long (the cap it starts from). Was 20, then
+    #: 16 (auto mode's largest model draft); no measurement recorded for either.
     copy_cap: int = 16
     #: A verbatim match of ``LONG_MATCH`` tokens in the text itself, greedy, is a long
     #: copy: this prior, not scaled by the confidence (a copy is accepted while the text is
@@ -87,30 +88,34 @@ class AutoTuning:
     #: with it, EPYC, `scripts/bench-llama-cpp --server --rounds 4`).
     long_copy_prior: float = 0.98
     #: A long copy's first drafts are at most this long: at 0.98 a 32-token draft pays best
-    #: (a row of a 49-row batch costs 20 ms against a 46 ms lone step, EPYC). Only value.
+    #: by the cost model (a row of a 49-row batch costs 20 ms against a 46 ms lone step,
+    #: EPYC), a reason worked out, not a measurement of other caps. Only value.
     long_copy_cap: int = 32
     #: The long-copy prior weighs the tokens it expects between breaks, 1 / (1 - 0.98), not
     #: ``prior_trials``: with 2, one 32-token draft accepted whole read as 0.999 and the next
-    #: was 48 tokens, broken at 20 (code editing, EPYC, 6 rounds: 30.91 -> 32.95 tokens/s).
+    #: was 48 tokens, broken at 20. Was 2; 50 measured against it (code editing, EPYC, one
+    #: process, alternating, 6 rounds: median 30.91 -> 32.95 tokens/s).
     long_copy_weight: float = 1 / (1 - 0.98)
     #: Below ``copy_match``, a lookup is judged at its acceptance less this many standard
-    #: errors (shadow drafts bring evidence free). Tried against 0 (no bound, no shadows):
-    #: 1.065x and 0.954x on code generation, 8 and 5 rounds, EPYC: within noise.
+    #: errors (shadow drafts bring evidence free). Tried against 0 (no bound, no shadows),
+    #: measured on EPYC: 1.065x and 0.954x on code generation, 8 and 5 rounds: within noise.
     lookup_z: float = 1.0
     #: A lookup proposal not drafted is checked against the target's tokens up to this many
     #: (a shadow draft): evidence against bookkeeping. No measurement recorded; only value.
     shadow_len: int = 4
     #: A lookup draft is at most ``cap_slope`` x its bucket's mean accepted length +
-    #: ``cap_base``: drafts grow while accepted whole, shrink when broken early. The base was
-    #: 2, then 4 ("wider cap"); the slope always 2. No measurement recorded for either.
+    #: ``cap_base``: drafts grow while accepted whole, shrink when broken early. The slope
+    #: was always 2 (only value); no measurement recorded.
     cap_slope: float = 2.0
+    #: ... plus this, so that a bucket whose drafts broke early still drafts a few tokens.
+    #: Was 2, then 4 ("wider cap"); no measurement recorded.
     cap_base: int = 4
     #: An n-gram bucket's mean accepted length before any draft (a first cap of 12). No
     #: measurement recorded; only value.
     ngram_first_length: float = 4.0
     #: A suffix-matching bucket's (a first cap of 6): matches in other generations are
     #: weaker evidence; at 4, code generation's 4 suffix steps drafted 35 tokens for 8
-    #: accepted where 5 rows cost 3 lone rows. Was 4.0, then 1.0.
+    #: accepted (measured where 5 rows cost 3 lone rows). Was 4.0, then 1.0.
     suffix_first_length: float = 1.0
     #: The weight of a new accepted length in a bucket's mean. No measurement; only value.
     length_weight: float = 0.5
@@ -123,7 +128,8 @@ class AutoTuning:
     model_prior: float = 0.95
     #: The draft model stops at a token it gives less than this probability (llama.cpp's
     #: --spec-draft-p-min): the target agreed with 35-50% of the tokens below 0.5 on prose
-    #: (Qwen pair, greedy, 128 tokens per kind of text). No other threshold compared.
+    #: (Qwen pair, greedy, 128 tokens per kind of text). Only value; no other threshold
+    #: compared.
     p_stop: float = 0.5
     #: Steps of a generation in which the draft model is judged at its estimates plus one
     #: standard error: one early rejection must not rule out a model that gains about 20%
@@ -139,16 +145,17 @@ class AutoTuning:
     #: measured with a short draft (a probe): the confidence proxy underestimates agreement
     #: on code (0.93 against 0.98 measured). Only value.
     probe_share: float = 0.85
-    #: ... only while its acceptance counts hold less than this many trials (nothing
-    #: recent was measured), ...
+    #: A probe only while the model's acceptance counts hold fewer trials than this
+    #: (nothing recent was measured). No measurement recorded; only value.
     probe_trials: float = 1.0
-    #: ... and at most once in this many steps. No measurement recorded; only value.
+    #: A probe at most once in this many steps: a wrong guess costs a short batch that
+    #: often. No measurement recorded; only value.
     probe_every: int = 16
     #: A catch-up of a draft model that was idle is paid back over its mean run of steps,
     #: at most this many. First a fixed horizon of 8, then this cap; not measured.
     catch_up_horizon: int = 8
     #: The mean run of draft-model steps before any run ended: 1 charges a first catch-up
-    #: whole. A reason, not a measurement.
+    #: whole. A reason, not a measurement; only value.
     streak_start: float = 1.0
     #: The weight of a finished run in that mean. No measurement recorded; only value.
     streak_weight: float = 0.5
