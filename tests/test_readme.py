@@ -1,5 +1,5 @@
-"""The README's promises that can drift: the usage section equals `--help`, the worked
-RPC plan equals the planner's output."""
+"""The docs' promises that can drift: docs/cli.md equals `--help`, the worked RPC plan of
+docs/rpc.md equals the planner's output. (Links and command lines: tests/test_docs.py.)"""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from .helpers import ROOT
 
 def test_usage_section_matches_help() -> None:
     res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "update-readme-usage"), "--check"],
+        [sys.executable, str(ROOT / "scripts" / "update-docs-usage"), "--check"],
         capture_output=True, check=False,
     )  # fmt: skip
-    assert res.returncode == 0, "README usage differs from --help: run scripts/update-readme-usage"
+    assert res.returncode == 0, "docs/cli.md differs from --help: run scripts/update-docs-usage"
 
 
 def test_worked_rpc_plan_matches_the_planner() -> None:
-    """The README's 70B + 8B plan is what `specgguf plan` says on files of those models'
+    """docs/rpc.md's 70B + 8B plan is what `specgguf plan` says on files of those models'
     real tensor tables (scripts/plan-example writes them; no weights)."""
     res = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "plan-example"), "--check"],
