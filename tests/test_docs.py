@@ -23,10 +23,6 @@ from .helpers import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-#: Link targets that the code reorganisation of issue 30 is creating on another branch;
-#: they may be missing here. Remove an entry once its file exists.
-PENDING = {"specgguf/speculative/tuning.py"}
-
 #: Command lines that are not meant to parse (shell placeholders and the like), word for
 #: word. Each must still occur in the docs (see test_skipped_lines_still_exist).
 SKIP: tuple[str, ...] = ()
@@ -94,8 +90,7 @@ def link_problems(path: Path, text: str | None = None) -> list[str]:
         dest = (path.parent / file).resolve()
         rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
         if not dest.exists():
-            if rel not in PENDING:
-                problems.append(f"{target}: no file {rel}")
+            problems.append(f"{target}: no file {rel}")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
             problems.append(f"{target}: no heading #{anchor} in {rel}")
     return problems

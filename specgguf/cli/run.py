@@ -142,7 +142,8 @@ def run(
     with engine:
         ids = engine.prepared_ids(prepared)
         gen = engine.generate(ids, params)
-        # A forced drafter is compared with the target alone (auto mode never loses).
+        # A forced drafter is compared with the target alone; auto mode weighs the target
+        # alone at every step itself.
         forced = config.speculative.drafter not in ("auto", "none")
         alone = engine.target_alone_rate(measure=False) if forced else None
         live = not quiet and not json_out and live_allowed()

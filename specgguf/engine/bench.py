@@ -2,9 +2,10 @@
 built-in prompt set with categories or on Spec-Bench's questions, with speedups over the
 target alone measured in the same run.
 
-Configurations: ``target`` (no speculation), ``model-K<k>`` and ``ngram-K<k>`` for each
-draft length asked for, and ``auto`` (:class:`specgguf.speculative.planner.AutoPlanner`).
-Rounds go over categories and configurations in turn, so that machine noise hits all alike; the
+Configurations: ``target`` (no speculation), ``model-K<k>``, ``ngram-K<k>`` and
+``suffix-K<k>`` for each draft length asked for, and ``auto``
+(:class:`specgguf.speculative.planner.AutoPlanner`); with deterministic mode, each again as
+``det-<name>``. Rounds go over categories and configurations in turn, so that machine noise hits all alike; the
 numbers of a (category, configuration) cell pool its rounds (tokens over seconds), and an
 "overall" row per configuration pools every category, as Spec-Bench computes it (total
 tokens over total time, against the target alone's). Each ``auto`` row also carries what
