@@ -172,7 +172,10 @@ class AutoPlanner:
         Raises:
             KeyError: no such arm.
         """
-        return next(a for a in self.arms if a.name == name)
+        for arm in self.arms:
+            if arm.name == name:
+                return arm
+        raise KeyError(f"no {name!r} arm: {', '.join(a.name for a in self.arms) or 'none'}")
 
     def reset(self) -> None:
         """A new generation: every estimate at its prior, and the arms that can pay on the
