@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -156,20 +157,16 @@ def test_gpu_layers_take_llama_cpp_words_and_devd_none_keeps_the_draft_on_the_cp
     tiny_models: dict[str, Path],
 ) -> None:
     assert [o.gpu_layers(v) for v in ("all", "AUTO", "12", "-1", 7)] == [-1, -1, 12, -1, 7]
-    config = o.engine_config(
-        model=str(tiny_models["target"]), model_draft=str(tiny_models["draft-partial"]),
-        drafter=None, draft=None, ctx_size=512, n_gpu_layers_draft=-1, device_draft="none",
-    )  # fmt: skip
+    pair = o.ModelOptions(model=str(tiny_models["target"]),
+                          model_draft=str(tiny_models["draft-partial"]), ctx_size=512)  # fmt: skip
+    config = o.engine_config(replace(pair, n_gpu_layers_draft=-1, device_draft="none"))
     assert config.draft is not None
     assert config.draft.devices == () and config.draft.n_gpu_layers == 0
-    named = o.engine_config(
-        model=str(tiny_models["target"]), model_draft=str(tiny_models["draft-partial"]),
-        drafter=None, draft=None, ctx_size=512, device_draft="CUDA0,CUDA1",
-    )  # fmt: skip
+    named = o.engine_config(replace(pair, device_draft="CUDA0,CUDA1"))
     assert named.draft is not None and named.draft.devices == ("CUDA0", "CUDA1")
     with pytest.raises(errors.UsageError, match="-devd takes none or device names"):
-        o.engine_config(model=str(tiny_models["target"]), model_draft=None, drafter="ngram",
-                        draft=None, ctx_size=512, device_draft="none,CUDA0")  # fmt: skip
+        o.engine_config(replace(pair, model_draft=None, device_draft="none,CUDA0"),
+                        o.DraftOptions(drafter="ngram"))  # fmt: skip
 
 
 def test_an_unknown_device_is_refused_before_anything_loads(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -11,18 +12,28 @@ import typer
 
 from specgguf.cli import options as o
 from specgguf.cli.app import GroupedCommand, app, handled
+from specgguf.cli.flags import Options, takes
 from specgguf.cli.output import print_json, size, stderr_say, stdout_console
+
+#: bench's model options: those that matter to speed, some with bench's own help.
+_LOAD = (
+    Options(o.ModelOptions)
+    .without("ctx_size_draft", "batch_size", "device_draft", "no_check", "force")
+    .changed("model", help="Target model (default: the default pair).")
+    .changed("ctx_size", min=256, help=None)
+    .changed("threads", help=None)
+    .changed("no_repack", help=None)
+    .changed("deterministic", help="Also measure deterministic mode (det-target, "
+             "det-model-K, det-ngram-K, det-auto) side by side.")
+)  # fmt: skip
 
 
 @app.command(cls=GroupedCommand)
 @handled
+@takes(load=_LOAD, drafting=Options(o.DraftOptions).only("draft_tree"))
 def bench(
-    model: Annotated[
-        str | None, typer.Option("-m", "--model", help="Target model (default: the default pair).")
-    ] = None,
-    hf_repo: o.HfRepoOpt = None,
-    model_draft: o.ModelDraftOpt = None,
-    hf_repo_draft: o.HfRepoDraftOpt = None,
+    *,
+    load: o.ModelOptions,
     draft: Annotated[
         str,
         typer.Option(
@@ -32,8 +43,7 @@ def bench(
             rich_help_panel=o.SPEC,
         ),
     ] = "1,2,4,8",
-    no_draft: o.NoDraftOpt = False,
-    draft_search: o.DraftSearchOpt = None,
+    drafting: o.DraftOptions,
     prompts: Annotated[
         Path | None,
         typer.Option(
@@ -52,31 +62,12 @@ def bench(
     ] = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", min=1)] = 128,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Interleaved rounds.")] = 2,
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", min=256)] = 4096,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", min=1)] = None,
-    no_repack: Annotated[bool, typer.Option("-nr", "--no-repack")] = False,
-    draft_tree: o.DraftTreeOpt = None,
-    n_gpu_layers: o.NGpuLayersOpt = -1,
-    n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
-    rpc: o.RpcOpt = None,
-    tensor_split: o.TensorSplitOpt = None,
-    rpc_draft: o.RpcDraftOpt = None,
-    rpc_timeout: o.RpcTimeoutOpt = o.DEFAULT_TIMEOUT,
-    deterministic: Annotated[
-        bool,
-        typer.Option(
-            "--deterministic",
-            help="Also measure deterministic mode (det-target, det-model-K, det-ngram-K, "
-            "det-auto) side by side.",
-        ),
-    ] = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="All numbers as JSON on stdout.")
     ] = False,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Draw speedup against K (needs matplotlib).")
     ] = None,
-    registry: o.RegistryOpt = None,
 ) -> None:
     """Measure the target alone, each drafter at each draft length, and auto mode, on a
     prompt set with categories, interleaved in one process; speedups are relative to the
@@ -112,21 +103,15 @@ def bench(
     if per_category is not None:
         chosen = sample_per_category(chosen, per_category, seed)
     draft_max = max(AUTO_TUNING.draft_max_lookup, *ks)
-    config = o.engine_config(
-        model=model, model_draft=model_draft, drafter="auto", draft=draft_max,
-        ctx_size=ctx_size, threads=threads, no_repack=no_repack, registry=registry,
-        deterministic=deterministic, hf_repo=hf_repo, hf_repo_draft=hf_repo_draft,
-        n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, rpc=rpc,
-        rpc_draft=rpc_draft, tensor_split=tensor_split, rpc_timeout=rpc_timeout,
-        no_draft=no_draft, draft_search=draft_search or (), say=say, draft_tree=draft_tree,
-    )  # fmt: skip
+    drafting = dataclasses.replace(drafting, drafter="auto", draft=draft_max)
+    config = o.engine_config(load, drafting, say=say)
     configs = [("target", "none", 0)]
     if config.loads_draft:
         configs += [(f"model-K{k}", "model", k) for k in ks]
     configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
     configs += [(f"suffix-K{k}", "suffix", k) for k in ks]
     configs.append(("auto", "auto", draft_max))
-    if deterministic:
+    if load.deterministic:
         configs += [("det-" + name, kind, k) for name, kind, k in configs]
     with LoadProgress({}) as load_progress:
         engine = Engine(config, on_load_progress=load_progress)

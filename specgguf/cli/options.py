@@ -1,135 +1,60 @@
-"""Options shared by the commands that load models (``run``, ``bench``, ``serve``): one
-definition each, and :func:`engine_config`, which turns them into one
-:class:`~specgguf.engine.EngineConfig`."""
+"""The options of the commands that load models (``run``, ``serve``, ``bench``, ``plan``),
+declared once, by concern, and :func:`engine_config`, which turns them into one
+:class:`~specgguf.engine.EngineConfig`.
+
+One frozen dataclass per concern: :class:`ModelOptions` (which models load, and how),
+:class:`DraftOptions` (how to draft), :class:`SamplingOptions` and :class:`ServerOptions`.
+Each field is one option, declared once with :func:`~specgguf.cli.flags.option`: its
+default, its flag's names, help and bounds, and the configuration arguments it sets
+(``to="target.n_ctx"``). A command takes a concern with :func:`~specgguf.cli.flags.takes`
+(all its flags, or :class:`~specgguf.cli.flags.Options` narrowed or changed for that
+command) and receives one instance of it.
+
+These dataclasses live here, in the command line, not in the engine: a flag's names, help
+and help section, and the parsing of its text (``-ngl all``, ``-ts 3/1``, ``--rpc`` lists,
+``--spec-type``) with errors that name the flag, are the face's, and the library's errors
+name no flag. The defaults are the engine's: an option that sets a configuration argument
+takes that argument's default from the engine's own dataclass (``ModelConfig.n_ctx``,
+``SamplerParams.temperature``), as vLLM's ``EngineArgs`` takes its defaults from its config
+classes; so each default is written once, where a Python user of the engine sees it too,
+and the defaults that only the command line has (``--seed -1``, ``--port``) are written
+here.
+"""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from specgguf.cli.flags import Options, config_args, option
+from specgguf.engine.config import (
+    MAX_DEVICES,
+    MAX_TREE_BRANCHES,
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+)
 from specgguf.errors import UsageError
-from specgguf.llama.rpc import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
-
-ModelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-m",
-        "--model",
-        help="Target model: a .gguf file, an alias, or org/name:QUANT when cached.",
-    ),
-]
+from specgguf.speculative.sampling import SamplerParams
 
 #: The help section of the speculative options. Each option lists all its names on one
 #: line: specgguf's, llama.cpp's current ``--spec-*`` names (since 2026) and the former ones.
 SPEC = "Speculative decoding (llama.cpp's --spec-* names and the former ones)"
 
-RegistryOpt = Annotated[
-    Path | None,
-    typer.Option("--registry", help="An extra models.toml (adds to or overrides the registry)."),
-]
-HfRepoOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-hf", "-hfr", "--hf-repo", metavar="REPO[:QUANT]",
-        help="Target model on the Hugging Face hub, as llama.cpp names it: org/name-GGUF"
-        "[:QUANT] (quant case-insensitive, default Q4_K_M), downloaded on first use.",
-    ),
-]  # fmt: skip
-HfRepoDraftOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf", metavar="REPO[:QUANT]",
-        help="Draft model on the Hugging Face hub, as -hf.", rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-ModelDraftOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-md", "-d", "--model-draft", "--spec-draft-model",
-        help="Draft model: a .gguf file, an alias, or org/name:QUANT when cached. Default: "
-        "the best compatible one already on disk (see --no-draft).",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-DraftMaxOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--draft", "--draft-max", "--spec-draft-n-max", min=0,
-        help="Fixed draft length K per step (with --drafter auto: the largest K).",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-DraftMinOpt = Annotated[
-    int,
-    typer.Option(
-        "--draft-min", "--spec-draft-n-min", min=0,
-        help="Shortest draft verified: a step with room for fewer tokens, or whose drafter "
-        "proposes fewer, runs without drafts.",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-DraftTreeOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--draft-tree", min=0, max=16, metavar="N",
-        help="Verify up to N draft branches in one batch (token trees; greedy decoding "
-        "only: with sampling, chains). auto: a tree of the suffix drafter's continuations "
-        "where the measured batch costs say it pays (default 4); suffix: always trees "
-        "(default 0: chains). 0: chains only.",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-DraftPMinOpt = Annotated[
-    float,
-    typer.Option(
-        "--draft-p-min", "--spec-draft-p-min", min=0.0, max=1.0,
-        help="Stop drafting below this probability (auto mode: at least 0.5).",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-DraftOpt = DraftMaxOpt
-DrafterOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--drafter",
-        help="auto (per step, the fastest of the draft model, n-gram lookup and suffix "
-        "matching), model, ngram, suffix (matching over all text seen) or none (the target "
-        "alone). Default: auto, or with --draft K the draft model (given or found) else "
-        "n-gram lookup, at that fixed K.",
-        rich_help_panel=SPEC,
-    ),
-]
-SpecTypeOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--spec-type", metavar="TYPE[,TYPE]",
-        help="llama.cpp's name for --drafter: draft-simple = model; ngram-simple, "
-        "ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache = ngram (specgguf's own "
-        "n-gram lookup); both kinds = auto; none.",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-CtxSizeOpt = Annotated[
-    int, typer.Option("-c", "--ctx-size", min=0, help="Context size (0: the model's).")
-]
-CtxSizeDraftOpt = Annotated[
-    int | None,
-    typer.Option(
-        "-cd", "--ctx-size-draft", "--spec-draft-ctx-size", min=0,
-        help="Draft context size (default: -c).", rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-BatchSizeOpt = Annotated[int, typer.Option("-b", "--batch-size", min=1, help="Prompt batch size.")]
-ThreadsOpt = Annotated[int | None, typer.Option("-t", "--threads", min=1, help="CPU threads.")]
-
 
 def gpu_layers(value: str | int) -> int:
     """A number of layers to offload, or llama.cpp's words: all and auto (both -1 here:
-    every layer the build can offload; specgguf checks the memory before loading)."""
+    every layer the build can offload; specgguf checks the memory before loading).
+
+    Raises:
+        typer.BadParameter: anything else (a usage error, exit 2).
+    """
     if isinstance(value, int):
         return value
     text = value.strip().lower()
@@ -141,116 +66,12 @@ def gpu_layers(value: str | int) -> int:
         raise typer.BadParameter(f"{value!r} is not a number of layers, all or auto") from None
 
 
-NGpuLayersOpt = Annotated[
-    int,
-    typer.Option(
-        "-ngl", "--n-gpu-layers", "--gpu-layers", parser=gpu_layers, metavar="N|all|auto",
-        help="Target layers on the GPU or RPC servers (-1, all, auto: all).",
-    ),
-]  # fmt: skip
-NGpuLayersDraftOpt = Annotated[
-    int,
-    typer.Option(
-        "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft", "--spec-draft-ngl",
-        parser=gpu_layers, metavar="N|all|auto",
-        help="Draft layers on the GPU or RPC servers (-1, all, auto: all).",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-DeviceDraftOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-devd", "--device-draft", "--spec-draft-device", metavar="none|DEV[,DEV]",
-        help="Devices for the draft model, by ggml name (see `specgguf doctor`); none: the "
-        "CPU.",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-NoDraftOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-draft",
-        help="No draft model: none is looked for on disk (auto mode still drafts with "
-        "n-gram lookup and suffix matching).",
-        rich_help_panel=SPEC,
-    ),
-]
-NoRepackOpt = Annotated[bool, typer.Option("-nr", "--no-repack", help="Disable weight repacking.")]
-DraftSearchOpt = Annotated[
-    list[Path] | None,
-    typer.Option(
-        "--draft-search", metavar="DIR",
-        help="Also look for a draft model under DIR (repeatable); the Hugging Face cache is "
-        "always searched.",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-NoCheckOpt = Annotated[
-    bool, typer.Option("--no-check", help="Skip the vocabulary check (with a warning).")
-]
-DeterministicOpt = Annotated[
-    bool,
-    typer.Option(
-        "--deterministic",
-        help="Output independent of the drafter, K and timings (greedy; sampling with "
-        "--seed): fixed verification batch shapes and a q8_0 K cache, measured at start.",
-    ),
-]
-ForceOpt = Annotated[
-    bool, typer.Option("--force", help="Load even when the models seem not to fit.")
-]
-RpcOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--rpc", metavar="HOST:PORT[,...]",
-        help="RPC servers (specgguf rpc-server) that take the target's layers, as "
-        "llama.cpp's --rpc; -ngl counts the layers on them (and on local GPUs), the rest "
-        "stay on this machine.",
-    ),
-]  # fmt: skip
-RpcDraftOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--rpc-draft", metavar="HOST:PORT[,...]",
-        help="RPC servers for the draft's layers (default: none, the draft stays local).",
-        rich_help_panel=SPEC,
-    ),
-]  # fmt: skip
-TensorSplitOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-ts", "--tensor-split", metavar="N0,N1,...",
-        help="Proportions of the target's offloaded layers per device: the --rpc servers "
-        "in order, then local GPUs (default: by free memory), as llama.cpp's -ts.",
-    ),
-]  # fmt: skip
-RpcTimeoutOpt = Annotated[
-    float,
-    typer.Option(
-        "--rpc-timeout", min=0.1, metavar="SECONDS",
-        help="Seconds an RPC server has to answer before loading, and its machine at the "
-        "network level while generating.",
-    ),
-]  # fmt: skip
-
-QuietOpt = Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")]
-
-# Sampling settings (``serve``: the defaults of requests that do not set them).
-TempOpt = Annotated[float, typer.Option("--temp", min=0.0, help="Temperature (0: greedy).")]
-TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Top-k (0: off).")]
-TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Top-p (1: off).")]
-MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p (0: off).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="RNG seed (-1: random).")]
-
-
 def parse_tensor_split(text: str | None) -> tuple[float, ...]:
     """llama.cpp's ``-ts`` value: proportions separated by ``,`` or ``/``.
 
     Raises:
         UsageError: something that is not a number of 0 or more, or more than 16 of them.
     """
-    from specgguf.engine.config import MAX_DEVICES
-
     if not text:
         return ()
     try:
@@ -278,6 +99,249 @@ def _servers(flag: str, text: str | None) -> tuple[str, ...]:
         return tuple(str(ep) for ep in parse_endpoints(text))
     except UsageError as e:
         raise UsageError(f"{flag}: {e}") from None
+
+
+def _devices(device_draft: str | None) -> tuple[str, ...] | None:
+    """``-devd`` as llama.cpp reads it: None (not given), () for "none" (the CPU), or the
+    device names.
+
+    Raises:
+        UsageError: an empty list, or "none" among names.
+    """
+    if device_draft is None:
+        return None
+    names = tuple(n.strip() for n in device_draft.split(",") if n.strip())
+    if names == ("none",):
+        return ()
+    if not names or "none" in names:
+        raise UsageError(f"-devd takes none or device names (see `specgguf doctor`), not "
+                         f"{device_draft!r}")  # fmt: skip
+    return names
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which models load, and how: the target's and the draft's options, where their
+    layers go, and the checks before loading. Each field with ``to`` reaches the
+    :class:`~specgguf.engine.ModelConfig` of the target, the draft or both, or the
+    :class:`~specgguf.engine.EngineConfig` (:func:`engine_config`).
+
+    A new loader option is one field here, its ``to`` naming the ``ModelConfig``
+    argument(s) (``"target.X"``, ``"draft.X"``): ``run``, ``serve`` and ``bench`` show it,
+    and every command's configuration gets it (``plan`` shows the fields it lists).
+    """
+
+    model: str | None = option(
+        None, "-m", "--model",
+        help="Target model: a .gguf file, an alias, or org/name:QUANT when cached.",
+    )  # fmt: skip
+    model_draft: str | None = option(
+        None, "-md", "-d", "--model-draft", "--spec-draft-model", panel=SPEC,
+        help="Draft model: a .gguf file, an alias, or org/name:QUANT when cached. Default: "
+        "the best compatible one already on disk (see --no-draft).",
+    )  # fmt: skip
+    hf_repo: str | None = option(
+        None, "-hf", "-hfr", "--hf-repo", metavar="REPO[:QUANT]",
+        help="Target model on the Hugging Face hub, as llama.cpp names it: org/name-GGUF"
+        "[:QUANT] (quant case-insensitive, default Q4_K_M), downloaded on first use.",
+    )  # fmt: skip
+    hf_repo_draft: str | None = option(
+        None, "-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf", metavar="REPO[:QUANT]",
+        help="Draft model on the Hugging Face hub, as -hf.", panel=SPEC,
+    )  # fmt: skip
+    no_draft: bool = option(
+        False, "--no-draft", panel=SPEC,
+        help="No draft model: none is looked for on disk (auto mode still drafts with "
+        "n-gram lookup and suffix matching).",
+    )  # fmt: skip
+    draft_search: list[Path] | None = option(
+        None, "--draft-search", metavar="DIR", panel=SPEC,
+        help="Also look for a draft model under DIR (repeatable); the Hugging Face cache is "
+        "always searched.",
+    )  # fmt: skip
+    ctx_size: int = option(
+        ModelConfig.n_ctx, "-c", "--ctx-size", min=0, help="Context size (0: the model's).",
+        to="target.n_ctx",
+    )  # fmt: skip
+    ctx_size_draft: int | None = option(
+        None, "-cd", "--ctx-size-draft", "--spec-draft-ctx-size", min=0, panel=SPEC,
+        help="Draft context size (default: -c).",
+        to="draft.n_ctx", convert=lambda n: n or 0,  # 0: the target's n_ctx
+    )  # fmt: skip
+    batch_size: int = option(
+        ModelConfig.n_batch, "-b", "--batch-size", min=1, help="Prompt batch size.",
+        to=("target.n_batch", "draft.n_batch"),
+    )  # fmt: skip
+    threads: int | None = option(
+        None, "-t", "--threads", min=1, help="CPU threads.",
+        to=("target.n_threads", "draft.n_threads"),
+    )  # fmt: skip
+    n_gpu_layers: int = option(
+        ModelConfig.n_gpu_layers, "-ngl", "--n-gpu-layers", "--gpu-layers", parser=gpu_layers,
+        metavar="N|all|auto", help="Target layers on the GPU or RPC servers (-1, all, auto: all).",
+        to="target.n_gpu_layers",
+    )  # fmt: skip
+    n_gpu_layers_draft: int = option(
+        ModelConfig.n_gpu_layers, "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft",
+        "--spec-draft-ngl", parser=gpu_layers, metavar="N|all|auto", panel=SPEC,
+        help="Draft layers on the GPU or RPC servers (-1, all, auto: all).",
+        to="draft.n_gpu_layers",
+    )  # fmt: skip
+    device_draft: str | None = option(
+        None, "-devd", "--device-draft", "--spec-draft-device", metavar="none|DEV[,DEV]",
+        panel=SPEC,
+        help="Devices for the draft model, by ggml name (see `specgguf doctor`); none: the "
+        "CPU.",
+        to="draft.devices", convert=_devices,
+    )  # fmt: skip
+    no_repack: bool = option(
+        False, "-nr", "--no-repack", help="Disable weight repacking.",
+        to=("target.repack", "draft.repack"), convert=lambda no: False if no else None,
+    )  # fmt: skip
+    no_check: bool = option(
+        False, "--no-check", help="Skip the vocabulary check (with a warning).",
+        to="engine.check_vocab", convert=operator.not_,
+    )  # fmt: skip
+    force: bool = option(
+        False, "--force", help="Load even when the models seem not to fit.",
+        to="engine.check_memory", convert=operator.not_,
+    )  # fmt: skip
+    deterministic: bool = option(
+        EngineConfig.deterministic, "--deterministic",
+        help="Output independent of the drafter, K and timings (greedy; sampling with "
+        "--seed): fixed verification batch shapes and a q8_0 K cache, measured at start.",
+        to="engine.deterministic",
+    )  # fmt: skip
+    rpc: str | None = option(
+        None, "--rpc", metavar="HOST:PORT[,...]",
+        help="RPC servers (specgguf rpc-server) that take the target's layers, as "
+        "llama.cpp's --rpc; -ngl counts the layers on them (and on local GPUs), the rest "
+        "stay on this machine.",
+        to="target.rpc", convert=functools.partial(_servers, "--rpc"),
+    )  # fmt: skip
+    tensor_split: str | None = option(
+        None, "-ts", "--tensor-split", metavar="N0,N1,...",
+        help="Proportions of the target's offloaded layers per device: the --rpc servers "
+        "in order, then local GPUs (default: by free memory), as llama.cpp's -ts.",
+        to="target.tensor_split", convert=parse_tensor_split,
+    )  # fmt: skip
+    rpc_draft: str | None = option(
+        None, "--rpc-draft", metavar="HOST:PORT[,...]", panel=SPEC,
+        help="RPC servers for the draft's layers (default: none, the draft stays local).",
+        to="draft.rpc", convert=functools.partial(_servers, "--rpc-draft"),
+    )  # fmt: skip
+    rpc_timeout: float = option(
+        EngineConfig.rpc_timeout, "--rpc-timeout", min=0.1, metavar="SECONDS",
+        help="Seconds an RPC server has to answer before loading, and its machine at the "
+        "network level while generating.",
+        to="engine.rpc_timeout",
+    )  # fmt: skip
+    registry: Path | None = option(
+        None, "--registry", help="An extra models.toml (adds to or overrides the registry)."
+    )
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """How to draft: the :class:`~specgguf.engine.SpeculativeConfig` (the drafter itself,
+    from ``drafter`` and ``spec_type``, is :func:`engine_config`'s)."""
+
+    draft: int | None = option(
+        None, "--draft", "--draft-max", "--spec-draft-n-max", min=0, panel=SPEC,
+        help="Fixed draft length K per step (with --drafter auto: the largest K).",
+        to="speculative.draft_max",
+    )  # fmt: skip
+    draft_min: int = option(
+        SpeculativeConfig.draft_min, "--draft-min", "--spec-draft-n-min", min=0, panel=SPEC,
+        help="Shortest draft verified: a step with room for fewer tokens, or whose drafter "
+        "proposes fewer, runs without drafts.",
+        to="speculative.draft_min",
+    )  # fmt: skip
+    draft_tree: int | None = option(
+        None, "--draft-tree", min=0, max=MAX_TREE_BRANCHES, metavar="N", panel=SPEC,
+        help="Verify up to N draft branches in one batch (token trees; greedy decoding "
+        "only: with sampling, chains). auto: a tree of the suffix drafter's continuations "
+        "where the measured batch costs say it pays (default 4); suffix: always trees "
+        "(default 0: chains). 0: chains only.",
+        to="speculative.draft_tree",
+    )  # fmt: skip
+    draft_p_min: float = option(
+        SpeculativeConfig.p_min, "--draft-p-min", "--spec-draft-p-min", min=0.0, max=1.0,
+        panel=SPEC, help="Stop drafting below this probability (auto mode: at least 0.5).",
+        to="speculative.p_min",
+    )  # fmt: skip
+    drafter: str | None = option(
+        None, "--drafter", panel=SPEC,
+        help="auto (per step, the fastest of the draft model, n-gram lookup and suffix "
+        "matching), model, ngram, suffix (matching over all text seen) or none (the target "
+        "alone). Default: auto, or with --draft K the draft model (given or found) else "
+        "n-gram lookup, at that fixed K.",
+    )  # fmt: skip
+    spec_type: str | None = option(
+        None, "--spec-type", metavar="TYPE[,TYPE]", panel=SPEC,
+        help="llama.cpp's name for --drafter: draft-simple = model; ngram-simple, "
+        "ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache = ngram (specgguf's own "
+        "n-gram lookup); both kinds = auto; none.",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The sampler (``serve``: the defaults of requests that do not set them), with
+    :class:`~specgguf.speculative.sampling.SamplerParams`'s defaults."""
+
+    temp: float = option(
+        SamplerParams.temperature, "--temp", min=0.0, help="Temperature (0: greedy).",
+        to="sampler.temperature",
+    )  # fmt: skip
+    top_k: int = option(SamplerParams.top_k, "--top-k", min=0, help="Top-k (0: off).",
+                        to="sampler.top_k")  # fmt: skip
+    top_p: float = option(SamplerParams.top_p, "--top-p", min=0.0, max=1.0,
+                          help="Top-p (1: off).", to="sampler.top_p")  # fmt: skip
+    min_p: float = option(SamplerParams.min_p, "--min-p", min=0.0, max=1.0,
+                          help="Min-p (0: off).", to="sampler.min_p")  # fmt: skip
+    seed: int = option(-1, "--seed", help="RNG seed (-1: random).", to="sampler.seed",
+                       convert=lambda s: s if s >= 0 else None)  # fmt: skip
+
+    def sampler(self) -> SamplerParams:
+        """The sampler settings (a negative seed: None, random)."""
+        return SamplerParams(**config_args(self, "sampler"))
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where ``serve`` listens, and what it lets in: ``server.*`` are the
+    :class:`~specgguf.server.ServerSettings` arguments."""
+
+    host: str = option("127.0.0.1", "--host", help="Address to listen on (loopback unless told).")
+    port: int = option(8080, "--port", min=0, max=65535,
+                       help="Port to listen on (0: any free one).")  # fmt: skip
+    api_key: str | None = option(
+        None, "--api-key", envvar="SPECGGUF_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every endpoint but /health.",
+        to="server.api_key", convert=lambda key: key or None,
+    )  # fmt: skip
+    # ServerSettings.max_queue's (a test keeps them equal): the server is not imported
+    # here, as its import (FastAPI) would slow every command by half a second.
+    max_queue: int = option(
+        16, "--max-queue", min=0,
+        help="Requests that may wait while one generates; more get 503.",
+        to="server.max_queue",
+    )  # fmt: skip
+
+
+QuietOpt = Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")]
+
+# The model options that `pull`, `list`, `info` and `check` take alone, as declared above
+# (for mypy, the values' types).
+if TYPE_CHECKING:
+    HfRepoOpt = str | None
+    HfRepoDraftOpt = str | None
+    RegistryOpt = Path | None
+else:
+    HfRepoOpt = Options(ModelOptions).annotation("hf_repo")
+    HfRepoDraftOpt = Options(ModelOptions).annotation("hf_repo_draft")
+    RegistryOpt = Options(ModelOptions).annotation("registry")
 
 
 def model_path(name: str, registry: Path | None = None) -> Path:
@@ -363,47 +427,23 @@ def spec_type_drafter(value: str) -> tuple[str, str | None]:
 
 
 def engine_config(
+    load: ModelOptions,
+    drafting: DraftOptions | None = None,
     *,
-    model: str | None,
-    model_draft: str | None,
-    drafter: str | None,
-    draft: int | None,
-    ctx_size: int,
-    ctx_size_draft: int | None = None,
-    batch_size: int = 2048,
-    threads: int | None = None,
-    n_gpu_layers: int = -1,
-    n_gpu_layers_draft: int = -1,
-    no_repack: bool = False,
-    draft_p_min: float = 0.0,
-    draft_min: int = 0,
-    draft_tree: int | None = None,
-    spec_type: str | None = None,
-    device_draft: str | None = None,
-    no_draft: bool = False,
-    draft_search: Sequence[Path] = (),
-    no_check: bool = False,
-    force: bool = False,
-    registry: Path | None = None,
-    deterministic: bool = False,
-    hf_repo: str | None = None,
-    hf_repo_draft: str | None = None,
-    rpc: str | None = None,
-    rpc_draft: str | None = None,
-    tensor_split: str | None = None,
-    rpc_timeout: float | None = None,
     say: Callable[[str], None] = lambda msg: None,
 ) -> EngineConfig:
-    """The engine configuration the flags ask for. ``hf_repo``/``hf_repo_draft`` name
-    models on the hub as llama.cpp does (``org/name:QUANT``), pulled on first use. Without
-    a target model, the registry's default pair (downloaded on first use). ``spec_type``
-    is llama.cpp's name for the drafter (:func:`spec_type_drafter`). The drafter defaults
-    to auto, or, with a fixed ``--draft K``, to the draft model when there is one, else
-    n-gram lookup. Without a draft model (and unless ``no_draft``), one is chosen among the
-    models on disk when the drafter can use it (:func:`specgguf.hub.draft_search.find_drafts`;
-    ``draft_search``: more folders), and ``say`` tells which and why. ``rpc``
-    (``HOST:PORT,...``) spreads the target over RPC servers with ``tensor_split``; the
-    draft stays local unless ``rpc_draft`` names servers for it.
+    """The engine configuration the options ask for (``drafting`` None: the defaults).
+    ``hf_repo``/``hf_repo_draft`` name models on the hub as llama.cpp does
+    (``org/name:QUANT``), pulled on first use. Without a target model, the registry's
+    default pair (downloaded on first use). ``spec_type`` is llama.cpp's name for the
+    drafter (:func:`spec_type_drafter`). The drafter defaults to auto, or, with a fixed
+    ``--draft K``, to the draft model when there is one, else n-gram lookup. Without a
+    draft model (and unless ``no_draft``), one is chosen among the models on disk when the
+    drafter can use it (:func:`specgguf.hub.draft_search.find_drafts`; ``draft_search``:
+    more folders), and ``say`` tells which and why. ``rpc`` (``HOST:PORT,...``) spreads the
+    target over RPC servers with ``tensor_split``; the draft stays local unless
+    ``rpc_draft`` names servers for it. Every other option reaches the configuration its
+    field's ``to`` names (:func:`~specgguf.cli.flags.config_args`).
 
     Raises:
         UsageError: flags that do not combine (``--drafter model`` without a draft model,
@@ -417,6 +457,8 @@ def engine_config(
 
     from specgguf.engine.config import check_drafter
 
+    drafting = drafting or DraftOptions()
+    drafter, model, model_draft = drafting.drafter, load.model, load.model_draft
     if drafter is not None:
         try:
             check_drafter(drafter)
@@ -426,34 +468,34 @@ def engine_config(
             raise UsageError(
                 f"--drafter must be one of {', '.join(drafter_kinds())}, not {drafter!r}"
             ) from None
-    if spec_type is not None:
-        kind_of_type, note = spec_type_drafter(spec_type)
+    if drafting.spec_type is not None:
+        kind_of_type, note = spec_type_drafter(drafting.spec_type)
         if drafter is not None and drafter != kind_of_type:
-            raise UsageError(f"--spec-type {spec_type} is --drafter {kind_of_type}, not "
-                             f"--drafter {drafter}: give one")  # fmt: skip
+            raise UsageError(f"--spec-type {drafting.spec_type} is --drafter {kind_of_type}, "
+                             f"not --drafter {drafter}: give one")  # fmt: skip
         drafter = kind_of_type
         if note:
             say(note)
-    devices = _devices(device_draft)
-    if no_draft and (model_draft is not None or hf_repo_draft is not None):
+    _devices(load.device_draft)  # checked before anything is downloaded
+    if load.no_draft and (model_draft is not None or load.hf_repo_draft is not None):
         raise UsageError("--no-draft and a draft model (-md/-hfd) exclude each other")
-    if no_draft and drafter == "model":
+    if load.no_draft and drafter == "model":
         raise UsageError("--drafter model needs a draft model, and --no-draft refuses one")
-    if hf_repo is not None:
+    if load.hf_repo is not None:
         if model is not None:
             raise UsageError("-m/--model and -hf/--hf-repo both name the target: give one")
-        model = str(_pull_hf(hf_repo, say))
-    if hf_repo_draft is not None:
+        model = str(_pull_hf(load.hf_repo, say))
+    if load.hf_repo_draft is not None:
         if model_draft is not None:
             raise UsageError("-md/--model-draft and -hfd/--hf-repo-draft both name the draft: "
                              "give one")  # fmt: skip
-        model_draft = str(_pull_hf(hf_repo_draft, say))
-    wants_model = drafter in (None, "model", "auto") and not no_draft
+        model_draft = str(_pull_hf(load.hf_repo_draft, say))
+    wants_model = drafter in (None, "model", "auto") and not load.no_draft
     if model is None:
         from specgguf.hub.download import default_pair
         from specgguf.hub.registry import load_registry
 
-        reg = load_registry(registry)
+        reg = load_registry(load.registry)
         if reg.default_pair is None:
             raise UsageError("no target model: give one with -m/--model")
         want_draft = model_draft is None and wants_model
@@ -461,61 +503,32 @@ def engine_config(
         model = str(pair.target)
         if pair.draft is not None:
             model_draft = str(pair.draft)
-    target_path = model_path(model, registry)
-    draft_path = model_path(model_draft, registry) if model_draft is not None else None
+    target_path = model_path(model, load.registry)
+    draft_path = model_path(model_draft, load.registry) if model_draft is not None else None
     searched = None
     if draft_path is None and wants_model:
-        searched = _find_draft(target_path, model, draft_search, registry, say)
+        searched = _find_draft(target_path, model, load.draft_search or (), load.registry, say)
         draft_path = searched
-    kind = drafter or ("auto" if draft is None else ("model" if draft_path else "ngram"))
+    kind = drafter or ("auto" if drafting.draft is None else ("model" if draft_path else "ngram"))
     if kind == "model" and draft_path is None:
         raise UsageError(
             "--drafter model needs a draft model (-md/--model-draft), and none on disk is "
             "compatible with the target (`specgguf list --drafts-for TARGET` says why)"
         )
-    repack = False if no_repack else None
-    split = parse_tensor_split(tensor_split)
-    servers = _servers("--rpc", rpc)
-    servers_draft = _servers("--rpc-draft", rpc_draft)
-    target = ModelConfig(target_path, n_ctx=ctx_size, n_batch=batch_size,
-                         n_gpu_layers=n_gpu_layers, n_threads=threads, repack=repack,
-                         rpc=servers, tensor_split=split)  # fmt: skip
+    target = ModelConfig(target_path, **config_args(load, "target"))
+    draft_args = config_args(load, "draft")
     draft_model = None
     if draft_path is not None and kind in ("model", "auto"):
-        draft_model = ModelConfig(
-            draft_path, n_ctx=ctx_size_draft or 0, n_batch=batch_size,
-            n_gpu_layers=0 if devices == () and not servers_draft else n_gpu_layers_draft,
-            n_threads=threads, repack=repack, devices=devices, rpc=servers_draft,
-        )  # fmt: skip
-    elif servers_draft:
+        if draft_args.get("devices") == () and not draft_args.get("rpc"):
+            draft_args["n_gpu_layers"] = 0  # -devd none: the CPU alone
+        draft_model = ModelConfig(draft_path, **draft_args)
+    elif draft_args.get("rpc"):
         raise UsageError("--rpc-draft places the draft model's layers, and no draft model is "
                          "loaded")  # fmt: skip
-    spec = SpeculativeConfig(drafter=kind, draft_max=-1 if draft is None else draft,
-                             p_min=draft_p_min, draft_min=draft_min,
-                             draft_tree=-1 if draft_tree is None else draft_tree)  # fmt: skip
-    if no_check and draft_model is not None and searched is None:
+    spec = SpeculativeConfig(drafter=kind, **config_args(drafting, "speculative"))
+    if load.no_check and draft_model is not None and searched is None:
         say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
-    return EngineConfig(target, draft_model, spec, check_vocab=not no_check,
-                        check_memory=not force, deterministic=deterministic,
-                        rpc_timeout=rpc_timeout or DEFAULT_TIMEOUT)  # fmt: skip
-
-
-def _devices(device_draft: str | None) -> tuple[str, ...] | None:
-    """``-devd`` as llama.cpp reads it: None (not given), () for "none" (the CPU), or the
-    device names.
-
-    Raises:
-        UsageError: an empty list, or "none" among names.
-    """
-    if device_draft is None:
-        return None
-    names = tuple(n.strip() for n in device_draft.split(",") if n.strip())
-    if names == ("none",):
-        return ()
-    if not names or "none" in names:
-        raise UsageError(f"-devd takes none or device names (see `specgguf doctor`), not "
-                         f"{device_draft!r}")  # fmt: skip
-    return names
+    return EngineConfig(target, draft_model, spec, **config_args(load, "engine"))
 
 
 def _find_draft(

@@ -8,6 +8,7 @@ import typer
 
 from specgguf.cli import options as o
 from specgguf.cli.app import app, handled
+from specgguf.cli.flags import Options, takes
 from specgguf.cli.output import print_json, size, stdout_console
 
 
@@ -25,22 +26,21 @@ def _gib_list(flag: str, text: str | None) -> list[int]:
     return [int(v * 2**30) for v in values]
 
 
+#: plan's model options: those that place layers and size memory.
+_LOAD = (
+    Options(o.ModelOptions)
+    .only("model", "model_draft", "ctx_size", "ctx_size_draft", "n_gpu_layers",
+          "n_gpu_layers_draft", "rpc", "tensor_split", "rpc_draft", "rpc_timeout", "registry")
+    .changed("model", required=True, help="Target model: a .gguf file or a cached alias.")
+)  # fmt: skip
+
+
 @app.command()
 @handled
+@takes(load=_LOAD)
 def plan(
-    model: Annotated[
-        str, typer.Option("-m", "--model", help="Target model: a .gguf file or a cached alias.")
-    ],
-    model_draft: o.ModelDraftOpt = None,
-    ctx_size: Annotated[
-        int, typer.Option("-c", "--ctx-size", min=0, help="Context size (0: the model's).")
-    ] = 4096,
-    ctx_size_draft: o.CtxSizeDraftOpt = None,
-    n_gpu_layers: o.NGpuLayersOpt = -1,
-    n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
-    rpc: o.RpcOpt = None,
-    tensor_split: o.TensorSplitOpt = None,
-    rpc_draft: o.RpcDraftOpt = None,
+    *,
+    load: o.ModelOptions,
     rpc_mem: Annotated[
         str | None,
         typer.Option(
@@ -59,9 +59,7 @@ def plan(
             "machine, its available memory and GPUs).",
         ),
     ] = None,
-    rpc_timeout: o.RpcTimeoutOpt = o.DEFAULT_TIMEOUT,
     json_out: Annotated[bool, typer.Option("--json", help="The plan as JSON.")] = False,
-    registry: o.RegistryOpt = None,
 ) -> None:
     """Show where llama.cpp would put each layer of the target and the draft (this machine,
     its GPUs, RPC servers) and what each place needs against its free memory, from the
@@ -78,15 +76,10 @@ def plan(
     local = _gib_list("--local-mem", local_mem)
     if len(local) > 1:
         raise UsageError("--local-mem takes one size")
-    config = o.engine_config(
-        model=model, model_draft=model_draft, drafter=None, draft=None, ctx_size=ctx_size,
-        ctx_size_draft=ctx_size_draft, n_gpu_layers=n_gpu_layers,
-        n_gpu_layers_draft=n_gpu_layers_draft, registry=registry, rpc=rpc,
-        rpc_draft=rpc_draft, tensor_split=tensor_split, rpc_timeout=rpc_timeout,
-    )  # fmt: skip
+    config = o.engine_config(load)
     local_free = local[0] if local else None
     gpus: list[Place] | None = [] if local else None  # another machine's: no GPU assumed
-    search = bool(server_free) and not rpc
+    search = bool(server_free) and not load.rpc
     if search:
         if len(server_free) > 1:
             raise UsageError("without --rpc, --rpc-mem takes one size: that of each server")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import sys
 from pathlib import Path
@@ -11,44 +12,26 @@ import typer
 
 from specgguf.cli import options as o
 from specgguf.cli.app import GroupedCommand, app, handled, setup_logging
+from specgguf.cli.flags import takes
 from specgguf.cli.output import print_json, stderr_say
 
 
 @app.command(cls=GroupedCommand, context_settings={"allow_interspersed_args": True})
 @handled
+@takes(load=o.ModelOptions, drafting=o.DraftOptions, sampling=o.SamplingOptions)
 def run(
     prompt: Annotated[
         str | None,
         typer.Argument(help="The prompt; '-' or omitted with piped input reads stdin."),
     ] = None,
-    model: o.ModelOpt = None,
-    hf_repo: o.HfRepoOpt = None,
-    model_draft: o.ModelDraftOpt = None,
-    hf_repo_draft: o.HfRepoDraftOpt = None,
-    draft: o.DraftMaxOpt = None,
-    draft_min: o.DraftMinOpt = 0,
-    draft_tree: o.DraftTreeOpt = None,
-    draft_p_min: o.DraftPMinOpt = 0.0,
-    drafter: o.DrafterOpt = None,
-    spec_type: o.SpecTypeOpt = None,
-    ctx_size_draft: o.CtxSizeDraftOpt = None,
-    n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
-    device_draft: o.DeviceDraftOpt = None,
-    no_draft: o.NoDraftOpt = False,
-    draft_search: o.DraftSearchOpt = None,
+    *,
+    load: o.ModelOptions,
+    drafting: o.DraftOptions,
     n_predict: Annotated[
         int,
         typer.Option("-n", "--n-predict", min=-1, help="Tokens to generate (-1: until done)."),
     ] = -1,
-    ctx_size: o.CtxSizeOpt = 4096,
-    batch_size: o.BatchSizeOpt = 2048,
-    threads: o.ThreadsOpt = None,
-    temp: o.TempOpt = 0.8,
-    top_k: o.TopKOpt = 40,
-    top_p: o.TopPOpt = 0.95,
-    min_p: o.MinPOpt = 0.05,
-    seed: o.SeedOpt = -1,
-    n_gpu_layers: o.NGpuLayersOpt = -1,
+    sampling: o.SamplingOptions,
     stop: Annotated[
         list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")
     ] = None,
@@ -68,20 +51,11 @@ def run(
     raw: Annotated[
         bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
     ] = False,
-    no_repack: o.NoRepackOpt = False,
-    no_check: o.NoCheckOpt = False,
-    force: o.ForceOpt = False,
-    deterministic: o.DeterministicOpt = False,
-    rpc: o.RpcOpt = None,
-    tensor_split: o.TensorSplitOpt = None,
-    rpc_draft: o.RpcDraftOpt = None,
-    rpc_timeout: o.RpcTimeoutOpt = o.DEFAULT_TIMEOUT,
     json_out: Annotated[
         bool, typer.Option("--json", help="One JSON object at the end instead of text.")
     ] = False,
     quiet: o.QuietOpt = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="llama.cpp's logs.")] = False,
-    registry: o.RegistryOpt = None,
 ) -> None:
     """Generate with speculative decoding: text on stdout, rates on stderr.
 
@@ -105,20 +79,10 @@ def run(
     from specgguf.engine import Engine, preflight, render_prompt
     from specgguf.errors import Interrupted, UsageError
     from specgguf.speculative.loop import GenerationParams
-    from specgguf.speculative.sampling import SamplerParams
 
     setup_logging(verbose=verbose, quiet=quiet)
     say = stderr_say(quiet)
-    config = o.engine_config(
-        model=model, model_draft=model_draft, drafter=drafter, draft=draft, ctx_size=ctx_size,
-        ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
-        n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
-        draft_p_min=draft_p_min, draft_min=draft_min, draft_tree=draft_tree, spec_type=spec_type,
-        device_draft=device_draft, no_draft=no_draft, draft_search=draft_search or (),
-        no_check=no_check, force=force, registry=registry, deterministic=deterministic,
-        hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, rpc=rpc, rpc_draft=rpc_draft,
-        tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
-    )  # fmt: skip
+    config = o.engine_config(load, drafting, say=say)
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
     if prompt_opt is not None:
@@ -131,9 +95,9 @@ def run(
     prepared = render_prompt(
         checked.target, text if raw else [*messages, {"role": "user", "content": text}]
     )
-    seed_used = seed if seed >= 0 else secrets.randbits(32)
-    sampler = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                            seed=seed_used)  # fmt: skip
+    sampler = sampling.sampler()
+    if sampler.seed is None:  # drawn here, so that --json can tell it
+        sampler = dataclasses.replace(sampler, seed=secrets.randbits(32))
     params = GenerationParams(n_predict=n_predict, sampler=sampler, stop=tuple(stop or ()),
                               ignore_eos=ignore_eos)  # fmt: skip
     sizes = {m.path: m.file_size for m in (checked.target, checked.draft) if m is not None}
@@ -167,10 +131,11 @@ def run(
                 "params": {
                     "draft_max": result.stats.draft_max,
                     "draft_min": config.speculative.draft_min, "n_predict": n_predict,
-                    "n_ctx": checked.n_ctx, "temperature": temp, "top_k": top_k,
-                    "top_p": top_p, "min_p": min_p, "seed": seed_used,
+                    "n_ctx": checked.n_ctx, "temperature": sampler.temperature,
+                    "top_k": sampler.top_k, "top_p": sampler.top_p, "min_p": sampler.min_p,
+                    "seed": sampler.seed,
                     "stop": list(params.stop), "chat_template": prepared.templated,
-                    "prompt_tokens": len(ids), "deterministic": deterministic,
+                    "prompt_tokens": len(ids), "deterministic": config.deterministic,
                 },
             })  # fmt: skip
         elif sys.stdout.isatty() and result.text and not result.text.endswith("\n"):

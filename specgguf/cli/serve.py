@@ -15,25 +15,19 @@ import typer
 
 from specgguf.cli import options as o
 from specgguf.cli.app import app, handled, setup_logging
+from specgguf.cli.flags import config_args, takes
 from specgguf.cli.output import stderr_say
 from specgguf.errors import EXIT_INTERRUPTED
 
 
 @app.command(context_settings={"allow_interspersed_args": True})
 @handled
+@takes(load=o.ModelOptions, drafting=o.DraftOptions, sampling=o.SamplingOptions,
+       server=o.ServerOptions)  # fmt: skip
 def serve(
-    model: o.ModelOpt = None,
-    model_draft: o.ModelDraftOpt = None,
-    hf_repo: o.HfRepoOpt = None,
-    hf_repo_draft: o.HfRepoDraftOpt = None,
-    draft: o.DraftMaxOpt = None,
-    draft_min: o.DraftMinOpt = 0,
-    draft_tree: o.DraftTreeOpt = None,
-    drafter: o.DrafterOpt = None,
-    spec_type: o.SpecTypeOpt = None,
-    device_draft: o.DeviceDraftOpt = None,
-    no_draft: o.NoDraftOpt = False,
-    draft_search: o.DraftSearchOpt = None,
+    *,
+    load: o.ModelOptions,
+    drafting: o.DraftOptions,
     n_predict: Annotated[
         int,
         typer.Option(
@@ -43,49 +37,8 @@ def serve(
             help="Tokens per response when a request sets no max_tokens (-1: until done).",
         ),
     ] = -1,
-    ctx_size: o.CtxSizeOpt = 4096,
-    ctx_size_draft: o.CtxSizeDraftOpt = None,
-    batch_size: o.BatchSizeOpt = 2048,
-    threads: o.ThreadsOpt = None,
-    temp: o.TempOpt = 0.8,
-    top_k: o.TopKOpt = 40,
-    top_p: o.TopPOpt = 0.95,
-    min_p: o.MinPOpt = 0.05,
-    seed: o.SeedOpt = -1,
-    n_gpu_layers: o.NGpuLayersOpt = -1,
-    n_gpu_layers_draft: o.NGpuLayersDraftOpt = -1,
-    draft_p_min: o.DraftPMinOpt = 0.0,
-    no_repack: o.NoRepackOpt = False,
-    no_check: o.NoCheckOpt = False,
-    force: o.ForceOpt = False,
-    deterministic: o.DeterministicOpt = False,
-    rpc: o.RpcOpt = None,
-    tensor_split: o.TensorSplitOpt = None,
-    rpc_draft: o.RpcDraftOpt = None,
-    rpc_timeout: o.RpcTimeoutOpt = o.DEFAULT_TIMEOUT,
-    host: Annotated[
-        str, typer.Option("--host", help="Address to listen on (loopback unless told).")
-    ] = "127.0.0.1",
-    port: Annotated[
-        int, typer.Option("--port", min=0, max=65535, help="Port to listen on (0: any free one).")
-    ] = 8080,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            "--api-key",
-            envvar="SPECGGUF_API_KEY",
-            show_envvar=True,
-            help="Require 'Authorization: Bearer KEY' on every endpoint but /health.",
-        ),
-    ] = None,
-    max_queue: Annotated[
-        int,
-        typer.Option(
-            "--max-queue",
-            min=0,
-            help="Requests that may wait while one generates; more get 503.",
-        ),
-    ] = 16,
+    sampling: o.SamplingOptions,
+    server: o.ServerOptions,
     quiet: o.QuietOpt = False,
     verbose: Annotated[
         bool,
@@ -93,7 +46,6 @@ def serve(
             "-v", "--verbose", help="llama.cpp's logs, and each request's prompt and completion."
         ),
     ] = False,
-    registry: o.RegistryOpt = None,
 ) -> None:
     """Serve the models over HTTP with an OpenAI-compatible API (chat and text
     completions, streamed or whole), one request at a time, with the speculative
@@ -115,7 +67,6 @@ def serve(
     from specgguf.server import ServerSettings, bind, serve
     from specgguf.server.listen import is_loopback
     from specgguf.server.scheduler import engine_thread
-    from specgguf.speculative.sampling import SamplerParams
 
     # SIGTERM before the server listens (downloads, loading, calibration) ends it as
     # Ctrl-C does (exit 130); once it listens, uvicorn takes both signals (exit 0).
@@ -126,16 +77,7 @@ def serve(
         logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
     )
     say = stderr_say(quiet)
-    config = o.engine_config(
-        model=model, model_draft=model_draft, drafter=drafter, draft=draft, ctx_size=ctx_size,
-        ctx_size_draft=ctx_size_draft, batch_size=batch_size, threads=threads,
-        n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft, no_repack=no_repack,
-        draft_p_min=draft_p_min, draft_min=draft_min, draft_tree=draft_tree, spec_type=spec_type,
-        device_draft=device_draft, no_draft=no_draft, draft_search=draft_search or (),
-        no_check=no_check, force=force, registry=registry, deterministic=deterministic,
-        hf_repo=hf_repo, hf_repo_draft=hf_repo_draft, rpc=rpc, rpc_draft=rpc_draft,
-        tensor_split=tensor_split, rpc_timeout=rpc_timeout, say=say,
-    )  # fmt: skip
+    config = o.engine_config(load, drafting, say=say)
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(
         config,
@@ -143,22 +85,20 @@ def serve(
         draft=config.draft and dataclasses.replace(config.draft, huge_pages=True),
     )
     checked = preflight(config)  # before any weights load
-    sock = bind(host, port)  # a taken port is reported before loading too
-    if not is_loopback(sock) and not api_key:
+    sock = bind(server.host, server.port)  # a taken port is reported before loading too
+    if not is_loopback(sock) and not server.api_key:
         say(
-            f"specgguf: warning: listening on {host} without --api-key: anyone who can "
+            f"specgguf: warning: listening on {server.host} without --api-key: anyone who can "
             "reach this address can use the server"
         )
     # The model's name: the alias it was loaded by, else its file name.
     target = config.target.path
-    alias = model if model and not o.is_model_file(model) else None
+    alias = load.model if load.model and not o.is_model_file(load.model) else None
     settings = ServerSettings(
         model_id=alias or target.name,
         model_aliases=tuple(n for n in (alias, target.name, target.stem) if n),
-        n_predict=n_predict,
-        sampler=SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                              seed=None if seed < 0 else seed),
-        api_key=api_key or None, max_queue=max_queue, log_text=verbose,
+        n_predict=n_predict, sampler=sampling.sampler(), log_text=verbose,
+        **config_args(server, "server"),
     )  # fmt: skip
     # Every llama.cpp call (load, calibration, generations) on one thread: a second
     # computing thread slows llama.cpp's OpenMP pools (see engine_thread).

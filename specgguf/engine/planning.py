@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from specgguf.engine.config import EngineConfig
+from specgguf.engine.config import EngineConfig, ModelConfig
 from specgguf.engine.preflight import memory_plan, probe_servers
 from specgguf.errors import UsageError
 from specgguf.gguf.info import ModelInfo, read_model_info
@@ -100,7 +100,7 @@ def _plan(
         servers = stand_in_servers(config.rpc_servers, server_free)
     else:
         servers = probe_servers(config.rpc_servers, config.rpc_timeout)
-    n_ctx = config.target.n_ctx or target.context_length or 4096
+    n_ctx = config.target.n_ctx or target.context_length or ModelConfig.n_ctx  # as preflight
     n_ctx_draft = (config.draft.n_ctx if config.draft else 0) or n_ctx
     plan = memory_plan(config, target, draft, n_ctx, n_ctx_draft, servers=servers,
                        local_free=local_free, gpus=gpus)  # fmt: skip

@@ -194,8 +194,8 @@ def preflight(config: EngineConfig) -> Preflight:
                 hint="reinstall with scripts/install, which builds it in",
             )
     servers = probe_servers(config.rpc_servers, config.rpc_timeout)
-    # 0: the model's training context
-    n_ctx = config.target.n_ctx or t_info.context_length or 4096
+    # 0: the model's training context; a model that gives none: the default size
+    n_ctx = config.target.n_ctx or t_info.context_length or ModelConfig.n_ctx
     n_ctx_draft = n_ctx
     parts = [model_memory(t_info, n_ctx=n_ctx)]
     if d_info is not None and draft is not None:
