@@ -5,12 +5,12 @@ target alone measured in the same run.
 Configurations: ``target`` (no speculation), ``model-K<k>``, ``ngram-K<k>`` and
 ``suffix-K<k>`` for each draft length asked for, and ``auto``
 (:class:`specgguf.speculative.planner.AutoPlanner`); with deterministic mode, each again as
-``det-<name>``. Rounds go over categories and configurations in turn, so that machine noise hits all alike; the
-numbers of a (category, configuration) cell pool its rounds (tokens over seconds), and an
-"overall" row per configuration pools every category, as Spec-Bench computes it (total
-tokens over total time, against the target alone's). Each ``auto`` row also carries what
-the measured batch costs allow for the acceptance the fixed-K drafters reached
-(:func:`allowed_rate`) and auto mode's share of it.
+``det-<name>``. Rounds go over categories and configurations in turn, so that machine
+noise hits all alike; the numbers of a (category, configuration) cell pool its rounds
+(tokens over seconds), and an "overall" row per configuration pools every category, as
+Spec-Bench computes it (total tokens over total time, against the target alone's). Each
+``auto`` row also carries what the measured batch costs allow for the acceptance the
+fixed-K drafters reached (:func:`allowed_rate`) and auto mode's share of it.
 
 Spec-Bench (Xia et al. 2024; its ``question.jsonl``: ``question_id``, ``category``,
 ``turns``) groups its categories in six columns (:data:`SPEC_BENCH_COLUMNS`); a question with
