@@ -586,9 +586,9 @@ def test_timings_curve_edges_upper_bound_and_outliers_by_hand() -> None:
     assert t.verify_time(1) == pytest.approx(0.1)  # below the table: its first size
     one = Timings({4: 0.02})  # a single size: proportional to the batch
     assert one.verify_time(8) == pytest.approx(0.04) and one.verify_time(4) == 0.02
-    assert _upper(0.5, 2.0) == pytest.approx(0.75)  # 0.5 + sqrt(0.25 / 4)
-    assert _upper(0.99, 0.0) == 1.0
-    assert _upper(0.0, 5.0) == 0.0
+    assert _upper(0.5, 2.0, 2.0) == pytest.approx(0.75)  # 0.5 + sqrt(0.25 / 4)
+    assert _upper(0.99, 0.0, 2.0) == 1.0
+    assert _upper(0.0, 5.0, 2.0) == 0.0
     # The first size is never replaced; exactly 1.5 times the larger ones is kept; the
     # two next sizes are compared, not only the next.
     assert _drop_outliers({1: 1.0, 2: 0.1, 3: 0.1}) == {1: 1.0, 2: 0.1, 3: 0.1}
@@ -623,3 +623,65 @@ def test_a_cached_calibration_of_shorter_batches_is_measured_again(
     target.n_outputs_max = 17  # type: ignore[attr-defined]
     save_calibration("k", Timings(dict(short), 0.0, depth=64))
     assert pair_timings("k", target, None, [1, 2, 3]).verify == short
+
+
+def test_acceptance_observed_in_parts_and_a_lone_accepted_token() -> None:
+    # One accepted token, no rejection: a success in a trial (nothing is skipped but an
+    # empty verification).
+    acc = Acceptance()
+    acc.observe(accepted=1, rejected=False)
+    assert (acc.successes, acc.trials) == (1.0, 1.0)
+    # In parts (a shadow draft's evidence): faded by decay (0.9) once, then counted.
+    acc.decay_once()
+    assert (acc.successes, acc.trials) == (pytest.approx(0.9), pytest.approx(0.9))
+    acc.add(2, True)
+    assert (acc.successes, acc.trials) == (pytest.approx(2.9), pytest.approx(3.9))
+
+
+def test_every_cost_is_read_at_the_depth_it_is_given() -> None:
+    # A lone row costs 1 ms more and a batch row 2 ms more per 1000 cached positions past
+    # the calibration's depth (0): at depth 1000 a lone row costs 0.011, 2 rows 0.016, 3
+    # rows 0.020, 4 rows 0.024. Depth 0 is the default: the curve as calibrated.
+    t = Timings(dict(HAND), position_single=1e-6, position_row=2e-6)
+    assert t.verify_time(1) == 0.010 and t.verify_time(2) == 0.012
+    assert t.verify_time(1, 1000) == pytest.approx(0.011)
+    assert verify_time_at(t, 1.5) == pytest.approx(0.011)
+    assert verify_time_at(t, 1.5, 1000) == pytest.approx(0.0135)  # halfway 0.011 -> 0.016
+    assert verify_time_at(t, 2.0, 1000) == pytest.approx(0.016)
+    chunked = Timings(dict(HAND), position_single=1e-6, position_row=2e-6, chunk_rows=2)
+    # 4 rows in calls of 2 and 2, the second after 2 accepted (a = 0.5): 0.016 + 0.25 x 0.016
+    assert chunked.expected_verify_time(4, 0.5, 1000) == pytest.approx(0.016 * 1.25)
+    assert chunked.expected_verify_time(4, 0.5) == pytest.approx(0.012 * 1.25)
+    assert chunked.expected_verify_time(2, 0.5) == 0.012  # one call: the batch's cost
+    # best_k and best_tree against the target alone at that depth (1 / 0.011 = 90.9): free
+    # drafts at a = 0.8, K=1 1.8 / 0.016 = 112.5, K=2 2.44 / 0.020 = 122, K=3 2.952 /
+    # 0.024 = 123, K=4 3.3616 / (0.0195 + 0.010) = 113.95: K=3.
+    assert best_k(0.8, t, 4, cached=1000, draft_cost=0.0) == (3, pytest.approx(123.0))
+    assert best_k(0.0, t, 4, cached=1000, draft_cost=0.0) == (0, pytest.approx(1 / 0.011))
+    # at the default depth, 0: K=3 at 2.952 / 0.016 (K=4: 3.3616 / 0.0195)
+    assert best_k(0.8, t, 4, draft_cost=0.0) == (3, pytest.approx(2.952 / 0.016))
+    from specgguf.speculative.costmodel import best_tree
+
+    # a tree of estimates 0.8, 0.64, 0.512 at depth 1000 is the chain above
+    assert best_tree([0.8, 0.64, 0.512], t, cached=1000) == (3, pytest.approx(123.0))
+    assert best_tree([0.0], t, cached=1000) == (0, pytest.approx(1 / 0.011))
+    assert best_tree([0.8, 0.64], t) == (2, pytest.approx(2.44 / 0.014))
+    # k_min: one node is allowed by default, not below it
+    assert best_tree([0.8], Timings({1: 0.010, 2: 0.011}))[0] == 1
+    assert best_tree([0.8], Timings({1: 0.010, 2: 0.011}), k_min=2)[0] == 0
+    # a measurement's correction at the default depth 0
+    t.observe_verify(1, 0.012, weight=1.0)
+    assert t.scale_single == pytest.approx(1.2)
+
+
+def test_the_curve_between_and_at_its_measured_sizes() -> None:
+    t = Timings({2: 0.020, 4: 0.030, 8: 0.040})
+    assert t.curve(2) == 0.020 and t.curve(1) == 0.020  # at and below the first size
+    assert t.curve(3) == pytest.approx(0.025) and t.curve(5) == pytest.approx(0.0325)
+    # past the last: at least the mean slope over the sizes, (0.040 - 0.020) / 6, not the
+    # last two's (0.0025): 0.040 + 2 x 0.00333
+    assert t.curve(10) == pytest.approx(0.040 + 2 * 0.02 / 6)
+    # the last two reversed and the first two too: the slope is 0 at least
+    flat = Timings({1: 0.05, 2: 0.04, 3: 0.03})
+    assert flat.curve(5) == pytest.approx(0.03)
+    assert expected_tokens(0.5, 0) == 1.0

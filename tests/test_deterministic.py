@@ -277,3 +277,26 @@ def test_lone_rows_go_unpadded_only_up_to_the_limit_the_probe_allows(
             ctx.eval(prompt[:10], logits="none")
             ctx.eval([prompt[10]], logits="last")
             assert ctx._batch.n_tokens == 2
+
+
+def test_a_lazy_verification_reports_the_rows_it_evaluated() -> None:
+    """The planner learns timings only from a verification of every row: the loop tells
+    it how many rows a lazy verification evaluated."""
+    greedy = SamplerParams(temperature=0.0)
+
+    class Rows(FixedPlanner):
+        seen: list[tuple[int, int | None]]
+
+        def observe(self, plan, accepted, verify_seconds, confidence=None, *, rows=None):  # type: ignore[no-untyped-def]
+            self.seen.append((len(plan.draft.tokens), rows))
+
+    for det, want in ((True, (8, 3)), (False, (8, 9))):
+        ctx = FakeContext(soft_rule, V)
+        ctx.set_rows_per_decode(3 if det else None)
+        # after 1, 2 the target's argmax is 2 x 3 + 1 = 7; the drafts are 8: wrong at once
+        planner = Rows(ScriptedDrafter(lambda h, k: [(h[-1] + 6) % V] * k), 8)
+        planner.seen = []
+        dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+        params = GenerationParams(n_predict=12, sampler=greedy, deterministic=det)
+        dec.generate([1, 2], params, planner).run()
+        assert planner.seen[0] == want, det

@@ -4,12 +4,15 @@ errors (the command line adds its hints), and the Python example of the README r
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from specgguf.speculative.tuning import AutoTuning
 
 from .helpers import ROOT
 
@@ -117,3 +120,48 @@ def test_public_names_are_exported(name: str) -> None:
 
     assert name in specgguf.__all__
     assert getattr(specgguf, name).__name__ == name
+
+
+# --- auto mode's tuning: one documented place --------------------------------------
+
+
+def test_every_tuning_number_is_a_documented_field() -> None:
+    """Each field of AutoTuning has a comment above it that says where its value came
+    from (a measurement, or "no measurement recorded") and what values it has had ("was",
+    "only value", or the values compared)."""
+    source = (ROOT / "specgguf" / "speculative" / "tuning.py").read_text()
+    lines = source.splitlines()
+    names = [f.name for f in dataclasses.fields(AutoTuning)]
+    assert len(names) >= 30
+    for name in names:
+        at = next(i for i, ln in enumerate(lines) if re.match(rf"    {name}: ", ln))
+        doc = []
+        i = at - 1
+        while lines[i].startswith("    #:"):  # its own comment, right above it
+            doc.insert(0, lines[i])
+            i -= 1
+        text = " ".join(doc).lower()
+        assert text, f"{name} has no comment"
+        assert re.search(r"measur|reason|not measured|\(epyc|xeon|\bqwen", text), name
+        assert re.search(r"\bwas\b|only value|tried|never changed|against|unchanged", text), name
+
+
+#: The numbers the arms and the planner may write as literals: structure, not tuning (a
+#: count of 0 or 1, a tree of 2 branches, a lone row and its throw-away row).
+STRUCTURAL = {0, 1, 2, -1}
+
+
+def test_no_tuning_number_is_written_into_the_planner_or_the_arms() -> None:
+    code = [ROOT / "specgguf" / "speculative" / "planner.py",
+            *sorted((ROOT / "specgguf" / "speculative" / "arms").glob("*.py"))]  # fmt: skip
+    found = []
+    for path in code:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, int | float)
+                and not isinstance(node.value, bool)
+                and node.value not in STRUCTURAL
+            ):
+                found.append((path.name, node.lineno, node.value))
+    assert found == []

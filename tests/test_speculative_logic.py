@@ -707,3 +707,47 @@ def test_ngram_drafter_with_a_single_length() -> None:
     # Only n = 2: the trailing 1-gram "2" alone, matched earlier, is not enough.
     assert NgramDrafter(2, 2).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == []
     assert NgramDrafter(1, 1).propose([2, 5, 1, 2], 3, GREEDY, rng).tokens == [5, 1, 2]
+
+
+def test_the_loop_cuts_a_draft_longer_than_the_step_allows() -> None:
+    # A drafter that ignores k and proposes 20 tokens: near n_predict's end the loop
+    # verifies only what fits (K + 1 new tokens within n_predict).
+    greedy_walk = ScriptedDrafter(lambda h, k: truth(list(h), 20))
+    dec, ctx = make(None)
+    planner = FixedPlanner(greedy_walk, 16)
+    res = dec.dec.generate([3, 4], GenerationParams(n_predict=10, sampler=GREEDY), planner).run()
+    assert res.tokens == truth([3, 4], 10) and res.finish_reason == "length"
+    batches = [len(e[2]) for e in ctx.log if e[0] == "eval" and e[3] == "all"]
+    assert batches == [10]  # the last token and 9 drafts: 10 tokens, n_predict exactly
+
+
+def test_a_rejection_whose_correction_ends_the_generation_is_not_a_rejected_step() -> None:
+    # A target that ends after 29: drafts 29, 5 after 28; 29 accepted, 5 rejected, and
+    # the target's own token there is EOS: nothing more is output, and the step does not
+    # count as one whose correction was kept.
+    def rule(prefix: Sequence[int]) -> np.ndarray:
+        row = np.zeros(V, np.float32)
+        row[EOS if prefix[-1] == 29 else prefix[-1] + 1] = 10.0
+        return row
+
+    ctx = FakeContext(rule, V)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V, eog_ids=[EOS]))  # type: ignore[arg-type]
+    planner = FixedPlanner(ScriptedDrafter(lambda h, k: [29, 5][:k]), 2)
+    res = dec.generate([27, 28], GenerationParams(n_predict=10, sampler=GREEDY), planner).run()
+    assert res.tokens == [29] and res.finish_reason == "stop"
+    assert (res.stats.drafted, res.stats.accepted, res.stats.rejected_steps) == (2, 1, 0)
+
+
+def test_draft_time_counts_the_drafts_not_the_prompt() -> None:
+    class Timed(ScriptedDrafter):
+        def prefill(self, history: Sequence[int]) -> None:
+            self.seconds += 5.0  # reading the prompt: prompt time
+
+        def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
+            self.seconds += 0.25
+            return super().propose(history, k, sampler, rng, p_min=p_min)
+
+    drafter = Timed(lambda h, k: truth(list(h), k))
+    dec, _ = make(drafter)
+    res = run(dec, [3, 4], n_predict=9, draft_max=2)
+    assert res.stats.steps == 3 and res.stats.draft_seconds == pytest.approx(0.75)

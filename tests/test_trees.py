@@ -173,6 +173,15 @@ def test_sampling_and_targets_without_trees_verify_the_first_branch() -> None:
     sampled = GenerationParams(n_predict=20, sampler=SamplerParams(temperature=0.8, seed=1))
     dec.generate(prompt, sampled, planner).run()
     assert not drafter.trees and not any(e[0] == "tree" for e in ctx.log)
+    # deterministic mode (fixed batch shapes): a tree drafted greedily is verified as its
+    # first branch
+    dec, ctx = decoder()
+    drafter = RandomTreeDrafter(2, 3)
+    planner = FixedPlanner(drafter, 8, tree_branches=3)  # type: ignore[arg-type]
+    det = GenerationParams(n_predict=20, sampler=GREEDY, deterministic=True)
+    res = dec.generate(prompt, det, planner).run()
+    assert drafter.trees and not any(e[0] == "tree" for e in ctx.log)
+    assert res.tokens == target_alone(prompt, 20) and res.stats.tree_steps == 0
 
 
 # --- the cost model -----------------------------------------------------------------
@@ -414,3 +423,74 @@ def test_real_pair_forced_trees_match_the_target_alone(real_models: dict[str, Pa
             single = target_alone_logits(e.target_model, ids, base, i)
             gap = float(single[base[i]] - single[res.tokens[i]])
             assert int(single.argmax()) == base[i] and 0.0 <= gap <= 0.6, (p, i, gap)
+
+
+def test_tree_helpers_by_hand() -> None:
+    from specgguf.speculative.tree import check_tree, depths
+
+    #   root -> 0 -> 2 -> 3 ; root -> 1 -> 4
+    parents = [-1, -1, 0, 2, 1]
+    assert depths(parents) == [1, 1, 2, 3, 2]
+    assert depths([]) == []
+    check_tree(parents)
+    with pytest.raises(ValueError, match="node 1 has parent -2: a parent must be -1 or an"):
+        check_tree([-1, -2])
+    with pytest.raises(ValueError, match="node 1 has parent 1"):
+        check_tree([-1, 1])
+
+
+def test_a_suffix_tree_is_judged_at_its_bucket_s_rate_per_depth() -> None:
+    """Node estimates are the drafter's shares times a^depth (a below 1 here), within the
+    cap, from k_min nodes, at the step's depth; a long match is not a long copy for
+    suffix matching."""
+    rng = np.random.default_rng(0)
+    # Two branches of two (shares 0.5, 0.5, 0.45, 0.45) from a 32-token match: a copy
+    # bucket (32), not a long copy: a = min(0.97, 1.0 x 0.5) = 0.5 (a long copy's 0.98 if
+    # it were one). Estimates 0.25, 0.25, 0.1125, 0.1125. On the Xeon's curve: m=1:
+    # 1.25/1.6 = 0.781, m=2: 1.5/1.7 = 0.882, m=3: 1.6125/1.71 = 0.943, m=4: 1.725/1.72 =
+    # 1.003: below the margin (1.05): no draft.
+    tree = dataclasses.replace(TWO_BRANCHES, match=32)
+    p = auto_planner(Timings(dict(XEON)), suffix=FixedTreeSuffix(tree), tree_branches=4)
+    p.arm("suffix").trees.tree = tree  # type: ignore[attr-defined]
+    p.confidence = 0.5
+    plan = p.plan([1, 2, 3], 8, GREEDY, rng)
+    assert plan.drafter is None
+    # Confidence 1 (a = 0.97 for the copy): 0.485, 0.485, 0.4234, 0.4234: m=4 at 2.8168 /
+    # 1.72 = 1.638, the tree whole, its bucket the match's, 32.
+    p.confidence = 1.0
+    plan = p.plan([1, 2, 3], 8, GREEDY, rng)
+    assert plan.draft.tokens == [10, 20, 11, 21] and plan.bucket == 32
+    a = 0.97
+    assert plan.expected_rate == pytest.approx((1 + 2 * 0.5 * a + 2 * 0.45 * a * a) / 1.72)
+    # At least 3 nodes where 1 would pay most (flat at 2 rows, then dear): 3 or none.
+    steep = {1: 1.0, 2: 1.0, 4: 10.0}
+    p = auto_planner(Timings(steep), suffix=FixedTreeSuffix(TWO_BRANCHES), tree_branches=4,
+                     draft_min=3, tuning=tuned(lookup_prior_max=1.0))  # fmt: skip
+    p.confidence = 1.0
+    assert p.plan([1, 2, 3], 8, GREEDY, rng).drafter is None
+    # Deep in the context, batches cost more: the Xeon's tree that paid (m=4, 1.686) does
+    # not 400 positions deep at 1 ms per row and position (5 rows: 1.72 + 2.0).
+    p = auto(XEON)
+    p.timings.position_row = 1e-3
+    assert p.plan([1] * 401, 8, GREEDY, rng).drafter is None
+
+
+def test_a_tree_of_exactly_k_min_nodes_is_offered_and_a_malformed_one_is_not() -> None:
+    rng = np.random.default_rng(0)
+    p = auto_planner(Timings({1: 1.0, 2: 1.0}), suffix=FixedTreeSuffix(TWO_BRANCHES),
+                     tree_branches=4, draft_min=4, tuning=tuned(lookup_prior_max=1.0))  # fmt: skip
+    p.confidence = 1.0
+    assert p.plan([1, 2, 3], 8, GREEDY, rng).draft.tokens == [10, 20, 11, 21]
+    # A "tree" without parents (a chain), or without estimates: no offer.
+    for bare in (Draft([10, 20], probs=[0.5, 0.5]), Draft([10, 20], parents=[-1, -1])):
+        p = auto_planner(Timings({1: 1.0, 2: 1.0}), suffix=FixedTreeSuffix(bare),
+                         tree_branches=4)  # fmt: skip
+        assert p.plan([1, 2, 3], 8, GREEDY, rng).drafter is None
+
+
+def test_trees_need_two_branches() -> None:
+    from specgguf.speculative.arms import SuffixArm
+
+    assert SuffixArm(SuffixDrafter(), tree_branches=1).tree_branches == 0
+    assert SuffixArm(SuffixDrafter(), tree_branches=2).tree_branches == 2
+    assert SuffixArm(SuffixDrafter()).tree_branches == 0

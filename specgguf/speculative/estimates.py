@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from specgguf.speculative.tuning import AUTO_TUNING
+from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
 
 @dataclasses.dataclass
@@ -32,6 +32,13 @@ class Acceptance:
         p = self.prior if prior is None else prior
         w = self.weight if weight is None else weight
         return (self.successes + p * w) / (self.trials + w)
+
+    @classmethod
+    def of(cls, tuning: AutoTuning, prior: float | None = None) -> Acceptance:
+        """Empty counts with ``tuning``'s prior weight, decay and fade, and ``prior``
+        (default: the confidence assumed before any step)."""
+        p = tuning.confidence_start if prior is None else prior
+        return cls(p, tuning.prior_trials, tuning.decay, tuning.fade)
 
     @property
     def rate(self) -> float:
@@ -64,13 +71,11 @@ class Acceptance:
         self.trials += accepted + rejected
 
 
-def upper(a: float, trials: float, prior_trials: float = AUTO_TUNING.prior_trials) -> float:
+def upper(a: float, trials: float, prior_trials: float) -> float:
     """A rate plus one standard error (the prior counted as ``prior_trials`` trials)."""
     return min(1.0, a + math.sqrt(a * (1.0 - a) / (trials + prior_trials)))
 
 
-def lower(
-    a: float, trials: float, z: float = 1.0, prior_trials: float = AUTO_TUNING.prior_trials
-) -> float:
+def lower(a: float, trials: float, z: float, prior_trials: float) -> float:
     """A rate less ``z`` standard errors (the prior counted as ``prior_trials`` trials)."""
     return max(0.0, a - z * math.sqrt(a * (1.0 - a) / (trials + prior_trials)))

@@ -289,21 +289,19 @@ class SpeculativeDecoder:
     def _commit(
         self, gen: Generation, run: _Run, plan: StepPlan, draft: Draft, verdict: Verdict
     ) -> tuple[str, FinishReason | None]:
-        """Commit the step's tokens one at a time: the earliest of an end-of-generation
-        token, ``n_predict`` and a completed stop string ends the output at that token, and
-        the tokens, the text and the statistics all end there. Both the target's KV cache
-        and the history then hold the committed text (the target all but its last token).
-        Returns the text to emit and the finish reason, if any."""
-        eog, remaining = self.vocab.eog_ids, run.remaining
+        """Commit the step's tokens one at a time: the earlier of an end-of-generation token
+        and a completed stop string ends the output at that token, and the tokens, the text
+        and the statistics all end there (``n_predict`` is never passed: the step's K
+        leaves room for its tokens). Both the target's KV cache and the history then hold
+        the committed text (the target all but its last token). Returns the text to emit
+        and the finish reason, if any."""
+        eog = self.vocab.eog_ids
         committed: list[int] = []
         pieces: list[str] = []
         finish: FinishReason | None = None
         for t in [*verdict.accepted, verdict.token]:
             if t in eog:
                 finish = "stop"
-                break
-            if len(committed) >= remaining:
-                finish = "length"
                 break
             committed.append(t)
             pieces.append(gen.stream.push(self.vocab.token_to_piece(t)))

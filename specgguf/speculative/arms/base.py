@@ -159,12 +159,11 @@ class ChainArm:
         self.drafter = drafter
         self.name = drafter.name
         self.token_cost = token_cost
-        self.acceptance = Acceptance()
+        self.acceptance: Acceptance  # made by reset, at the tuning's values
 
     def reset(self, timings: Timings, tuning: AutoTuning) -> bool:
         self.drafter.reset()
-        self.acceptance = Acceptance(weight=tuning.prior_trials, decay=tuning.decay,
-                                     fade=tuning.fade)  # fmt: skip
+        self.acceptance = Acceptance.of(tuning)
         return True
 
     def tick(self) -> None:

@@ -72,8 +72,7 @@ class LookupArm:
         """Every estimate at its prior, no shadow."""
         self.tuning = t = tuning
         first = self.first_length(t)
-        self.rates = {b: Acceptance(weight=t.prior_trials, decay=t.decay, fade=t.fade)
-                      for b in t.buckets}  # fmt: skip
+        self.rates = {b: Acceptance.of(t) for b in t.buckets}
         self.lengths = {b: t.first_length(b, first, long_copies=self.copies) for b in t.buckets}
         self.shadow: Shadow | None = None
         # this step's proposal, as a shadow would watch it: (tokens, bucket)
@@ -218,5 +217,5 @@ class SuffixArm(LookupArm):
                             k_min=step.k_min)  # fmt: skip
         branch = [tree.tokens[j] for j in first_branch(tree.parents)]
         self._proposal = (branch[: t.shadow_len], bucket)
-        cut = Draft(tree.tokens[:m], parents=tree.parents[:m], probs=tree.probs[:m])
+        cut = Draft(tree.tokens[:m], parents=tree.parents[:m])
         return Offer(self, m, rate, cut, bucket)

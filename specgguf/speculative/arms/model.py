@@ -36,7 +36,7 @@ class ModelArm:
         p_min: it stops at a token it gives less than this, or ``p_stop`` if higher.
     """
 
-    def __init__(self, drafter: ModelDrafter, *, draft_max: int, p_min: float = 0.0) -> None:
+    def __init__(self, drafter: ModelDrafter, *, draft_max: int, p_min: float) -> None:
         self.drafter = drafter
         self.name = drafter.name
         self.draft_max = draft_max
@@ -58,8 +58,8 @@ class ModelArm:
     def _fresh(self, tuning: AutoTuning) -> None:
         t = self.tuning = tuning
         # how often a token that passed p_stop is accepted, and how often one passes
-        self.accepted = Acceptance(t.model_prior, t.prior_trials, t.decay, t.fade)
-        self.passed = Acceptance(t.confidence_start, t.prior_trials, t.decay, t.fade)
+        self.accepted = Acceptance.of(t, t.model_prior)
+        self.passed = Acceptance.of(t)
         self.steps = 0  # steps it drafted in this generation
         self.idle = 0  # steps since it last drafted
         # consecutive steps it drafted, now and on average: a catch-up is paid back only
