@@ -101,10 +101,10 @@ class FakeContext:
 
 
 class FakeTreeContext(FakeContext):
-    """A :class:`FakeContext` that also verifies token trees (``TreeEvaluator``): each
-    node's logits come from ``rule`` on the committed tokens, the root and the node's own
-    branch, as llama.cpp's tree attention gives them. Logs ("tree", n_past, root, tokens,
-    parents) and ("keep", path)."""
+    """A :class:`FakeContext` that also verifies token trees
+    (``TargetEvaluator.eval_tree``): each node's logits come from ``rule`` on the committed
+    tokens, the root and the node's own branch, as llama.cpp's tree attention gives them.
+    Logs ("tree", n_past, root, tokens, parents) and ("keep", path)."""
 
     def __init__(self, *args: object, tree_branches: int = 4, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -241,7 +241,7 @@ def test_a_tree_is_verified_as_a_tree_only_where_trees_are() -> None:
 
 def test_an_unknown_drafter_is_refused_with_the_names_there_are() -> None:
     drafting = Drafting(None, (2, 8), SuffixDrafter(), lambda det: Timings({1: 0.01}))
-    with pytest.raises(UsageError, match="auto, ngram, suffix, model, none, not 'walk'"):
+    with pytest.raises(UsageError, match="auto, model, ngram, suffix, none, not 'walk'"):
         make_planner("walk", drafting, DraftSettings(draft_max=4))
     with pytest.raises(UsageError, match="the model drafter needs a draft model"):
         make_planner("model", drafting, DraftSettings(draft_max=4))
@@ -462,3 +462,16 @@ def test_a_probe_of_a_draft_model_in_step_is_sticky_and_costs_are_at_the_step_s_
     offer = arm.offer(step)
     cost = 0.002 + 0.010 + 0.2 * (0.012 + 2 * 1009e-6 - 0.010)
     assert offer is not None and offer.rate == pytest.approx(1.19 / cost)
+
+
+def test_auto_mode_s_defaults_come_from_its_tuning() -> None:
+    from specgguf.engine.drafter_map import drafter_kinds
+
+    timings = Timings(dict(FLAT))
+    assert AutoPlanner(timings, []).draft_max == AUTO_TUNING.draft_max_lookup == 64
+    assert AutoPlanner(timings, [], tuning=tuned(draft_max_lookup=5)).draft_max == 5
+    assert AutoPlanner(timings, [], draft_max=7, tuning=tuned(draft_max_lookup=5)).draft_max == 7
+    # a long copy's prior weighs the tokens it expects between breaks
+    assert AUTO_TUNING.long_copy_weight == pytest.approx(1 / (1 - AUTO_TUNING.long_copy_prior))
+    # --drafter's choices, as its error lists them
+    assert drafter_kinds() == ("auto", "model", "ngram", "suffix", "none")

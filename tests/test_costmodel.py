@@ -82,7 +82,7 @@ def test_acceptance_counts_against_hand_computed_numbers() -> None:
 
 def test_planner_draft_model_rate_against_hand_computed_numbers() -> None:
     # Nothing measured yet, past the optimistic first steps: the draft model's tokens are
-    # accepted at the prior 0.95 and pass P_STOP at the target's confidence 0.9, so
+    # accepted at the prior 0.95 and pass ``p_stop`` at the target's confidence 0.9, so
     # c = 0.855. The model holds nothing, the history is one token: the first evaluation
     # costs t_draft * t_verify(1) / t_verify(1) = 0.002 s.
     #   K=1: proposed 0.9, step 0.002 + t_verify(1.9) = 0.002 + 0.0118 = 0.0138,
@@ -266,7 +266,7 @@ def test_catch_up_is_spread_only_over_the_models_runs() -> None:
     history = list(range(100))
     assert first_eval_cost(planner, history) == pytest.approx(0.0704)
     # Spread over a mean run of 8 steps: 0.2 * 0.012 + 0.2 * (0.352 - 0.012) / 8 = 0.0109;
-    # over 4: 0.0194; the spread never goes beyond CATCH_UP_HORIZON (8) steps.
+    # over 4: 0.0194; the spread never goes beyond ``catch_up_horizon`` (8) steps.
     planner.arm("model").mean_streak = 8.0
     assert first_eval_cost(planner, history) == pytest.approx(0.0109)
     planner.arm("model").mean_streak = 4.0
@@ -280,9 +280,9 @@ def test_catch_up_is_spread_only_over_the_models_runs() -> None:
 
 def test_planner_probes_a_draft_model_that_nearly_pays() -> None:
     # With nothing measured, the model's estimate rests on the target's confidence (and
-    # on the prior acceptance of tokens that pass P_STOP). Pick a confidence whose best
+    # on the prior acceptance of tokens that pass ``p_stop``). Pick a confidence whose best
     # expected rate is just short of the target alone's: no speculation at first, then a
-    # short probe (K <= 4) after PROBE_EVERY idle steps, and not again right after.
+    # short probe (K <= 4) after ``probe_every`` idle steps, and not again right after.
     timings = Timings({1: 0.010, 2: 0.015, 5: 0.021, 17: 0.050}, 0.004)
     base = 1.0 / timings.verify_time(1)
     prior = Acceptance(prior=0.95).rate
@@ -353,7 +353,7 @@ def test_an_early_rejection_does_not_rule_out_the_draft_model(
 def test_the_draft_model_stops_at_an_unsure_token(monkeypatch: pytest.MonkeyPatch) -> None:
     # A draft that is right where it is sure and unsure (flat logits, so its top token
     # is wrong) after every multiple of 5: it stops before the unsure tokens, so every
-    # token it proposes is accepted. Without P_STOP it proposes them and they fail.
+    # token it proposes is accepted. Without ``p_stop`` it proposes them and they fail.
     def unsure_rule(prefix: Sequence[int]) -> np.ndarray:
         if prefix[-1] % 5 == 0:
             return np.zeros(V, np.float32)  # argmax: token 0, never the target's

@@ -223,3 +223,61 @@ def test_seconds_per_token_leave_out_a_catch_up(monkeypatch: pytest.MonkeyPatch)
     d2, _ = drafter()
     draft = d2.propose([6, 7, 8], 1, GREEDY, RNG)
     assert draft.tokens == [9] and draft.token_seconds == 0.0 and d2.seconds == 0.375
+
+
+def test_a_resumed_copy_is_looked_for_nearest_its_expected_source_first() -> None:
+    from specgguf.speculative.drafters.ngram import RESUME_WINDOW
+
+    assert RESUME_WINDOW == 8  # the geometry below
+    d = NgramDrafter(2, 8)
+    # 3, 4 ends at 10 and at 16; expected 15: the window is 7..23, 16 is nearer
+    h = list(range(100, 140))
+    h[8:10] = h[14:16] = [3, 4]
+    h += [3, 4]
+    assert d._resume(h, 15) == (16, 2)
+    assert d._resume(h, 11) == (10, 2)
+    assert d._resume(h, 13) == (10, 2)  # a tie: the earlier one
+    h[14:16] = [0, 0]
+    assert d._resume(h, 19) is None  # 10 is outside the window 11..27
+    # an occurrence ending at the text's last token but one; the suffix itself is not one
+    run = [*range(100, 110), 7, 7, 7]
+    assert d._resume(run, len(run)) == (len(run) - 1, 2)
+    assert d._resume([7, 7, 7], 3) == (2, 2)
+    # an occurrence at the very start of the text
+    assert d._resume([3, 4, *range(100, 105), 3, 4], 2) == (2, 2)
+    # the longest n-gram in the window wins over a nearer shorter one, every n tried
+    h = [*range(100, 120), 5, 6, 7, *range(200, 203), 6, 7, *range(300, 310), 5, 6, 7]
+    assert d._resume(h, 28) == (23, 3)
+    # below n_min nothing is looked for: the token 7 alone occurs in the window
+    assert d._resume([*range(100, 110), 7, 1, 2, 3, 9, 7], 12) is None
+
+
+def test_a_copy_starts_at_a_match_of_exactly_resume_match_tokens() -> None:
+    from specgguf.speculative.drafters.ngram import RESUME_MATCH, RESUME_SPAN
+
+    assert (RESUME_MATCH, RESUME_SPAN) == (16, 32)
+    head, tail = list(range(100, 116)), list(range(200, 230))
+    source = [*head, 7, 3, 4, *tail, 60, 3, 4, 50, 51, 52, 53]
+    d = NgramDrafter(2, 8)
+    first = d.propose([*source, 1, *head], 8, GREEDY, RNG)
+    assert first.match == 16 and not first.resumed
+    # the same text again: a match of 16 is not a broken copy, nothing to resume
+    again = d.propose([*source, 1, *head], 8, GREEDY, RNG)
+    assert again.match == 16 and not again.resumed
+    draft = d.propose([*source, 1, *head, 8, 9, 3, 4], 8, GREEDY, RNG)
+    assert draft.tokens == tail[:8] and draft.resumed and draft.match == 2
+    # past the span the copy is dropped, and later short matches are plain ones
+    # (60, 3 occurs once, in the source)
+    text = [*source, 1, *head, 8, 9, 3, 4, *range(300, 340), 60, 3]
+    assert d.propose(text, 4, GREEDY, RNG).tokens == [4, 50, 51, 52]
+    later = d.propose([*text, 4, 50], 2, GREEDY, RNG)
+    assert later.tokens == [51, 52] and later.match == 4 and not later.resumed
+
+
+def test_a_match_stops_at_the_start_of_the_text() -> None:
+    from specgguf.speculative.drafters.ngram import match_length
+
+    # 1, 2 ends at 2 and at 5; before 2 there is nothing to compare (the text's last
+    # token, 2, is not the token before the start)
+    assert match_length([1, 2, 2, 1, 2], 2, 5, 2) == 2
+    assert match_length([1, 2, 2, 1, 2], 5, 5, 2) == 5  # the text against itself

@@ -47,7 +47,7 @@ FLAT = {1: 0.010, 2: 0.010}
 @pytest.fixture
 def mean_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
     """Short lookup matches judged at their acceptance estimate itself, not less one
-    standard error (``LOOKUP_Z``): the hand computations of buckets, caps, margins and
+    standard error (``lookup_z``): the hand computations of buckets, caps, margins and
     costs below are written for the estimate; the lower bound has tests of its own
     (test_short_lookup_matches_draft_on_their_acceptance_less_one_standard_error)."""
     monkeypatch.setattr(fakes, "TUNING", tuned(lookup_z=0.0))
@@ -133,7 +133,7 @@ def test_short_lookup_matches_draft_on_their_acceptance_less_one_standard_error(
     # Where a batch of 2 rows costs two lone steps, the estimate itself (0.9) would draft
     # K=3 (3.439 / 0.0304 = 113.13 > 105), but 0.68787 pays at no K (K=2: 2.16103 /
     # 0.0244 = 88.57; the target alone: 100): the target alone, and the proposal is
-    # watched instead (a shadow draft of SHADOW_LEN tokens).
+    # watched instead (a shadow draft of ``shadow_len`` tokens).
     assert e(0.9, 3) / 0.0304 > 105 > max(e(a, k) / ROWS_COST[k + 1] for k in (1, 2, 3, 4))
     p = ngram_planner(ROWS_COST)
     p.confidence = 0.9
@@ -189,7 +189,7 @@ def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
 
 
 def test_a_shadow_draft_cut_short_never_shortens_the_accepted_length() -> None:
-    """A shadow matched to its end (SHADOW_LEN tokens) says its copy went on at least
+    """A shadow matched to its end (``shadow_len`` tokens) says its copy went on at least
     that far, not that it stopped there: a copy's mean accepted length (6 at first,
     drafts up to 16) is not pulled down by it; a shadow broken after 1 token is an
     accepted length of 1, and moves the mean halfway to it."""
@@ -302,7 +302,7 @@ def test_a_lookup_draft_that_pays_near_the_start_does_not_deep_in_the_context() 
     # 1000 positions cached: each row of a batch costs 5 ms more: K=1: 1.9/0.022 = 86.4,
     # K=2: 2.71/0.029 = 93.4, K=3: 3.439/0.036 = 95.5, K=4: 4.0951/0.0445 = 92.0, all
     # below the target alone (100, its lone row unchanged): no drafts. (The same 9-token
-    # match after other text: a longer one would be a copy, COPY_MATCH.)
+    # match after other text: a longer one would be a copy, ``copy_match``.)
     plan = p.plan([20] * 984 + pattern * 2 + [1], 16, GREEDY, RNG)
     assert p.cached == 1000
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
@@ -427,7 +427,7 @@ def test_a_verbatim_copy_of_16_tokens_is_drafted_where_a_shorter_match_is_not() 
     assert match_of([*src[:30], 1, 2, *src[:9]]) == 9
     assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / (0.8 * 0.0467))
     # A 20-token verbatim match (the indexed 8 extended back to the text's start): a copy,
-    # a = 0.97 and up to 16 drafts (COPY_CAP): K=16 e(0.97, 16) / 0.3767 =
+    # a = 0.97 and up to 16 drafts (``copy_cap``): K=16 e(0.97, 16) / 0.3767 =
     # 13.472 / 0.3767 = 35.76, above K=15 12.858 / 0.3800 = 33.8 and K=12 10.899 / 0.3899.
     p = planner()
     plan = p.plan([*src, 1, 2, *src[:20]], 16, GREEDY, RNG)
@@ -440,7 +440,7 @@ def test_a_verbatim_copy_of_16_tokens_is_drafted_where_a_shorter_match_is_not() 
 def test_a_long_verbatim_copy_drafts_longer_with_its_own_prior() -> None:
     # A 32-token verbatim match (LONG_MATCH) is a long copy: a = LONG_COPY_PRIOR = 0.98
     # whatever the target's confidence (0.5 here: a 20-token copy gets min(0.97, 0.5)),
-    # and drafts start at up to LONG_COPY_CAP = 32. On FLAT timings (every batch costs
+    # and drafts start at up to ``long_copy_cap`` = 32. On FLAT timings (every batch costs
     # one row) the longest draft allowed pays most: 32 tokens, e(0.98, 32) per 0.010 s.
     src = list(range(100, 180))
 
@@ -484,7 +484,7 @@ LONG = {1: 0.0461, 2: 0.0928, 3: 0.1119, 4: 0.139, 5: 0.1673, 7: 0.2486, 9: 0.35
 def test_one_long_copy_accepted_whole_does_not_make_the_next_one_longer(
     weight: float, k: int
 ) -> None:
-    # A long copy's first draft: 32 tokens (LONG_COPY_CAP), all accepted. Its bucket then
+    # A long copy's first draft: 32 tokens (``long_copy_cap``), all accepted. Its bucket then
     # holds 32 successes in 32 trials, faded once by the next step's tick to 31.04 / 31.04,
     # and its cap is 2 x (14 + 0.5 x (32 - 14)) + 4 = 50. With the prior 0.98 weighing 50
     # tokens, a = (31.04 + 49) / (31.04 + 50) = 0.98766: K=32 e(a, 32) / 0.6893 = 27.244 /
@@ -633,7 +633,7 @@ def test_what_a_verification_teaches() -> None:
     p.observe(none, 0, 0.010, confidence=1.7)  # the 11th: weight 0.1
     assert p.confidence == pytest.approx(0.8)
     # A model draft of 3, 2 accepted, not stopped: 2 successes of 3 trials; its 3 tokens
-    # passed P_STOP (3 of 3); t_draft moves 5% towards the 0.004 s measured per token; the
+    # passed ``p_stop`` (3 of 3); t_draft moves 5% towards the 0.004 s measured per token; the
     # batch of 4 took 1.2 times t_verify(4).
     p.observe(model_plan([1, 2, 3], 0.004), 2, 0.0192)
     assert (p.arm("model").accepted.successes, p.arm("model").accepted.trials) == (2.0, 3.0)
@@ -764,7 +764,7 @@ def test_the_draft_model_length_and_sync_limits() -> None:
 
 
 def three_way(prefix: Sequence[int]) -> np.ndarray:
-    """Token 10 after 1 (sure), then a tie of three (1/3 each: below P_STOP)."""
+    """Token 10 after 1 (sure), then a tie of three (1/3 each: below ``p_stop``)."""
     row = np.full(V, -100.0, np.float32)
     if prefix[-1] == 1:
         row[10] = 0.0
@@ -779,7 +779,7 @@ def test_a_model_draft_that_stops_below_draft_min_is_dropped_and_counted() -> No
     p.confidence = 0.9
     plan = p.plan([1], 16, GREEDY, RNG)
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
-    # One token passed P_STOP, the next did not: 1 success of 2 trials.
+    # One token passed ``p_stop``, the next did not: 1 success of 2 trials.
     assert (p.arm("model").passed.successes, p.arm("model").passed.trials) == (1.0, 2.0)
     assert p.arm("model").accepted.trials == 0.0 and (
         p.arm("model").steps,
@@ -806,7 +806,7 @@ def test_a_probe_drafts_the_best_k_up_to_4_only_while_nothing_was_measured(
 ) -> None:
     # Not in use, judged plainly (a_acc 0.95, a_cont = confidence), HAND's timings:
     # confidence 0.3: best K=2 at 102.11 tokens/s, below the margin (105) but above
-    # 0.85 of it (89.25): after PROBE_EVERY idle steps a probe of K=2. Confidence 0.05:
+    # 0.85 of it (89.25): after ``probe_every`` idle steps a probe of K=2. Confidence 0.05:
     # K=1 at 86.57, no probe. Measured before (2 trials, fading by 0.97 a step: still
     # above 1 after 20 steps): no probe either.
     monkeypatch.setattr(fakes, "TUNING", dataclasses.replace(fakes.TUNING, explore_steps=0))

@@ -211,3 +211,50 @@ def test_seconds_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
     draft(d, [1, 2, 1])
     draft(d, [1, 2, 1, 2])
     assert d.seconds == 0.75
+
+
+def tree(d: SuffixDrafter, history: Sequence[int], max_nodes: int, max_leaves: int,
+         min_prob: float = 0.05) -> tuple[list[int], list[int], list[float]]:  # fmt: skip
+    out = d.propose_tree(history, max_nodes, max_leaves, min_prob=min_prob)
+    assert out.parents is not None and out.probs is not None
+    return out.tokens, out.parents, out.probs
+
+
+def test_a_tree_s_tied_branches_come_largest_token_first() -> None:
+    # 1 was followed once each by 9, 8 and 7: three branches of 1/3, ties broken as the
+    # chain drafter breaks them (the larger token), then in the order they were found
+    third = pytest.approx(1 / 3)
+    h = [1, 9, 2, 1, 8, 3, 1, 7, 4, 1]
+    assert tree(SuffixDrafter(), h, 3, 3) == ([9, 8, 7], [-1, -1, -1], [third] * 3)
+    assert tree(SuffixDrafter(), h, 5, 3) == ([9, 8, 7, 2, 3], [-1, -1, -1, 0, 1], [third] * 5)
+
+
+def test_a_tree_s_leaves_and_nodes_are_bounded() -> None:
+    h = [1, 9, 2, 1, 8, 3, 1]  # 1 was followed by 9, 2, 1, 8, 3 and by 8, 3, 1
+    # one leaf: the other branch is passed over, and the first one goes on to the text's end
+    assert tree(SuffixDrafter(), h, 4, 1) == ([9, 2, 1, 8], [-1, 0, 1, 2], [0.5] * 4)
+    assert tree(SuffixDrafter(), h, 4, 2) == ([9, 8, 2, 3], [-1, -1, 0, 1], [0.5] * 4)
+    assert tree(SuffixDrafter(), h, 1, 1) == ([9], [-1], [0.5])
+    assert tree(SuffixDrafter(), h, 4, 0) == ([], [], [])
+    assert tree(SuffixDrafter(), h, 0, 2) == ([], [], [])
+    # a probability of exactly min_prob is kept, one below it is not
+    assert tree(SuffixDrafter(), h, 2, 2, min_prob=0.5) == ([9, 8], [-1, -1], [0.5, 0.5])
+    assert tree(SuffixDrafter(), h, 2, 2, min_prob=0.51) == ([], [], [])
+
+
+def test_a_tree_follows_an_occurrence_up_to_the_end_of_the_text() -> None:
+    # 5 was followed by 6, 5 and then the text ends: the branch ends there
+    d = SuffixDrafter()
+    assert tree(d, [5, 6, 5], 8, 1) == ([6, 5], [-1, 0], [1.0, 1.0])
+    assert d.propose_tree([5, 6, 5], 8, 1).match == 1
+
+
+def test_tree_seconds_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specgguf.speculative.drafters import suffix as drafters_module
+
+    times = iter([1.0, 1.25])
+    monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))
+    d = SuffixDrafter()
+    d.seconds = 1.0
+    d.propose_tree([1, 2, 1], 4, 2)
+    assert d.seconds == 1.25

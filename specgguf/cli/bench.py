@@ -24,7 +24,7 @@ _LOAD = (
     .changed("threads", help=None)
     .changed("no_repack", help=None)
     .changed("deterministic", help="Also measure deterministic mode (det-target, "
-             "det-model-K, det-ngram-K, det-auto) side by side.")
+             "det-model-K, det-ngram-K, det-suffix-K, det-auto) side by side.")
 )  # fmt: skip
 
 

@@ -25,8 +25,8 @@ from specgguf.speculative.tuning import AUTO_TUNING
 #: The most devices a tensor split can name (llama.cpp's ``llama_max_devices()``).
 MAX_DEVICES = 16
 
-#: A drafter's name: a key of :data:`specgguf.engine.drafter_map.DRAFTERS` ("auto", "model",
-#: "ngram", "none").
+#: A drafter's name: one of :func:`specgguf.engine.drafter_map.drafter_kinds` ("auto",
+#: "model", "ngram", "suffix", "none").
 DrafterKind = str
 
 #: A fixed drafter's draft length when none is given.
@@ -135,7 +135,7 @@ class SpeculativeConfig:
             It also sizes the target's logits buffer (K + 1 rows), so it is the largest K
             any generation on the engine can use.
         p_min: a draft model stops drafting at a token it gives less than this probability
-            (auto mode uses at least ``AutoPlanner.P_STOP``).
+            (auto mode uses at least ``AutoTuning.p_stop``).
         ngram_min, ngram_max: the n-gram lengths the lookup drafter tries, longest first.
         draft_min: the shortest draft that is verified (llama.cpp's n_min): a step with
             room for fewer drafts, or whose drafter proposes fewer, runs without drafts;

@@ -82,7 +82,7 @@ DRAFTERS: dict[str, ArmFactory] = {
 
 def drafter_kinds() -> tuple[str, ...]:
     """What ``--drafter`` takes: auto mode, a drafter of :data:`DRAFTERS`, or none."""
-    return ("auto", *DRAFTERS, "none")
+    return ("auto", *sorted(DRAFTERS), "none")
 
 
 def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:

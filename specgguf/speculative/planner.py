@@ -138,7 +138,8 @@ class AutoPlanner:
         timings: calibrated timings (refined online unless ``learn_timings`` is False).
         arms: the drafters as auto mode weighs them, in the order ties are broken (the
             engine's are built from :data:`specgguf.engine.drafter_map.DRAFTERS`).
-        draft_max: the largest draft length of any arm.
+        draft_max: the largest draft length of any arm (default: the tuning's
+            ``draft_max_lookup``).
         draft_min: drafts shorter than this are neither planned nor verified (as
             :class:`FixedPlanner`); 0 or 1: no minimum.
         tuning: every tuning number (:class:`~specgguf.speculative.tuning.AutoTuning`).
@@ -151,14 +152,14 @@ class AutoPlanner:
         timings: Timings,
         arms: Sequence[Arm],
         *,
-        draft_max: int = AUTO_TUNING.draft_max_lookup,
+        draft_max: int | None = None,
         draft_min: int = 0,
         learn_timings: bool = True,
         tuning: AutoTuning = AUTO_TUNING,
     ) -> None:
         self.timings = timings
         self.arms = list(arms)
-        self.draft_max = draft_max
+        self.draft_max = tuning.draft_max_lookup if draft_max is None else draft_max
         self.draft_min = max(1, draft_min)
         self.learn_timings = learn_timings
         self.tuning = tuning

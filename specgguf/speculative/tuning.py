@@ -91,10 +91,11 @@ class AutoTuning:
     #: by the cost model (a row of a 49-row batch costs 20 ms against a 46 ms lone step,
     #: EPYC), a reason worked out, not a measurement of other caps. Only value.
     long_copy_cap: int = 32
-    #: The long-copy prior weighs the tokens it expects between breaks, 1 / (1 - 0.98), not
-    #: ``prior_trials``: with 2, one 32-token draft accepted whole read as 0.999 and the next
-    #: was 48 tokens, broken at 20. Was 2; 50 measured against it (code editing, EPYC, one
-    #: process, alternating, 6 rounds: median 30.91 -> 32.95 tokens/s).
+    #: The long-copy prior weighs the tokens it expects between breaks, 1 / (1 -
+    #: ``long_copy_prior``) (set both together), not ``prior_trials``: with 2, one 32-token
+    #: draft accepted whole read as 0.999 and the next was 48 tokens, broken at 20. Was 2;
+    #: 50 measured against it (code editing, EPYC, one process, alternating, 6 rounds:
+    #: median 30.91 -> 32.95 tokens/s).
     long_copy_weight: float = 1 / (1 - 0.98)
     #: Below ``copy_match``, a lookup is judged at its acceptance less this many standard
     #: errors (shadow drafts bring evidence free). Tried against 0 (no bound, no shadows),
