@@ -349,6 +349,8 @@ def test_the_head_of_a_draft_keeps_its_distributions_estimates_and_metadata() ->
     assert head.tokens == [4, 5] and head.dists == dists[:2] and head.probs == [0.9, 0.8]
     assert (head.match, head.stopped) == (7, True)
     assert Draft([1, 2]).head(1) == Draft([1])
+    other = Draft([1], parents=[-1], resumed=True, token_seconds=0.25).head(1)
+    assert (other.parents, other.resumed, other.token_seconds) == ([-1], True, 0.25)
 
 
 def test_a_verification_teaches_the_timings_by_the_tuning_at_the_step_s_depth() -> None:
@@ -475,3 +477,13 @@ def test_auto_mode_s_defaults_come_from_its_tuning() -> None:
     assert AUTO_TUNING.long_copy_weight == pytest.approx(1 / (1 - AUTO_TUNING.long_copy_prior))
     # --drafter's choices, as its error lists them
     assert drafter_kinds() == ("auto", "model", "ngram", "suffix", "none")
+
+
+def test_a_match_counts_in_the_longest_bucket_it_reaches() -> None:
+    got = [AUTO_TUNING.bucket(m) for m in (0, 1, 2, 3, 4, 15, 16, 31, 32, 100)]
+    assert got == [1, 1, 2, 2, 4, 4, 16, 16, 32, 32]
+    assert (AUTO_TUNING.lookup_prior(2), AUTO_TUNING.lookup_prior(16)) == (0.7, 1.0)
+    # another tuning has its own buckets (nothing cached from the default one)
+    other = tuned(lookup_priors=((3, 0.5), (8, 0.9)))
+    assert (other.buckets, other.bucket(0), other.bucket(5), other.bucket(9)) == ((3, 8), 3, 3, 8)
+    assert other.lookup_prior(8) == 0.9 and AUTO_TUNING.buckets == (1, 2, 4, 16, 32)

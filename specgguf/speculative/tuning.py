@@ -16,6 +16,7 @@ experiments pass another with :func:`dataclasses.replace`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from specgguf.speculative.drafters.ngram import LONG_MATCH
 
@@ -61,10 +62,11 @@ class AutoTuning:
 
     # -- lookups: n-gram lookup and suffix matching -------------------------------------
 
-    #: Acceptance prior of a lookup, relative to the confidence, by match length (the
-    #: buckets: a match counts in the longest bucket it reaches). Measured a = 0.1-0.6 after
-    #: one token on six kinds of text, 0.7-0.98 after four (no command recorded); 0.7 for
-    #: two tokens is not explained. Buckets 16 and 32 came with copies; values never changed.
+    #: Acceptance prior of a lookup, relative to the confidence, by match length, shortest
+    #: first (the buckets: a match counts in the longest bucket it reaches). Measured a =
+    #: 0.1-0.6 after one token on six kinds of text, 0.7-0.98 after four (no command
+    #: recorded); 0.7 for two tokens is not explained. Buckets 16 and 32 came with copies;
+    #: values never changed.
     lookup_priors: tuple[tuple[int, float], ...] = (
         (1, 0.3), (2, 0.7), (4, 1.0), (16, 1.0), (LONG_MATCH, 1.0),
     )  # fmt: skip
@@ -180,18 +182,28 @@ class AutoTuning:
     #: 16 against 25-29 at 48, machine not named), then 64 with long copies.
     draft_max_lookup: int = 64
 
-    @property
+    # (cached: read at every step of every lookup arm)
+    @functools.cached_property
     def buckets(self) -> tuple[int, ...]:
         """The match lengths of ``lookup_priors``, shortest first."""
         return tuple(b for b, _ in self.lookup_priors)
 
+    @functools.cached_property
+    def _priors(self) -> dict[int, float]:
+        return dict(self.lookup_priors)
+
     def bucket(self, match: int) -> int:
         """The longest bucket a match of ``match`` tokens reaches (at least the first)."""
-        return max(b for b in self.buckets if b <= max(self.buckets[0], match))
+        buckets = self.buckets
+        reached = buckets[0]
+        for b in buckets:
+            if b <= match:
+                reached = b
+        return reached
 
     def lookup_prior(self, bucket: int) -> float:
         """The prior of ``bucket`` relative to the confidence."""
-        return dict(self.lookup_priors)[bucket]
+        return self._priors[bucket]
 
     def first_length(self, bucket: int, length: float, *, long_copies: bool) -> float:
         """A bucket's mean accepted length before any draft: ``length``, or for copies the
