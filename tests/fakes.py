@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
@@ -87,6 +88,54 @@ class FakeContext:
         self._tree = None
         assert 0 <= n_keep <= len(self.kv)
         del self.kv[n_keep:]
+
+    rollback_max: int | None = None
+    rollback_room: int | None = None
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        kv = list(self.kv)
+        self.log.append(("scratch", len(kv)))
+        try:
+            yield
+        finally:
+            self.kv = kv
+            self.log.append(("scratch end", len(kv)))
+
+
+class FakeRecurrentContext(FakeContext):
+    """A :class:`FakeContext` whose memory is a recurrent state with ``n_rs_seq``
+    snapshots, as llama.cpp keeps them: right after an evaluation of m tokens, a rollback
+    may drop up to ``min(n_rs_seq, m - 1)`` positions, once. A deeper rollback (other than
+    to 0) is logged as ("reread", n_keep) and counted in ``rereads``: the real context
+    decodes the kept tokens again."""
+
+    def __init__(self, *args: object, n_rs_seq: int = 4, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.rollback_max = n_rs_seq
+        self.rollback_room = 0
+        self.rereads = 0
+        self.deepest = 0
+
+    def eval(
+        self, tokens: Sequence[int], *, logits: Literal["last", "all", "none"] = "last"
+    ) -> npt.NDArray[np.float32]:
+        out = super().eval(tokens, logits=logits)
+        assert self.rollback_max is not None
+        self.rollback_room = min(self.rollback_max, len(tokens) - 1) if tokens else 0
+        return out
+
+    def rollback(self, n_keep: int) -> None:
+        depth = len(self.kv) - n_keep
+        assert self.rollback_room is not None
+        if n_keep and depth > self.rollback_room:
+            self.rereads += 1
+            self.log.append(("reread", n_keep))
+        elif n_keep:
+            self.deepest = max(self.deepest, depth)
+        if depth:
+            self.rollback_room = 0
+        super().rollback(n_keep)
 
     def set_rows_per_decode(self, rows: int | None) -> None:
         self.rows_per_decode = rows

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specgguf.gguf.info import read_model_info
+from specgguf.gguf.metadata import GGUFMetadata
 from specgguf.gguf.tiny import CHANGED_TOKEN_ID, fixture_specs, gpt2_vocab
 from specgguf.llama.backend import LlamaModel
-from specgguf.llama.runtime import build_info
+from specgguf.llama.runtime import build_info, llama
 
 PROMPT = "def is_palindrome(text):"
 
@@ -163,3 +167,214 @@ def test_min_tokens_is_a_lower_bound_on_the_token_count(
 ) -> None:
     text = "".join(parts)
     assert tiny_vocab.min_tokens(text) <= len(tiny_vocab.tokenize(text, add_special=False))
+
+
+# -- The fixtures with recurrent state: qwen35 (gated delta-net + attention), mamba2 -------
+# Loaded through llama_cpp's own API: the rollback snapshots (llama_context_params.n_rs_seq)
+# and MTP (load_mtp, LLAMA_CONTEXT_TYPE_MTP) are set there.
+
+#: fixture -> (architecture, block_count, llama_model_n_layer)
+RECURRENT = {
+    "hybrid": ("qwen35", 4, 4),
+    "hybrid-draft": ("qwen35", 2, 2),
+    "recurrent": ("mamba2", 2, 2),
+    "mtp": ("qwen35", 5, 4),  # block_count counts the MTP block, n_layer does not
+}
+N_RS_SEQ = 16
+
+
+@pytest.mark.parametrize("name", sorted(RECURRENT))
+def test_recurrent_fixtures_read_by_our_reader(tiny_models: dict[str, Path], name: str) -> None:
+    arch, n_blocks, _ = RECURRENT[name]
+    info = read_model_info(tiny_models[name])
+    assert (info.architecture, info.block_count, info.embedding_length) == (arch, n_blocks, 64)
+    assert info.findings == ()
+    assert info.vocab.n_tokens == 512
+    with (
+        GGUFMetadata.open(tiny_models[name]) as meta,
+        GGUFMetadata.open(tiny_models["target"]) as target,
+    ):
+        assert meta.get("general.architecture") == arch
+        # The target's vocabulary, token for token.
+        key = "tokenizer.ggml.tokens"
+        assert meta.strings(meta.get(key)) == target.strings(target.get(key))
+        assert meta.arch_key("nextn_predict_layers") == (1 if name == "mtp" else None)
+        assert meta.arch_key("ssm.state_size") == (128 if arch == "mamba2" else 16)
+        tensors = {t.name: t for t in meta.tensors()}
+    if arch == "qwen35":
+        # full_attention_interval 2: layer 0 gated delta-net, layer 1 attention.
+        assert {"blk.0.ssm_a", "blk.0.attn_qkv.weight", "blk.1.attn_q.weight"} <= tensors.keys()
+        assert "blk.1.ssm_a" not in tensors and "blk.0.attn_q.weight" not in tensors
+        assert tensors["blk.1.attn_q.weight"].shape == (64, 128)  # query and gate
+    else:
+        assert not any("attn_q" in t for t in tensors)
+        assert tensors["blk.1.ssm_in.weight"].shape == (64, 2 * 128 + 2 * 128 + 8)
+    assert ("blk.4.nextn.eh_proj.weight" in tensors) == (name == "mtp")
+
+
+@contextlib.contextmanager
+def raw_model(path: Path, *, load_mtp: bool = False) -> Iterator[Any]:
+    lc = llama()
+    params = lc.llama_model_default_params()
+    params.load_mtp = load_mtp
+    model = lc.llama_model_load_from_file(str(path).encode(), params)
+    assert model
+    try:
+        yield model
+    finally:
+        lc.llama_model_free(model)
+
+
+@contextlib.contextmanager
+def raw_context(model: Any, **params: Any) -> Iterator[Any]:
+    lc = llama()
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = 512, 512, 512
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.n_rs_seq = N_RS_SEQ
+    for key, value in params.items():
+        setattr(cp, key, value)
+    ctx = lc.llama_init_from_model(model, cp)
+    assert ctx
+    try:
+        yield ctx
+    finally:
+        lc.llama_free(ctx)
+
+
+def raw_decode(ctx: Any, model: Any, tokens: list[int], pos: int) -> np.ndarray:
+    """Decode ``tokens`` at ``pos``.. in one batch; the last position's logits."""
+    lc = llama()
+    batch = lc.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i == len(tokens) - 1
+        batch.n_tokens = len(tokens)
+        assert lc.llama_decode(ctx, batch) == 0
+    finally:
+        lc.llama_batch_free(batch)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+
+
+def raw_prompt(model: Any, n: int = 20) -> list[int]:
+    lc = llama()
+    text = (PROMPT + " the quick brown fox jumps over the lazy dog.\n" * 4).encode()
+    buf = (lc.llama_token * 256)()
+    n_tok = lc.llama_tokenize(
+        lc.llama_model_get_vocab(model), text, len(text), buf, 256, False, True
+    )
+    assert n_tok >= n
+    return list(buf[:n])
+
+
+def raw_greedy(
+    ctx: Any, model: Any, prompt: list[int], n: int
+) -> tuple[list[int], list[np.ndarray]]:
+    logits = raw_decode(ctx, model, prompt, 0)
+    out: list[int] = []
+    rows: list[np.ndarray] = []
+    for i in range(n):
+        rows.append(logits)
+        out.append(int(logits.argmax()))
+        logits = raw_decode(ctx, model, [out[-1]], len(prompt) + i)
+    return out, rows
+
+
+@pytest.mark.parametrize("name", sorted(RECURRENT))
+def test_recurrent_fixtures_load_and_generate_varied_text(
+    tiny_models: dict[str, Path], name: str
+) -> None:
+    lc = llama()
+    with raw_model(tiny_models[name]) as model, raw_context(model) as ctx:
+        assert lc.llama_model_n_layer(model) == RECURRENT[name][2]
+        assert lc.llama_model_is_recurrent(model) == (name == "recurrent")
+        assert lc.llama_model_is_hybrid(model) == (name != "recurrent")
+        tokens, rows = raw_greedy(ctx, model, raw_prompt(model), 30)
+    assert all(np.isfinite(r).all() and r.std() > 0.1 for r in rows)
+    # Not a token repeated: random weights, but varied greedy text (the MTP fixture's
+    # trunk is nearly a bigram model, whose greedy path cycles sooner).
+    assert len(set(tokens)) >= (5 if name == "mtp" else 15), tokens
+
+
+def test_hybrid_draft_agrees_with_the_hybrid_only_sometimes(tiny_models: dict[str, Path]) -> None:
+    # The draft is the hybrid's first two layers, perturbed: teacher-forced along the
+    # hybrid's greedy path, its argmax agrees at some positions and not at others.
+    with raw_model(tiny_models["hybrid"]) as model, raw_context(model) as ctx:
+        prompt = raw_prompt(model)
+        path, _ = raw_greedy(ctx, model, prompt, 40)
+    with raw_model(tiny_models["hybrid-draft"]) as model, raw_context(model) as ctx:
+        logits = raw_decode(ctx, model, prompt, 0)
+        agree = 0
+        for i, tok in enumerate(path):
+            agree += int(logits.argmax()) == tok
+            logits = raw_decode(ctx, model, [tok], len(prompt) + i)
+    assert 0 < agree < len(path) // 2, agree
+
+
+@pytest.mark.parametrize(("n_batch", "k"), [(8, 1), (8, 7), (24, N_RS_SEQ)])
+def test_hybrid_rolls_back_within_the_last_batch(
+    tiny_models: dict[str, Path], n_batch: int, k: int
+) -> None:
+    # Decode n_batch tokens in one batch, remove the last k (the recurrent layers restore
+    # a snapshot), decode on: the same logits as a context that never saw them.
+    lc = llama()
+    probe = [5, 77]
+    with raw_model(tiny_models["hybrid"]) as model:
+        base = raw_prompt(model, 50)
+        extra = [(37 * i) % 500 + 3 for i in range(n_batch)]
+        with raw_context(model) as ctx:
+            assert lc.llama_n_rs_seq(ctx) == N_RS_SEQ
+            raw_decode(ctx, model, base, 0)
+            raw_decode(ctx, model, extra, len(base))
+            p = len(base) + n_batch - k
+            assert lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), 0, p, -1)
+            assert lc.llama_memory_seq_pos_max(lc.llama_get_memory(ctx), 0) == p - 1
+            rolled_back = raw_decode(ctx, model, probe, p)
+        with raw_context(model) as ctx:
+            fresh = raw_decode(ctx, model, base + extra[: n_batch - k] + probe, 0)
+    assert int(rolled_back.argmax()) == int(fresh.argmax())
+    # Exactly equal on the CPU; other graph sizes, other kernels elsewhere (see README,
+    # "Exactness"). A stale state is off by several units.
+    np.testing.assert_allclose(rolled_back, fresh, atol=0.3)
+
+
+def test_rollback_limits(tiny_models: dict[str, Path]) -> None:
+    lc = llama()
+    with raw_model(tiny_models["hybrid"]) as model, raw_context(model) as ctx:
+        raw_decode(ctx, model, raw_prompt(model), 0)
+        raw_decode(ctx, model, list(range(3, 3 + 24)), 20)
+        # More than n_rs_seq back: refused, the sequence is unchanged.
+        assert not lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), 0, 44 - N_RS_SEQ - 1, -1)
+        assert lc.llama_memory_seq_pos_max(lc.llama_get_memory(ctx), 0) == 43
+    # mamba2 has no rollback snapshots in llama.cpp: n_rs_seq is clamped to 0 and removing
+    # the end of the sequence is refused.
+    with raw_model(tiny_models["recurrent"]) as model, raw_context(model) as ctx:
+        assert lc.llama_n_rs_seq(ctx) == 0
+        raw_decode(ctx, model, raw_prompt(model), 0)
+        raw_decode(ctx, model, list(range(3, 11)), 20)
+        assert not lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), 0, 27, -1)
+        assert lc.llama_memory_seq_pos_max(lc.llama_get_memory(ctx), 0) == 27
+
+
+def test_mtp_fixture_loads_with_and_without_its_mtp_block(tiny_models: dict[str, Path]) -> None:
+    lc = llama()
+    with raw_model(tiny_models["mtp"]) as model, raw_context(model) as ctx:
+        prompt = raw_prompt(model)
+        hybrid = raw_decode(ctx, model, prompt, 0)
+    for load_mtp in (False, True):
+        with raw_model(tiny_models["mtp"], load_mtp=load_mtp) as model:
+            assert lc.llama_model_n_layer(model) == 4
+            assert lc.llama_model_n_layer_nextn(model) == 1
+            with raw_context(model) as ctx:
+                # The trunk's logits do not depend on the MTP block being loaded.
+                np.testing.assert_array_equal(raw_decode(ctx, model, prompt, 0), hybrid)
+                if load_mtp:
+                    with raw_context(
+                        model, ctx_type=lc.LLAMA_CONTEXT_TYPE_MTP, ctx_other=ctx, n_rs_seq=0
+                    ) as mtp:
+                        # The MTP block runs on its own KV cache: a token decodes.
+                        logits = raw_decode(mtp, model, [int(hybrid.argmax())], len(prompt))
+                        assert np.isfinite(logits).all() and logits.std() > 0.1

@@ -105,12 +105,17 @@ def _variant(tmp_path: Path, name: str, **changes: object) -> Path:
     return write_tiny_model(tmp_path / f"{name}.gguf", spec)[0]
 
 
-def test_recurrent_architecture_refused(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_a_recurrent_architecture_is_a_fact_not_an_error(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Refused before issue 31 ("recurrent-architecture"); a recurrent draft drafts in a
+    # copy of its sequence, and the kind is reported.
     mamba = _variant(tmp_path, "mamba", architecture="mamba")
     r = check_compatibility(tiny_models["target"], mamba)
-    assert r.llama_cpp_compatible  # llama.cpp's vocabulary rules alone would let it pass
-    assert r.errors[0].code == "recurrent-architecture"
-    assert "'mamba' is recurrent" in r.errors[0].message
+    assert r.compatible and not r.errors
+    d = r.as_dict()["draft"]
+    assert (d["architecture"], d["memory"], d["rolls_back"]) == ("mamba", "recurrent", False)
+    assert r.as_dict()["target"]["memory"] == "attention"
 
 
 def test_eog_token_below_id_5_differs(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -105,16 +105,18 @@ def bench(
     draft_max = max(AUTO_TUNING.draft_max_lookup, *ks)
     drafting = dataclasses.replace(drafting, drafter="auto", draft=draft_max)
     config = o.engine_config(load, drafting, say=say)
+    with LoadProgress({}) as load_progress:
+        engine = Engine(config, on_load_progress=load_progress)
     configs = [("target", "none", 0)]
     if config.loads_draft:
         configs += [(f"model-K{k}", "model", k) for k in ks]
+    if engine.mtp_head is not None:  # the target's MTP layers
+        configs += [(f"mtp-K{k}", "mtp", k) for k in ks]
     configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
     configs += [(f"suffix-K{k}", "suffix", k) for k in ks]
     configs.append(("auto", "auto", draft_max))
     if load.deterministic:
         configs += [("det-" + name, kind, k) for name, kind, k in configs]
-    with LoadProgress({}) as load_progress:
-        engine = Engine(config, on_load_progress=load_progress)
     with engine:
         report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
                            progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip
@@ -199,7 +201,7 @@ def _plot_bench(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(cats), figsize=(4 * len(cats), 3.5), squeeze=False)
     for ax, cat in zip(axes[0], cats, strict=True):
         rows = [r for r in report["results"] if r["category"] == cat]
-        for kind in ("model", "ngram", "suffix"):
+        for kind in ("model", "mtp", "ngram", "suffix"):
             pts = sorted((int(r["config"].split("-K")[1]), r["speedup"]) for r in rows
                          if r["config"].startswith(kind + "-K"))  # fmt: skip
             if pts:

@@ -55,6 +55,8 @@ def info(
         ("file", mi["path"]),
         ("name", mi["name"] or "-"),
         ("architecture", mi["architecture"] or "-"),
+        ("memory", _memory(mi)),
+        ("MTP layers", str(mi["nextn_layers"]) if mi["nextn_layers"] else "none"),
         ("size label", mi["size_label"] or "-"),
         ("quantization", mi["quantization"] or "-"),
         ("parameters", count(mi["n_params"])),
@@ -79,6 +81,19 @@ def info(
     for k, val in rows:
         t.add_row(k, val)
     stdout_console().print(t)
+
+
+def _memory(mi: dict[str, Any]) -> str:
+    """``KV cache``, or ``hybrid: KV cache + recurrent state (2 layers, 11.0 KiB per
+    sequence), rolled back by snapshots``."""
+    if mi["memory"] == "attention":
+        return "KV cache"
+    state = (f"recurrent state ({mi['recurrent_layers']} layers, "
+             f"{size(mi['recurrent_state_bytes'])} per sequence)")  # fmt: skip
+    what = state if mi["memory"] == "recurrent" else f"hybrid: KV cache + {state}"
+    how = ("rolled back by snapshots" if mi["rolls_back"]
+           else "no rollback in this llama.cpp: no drafts for it as a target")  # fmt: skip
+    return f"{what}, {how}"
 
 
 def _print_findings(findings: Any) -> None:
@@ -119,6 +134,8 @@ def check(
 def _print_check(report: Any) -> None:
     from rich.table import Table
 
+    from specgguf.gguf.arch import describe
+
     con = stdout_console()
     t = Table(box=None, pad_edge=False, header_style="bold")
     t.add_column("")
@@ -127,6 +144,7 @@ def _print_check(report: Any) -> None:
     tv, dv = report.target.as_dict(), report.draft.as_dict()
     t.add_row("file", str(report.target.path), str(report.draft.path))
     t.add_row("architecture", report.target.architecture or "-", report.draft.architecture or "-")
+    t.add_row("memory", *(describe(v.architecture) for v in (report.target, report.draft)))
     for label, key in (("tokenizer", "tokenizer_model"), ("pre-tokenizer", "pre_tokenizer")):
         t.add_row(label, str(tv[key]), str(dv[key]))
     t.add_row("tokens", f"{tv['n_tokens']:,}", f"{dv['n_tokens']:,}")

@@ -377,11 +377,11 @@ def is_model_file(name: str) -> bool:
 SPEC_TYPES = {
     "none": "none", "draft-simple": "model", "ngram-simple": "ngram", "ngram-map-k": "ngram",
     "ngram-map-k4v": "ngram", "ngram-mod": "ngram", "ngram-cache": "ngram",
+    "draft-mtp": "mtp",
 }  # fmt: skip
 #: llama.cpp's drafters that need a model specgguf cannot drive (a head inside or beside
 #: the target), and what they are.
 _HEADS = {
-    "draft-mtp": "the target's multi-token-prediction head",
     "draft-eagle3": "an EAGLE-3 head",
     "draft-dflash": "a DFlash drafter",
 }
@@ -402,7 +402,8 @@ def spec_type_drafter(value: str) -> tuple[str, str | None]:
             what = _HEADS.get(t, "a drafting head")
             raise UsageError(
                 f"--spec-type {t}: specgguf drafts with a separate draft model (draft-simple, "
-                f"-md) or n-gram lookup (ngram-*), not with {what}"
+                f"-md), the target's MTP layers (draft-mtp) or n-gram lookup (ngram-*), not "
+                f"with {what}"
             )
         if t not in SPEC_TYPES:
             raise UsageError(
@@ -417,9 +418,9 @@ def spec_type_drafter(value: str) -> tuple[str, str | None]:
             "what followed the latest earlier occurrence of the last 8 to 2 tokens of the "
             "prompt and output, without llama.cpp's n-gram counts, hash pool or cache files"
         )
-    if kinds == {"model", "ngram"}:
+    if len(kinds) > 1:
         note = (note + "; " if note else "specgguf: note: ") + (
-            "a draft model with n-gram lookup is auto mode here: it picks one of them at "
+            f"{' with '.join(sorted(kinds))} is auto mode here: it picks one of them at "
             "every step by expected speed (llama.cpp prefers an n-gram match)"
         )
         return "auto", note

@@ -291,7 +291,7 @@ def allowed_rate(
     drafter was measured. An upper bound for auto mode only in so far as a is one number
     per drafter and text: auto mode can do better where acceptance varies along the text."""
     best: tuple[str, float, int, float] | None = None
-    for family in ("model", "ngram", "suffix"):
+    for family in ("model", "mtp", "ngram", "suffix"):
         measured = [c for (ct, nm), c in cells.items()
                     if ct == category and nm.startswith(f"{family}-K")]  # fmt: skip
         if not measured:
@@ -299,9 +299,10 @@ def allowed_rate(
         accepted = sum(c.stats.accepted for c in measured)
         a = accepted / max(1, sum(c.stats.accepted + c.stats.rejected_steps for c in measured))
         t = AUTO_TUNING
-        k_max = t.draft_max_model if family == "model" else t.draft_max_lookup
+        evaluated = family in ("model", "mtp")  # a forward pass per draft token
+        k_max = t.draft_max_model if evaluated else t.draft_max_lookup
         k, rate = best_k(a, timings, k_max, cached=cached,
-                         draft_cost=None if family == "model" else 0.0)  # fmt: skip
+                         draft_cost=None if evaluated else 0.0)  # fmt: skip
         if best is None or rate > best[3]:
             best = (family, a, k, rate)
     return best

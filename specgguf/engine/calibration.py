@@ -91,9 +91,9 @@ def calibrate(
         # As in a real step, the other model has just run and evicted our weights from
         # the CPU caches.
         if other is not None:
-            other.rollback(len(prefix))
+            _rewind(other, len(prefix), 1)
             other.eval(body[:1], logits="last")
-        ctx.rollback(at)
+        _rewind(ctx, at, len(batch))
         t0 = time.perf_counter()
         ctx.eval(batch, logits=logits)
         return time.perf_counter() - t0
@@ -124,6 +124,18 @@ def calibrate(
         if ctx is not None:
             ctx.rollback(0)
     return timings
+
+
+def _rewind(ctx: Evaluator, at: int, n: int) -> None:
+    """Go back to ``at`` cached positions before measuring ``n`` more; a recurrent state
+    goes back only as far as its snapshots allow (each measurement then starts a few
+    positions deeper than the last, which costs the same), rather than reading the
+    prefix again, unless the context would overflow."""
+    room = ctx.rollback_room
+    keep = at if room is None else max(at, ctx.n_past - room)
+    if keep + n > ctx.n_ctx:
+        keep = at
+    ctx.rollback(keep)
 
 
 def _add_depth(timings: Timings, deeper: dict[int, float], span: int) -> None:

@@ -53,6 +53,28 @@ def default_draft_max(drafter: DrafterKind) -> int:
     return {"auto": AUTO_TUNING.draft_max_lookup, "none": 0}.get(drafter, FIXED_DRAFT_MAX)
 
 
+#: A recurrent or hybrid target's largest draft when no draft length is given (auto mode
+#: would draft lookups of up to 64): llama.cpp keeps a snapshot of the whole recurrent
+#: state for each token a rollback may drop (Qwen3.5-27B's: about 150 MB each).
+RECURRENT_DRAFT_MAX = 16
+
+
+def verify_draft_max(spec: SpeculativeConfig, memory: str) -> int:
+    """The largest draft the target's context is made for: the draft length, or for a
+    recurrent or hybrid target (``memory``, :func:`specgguf.gguf.arch.memory_kind`) given
+    none, at most :data:`RECURRENT_DRAFT_MAX`."""
+    if memory != "attention" and spec.draft_max == default_draft_max(spec.drafter):
+        return min(spec.draft_max, RECURRENT_DRAFT_MAX)
+    return spec.draft_max
+
+
+def uses_mtp(config: EngineConfig, nextn_layers: int) -> bool:
+    """Whether the target's MTP layers draft: asked for (``--drafter mtp``), or in auto
+    mode when the target carries them and no draft model is loaded (as Ollama does)."""
+    kind = config.speculative.drafter
+    return kind == "mtp" or (kind == "auto" and nextn_layers > 0 and not config.loads_draft)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """How to load one model (the target or the draft).

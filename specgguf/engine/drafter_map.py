@@ -19,7 +19,7 @@ from collections.abc import Callable
 from specgguf.errors import UsageError
 from specgguf.speculative.arms import Arm, LookupArm, ModelArm, SuffixArm
 from specgguf.speculative.costmodel import Timings
-from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter
 from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Planner
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
@@ -39,6 +39,8 @@ class Drafting:
     timings: Callable[[bool], Timings]
     #: auto mode's tuning
     tuning: AutoTuning = AUTO_TUNING
+    #: the target's multi-token-prediction layers, when loaded
+    mtp: MtpDrafter | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +74,19 @@ def _model(d: Drafting, s: DraftSettings) -> Arm | None:
     return ModelArm(d.model, draft_max=draft_max, p_min=s.p_min)
 
 
+def _mtp(d: Drafting, s: DraftSettings) -> Arm | None:
+    if d.mtp is None:
+        return None
+    draft_max = min(d.tuning.draft_max_model, s.draft_max) if s.auto else s.draft_max
+    return ModelArm(d.mtp, draft_max=draft_max, p_min=s.p_min)
+
+
 #: Drafter name -> its arm for one generation, in the order auto mode weighs them.
 DRAFTERS: dict[str, ArmFactory] = {
     "ngram": lambda d, s: LookupArm(NgramDrafter(*d.ngram)),
     "suffix": lambda d, s: SuffixArm(d.suffix, tree_branches=s.trees),
     "model": _model,
+    "mtp": _mtp,
 }
 
 
@@ -90,7 +100,7 @@ def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
 
     Raises:
         UsageError: an unknown kind, or a drafter that cannot run here (the model drafter
-            without a loaded draft model).
+            without a loaded draft model, the MTP drafter without MTP layers loaded).
     """
     if kind == "none":
         return FixedPlanner(None, 0)
@@ -103,6 +113,7 @@ def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
         raise UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {kind!r}")
     arm = DRAFTERS[kind](d, s)
     if arm is None:
-        raise UsageError(f"the {kind} drafter needs a draft model, and none was loaded")
+        needs = "the target's MTP layers" if kind == "mtp" else "a draft model"
+        raise UsageError(f"the {kind} drafter needs {needs}, and none was loaded")
     return FixedPlanner(arm.drafter, s.draft_max, p_min=s.p_min, draft_min=s.draft_min,
                         tree_branches=s.trees)  # fmt: skip

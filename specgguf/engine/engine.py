@@ -21,9 +21,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from specgguf.engine.calibration import calibrate, calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
@@ -35,14 +39,17 @@ from specgguf.engine.config import (
     check_p_min,
     default_draft_max,
     default_draft_tree,
+    uses_mtp,
+    verify_draft_max,
 )
 from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
-from specgguf.engine.preflight import Preflight, preflight
+from specgguf.engine.preflight import Preflight, preflight, target_snapshots
 from specgguf.errors import BackendError, ContextOverflowError, UsageError
-from specgguf.llama.backend import LlamaContext, LlamaModel, default_threads
+from specgguf.gguf.arch import describe
+from specgguf.llama.backend import LlamaContext, LlamaModel, MtpHead, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
-from specgguf.speculative.drafters import ModelDrafter, SuffixDrafter
+from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, SuffixDrafter
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import Planner
 from specgguf.speculative.tuning import AUTO_TUNING
@@ -101,14 +108,20 @@ class Engine:
         self.deterministic_rows = 0
         self._stack = contextlib.ExitStack()
         spec = config.speculative
+        t_info = self.preflight.target
+        mtp = uses_mtp(config, t_info.nextn_layers)
         try:
-            self.target_model = self._load(config.target)
+            self.target_model = self._load(config.target, load_mtp=mtp)
             # A verification needs K + 1 outputs; llama.cpp sizes its logits buffer by this.
-            # Token trees need a sequence per branch (SpeculativeConfig.draft_tree).
+            # Token trees need a sequence per branch (SpeculativeConfig.draft_tree); a
+            # recurrent state holds none, and keeps a snapshot per draft token instead.
+            attention = self.target_model.memory == "attention"
             target_ctx = functools.partial(
                 self._context, self.target_model, config.target, self.preflight.n_ctx,
-                spec.draft_max + 1, reserve=int(config.deterministic),
-                tree_branches=spec.draft_tree,
+                verify_draft_max(spec, self.target_model.memory) + 1,
+                reserve=int(config.deterministic),
+                tree_branches=spec.draft_tree if attention else 0,
+                n_rs_seq=target_snapshots(config, t_info), hidden=mtp,
             )  # fmt: skip
             if config.deterministic:
                 # K in q8_0: then no lone row needs a throw-away row (specgguf.llama.
@@ -129,11 +142,28 @@ class Engine:
             if config.loads_draft:
                 assert config.draft is not None
                 self.draft_model = self._load(config.draft)
-                # The draft only ever needs the logits of its last position.
+                # The draft only ever needs the logits of its last position; a recurrent
+                # one drafts in a copy of its sequence (ModelDrafter).
                 self.draft_ctx = self._context(
-                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1, draft=True
-                )
+                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1, draft=True,
+                    scratch=self.draft_model.memory != "attention",
+                )  # fmt: skip
                 model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
+            #: the target's MTP layers, when they draft
+            self.mtp_head: MtpHead | None = None
+            mtp_drafter = None
+            if mtp:
+                self.mtp_head = self._stack.enter_context(MtpHead(self.target_ctx))
+                mtp_drafter = MtpDrafter(self.mtp_head, self.target_ctx, self.target_model.n_vocab)
+                if spec.drafter == "auto":
+                    log.warning(
+                        "note: %s carries %d multi-token-prediction layer(s): auto mode "
+                        "drafts with them too (--drafter to choose)",
+                        self.target_model.path.name, self.target_model.n_layer_nextn,
+                    )  # fmt: skip
+            if not attention and spec.drafter == "auto" and not self.target_ctx.n_rs_seq:
+                log.warning("note: the target is %s: auto mode runs it without drafts",
+                            describe(t_info.architecture))  # fmt: skip
             if config.rpc_servers:
                 from specgguf.llama.rpc import keep_alive, parse_endpoints
 
@@ -150,8 +180,9 @@ class Engine:
                     self.decoder.draft_capacity,
                 )  # fmt: skip
             self.drafting = Drafting(
-                model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings
-            )
+                model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings,
+                mtp=mtp_drafter,
+            )  # fmt: skip
             trained = self.preflight.target.context_length
             if trained and self.n_ctx > trained:
                 # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context
@@ -197,7 +228,7 @@ class Engine:
         """``Engine(config)``: check, then load (see the class)."""
         return cls(config)
 
-    def _load(self, m: ModelConfig) -> LlamaModel:
+    def _load(self, m: ModelConfig, *, load_mtp: bool = False) -> LlamaModel:
         devices: list[str | int] | None = None if m.devices is None else list(m.devices)
         if m.rpc:  # the servers answered in preflight; their devices come first
             from specgguf.llama import rpc
@@ -208,7 +239,8 @@ class Engine:
         progress = functools.partial(report, m.path) if report is not None else None
         model = LlamaModel(m.path, n_gpu_layers=m.n_gpu_layers, use_extra_bufts=m.repack,
                            devices=devices, tensor_split=m.tensor_split,
-                           progress=progress, huge_pages=m.huge_pages)  # fmt: skip
+                           progress=progress, huge_pages=m.huge_pages,
+                           load_mtp=load_mtp)  # fmt: skip
         return self._stack.enter_context(model)
 
     def _context(
@@ -222,11 +254,15 @@ class Engine:
         draft: bool = False,
         tree_branches: int = 0,
         type_k: str = "f16",
+        n_rs_seq: int = 0,
+        scratch: bool = False,
+        hidden: bool = False,
     ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
                 reserve=reserve, tree_branches=tree_branches, type_k=type_k,
+                n_rs_seq=n_rs_seq, scratch=scratch, hidden=hidden,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
@@ -394,7 +430,26 @@ class Engine:
         if det:  # past this a lone row costs two (a throw-away row)
             self._timings[det].lone_max = self.target_ctx.lone_rows_max
             self._timings[det].chunk_rows = self.deterministic_rows
+        if self.mtp_head is not None and self.draft_ctx is None:
+            self._timings[det].draft = self._mtp_token_seconds()
         return self._timings[det]
+
+    def _mtp_token_seconds(self, repeats: int = 5) -> float:
+        """Seconds per MTP draft token: the least of ``repeats`` one-row evaluations of
+        the head (the draft time of auto mode's cost model, as a draft model's)."""
+        head = self.mtp_head
+        assert head is not None
+        zeros = np.zeros((1, head.n_embd), np.float32)
+        best = math.inf
+        for _ in range(repeats):
+            head.rollback(0)
+            t0 = time.perf_counter()
+            head.eval([0], zeros, last=True)
+            best = min(best, time.perf_counter() - t0)
+        head.rollback(0)
+        assert self.drafting.mtp is not None
+        self.drafting.mtp.reset()
+        return best
 
     def _calibration_key(self, deterministic: bool = False) -> str:
         return calibration_key(

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from specgguf.engine.config import EngineConfig, ModelConfig
+from specgguf.engine.config import EngineConfig, ModelConfig, verify_draft_max
 from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
+from specgguf.gguf.arch import describe, rolls_back
 from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.vocab import CompatReport, check_compatibility
 from specgguf.llama.memory import (
@@ -144,12 +145,55 @@ def memory_plan(
     for m, info, ctx in pairs:
         devices = model_devices(m, servers, gpus)
         places.update({d.name: d for d in devices})
-        mem = model_memory(info, n_ctx=ctx)
+        snaps = target_snapshots(config, info) if info is target else draft_snapshots(info)
+        mem = model_memory(info, n_ctx=ctx, snapshots=snaps)
         models.append(
             place_model(info, mem, devices, n_gpu_layers=m.n_gpu_layers,
                         tensor_split=m.tensor_split)
         )  # fmt: skip
     return MemoryPlan(tuple(places.values()), tuple(models))
+
+
+def target_snapshots(config: EngineConfig, info: ModelInfo) -> int:
+    """Recurrent-state snapshots the target's context keeps (``n_rs_seq``): one per draft
+    token a verification may reject, for an architecture llama.cpp snapshots; else 0."""
+    if info.memory == "attention" or not rolls_back(info.architecture):
+        return 0
+    return verify_draft_max(config.speculative, info.memory)
+
+
+def draft_snapshots(info: ModelInfo) -> int:
+    """A recurrent draft model's second state: the copy of its sequence it drafts in."""
+    return 0 if info.memory == "attention" else 1
+
+
+def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
+    """Refuse, before anything loads, what the target's architecture cannot do: a fixed
+    drafter on a recurrent state llama.cpp cannot roll back, token trees and
+    deterministic mode on a recurrent state, MTP drafting without MTP layers.
+
+    Raises:
+        UsageError: one line naming the architecture and what to use instead.
+    """
+    spec, arch = config.speculative, describe(target.architecture)
+    if spec.drafter == "mtp" and not target.nextn_layers:
+        raise UsageError(
+            f"--drafter mtp: {target.path.name} carries no multi-token-prediction layers "
+            f"({target.architecture}.nextn_predict_layers)"
+        )
+    if target.memory == "attention":
+        return
+    if spec.drafter not in ("auto", "none") and not rolls_back(target.architecture):
+        raise UsageError(
+            f"--drafter {spec.drafter}: the target is {arch}: rejected drafts cannot be "
+            "dropped from its state; use --drafter none (auto mode runs it alone)"
+        )
+    if config.deterministic:
+        raise UsageError(f"--deterministic: not supported on a recurrent state; the target is "
+                         f"{arch}")  # fmt: skip
+    if spec.draft_tree and spec.drafter != "auto":
+        raise UsageError(f"--draft-tree: a recurrent state cannot hold a token tree; the target "
+                         f"is {arch}: use chains (--draft-tree 0)")  # fmt: skip
 
 
 def preflight(config: EngineConfig) -> Preflight:
@@ -176,6 +220,7 @@ def preflight(config: EngineConfig) -> Preflight:
     t_info = read_model_info(config.target.path)
     d_info = read_model_info(draft.path) if draft is not None else None
     t_info.require_loadable()
+    check_speculation(config, t_info)
     if d_info is not None:
         d_info.require_loadable()
     compat = None
@@ -197,10 +242,10 @@ def preflight(config: EngineConfig) -> Preflight:
     # 0: the model's training context; a model that gives none: the default size
     n_ctx = config.target.n_ctx or t_info.context_length or ModelConfig.n_ctx
     n_ctx_draft = n_ctx
-    parts = [model_memory(t_info, n_ctx=n_ctx)]
+    parts = [model_memory(t_info, n_ctx=n_ctx, snapshots=target_snapshots(config, t_info))]
     if d_info is not None and draft is not None:
         n_ctx_draft = draft.n_ctx or n_ctx
-        parts.append(model_memory(d_info, n_ctx=n_ctx_draft))
+        parts.append(model_memory(d_info, n_ctx=n_ctx_draft, snapshots=draft_snapshots(d_info)))
     plan = memory_plan(config, t_info, d_info, n_ctx, n_ctx_draft, servers=servers)
     needed = check_plan(plan) if config.check_memory else plan.need(LOCAL)
     return Preflight(t_info, d_info, compat, parts, needed, n_ctx, n_ctx_draft, plan,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import GGUFFormatError, ModelLoadError
+from specgguf.gguf.arch import MemoryKind, memory_kind, rolls_back
 from specgguf.gguf.loadcheck import load_findings
 from specgguf.gguf.metadata import FILE_TYPES, Finding, GGUFMetadata, TensorInfo, shown
 from specgguf.gguf.vocab import VocabInfo, read_vocab
@@ -117,6 +118,22 @@ class ModelInfo:
     missing_shards: tuple[Path, ...]
     gguf_version: int
     findings: tuple[Finding, ...] = ()
+    #: multi-token-prediction layers the file carries (``{arch}.nextn_predict_layers``)
+    nextn_layers: int = 0
+    #: layers that hold a recurrent state, and its bytes per sequence in those layers
+    #: (F32, llama.cpp's ``n_embd_r() + n_embd_s()``; 0 for attention alone)
+    recurrent_layers: int = 0
+    recurrent_state_bytes: int = 0
+
+    @property
+    def memory(self) -> MemoryKind:
+        """What the architecture's memory holds (:func:`specgguf.gguf.arch.memory_kind`)."""
+        return memory_kind(self.architecture)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache: all of the trunk but the recurrent ones."""
+        return max(0, (self.block_count or 0) - self.nextn_layers - self.recurrent_layers)
 
     @property
     def has_chat_template(self) -> bool:
@@ -140,6 +157,11 @@ class ModelInfo:
         return {
             "path": str(self.path),
             "architecture": self.architecture,
+            "memory": self.memory,
+            "rolls_back": rolls_back(self.architecture),
+            "nextn_layers": self.nextn_layers,
+            "recurrent_layers": self.recurrent_layers,
+            "recurrent_state_bytes": self.recurrent_state_bytes,
             "name": self.name,
             "size_label": self.size_label,
             "quantization": self.quantization,
@@ -160,6 +182,41 @@ class ModelInfo:
             "llama_cpp_loadable": not self.load_errors,
             "findings": [dataclasses.asdict(f) for f in self.findings],
         }
+
+
+def _recurrent_layers(meta: Any, n_layer: int) -> int:
+    """How many of the trunk's ``n_layer`` layers hold a recurrent state
+    (llama-model.cpp's ``recurrent_layer_arr``): all for a recurrent architecture; for a
+    hybrid one, those without KV heads (a per-layer ``head_count_kv`` array), or all but
+    every ``full_attention_interval``-th (Qwen3-Next and Qwen3.5: default 4)."""
+    kind = memory_kind(meta.architecture)
+    if kind == "attention" or n_layer <= 0:
+        return 0
+    if kind == "recurrent":
+        return n_layer
+    kv = meta.arch_key("attention.head_count_kv")
+    if isinstance(kv, list) and len(kv) >= n_layer:
+        return sum(1 for x in kv[:n_layer] if not x)
+    every = _int(meta.arch_key("full_attention_interval")) or 4
+    return sum(1 for i in range(n_layer) if (i + 1) % every)
+
+
+def _state_values(meta: Any) -> int:
+    """Values of one layer's recurrent state (llama-hparams.cpp ``n_embd_r`` +
+    ``n_embd_s``): RWKV's token shifts and wkv state, LFM2's short convolution, or a
+    Mamba-style convolution and SSM state (Mamba, gated delta nets)."""
+    n_embd = _int(meta.arch_key("embedding_length")) or 0
+    head = _int(meta.arch_key("wkv.head_size"))
+    if head:
+        return (_int(meta.arch_key("token_shift_count")) or 2) * n_embd + n_embd * head
+    l_cache = _int(meta.arch_key("shortconv.l_cache"))
+    if l_cache:
+        return n_embd * (l_cache - 1)
+    d_conv = _int(meta.arch_key("ssm.conv_kernel")) or 0
+    d_inner = _int(meta.arch_key("ssm.inner_size")) or 0
+    d_state = _int(meta.arch_key("ssm.state_size")) or 0
+    groups = _int(meta.arch_key("ssm.group_count")) or 0
+    return max(0, d_conv - 1) * (d_inner + 2 * groups * d_state) + d_state * d_inner
 
 
 def _str(v: Any) -> str | None:
@@ -213,6 +270,8 @@ def read_model_info(path: Path | str) -> ModelInfo:
         if missing:
             n_params = None
         ft = _int(meta.get("general.file_type"))
+        nextn = _int(meta.arch_key("nextn_predict_layers")) or 0
+        n_rec = _recurrent_layers(meta, (block_count or 0) - nextn)
         findings = [
             Finding(
                 "warning", "utf8", f"{shown(what)} is not valid UTF-8 (llama.cpp does not check)"
@@ -242,4 +301,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
             missing_shards=tuple(missing),
             gguf_version=meta.version,
             findings=tuple(findings),
+            nextn_layers=nextn,
+            recurrent_layers=n_rec,
+            recurrent_state_bytes=n_rec * 4 * _state_values(meta),
         )

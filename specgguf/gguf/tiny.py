@@ -1,16 +1,25 @@
 """Tiny, real GGUF models for tests and experiments, written with gguf-py's ``GGUFWriter``.
 
-Each model is a llama-architecture transformer (2 layers, n_embd 64) with deterministic
-weights drawn from a seed, and a real tokenizer section: a byte-level BPE vocabulary
-(``tokenizer.ggml.model = gpt2``, 256 byte tokens + merges learned from a small built-in
-corpus + ChatML control tokens) or a SentencePiece one (``llama``). llama.cpp loads such a
-file in milliseconds and generates from it, so every test run exercises the real loading
-and decoding code.
+Each model has deterministic weights drawn from a seed and a real tokenizer section: a
+byte-level BPE vocabulary (``tokenizer.ggml.model = gpt2``, 256 byte tokens + merges learned
+from a small built-in corpus + ChatML control tokens) or a SentencePiece one (``llama``).
+llama.cpp loads such a file in milliseconds and generates from it, so every test run
+exercises the real loading and decoding code. Three architectures (``TinySpec.architecture``):
+
+- ``llama``: a transformer (2 layers, n_embd 64); any other name not below gets its
+  tensors and keys too (files for metadata-only tests);
+- ``qwen35``: Qwen3.5's hybrid of gated delta-net (linear attention, recurrent state) and
+  gated full-attention layers, every ``full_attention_interval``-th layer attention,
+  optionally with MTP (NextN) blocks after the trunk (``nextn_layers``);
+- ``mamba2``: purely recurrent (Mamba-2 SSM layers, no KV cache).
 
 Variants (``FIXTURES``) cover what the other parts of specgguf need: a target, a draft
 identical to it, a draft that agrees only partly, drafts whose vocabularies are
-incompatible in one specific way each, and a split model. ``scripts/make-tiny-models``
-writes them all into a folder.
+incompatible in one specific way each, a split model, and models with recurrent state
+that share the target's vocabulary: ``hybrid`` (qwen35), ``hybrid-draft`` (its first two
+layers, perturbed), ``recurrent`` (mamba2) and ``mtp`` (``hybrid`` with small layers, plus
+one MTP block whose drafts the target accepts only sometimes).
+``scripts/make-tiny-models`` writes them all into a folder.
 """
 
 from __future__ import annotations
@@ -223,6 +232,27 @@ class TinySpec:
     chat_template: str | None = CHATML_TEMPLATE
     architecture: str = "llama"
     split_max_tensors: int = 0
+    #: qwen35: layer i is full attention when (i + 1) is a multiple of this, else a gated
+    #: delta-net (recurrent) layer; ``nextn_layers`` MTP blocks follow the ``n_layer``
+    #: trunk layers (``block_count`` counts both, as in llama.cpp).
+    full_attention_interval: int = 2
+    nextn_layers: int = 0
+    #: The recurrent layers' shapes (qwen35 and mamba2): the ``ssm.*`` keys of llama.cpp
+    #: (``ssm_dt_rank``: the number of heads, the value heads of qwen35).
+    ssm_d_conv: int = 4
+    ssm_d_state: int = 16
+    ssm_d_inner: int = 64
+    ssm_n_group: int = 2
+    ssm_dt_rank: int = 4
+    #: qwen35: a factor on the output projections of every block (``attn_output``,
+    #: ``ssm_out``, ``ffn_down``, trunk and MTP alike). Small, each block adds little to
+    #: the residual stream, so the next token depends mostly on the current one.
+    layer_scale: float = 1.0
+    #: qwen35 MTP blocks: None draws ``nextn.eh_proj`` at random; ``(e, h, r)`` makes it
+    #: ``e * [I | 0] + h * [0 | I] + r * (the random draw)``, i.e. it reads mostly the
+    #: normalised token embedding (the first half of its input in llama.cpp) when ``e``
+    #: dominates.
+    nextn_eh_proj: tuple[float, float, float] | None = None
     #: Variants for tests of what llama.cpp refuses, applied after everything else is
     #: added: keys left out, keys added or replaced as (key, value, GGUF type, element type
     #: of an array or None), tensors left out.
@@ -231,43 +261,271 @@ class TinySpec:
     drop_tensors: frozenset[str] = frozenset()
 
 
-def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
-    """The llama-architecture tensors, float32, shapes in numpy order (rows, columns)."""
-    rng = np.random.default_rng(spec.seed)
-    noise = np.random.default_rng(spec.perturb_seed)
-    d, dff, hd = spec.n_embd, spec.n_ff, spec.n_embd // spec.n_head
-    dkv = hd * spec.n_head_kv
+class _Weights:
+    """Deterministic weights: Gaussian ones from ``spec.seed``, perturbed by
+    ``spec.perturb`` (see :class:`TinySpec`), and other draws from the same generator."""
 
-    def w(shape: tuple[int, ...], scale: float) -> np.ndarray:
-        x = rng.standard_normal(shape).astype(np.float32) * scale
-        if spec.perturb:
-            x += noise.standard_normal(shape).astype(np.float32) * scale * spec.perturb
+    def __init__(self, spec: TinySpec) -> None:
+        self.rng = np.random.default_rng(spec.seed)
+        self.noise = np.random.default_rng(spec.perturb_seed)
+        self.perturb = spec.perturb
+
+    def normal(self, shape: tuple[int, ...], scale: float) -> np.ndarray:
+        x = self.rng.standard_normal(shape).astype(np.float32) * scale
+        if self.perturb:
+            x += self.noise.standard_normal(shape).astype(np.float32) * scale * self.perturb
         return x
 
+    def uniform(self, shape: tuple[int, ...], low: float, high: float) -> np.ndarray:
+        return self.rng.uniform(low, high, shape).astype(np.float32)
+
+
+def _ones(*shape: int) -> np.ndarray:
+    return np.ones(shape, np.float32)
+
+
+def _embeddings(spec: TinySpec, n_vocab: int, w: _Weights) -> tuple[np.ndarray, np.ndarray]:
+    """``token_embd`` and ``output``, with the padding rows of ``extra_padding_tokens``."""
+    d = spec.n_embd
     base_vocab = n_vocab - spec.extra_padding_tokens
-    emb = w((base_vocab, d), 1.0)
-    out = w((base_vocab, d), spec.logit_scale)
+    emb = w.normal((base_vocab, d), 1.0)
+    out = w.normal((base_vocab, d), spec.logit_scale)
     if spec.extra_padding_tokens:
         # Padding rows: embeddings that are never looked up and logits far below the rest,
         # as in real models whose vocabulary is padded to a round number.
         pad = spec.extra_padding_tokens
         emb = np.concatenate([emb, np.zeros((pad, d), np.float32)])
         out = np.concatenate([out, np.zeros((pad, d), np.float32)])
+    return emb, out
+
+
+def _ffn(
+    spec: TinySpec, w: _Weights, p: str, out_scale: float = 1.0
+) -> list[tuple[str, np.ndarray]]:
+    """SwiGLU feed-forward; ``out_scale`` multiplies ``ffn_down`` (``TinySpec.layer_scale``)."""
+    d, dff = spec.n_embd, spec.n_ff
+    return [
+        (f"{p}.ffn_gate.weight", w.normal((dff, d), d**-0.5)),
+        (f"{p}.ffn_up.weight", w.normal((dff, d), d**-0.5)),
+        (f"{p}.ffn_down.weight", w.normal((d, dff), dff**-0.5 * out_scale)),
+    ]
+
+
+def _llama_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    w = _Weights(spec)
+    d, hd = spec.n_embd, spec.n_embd // spec.n_head
+    dkv = hd * spec.n_head_kv
+    emb, out = _embeddings(spec, n_vocab, w)
     ts: list[tuple[str, np.ndarray]] = [("token_embd.weight", emb)]
     for i in range(spec.n_layer):
+        p = f"blk.{i}"
         ts += [
-            (f"blk.{i}.attn_norm.weight", np.ones(d, np.float32)),
-            (f"blk.{i}.attn_q.weight", w((d, d), d**-0.5)),
-            (f"blk.{i}.attn_k.weight", w((dkv, d), d**-0.5)),
-            (f"blk.{i}.attn_v.weight", w((dkv, d), d**-0.5)),
-            (f"blk.{i}.attn_output.weight", w((d, d), d**-0.5)),
-            (f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32)),
-            (f"blk.{i}.ffn_gate.weight", w((dff, d), d**-0.5)),
-            (f"blk.{i}.ffn_up.weight", w((dff, d), d**-0.5)),
-            (f"blk.{i}.ffn_down.weight", w((d, dff), dff**-0.5)),
+            (f"{p}.attn_norm.weight", _ones(d)),
+            (f"{p}.attn_q.weight", w.normal((d, d), d**-0.5)),
+            (f"{p}.attn_k.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_v.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_output.weight", w.normal((d, d), d**-0.5)),
+            (f"{p}.ffn_norm.weight", _ones(d)),
+            *_ffn(spec, w, p),
         ]
-    ts += [("output_norm.weight", np.ones(d, np.float32)), ("output.weight", out)]
+    ts += [("output_norm.weight", _ones(d)), ("output.weight", out)]
     return ts
+
+
+def _qwen35_is_recurrent(spec: TinySpec, il: int) -> bool:
+    """As llama.cpp's qwen35 loader decides from ``full_attention_interval``."""
+    return (il + 1) % spec.full_attention_interval != 0
+
+
+def _qwen35_attention(
+    spec: TinySpec, w: _Weights, p: str, out_scale: float = 1.0
+) -> list[tuple[str, np.ndarray]]:
+    """Gated full attention: ``attn_q`` projects to query and gate (twice n_head heads);
+    ``out_scale`` multiplies ``attn_output``."""
+    d, hd = spec.n_embd, spec.n_embd // spec.n_head
+    dkv = hd * spec.n_head_kv
+    return [
+        (f"{p}.attn_q.weight", w.normal((2 * hd * spec.n_head, d), d**-0.5)),
+        (f"{p}.attn_k.weight", w.normal((dkv, d), d**-0.5)),
+        (f"{p}.attn_v.weight", w.normal((dkv, d), d**-0.5)),
+        (
+            f"{p}.attn_output.weight",
+            w.normal((d, hd * spec.n_head), (hd * spec.n_head) ** -0.5 * out_scale),
+        ),
+        (f"{p}.attn_q_norm.weight", _ones(hd)),
+        (f"{p}.attn_k_norm.weight", _ones(hd)),
+    ]
+
+
+def _qwen35_delta_net(
+    spec: TinySpec, w: _Weights, p: str, out_scale: float = 1.0
+) -> list[tuple[str, np.ndarray]]:
+    """Gated delta-net: ``ssm_n_group`` key heads, ``ssm_dt_rank`` value heads, each of
+    ``ssm_d_state`` dimensions, a causal convolution over q, k and v; ``out_scale``
+    multiplies ``ssm_out``."""
+    d, n_v = spec.n_embd, spec.ssm_dt_rank
+    key_dim, value_dim = spec.ssm_d_state * spec.ssm_n_group, spec.ssm_d_inner
+    conv_dim = 2 * key_dim + value_dim
+    return [
+        (f"{p}.attn_qkv.weight", w.normal((conv_dim, d), d**-0.5)),
+        (f"{p}.attn_gate.weight", w.normal((value_dim, d), d**-0.5)),
+        (f"{p}.ssm_conv1d.weight", w.normal((conv_dim, spec.ssm_d_conv), spec.ssm_d_conv**-0.5)),
+        # softplus(alpha + dt) * a is the log of each head's decay per token: a < 0, dt
+        # around the inverse softplus of 0.001..0.1 as in the model's initialisation.
+        (f"{p}.ssm_dt.bias", np.log(np.expm1(w.uniform((n_v,), 0.001, 0.1)))),
+        (f"{p}.ssm_a", -w.uniform((n_v,), 1.0, 16.0)),
+        (f"{p}.ssm_beta.weight", w.normal((n_v, d), d**-0.5)),
+        (f"{p}.ssm_alpha.weight", w.normal((n_v, d), d**-0.5)),
+        (f"{p}.ssm_norm.weight", _ones(spec.ssm_d_state)),
+        (f"{p}.ssm_out.weight", w.normal((d, value_dim), value_dim**-0.5 * out_scale)),
+    ]
+
+
+def _eh_proj(spec: TinySpec, w: _Weights) -> np.ndarray:
+    """``nextn.eh_proj`` (see ``TinySpec.nextn_eh_proj``): llama.cpp's MTP graph
+    (src/models/qwen35.cpp) multiplies it by concat(enorm(embedding), hnorm(hidden))."""
+    d = spec.n_embd
+    x = w.normal((d, 2 * d), (2 * d) ** -0.5)
+    if spec.nextn_eh_proj is None:
+        return x
+    e, h, r = spec.nextn_eh_proj
+    eye = np.eye(d, dtype=np.float32)
+    return np.concatenate([eye * e, eye * h], axis=1) + x * r
+
+
+def _qwen35_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """Trunk layers first, then the MTP blocks (``blk.{n_layer + j}``): each an attention
+    layer plus ``nextn.*`` (the projection of the normalised token embedding and hidden
+    state, and the norm before the shared LM head)."""
+    w = _Weights(spec)
+    d = spec.n_embd
+    emb, out = _embeddings(spec, n_vocab, w)
+    ts: list[tuple[str, np.ndarray]] = [("token_embd.weight", emb)]
+    for i in range(spec.n_layer):
+        p = f"blk.{i}"
+        ts += [(f"{p}.attn_norm.weight", _ones(d)), (f"{p}.post_attention_norm.weight", _ones(d))]
+        if _qwen35_is_recurrent(spec, i):
+            ts += _qwen35_delta_net(spec, w, p, spec.layer_scale)
+        else:
+            ts += _qwen35_attention(spec, w, p, spec.layer_scale)
+        ts += _ffn(spec, w, p, spec.layer_scale)
+    for i in range(spec.n_layer, spec.n_layer + spec.nextn_layers):
+        p = f"blk.{i}"
+        ts += [
+            (f"{p}.attn_norm.weight", _ones(d)),
+            (f"{p}.post_attention_norm.weight", _ones(d)),
+            *_qwen35_attention(spec, w, p, spec.layer_scale),
+            *_ffn(spec, w, p, spec.layer_scale),
+            (f"{p}.nextn.eh_proj.weight", _eh_proj(spec, w)),
+            (f"{p}.nextn.enorm.weight", _ones(d)),
+            (f"{p}.nextn.hnorm.weight", _ones(d)),
+            (f"{p}.nextn.shared_head_norm.weight", _ones(d)),
+        ]
+    ts += [("output_norm.weight", _ones(d)), ("output.weight", out)]
+    return ts
+
+
+def _mamba2_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """Mamba-2 layers: ``ssm_in`` projects to z, x, B, C and dt (``ssm_dt_rank`` heads of
+    ``ssm_d_inner / ssm_dt_rank`` dimensions, ``ssm_n_group`` groups of B and C)."""
+    w = _Weights(spec)
+    d, d_inner, n_head, k_conv = spec.n_embd, spec.ssm_d_inner, spec.ssm_dt_rank, spec.ssm_d_conv
+    conv_dim = d_inner + 2 * spec.ssm_n_group * spec.ssm_d_state
+    emb, out = _embeddings(spec, n_vocab, w)
+    ts: list[tuple[str, np.ndarray]] = [("token_embd.weight", emb)]
+    for i in range(spec.n_layer):
+        p = f"blk.{i}"
+        ts += [
+            (f"{p}.attn_norm.weight", _ones(d)),
+            (f"{p}.ssm_in.weight", w.normal((d_inner + conv_dim + n_head, d), d**-0.5)),
+            (f"{p}.ssm_conv1d.weight", w.normal((conv_dim, k_conv), k_conv**-0.5)),
+            (f"{p}.ssm_conv1d.bias", np.zeros(conv_dim, np.float32)),
+            (f"{p}.ssm_dt.bias", np.log(np.expm1(w.uniform((n_head,), 0.001, 0.1)))),
+            (f"{p}.ssm_a", -w.uniform((n_head, 1), 1.0, 16.0)),
+            (f"{p}.ssm_d", _ones(n_head, 1)),
+            (f"{p}.ssm_norm.weight", _ones(spec.ssm_n_group, d_inner // spec.ssm_n_group)),
+            (f"{p}.ssm_out.weight", w.normal((d, d_inner), d_inner**-0.5)),
+        ]
+    ts += [("output_norm.weight", _ones(d)), ("output.weight", out)]
+    return ts
+
+
+def _check(spec: TinySpec) -> None:
+    """The shape constraints llama.cpp asserts (or silently relies on) for ``spec``."""
+    if spec.nextn_layers and spec.architecture != "qwen35":
+        raise ValueError("nextn_layers: only qwen35 tiny models have MTP blocks")
+    if spec.architecture == "qwen35":
+        if spec.ssm_d_inner != spec.ssm_d_state * spec.ssm_dt_rank:
+            raise ValueError("qwen35: ssm_d_inner must be ssm_d_state * ssm_dt_rank")
+        if spec.ssm_dt_rank % spec.ssm_n_group:
+            raise ValueError("qwen35: ssm_dt_rank (value heads) must be a multiple of ssm_n_group")
+        if not 0 < spec.full_attention_interval <= spec.n_layer:
+            raise ValueError("qwen35: full_attention_interval must be in 1..n_layer")
+    if spec.architecture == "mamba2" and (
+        spec.ssm_d_inner % spec.ssm_dt_rank or spec.ssm_d_inner % spec.ssm_n_group
+    ):
+        raise ValueError("mamba2: ssm_d_inner must be a multiple of ssm_dt_rank and ssm_n_group")
+
+
+def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """The tensors of ``spec.architecture``, float32, shapes in numpy order (rows, columns).
+    Another architecture than qwen35 and mamba2 gets llama's tensors and keys under its own
+    name (metadata-only tests write such files; llama.cpp may refuse to load them)."""
+    _check(spec)
+    return _ARCHITECTURES.get(spec.architecture, _llama_tensors)(spec, n_vocab)
+
+
+_ARCHITECTURES = {"qwen35": _qwen35_tensors, "mamba2": _mamba2_tensors}
+
+#: Tensors kept in float32 whatever ``TinySpec.quant`` says (as llama.cpp's converter
+#: does: the SSM kernels read them as float32).
+_F32_TENSORS = ("ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm")
+
+
+def _quantized(name: str, arr: np.ndarray, quant: GGMLQuantizationType) -> bool:
+    return (
+        quant != GGMLQuantizationType.F32
+        and arr.ndim == 2
+        and arr.shape[1] % gguf.GGML_QUANT_SIZES[quant][0] == 0
+        and not set(name.split(".")) & set(_F32_TENSORS)
+    )
+
+
+def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
+    """The ``{arch}.*`` hyperparameters before the vocabulary size."""
+    writer.add_context_length(spec.n_ctx_train)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_block_count(spec.n_layer + spec.nextn_layers)
+    if spec.architecture == "mamba2":
+        # As llama.cpp's converter writes Mamba-2: no attention, no feed-forward.
+        writer.add_feed_forward_length(0)
+        writer.add_head_count(0)
+    else:
+        writer.add_feed_forward_length(spec.n_ff)
+        writer.add_head_count(spec.n_head)
+        writer.add_head_count_kv(spec.n_head_kv)
+    if spec.architecture == "qwen35":
+        hd = spec.n_embd // spec.n_head
+        writer.add_key_length(hd)
+        writer.add_value_length(hd)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if spec.architecture != "mamba2":
+        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
+    if spec.architecture == "qwen35":
+        # Interleaved M-RoPE: sections of the rotated pairs (a text position is the same
+        # in each); they add up to half the rotated dimensions, as in the real models.
+        half = spec.n_embd // spec.n_head // 2
+        writer.add_rope_dimension_sections([(half + 2) // 3, (half + 1) // 3, half // 3, 0])
+        writer.add_full_attention_interval(spec.full_attention_interval)
+        if spec.nextn_layers:
+            writer.add_nextn_predict_layers(spec.nextn_layers)
+    if spec.architecture in ("qwen35", "mamba2"):
+        writer.add_ssm_conv_kernel(spec.ssm_d_conv)
+        writer.add_ssm_inner_size(spec.ssm_d_inner)
+        writer.add_ssm_state_size(spec.ssm_d_state)
+        writer.add_ssm_time_step_rank(spec.ssm_dt_rank)
+        writer.add_ssm_group_count(spec.ssm_n_group)
 
 
 def write_tiny_model(path: Path, spec: TinySpec) -> list[Path]:
@@ -276,8 +534,10 @@ def write_tiny_model(path: Path, spec: TinySpec) -> list[Path]:
     one is then the path to load).
 
     Raises:
+        ValueError: ``spec``'s shapes break a constraint of its architecture in llama.cpp.
         OSError: the file cannot be written.
     """
+    _check(spec)
     v = spec.vocab
     tokens = list(v.tokens) + [f"[PAD{i}]" for i in range(spec.extra_padding_tokens)]
     types = list(v.types) + [int(TokenType.USER_DEFINED)] * spec.extra_padding_tokens
@@ -286,15 +546,7 @@ def write_tiny_model(path: Path, spec: TinySpec) -> list[Path]:
     writer = GGUFWriter(path, spec.architecture, split_max_tensors=spec.split_max_tensors)
     writer.add_name(spec.name)
     writer.add_size_label("tiny")
-    writer.add_context_length(spec.n_ctx_train)
-    writer.add_embedding_length(spec.n_embd)
-    writer.add_block_count(spec.n_layer)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
+    _arch_keys(writer, spec)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(
         int(gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -329,7 +581,7 @@ def write_tiny_model(path: Path, spec: TinySpec) -> list[Path]:
     for name, arr in _tensors(spec, n_vocab):
         if name in spec.drop_tensors:
             continue
-        if arr.ndim == 2 and spec.quant != GGMLQuantizationType.F32:
+        if _quantized(name, arr, spec.quant):
             writer.add_tensor(name, gguf.quants.quantize(arr, spec.quant), raw_dtype=spec.quant)
         else:
             writer.add_tensor(name, arr)
@@ -359,6 +611,10 @@ def fixture_specs() -> dict[str, TinySpec]:
     """Every tiny fixture, by file stem. See the module docstring for what each is for."""
     bpe = gpt2_vocab()
     target = TinySpec(vocab=bpe, name="tiny target")
+    # Gated delta-net, attention, gated delta-net, attention.
+    hybrid = dataclasses.replace(
+        target, name="tiny hybrid", architecture="qwen35", n_layer=4, full_attention_interval=2
+    )
     return {
         "target": target,
         "draft-identical": dataclasses.replace(target, name="tiny draft identical"),
@@ -388,6 +644,35 @@ def fixture_specs() -> dict[str, TinySpec]:
         ),
         "split": dataclasses.replace(target, name="tiny split", split_max_tensors=8),
         "spm-target": TinySpec(vocab=spm_vocab(), name="tiny spm target", chat_template=None),
+        # Recurrent state (see the module docstring), in the target's vocabulary.
+        "hybrid": hybrid,
+        # The hybrid's first two layers (its embeddings and LM head drawn first, the same),
+        # perturbed: agrees with it only sometimes.
+        "hybrid-draft": dataclasses.replace(
+            hybrid, name="tiny hybrid draft", n_layer=2, perturb=0.2
+        ),
+        "recurrent": dataclasses.replace(
+            target,
+            name="tiny recurrent",
+            architecture="mamba2",
+            # 8 heads of 16 dimensions, state 128: shapes that llama.cpp's CUDA kernels
+            # take too (ssm_scan: d_state 96/128/256, ssm_conv: 128 channels a block).
+            ssm_d_inner=128,
+            ssm_d_state=128,
+            ssm_n_group=1,
+            ssm_dt_rank=8,
+        ),
+        # The hybrid with one MTP block, which agrees with it only sometimes: its layers
+        # scaled down, the trunk predicts the next token mostly from the current one, as
+        # the MTP block does from the embedding of the token it reads (llama.cpp's
+        # draft-mtp accepts about 30% of 4-token drafts, 50-60% of 1-token drafts).
+        "mtp": dataclasses.replace(
+            hybrid,
+            name="tiny mtp",
+            nextn_layers=1,
+            layer_scale=0.15,
+            nextn_eh_proj=(1.0, 0.2, 0.1),
+        ),
     }
 
 

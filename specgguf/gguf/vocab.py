@@ -11,8 +11,7 @@ llama.cpp's rules (errors)
     identical for every id from 5 (``SPEC_VOCAB_CHECK_START_TOKEN_ID``) up to the smaller
     count.
 beyond llama.cpp
-    errors: an architecture whose cache cannot be partially rolled back (recurrent or hybrid:
-    mamba, rwkv, jamba, ...); an end-of-generation token of the target (EOS, EOT, EOM, and
+    errors: an end-of-generation token of the target (EOS, EOT, EOM, and
     the tokens llama.cpp treats as EOG by their text, such as ``<|im_end|>``) missing from
     the draft or with another text there.
     warnings: draft ids the target does not have (never proposed: their draft probability
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import ModelLoadError
+from specgguf.gguf.arch import memory_kind, rolls_back
 from specgguf.gguf.loadcheck import load_findings
 from specgguf.gguf.metadata import ArrayRef, Finding, GGUFMetadata, Severity, shown
 
@@ -85,14 +85,6 @@ EOG_TEXTS = (
     "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
 )  # fmt: skip
 
-# Architectures whose memory is (partly) a recurrent state (llama-arch.cpp,
-# llm_arch_is_recurrent / llm_arch_is_hybrid): a rejected draft cannot be rolled back.
-RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-HYBRID_ARCHS = frozenset({
-    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
-    "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
-    "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
-})  # fmt: skip
 
 # Tokenizer models llama.cpp knows (llama_vocab::impl::load).
 _TOKENIZER_MODELS = frozenset(_VOCAB_TYPES) | {"test"}
@@ -531,12 +523,22 @@ class CompatReport:
             "compatible": self.compatible,
             "llama_cpp_compatible": self.llama_cpp_compatible,
             "verdict": self.verdict(),
-            "target": {"path": str(self.target.path), **self.target.as_dict()},
-            "draft": {"path": str(self.draft.path), **self.draft.as_dict()},
+            "target": {
+                "path": str(self.target.path),
+                **_arch(self.target),
+                **self.target.as_dict(),
+            },
+            "draft": {"path": str(self.draft.path), **_arch(self.draft), **self.draft.as_dict()},
             "findings": [dataclasses.asdict(f) for f in self.findings],
             "token_diff": dataclasses.asdict(self.token_diff),
             "seconds": round(self.seconds, 4),
         }
+
+
+def _arch(v: VocabInfo) -> dict[str, Any]:
+    """The architecture and what its memory holds, as facts of a report."""
+    return {"architecture": v.architecture, "memory": memory_kind(v.architecture),
+            "rolls_back": rolls_back(v.architecture)}  # fmt: skip
 
 
 def check_compatibility(target: Path | str, draft: Path | str) -> CompatReport:
@@ -583,12 +585,6 @@ def compare_vocabs(t: VocabInfo, d: VocabInfo, *, started: float | None = None) 
         out.append(Finding(sev, code, msg))
 
     for role, v in (("target", t), ("draft", d)):
-        arch = v.architecture or "unknown"
-        if arch in RECURRENT_ARCHS or arch in HYBRID_ARCHS:
-            kind = "recurrent" if arch in RECURRENT_ARCHS else "hybrid (attention + recurrent)"
-            add("error", "recurrent-architecture",
-                f"the {role}'s architecture {arch!r} is {kind}: its state cannot be rolled "
-                "back to drop rejected draft tokens, which speculative decoding needs")  # fmt: skip
         if v.tokens is None:
             add("error", "no-vocabulary", f"the {role} has no tokenizer.ggml.tokens list")
 

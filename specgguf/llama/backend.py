@@ -15,13 +15,14 @@ The speculative loop only needs the :class:`specgguf.speculative.draft.TargetEva
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -42,6 +43,9 @@ _warned_repack = False
 #: only: ggml-cpu/ops.cpp, ``ggml_compute_forward_flash_attn_ext_f16``), which is what
 #: deterministic mode uses (:mod:`specgguf.llama.invariance`).
 KV_CACHE_TYPES = {"f16": 1, "q8_0": 8}
+#: What a model's memory holds (:attr:`LlamaModel.memory`).
+MemoryKind = Literal["attention", "recurrent", "hybrid"]
+
 #: ``llama_token_attr`` flags of the tokens whose texts llama.cpp parses as special:
 #: LLAMA_TOKEN_ATTR_UNKNOWN, LLAMA_TOKEN_ATTR_CONTROL, LLAMA_TOKEN_ATTR_USER_DEFINED
 _SPECIAL_ATTRS = 1 << 0 | 1 << 3 | 1 << 4
@@ -122,6 +126,8 @@ class LlamaModel(_Native):
         huge_pages: advise transparent huge pages for the weights held in this process's
             memory when ``SPECGGUF_HUGEPAGES`` does not say (see
             :mod:`specgguf.llama.hugepages`); ``huge_pages_advised`` is then the bytes.
+        load_mtp: also load the multi-token-prediction layers the file carries
+            (``llama_model_params.load_mtp``), for :class:`MtpHead`.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist.
@@ -140,6 +146,7 @@ class LlamaModel(_Native):
         tensor_split: Sequence[float] = (),
         progress: Callable[[float], None] | None = None,
         huge_pages: bool = False,
+        load_mtp: bool = False,
     ) -> None:
         self._lc = lc = llama()
         self.path = Path(path)
@@ -156,6 +163,7 @@ class LlamaModel(_Native):
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        params.load_mtp = load_mtp
         params.use_extra_bufts = True if use_extra_bufts is None else use_extra_bufts
         handles = _device_handles(lc, devices) if devices is not None else None
         #: whether layers may go to a device (a local GPU, an RPC server)
@@ -204,6 +212,14 @@ class LlamaModel(_Native):
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(model)
         self.n_layer: int = lc.llama_model_n_layer(model)
         self.n_embd: int = lc.llama_model_n_embd(model)
+        #: what the model's memory holds: "attention" (a KV cache, cut anywhere),
+        #: "recurrent" (a state per sequence) or "hybrid" (both)
+        self.memory: MemoryKind = (
+            "hybrid" if lc.llama_model_is_hybrid(model)
+            else "recurrent" if lc.llama_model_is_recurrent(model) else "attention"
+        )  # fmt: skip
+        #: multi-token-prediction layers loaded (0 unless ``load_mtp`` and the file has them)
+        self.n_layer_nextn: int = int(lc.llama_model_n_layer_nextn(model)) if load_mtp else 0
         self.add_bos: bool = bool(lc.llama_vocab_get_add_bos(self._vocab))
         self.bos: int = lc.llama_vocab_bos(self._vocab)
         self.eos: int = lc.llama_vocab_eos(self._vocab)
@@ -316,14 +332,18 @@ class LlamaModel(_Native):
         reserve: int = 0,
         tree_branches: int = 0,
         type_k: str = "f16",
+        n_rs_seq: int = 0,
+        scratch: bool = False,
+        hidden: bool = False,
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
-        deterministic mode's throw-away rows use) on this model; ``tree_branches`` and
-        ``type_k``: see :class:`LlamaContext`."""
+        deterministic mode's throw-away rows use) on this model; ``tree_branches``,
+        ``type_k``, ``n_rs_seq``, ``scratch`` and ``hidden``: see :class:`LlamaContext`."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
-            reserve=reserve, tree_branches=tree_branches, type_k=type_k,
+            reserve=reserve, tree_branches=tree_branches, type_k=type_k, n_rs_seq=n_rs_seq,
+            scratch=scratch, hidden=hidden,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -439,6 +459,23 @@ class LlamaContext(_Native):
     :data:`KV_CACHE_TYPES`); the V cache is f16. llama.cpp refuses q8_0 for attention heads
     of fewer than 32 values (a BackendError here).
 
+    Recurrent and hybrid models (:attr:`LlamaModel.memory`) hold a state per sequence,
+    which a cut of the cache cannot simply shorten. ``n_rs_seq`` asks llama.cpp to keep
+    that many per-token snapshots of it (``llama_context_params.n_rs_seq``,
+    src/llama-memory-recurrent.cpp ``seq_rm``): right after a decode of m rows, up to
+    ``min(n_rs_seq, m - 1)`` of them can then be dropped (:attr:`rollback_room`; once,
+    until the next decode). llama.cpp keeps snapshots only for some architectures
+    (``llm_arch_supports_rs_rollback``: :attr:`n_rs_seq` is then what it granted) and needs
+    a micro-batch of at least ``n_rs_seq + 2`` tokens, which is ensured here. A deeper
+    :meth:`rollback` clears the sequence and decodes the tokens kept again: correct, and
+    as slow as reading them.
+
+    ``scratch`` gives the context a second sequence for :meth:`scratch` (a draft model's
+    own draft tokens, evaluated and then dropped whole, which needs no rollback).
+    ``hidden`` keeps the hidden state after every position decoded
+    (``llama_set_embeddings_nextn``) for :meth:`hidden_rows`, which an :class:`MtpHead`
+    reads.
+
     Raises:
         BackendError: llama.cpp could not create the context.
     """
@@ -456,6 +493,9 @@ class LlamaContext(_Native):
         reserve: int = 0,
         tree_branches: int = 0,
         type_k: str = "f16",
+        n_rs_seq: int = 0,
+        scratch: bool = False,
+        hidden: bool = False,
     ) -> None:
         self._lc = lc = model._lc
         self.model = model
@@ -471,10 +511,19 @@ class LlamaContext(_Native):
         params.n_outputs_max = min(n_outputs_max, n_batch)
         #: the most leaves :meth:`eval_tree` accepts (0: no trees, one sequence)
         self.tree_branches = tree_branches if tree_branches >= 2 else 0
-        n_seq = self.tree_branches + 1
+        n_seq = max(self.tree_branches + 1, 2 if scratch else 1)
         params.n_seq_max = n_seq
+        # llama.cpp reserves an output per sequence at creation, and asserts they fit
+        params.n_outputs_max = max(params.n_outputs_max, n_seq)
         if n_seq > 1:
             params.kv_unified = True
+        recurrent = model.memory != "attention"
+        if recurrent and n_rs_seq > 0:
+            # llama.cpp keeps a sequence's last n_rs_seq + 1 tokens in one micro-batch and
+            # asserts (aborts) unless n_ubatch > n_rs_seq + 1 (src/llama-batch.cpp).
+            n_rs_seq = min(n_rs_seq, params.n_batch - 2)
+            params.n_ubatch = min(params.n_batch, max(params.n_ubatch, n_rs_seq + 2))
+            params.n_rs_seq = max(0, n_rs_seq)
         params.n_threads = threads
         params.n_threads_batch = n_threads_batch or threads
         params.no_perf = True
@@ -503,6 +552,23 @@ class LlamaContext(_Native):
         self.n_past = 0
         self.eval_seconds = 0.0  # wall time inside llama_decode and logits access
         self._mem = lc.llama_get_memory(ctx)
+        #: whether the memory holds a recurrent state (a recurrent or hybrid model)
+        self.recurrent = recurrent
+        #: recurrent-state snapshots per sequence llama.cpp keeps (0: none, or no state)
+        self.n_rs_seq: int = int(lc.llama_n_rs_seq(ctx)) if recurrent else 0
+        self._room = 0  # positions the latest decode's snapshots can drop
+        self._scratch_ok = scratch
+        self._seq = 0  # the sequence eval() writes: 1 inside scratch()
+        # the token at each cached position, to decode again past the snapshots
+        self._held = np.zeros(self.n_ctx_allocated, np.int32)
+        self._hidden = hidden
+        self._hidden_rows: list[tuple[int, npt.NDArray[np.float32]]] = []
+        self.n_embd_out: int = int(lc.llama_model_n_embd_out(model.handle))
+        if hidden:
+            from llama_cpp import llama_cpp_ext
+
+            llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)
+            self._nextn = llama_cpp_ext.llama_get_embeddings_nextn
         self._batch = lc.llama_batch_init(self.n_batch, 0, n_seq)
         #: a tree evaluated and not yet resolved: (its root's position, the number of
         #: branch sequences, the branch sequence of each node)
@@ -592,15 +658,23 @@ class LlamaContext(_Native):
         rc = self._lc.llama_decode(self._ctx, self._batch)
         if rc != 0:
             # On failure llama.cpp restores the cache (or keeps processed ubatches):
-            # remove anything past what we know is committed.
-            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+            # remove anything past what we know is committed (a recurrent state cannot
+            # be cut there: the sequence is read again).
+            self._room = 0
+            self._truncate(self.n_past)
             raise BackendError(
                 f"llama_decode failed with code {rc} on {self.model.path.name} "
                 f"({m} tokens at position {self.n_past})"
             )
+        self._held[self.n_past : self.n_past + m] = chunk
+        if self._hidden:
+            ptr = self._nextn(self._ctx)
+            h = np.ctypeslib.as_array(ptr, shape=(rows, self.n_embd_out))[:m].copy()
+            self._hidden_rows.append((self.n_past, h))
         self.n_past += m
+        self._room = min(self.n_rs_seq, rows - 1)
         if pad:
-            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+            self._truncate(self.n_past)
         return m if outputs == "all" else int(outputs == "last")
 
     def _eval_rows(self, tokens: Sequence[int], all_rows: bool) -> npt.NDArray[np.float32]:
@@ -791,13 +865,28 @@ class LlamaContext(_Native):
                 raise ValueError("deterministic mode needs one KV position beyond n_ctx")
         self._rows_per_decode = rows
 
+    @property
+    def rollback_max(self) -> int | None:
+        """The most positions a rollback right after a decode can drop without decoding
+        the rest again: None (any) for a KV cache alone, else :attr:`n_rs_seq`."""
+        return None if not self.recurrent else self.n_rs_seq
+
+    @property
+    def rollback_room(self) -> int | None:
+        """How many positions :meth:`rollback` can drop now without decoding anything
+        again: None (any) for a KV cache alone, else what the recurrent state's snapshots
+        of the latest decode allow (0 after a rollback, until the next decode)."""
+        return None if not self.recurrent else self._room
+
     def rollback(self, n_keep: int) -> None:
         """Drop every KV-cache position from ``n_keep`` on, so that ``n_past == n_keep``
-        (and a tree :meth:`eval_tree` left, whole).
+        (and a tree :meth:`eval_tree` left, whole). On a recurrent state, deeper than
+        :attr:`rollback_room`, the sequence is cleared and its first ``n_keep`` tokens are
+        decoded again.
 
         Raises:
             ValueError: ``n_keep`` is negative or beyond ``n_past``.
-            BackendError: the cache cannot be partially removed (recurrent models).
+            BackendError: decoding the kept tokens again failed.
         """
         if self._tree is not None:  # a tree evaluated and not kept is dropped
             self._drop_tree(self._tree[1])
@@ -805,11 +894,89 @@ class LlamaContext(_Native):
             raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
         if n_keep == self.n_past:
             return
-        if not self._lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
-            raise BackendError(
-                f"{self.model.path.name}: the KV cache cannot be partially rolled back"
-            )
-        self.n_past = n_keep
+        t0 = time.perf_counter()
+        try:
+            self._truncate(n_keep)
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def _truncate(self, n_keep: int) -> None:
+        """Cut sequence 0 to ``n_keep`` positions: by llama.cpp's ``seq_rm`` where the
+        memory allows it, else by clearing it and decoding its tokens again."""
+        self._hidden_rows = [(p, h[: max(0, n_keep - p)]) for p, h in self._hidden_rows
+                             if p < n_keep]  # fmt: skip
+        depth = self.n_past - n_keep
+        room = self.rollback_room
+        if n_keep > 0 and room is not None and depth > room:
+            ok = False  # beyond the snapshots: llama.cpp could restore a stale one
+        else:
+            ok = bool(self._lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+        self._room = 0
+        if ok:
+            self.n_past = n_keep
+            return
+        log.debug("%s: rolling back %d positions past the recurrent state's snapshots: "
+                  "decoding %d tokens again", self.model.path.name, depth, n_keep)  # fmt: skip
+        kept = self._held[:n_keep].tolist()
+        self._lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        self.n_past = 0
+        self._hidden_rows = []
+        for start in range(0, n_keep, self.n_batch):
+            self._decode(kept[start : start + self.n_batch], outputs="none")
+
+    def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]:
+        """The hidden states after positions ``start .. end - 1`` (``hidden`` contexts),
+        float32[end - start, n_embd_out]; the rows before ``start`` are forgotten.
+
+        Raises:
+            ValueError: not a ``hidden`` context, or a position not decoded since the
+                rows before it were forgotten, or past ``n_past``.
+        """
+        if not self._hidden:
+            raise ValueError("this context was created without hidden states")
+        out = np.empty((max(0, end - start), self.n_embd_out), np.float32)
+        filled = np.zeros(len(out), bool)
+        kept: list[tuple[int, npt.NDArray[np.float32]]] = []
+        for p, h in self._hidden_rows:
+            lo, hi = max(p, start), min(p + len(h), end)
+            if lo < hi:
+                out[lo - start : hi - start] = h[lo - p : hi - p]
+                filled[lo - start : hi - start] = True
+            if p + len(h) > start:
+                kept.append((p, h))
+        if end > self.n_past or not filled.all():
+            raise ValueError(f"no hidden states for positions {start}..{end - 1}")
+        self._hidden_rows = kept
+        return out
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Evaluations inside go to a copy of sequence 0 (``scratch`` contexts), dropped
+        whole at the end: ``n_past`` is then as before. A recurrent state is copied by
+        llama.cpp at the copy's first decode (``seq_cp``); a KV cache's cells are shared.
+
+        Raises:
+            ValueError: not a ``scratch`` context.
+        """
+        if not self._scratch_ok:
+            raise ValueError("this context was created without a scratch sequence")
+        lc, n_past, hidden = self._lc, self.n_past, self._hidden
+        lc.llama_memory_seq_cp(self._mem, 0, 1, -1, -1)
+        self._set_seq(1)
+        self._hidden = False
+        try:
+            yield
+        finally:
+            lc.llama_memory_seq_rm(self._mem, 1, -1, -1)
+            self._set_seq(0)
+            self._hidden = hidden
+            self.n_past = n_past
+            self._room = 0
+
+    def _set_seq(self, seq: int) -> None:
+        for i in range(self.n_batch):
+            self._batch.seq_id[i][0] = seq
+        self._seq = seq
 
     def _is_open(self) -> bool:
         return self._ctx is not None
@@ -817,6 +984,143 @@ class LlamaContext(_Native):
     def _free(self) -> None:
         """Free the batch and the context (its KV cache)."""
         if self._batch is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            self._lc.llama_free(self._ctx)
+            self._ctx = None
+
+
+class MtpHead(_Native):
+    """The target's own multi-token-prediction layers (``{arch}.nextn_predict_layers``),
+    run in a context of their own (``LLAMA_CONTEXT_TYPE_MTP``) with a KV cache for those
+    layers alone, as llama.cpp's ``draft-mtp`` does (common/speculative.cpp).
+
+    A row of the head reads a token at position p with the target's hidden state after
+    position p - 1 and predicts the token at p + 1; chained over its own hidden state, one
+    layer drafts several tokens (:class:`specgguf.speculative.drafters.MtpDrafter`).
+
+    Args:
+        target: the target's context, created with ``hidden=True`` on a model loaded with
+            ``load_mtp=True``.
+
+    Raises:
+        BackendError: the model has no MTP layers loaded, or llama.cpp could not create
+            the context.
+    """
+
+    def __init__(self, target: LlamaContext) -> None:
+        from llama_cpp import llama_cpp_ext
+
+        self._lc = lc = target._lc
+        self._ext = llama_cpp_ext
+        self.model = model = target.model
+        self._ctx: Any = None
+        self._batch: Any = None
+        if not model.n_layer_nextn:
+            raise BackendError(f"{model.path.name} has no multi-token-prediction layers loaded")
+        params = lc.llama_context_default_params()
+        params.ctx_type = lc.LLAMA_CONTEXT_TYPE_MTP
+        params.ctx_other = target._ctx
+        params.n_ctx = target.n_ctx_allocated
+        params.n_batch = target.n_batch
+        params.n_ubatch = min(target.n_batch, 128)
+        params.n_seq_max = 1
+        params.n_outputs_max = 1
+        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(model.handle, params)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create an MTP context for {model.path.name}")
+        self._ctx = ctx
+        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
+        self._mem = lc.llama_get_memory(ctx)
+        self.n_ctx: int = target.n_ctx
+        self.n_batch: int = target.n_batch
+        self.n_vocab: int = model.n_vocab
+        self.n_embd: int = target.n_embd_out
+        self.n_past = 0
+        self.eval_seconds = 0.0
+        # A batch of token ids and input rows together: llama_batch_init allocates either,
+        # so the token array is ours (and detached again before the batch is freed).
+        self._batch = lc.llama_batch_init(self.n_batch, self.n_embd, 1)
+        self._tokens = (ctypes.c_int32 * self.n_batch)()
+        self._batch.token = self._tokens
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(self._tokens, shape=(self.n_batch,))
+        self._emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+        model._contexts.add(self)  # type: ignore[arg-type]
+
+    def eval(
+        self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        """Decode ``tokens`` at positions ``n_past ...``, row i with ``inputs[i]`` (the
+        hidden state after the position before it, float32[len(tokens), n_embd]); with
+        ``last``, return the logits after the last token (float32[n_vocab], read-only
+        view) and the head's hidden state there (float32[n_embd], a copy), else None.
+
+        Raises:
+            ContextOverflowError: past the context.
+            BackendError: llama_decode failed.
+        """
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(self.n_past + n, self.n_ctx, prompt=False,
+                                       model=self.model.path.name)  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            for start in range(0, n, self.n_batch):
+                m = min(self.n_batch, n - start)
+                self._tok[:m] = tokens[start : start + m]
+                self._emb[:m] = inputs[start : start + m]
+                self._pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
+                self._out[:m] = 0
+                if last and start + m == n:
+                    self._out[m - 1] = 1
+                self._batch.n_tokens = m
+                rc = self._lc.llama_decode(self._ctx, self._batch)
+                if rc != 0:
+                    self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+                    raise BackendError(f"llama_decode failed with code {rc} on the MTP layers "
+                                       f"of {self.model.path.name}")  # fmt: skip
+                self.n_past += m
+            if not last:
+                return None
+            logits = np.ctypeslib.as_array(
+                self._lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,)
+            )
+            logits.flags.writeable = False
+            h = np.ctypeslib.as_array(
+                self._ext.llama_get_embeddings_nextn_ith(self._ctx, -1), shape=(self.n_embd,)
+            ).copy()
+            return logits, h
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def rollback(self, n_keep: int) -> None:
+        """Drop the head's cache from position ``n_keep`` on (its layers are attention:
+        any position can be cut).
+
+        Raises:
+            ValueError: ``n_keep`` is negative or beyond ``n_past``.
+        """
+        if not 0 <= n_keep <= self.n_past:
+            raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
+        if n_keep < self.n_past:
+            self._lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
+            self.n_past = n_keep
+
+    def _is_open(self) -> bool:
+        return self._ctx is not None
+
+    def _free(self) -> None:
+        if self._batch is not None:
+            self._batch.token = ctypes.POINTER(ctypes.c_int32)()
             self._lc.llama_batch_free(self._batch)
             self._batch = None
         if self._ctx is not None:

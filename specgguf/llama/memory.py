@@ -4,8 +4,9 @@ llama.cpp puts on which device (local GPUs, devices of RPC servers), and whether
 device's share fits its free memory.
 
 Estimate per model (bytes): the weights (the file sizes: llama.cpp maps them), the KV cache
-(2 x n_layer x n_ctx x n_head_kv x head_dim x 2 bytes for F16 K and V; llama.cpp's
-``llama_kv_cache`` with its default cache types), and the compute buffer, dominated by the
+(2 x n_layer x n_ctx x n_head_kv x head_dim x 2 bytes for F16 K and V in the attention
+layers; llama.cpp's ``llama_kv_cache`` with its default cache types; a recurrent state and
+its snapshots in the other layers), and the compute buffer, dominated by the
 logits of the outputs reserved per micro-batch (n_vocab x n_outputs_max x 4) plus a margin
 for activations (n_ubatch x n_embd x 4 x 16).
 """
@@ -40,9 +41,17 @@ class ModelMemory:
         return self.weights + self.kv_cache + self.compute
 
 
-def kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
-    """F16 K and V for ``n_ctx`` positions in every layer (0 when the shape is unknown)."""
-    n_layer = info.block_count or 0
+def kv_cache_bytes(info: ModelInfo, n_ctx: int, *, snapshots: int = 0) -> int:
+    """F16 K and V for ``n_ctx`` positions in every attention layer (0 when the shape is
+    unknown), plus, for a recurrent or hybrid model, its F32 state for one sequence and
+    ``snapshots`` copies of it (``n_rs_seq``: llama.cpp allocates ``1 + n_rs_seq`` states
+    per sequence, src/llama-memory-recurrent.cpp).
+    """
+    return _attention_bytes(info, n_ctx) + info.recurrent_state_bytes * (1 + snapshots)
+
+
+def _attention_bytes(info: ModelInfo, n_ctx: int) -> int:
+    n_layer = info.attention_layers
     n_head = info.head_count or 0
     n_head_kv = info.head_count_kv or n_head
     n_embd = info.embedding_length or 0
@@ -53,14 +62,20 @@ def kv_cache_bytes(info: ModelInfo, n_ctx: int) -> int:
 
 
 def model_memory(
-    info: ModelInfo, *, n_ctx: int, n_ubatch: int = 512, n_outputs_max: int = 64
+    info: ModelInfo,
+    *,
+    n_ctx: int,
+    n_ubatch: int = 512,
+    n_outputs_max: int = 64,
+    snapshots: int = 0,
 ) -> ModelMemory:
-    """The estimate for one model loaded with a context of ``n_ctx`` positions."""
+    """The estimate for one model loaded with a context of ``n_ctx`` positions (and
+    ``snapshots`` of a recurrent state, see :func:`kv_cache_bytes`)."""
     activations = n_ubatch * (info.embedding_length or 0) * 4 * 16
     return ModelMemory(
         name=info.path.name,
         weights=info.file_size,
-        kv_cache=kv_cache_bytes(info, n_ctx),
+        kv_cache=kv_cache_bytes(info, n_ctx, snapshots=snapshots),
         compute=info.vocab.n_tokens * n_outputs_max * 4 + activations,
         activations=activations,
     )

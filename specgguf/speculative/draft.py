@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -85,6 +86,10 @@ class Evaluator(Protocol):
 
     ``n_outputs_max``: the most rows of one evaluation that return logits (a verification
     of K + 1 tokens needs K + 1). ``eval_seconds``: wall time spent evaluating, in seconds.
+    ``rollback_room``: how many positions a rollback can drop now without decoding the
+    rest again (None: any; a recurrent state's snapshots of the latest evaluation: see
+    ``backend.LlamaContext``). ``scratch()``: evaluations inside it are dropped whole at
+    its end (contexts made for it).
     """
 
     n_ctx: int
@@ -96,11 +101,16 @@ class Evaluator(Protocol):
     @property
     def n_past(self) -> int: ...
 
+    @property
+    def rollback_room(self) -> int | None: ...
+
     def eval(
         self, tokens: Sequence[int], *, logits: Literal["last", "all", "none"] = "last"
     ) -> npt.NDArray[np.float32]: ...
 
     def rollback(self, n_keep: int) -> None: ...
+
+    def scratch(self) -> AbstractContextManager[None]: ...
 
 
 class TargetEvaluator(Evaluator, Protocol):
@@ -108,10 +118,15 @@ class TargetEvaluator(Evaluator, Protocol):
     verifies token trees in one batch (``eval_tree``, ``keep_tree_path``; at most
     ``tree_branches`` leaves, 0: none, chains only) and, in deterministic mode, decodes in
     calls of at most ``rows_per_decode`` rows (None: any number; changed only through
-    ``set_rows_per_decode``, which validates it)."""
+    ``set_rows_per_decode``, which validates it). ``rollback_max``: the most positions a
+    rollback right after an evaluation can drop without decoding the rest again (None:
+    any; a recurrent state's snapshots per sequence), which bounds the draft length."""
 
     @property
     def tree_branches(self) -> int: ...
+
+    @property
+    def rollback_max(self) -> int | None: ...
 
     @property
     def rows_per_decode(self) -> int | None: ...

@@ -195,8 +195,12 @@ class SpeculativeDecoder:
     @property
     def draft_capacity(self) -> int:
         """The largest draft length one verification batch can hold: K + 1 tokens must fit
-        the target's batch and its logits outputs."""
-        return max(0, min(self.target.n_batch, self.target.n_outputs_max) - 1)
+        the target's batch and its logits outputs, and a recurrent target must be able to
+        drop all K drafts again (``rollback_max``, its state's snapshots)."""
+        rows = min(self.target.n_batch, self.target.n_outputs_max)
+        if self.target.rollback_max is not None:
+            rows = min(rows, self.target.rollback_max + 1)
+        return max(0, rows - 1)
 
     def generate(
         self, prompt: Sequence[int], params: GenerationParams, planner: Planner | None = None
@@ -319,7 +323,12 @@ class SpeculativeDecoder:
         gen.tokens.extend(committed)
         if verdict.path is not None:  # the root and the accepted branch join the text
             self.target.keep_tree_path(verdict.path)
-        self.target.rollback(len(run.history) - 1)
+        keep = len(run.history) - 1
+        room = self.target.rollback_room
+        if finish is None or room is None or self.target.n_past - keep <= room:
+            self.target.rollback(keep)
+        # else the output ends before the step's first token, and a recurrent state would
+        # be read again to drop it: the next generation starts from an empty cache anyway
         gen.stats.generated = len(gen.tokens)
         self._clock(gen, run)
         return "".join(pieces), finish

@@ -7,12 +7,14 @@ from specgguf.speculative.arms.base import Offer, Step, StepPlan
 from specgguf.speculative.costmodel import Timings, best_k, expected_tokens, verify_time_at
 from specgguf.speculative.draft import Draft
 from specgguf.speculative.drafters.model import ModelDrafter
+from specgguf.speculative.drafters.mtp import MtpDrafter
 from specgguf.speculative.estimates import Acceptance, upper
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
 
 class ModelArm:
-    """A draft model as auto mode weighs it.
+    """A draft model, or the target's MTP layers, as auto mode weighs it: both cost an
+    evaluation per draft token (``Timings.draft``) and stop at an unsure token.
 
     The draft model drafts greedily until it gives a token less than ``p_stop`` (as
     llama.cpp's ``--spec-draft-p-min``), so two rates describe it: how often a token passes
@@ -31,12 +33,12 @@ class ModelArm:
     measures it (a probe, at most every ``probe_every`` steps).
 
     Args:
-        drafter: the draft model's drafter.
+        drafter: the draft model's drafter, or the MTP layers'.
         draft_max: its longest draft.
         p_min: it stops at a token it gives less than this, or ``p_stop`` if higher.
     """
 
-    def __init__(self, drafter: ModelDrafter, *, draft_max: int, p_min: float) -> None:
+    def __init__(self, drafter: ModelDrafter | MtpDrafter, *, draft_max: int, p_min: float) -> None:
         self.drafter = drafter
         self.name = drafter.name
         self.draft_max = draft_max

@@ -7,13 +7,36 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import numpy as np
+import numpy.typing as npt
 
 from specgguf.speculative.draft import Draft, Drafter, Evaluator
 from specgguf.speculative.sampling import Distribution, SamplerParams, distribution, sample
 
 log = logging.getLogger("specgguf")
+
+
+def pick_token(
+    row: npt.NDArray[np.float32],
+    sampler: SamplerParams,
+    rng: np.random.Generator,
+    p_min: float,
+    dists: list[Distribution] | None,
+) -> int | None:
+    """A drafter's next token from its logits ``row`` (float32[n_vocab]): greedy (its
+    argmax; None when its probability is below ``p_min``, and drafting stops) when
+    ``dists`` is None, else drawn from the sampler's distribution q, which is appended to
+    ``dists`` for the acceptance rule (Leviathan et al. 2023, section 2.3)."""
+    if dists is None:
+        tok = int(row.argmax())
+        if p_min > 0.0 and 1.0 / float(np.exp(row - row[tok]).sum()) < p_min:
+            return None
+        return tok
+    q = distribution(row, sampler)
+    dists.append(q)
+    return sample(q, rng)
 
 
 class ModelDrafter(Drafter):
@@ -123,23 +146,20 @@ class ModelDrafter(Drafter):
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []
         stopped = False
-        for i in range(k):
-            row = logits[-1, : self.n_vocab]
-            if dists is None:
-                tok = int(row.argmax())
-                if p_min > 0.0:
-                    top = 1.0 / float(np.exp(row - row[tok]).sum())
-                    if top < p_min:
-                        stopped = True
-                        break
-            else:
-                q = distribution(row, sampler)
-                tok = sample(q, rng)
-                dists.append(q)
-            tokens.append(tok)
-            if i + 1 < k:
-                logits = self.ctx.eval([tok], logits="last")
-                self._held.append(tok)
+        # A recurrent draft cannot drop its own draft tokens again: it drafts in a copy
+        # of its sequence, and reads the accepted ones with the next step's catch-up.
+        forked = self.ctx.rollback_room is not None
+        with self.ctx.scratch() if forked else nullcontext():
+            for i in range(k):
+                tok = pick_token(logits[-1, : self.n_vocab], sampler, rng, p_min, dists)
+                if tok is None:
+                    stopped = True
+                    break
+                tokens.append(tok)
+                if i + 1 < k:
+                    logits = self.ctx.eval([tok], logits="last")
+                    if not forked:
+                        self._held.append(tok)
         t_end = time.perf_counter()
         self.seconds += t_end - t0
         # The first evaluation may catch up on many tokens; the others are one token each.

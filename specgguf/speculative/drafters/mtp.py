@@ -1,0 +1,165 @@
+"""Drafting with the target's own multi-token-prediction (MTP) layers, as llama.cpp's
+``--spec-type draft-mtp`` does (common/speculative.cpp, ``common_speculative_impl_mtp``;
+the layers: DeepSeek-V3 technical report, section 2.2).
+
+The head's row for position p reads the token there and the target's hidden state after
+position p - 1, and predicts the token at p + 1. Its own KV cache holds the committed
+text: before drafting, it reads the positions the target committed since (the target's
+hidden states of those positions, :class:`HiddenStates`); then one row for the last
+committed token (the target has not evaluated it yet: it opens the next verification)
+gives the first draft token, and each further row feeds the head's own hidden state back
+with the token it just drafted. The draft's rows are dropped again at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from specgguf.speculative.draft import Draft, Drafter
+from specgguf.speculative.drafters.model import pick_token
+from specgguf.speculative.sampling import Distribution, SamplerParams
+
+
+class HiddenStates(Protocol):
+    """The target's context as the head reads it: ``n_past`` committed positions and the
+    hidden state after each (float32[end - start, n_embd] for positions start..end - 1;
+    earlier rows may be forgotten)."""
+
+    @property
+    def n_past(self) -> int: ...
+
+    def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]: ...
+
+
+class Head(Protocol):
+    """The MTP layers' context (see ``backend.MtpHead``): ``eval`` rows of (token, input
+    hidden state) at the next positions, returning the logits and the head's own hidden
+    state after the last when ``last``; ``rollback`` cuts its cache."""
+
+    n_ctx: int
+    n_vocab: int
+    n_embd: int
+
+    @property
+    def n_past(self) -> int: ...
+
+    def eval(
+        self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None: ...
+
+    def rollback(self, n_keep: int) -> None: ...
+
+
+class MtpDrafter(Drafter):
+    """Drafts up to K tokens per step with the target's MTP layers, one head evaluation
+    per draft token, greedily (stopping below ``p_min``) or sampled from the head's
+    distribution (whose q the acceptance rule uses, as for a draft model).
+
+    Args:
+        head: the MTP layers' context.
+        target: the target's context, which keeps its hidden states.
+        n_vocab_target: ids at or beyond this are never proposed.
+    """
+
+    name = "mtp"
+
+    def __init__(self, head: Head, target: HiddenStates, n_vocab_target: int) -> None:
+        self.head = head
+        self.target = target
+        self.n_vocab = min(n_vocab_target, head.n_vocab)
+        self._held: list[int] = []  # the tokens in the head's cache, by position
+        self.seconds = 0.0
+        self._token_seconds = 0.0
+
+    def reset(self) -> None:
+        self.head.rollback(0)
+        self._held.clear()
+
+    def prefill(self, history: Sequence[int]) -> None:
+        """Read what the target has committed of the prompt (all but its last token)."""
+        t0 = time.perf_counter()
+        self._catch_up(history, last=False)
+        self.seconds += time.perf_counter() - t0
+
+    def cached_tokens(self, history: Sequence[int]) -> int:
+        """How many leading tokens of ``history`` the head's cache holds."""
+        n = 0
+        for a, b in zip(self._held, history, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _catch_up(
+        self, history: Sequence[int], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        """Evaluate the committed positions the head has not read (and, with ``last``,
+        the last history token, whose logits and hidden state are returned)."""
+        end = self.target.n_past  # committed and evaluated by the target: history[:end]
+        keep = min(self.cached_tokens(history), end)
+        if keep < self.head.n_past:
+            self.head.rollback(keep)
+            del self._held[keep:]
+        stop = end + 1 if last else end
+        if stop <= keep:
+            return None
+        tokens = list(history[keep:stop])
+        inputs = np.zeros((len(tokens), self.head.n_embd), np.float32)
+        lo = max(keep - 1, 0)
+        if stop - 1 > lo:
+            # row for position p reads the hidden state after p - 1 (position 0: zeros)
+            rows = self.target.hidden_rows(lo, stop - 1)
+            inputs[len(tokens) - len(rows) :] = rows
+        out = self.head.eval(tokens, inputs, last=last)
+        self._held.extend(tokens)
+        return out
+
+    def propose(
+        self,
+        history: Sequence[int],
+        k: int,
+        sampler: SamplerParams,
+        rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
+    ) -> Draft:
+        """Up to ``k`` draft tokens after ``history`` (whose all but last token the target
+        has evaluated); greedy drafting stops early at a token whose probability under the
+        head is below ``p_min``, and the draft's ``stopped`` says so. ``token_seconds`` is
+        the latest measured time per drafted token after the first."""
+        k = min(k, self.head.n_ctx - len(history))
+        if k <= 0 or not history:
+            return Draft([], token_seconds=self._token_seconds)
+        t0 = time.perf_counter()
+        out = self._catch_up(history, last=True)
+        assert out is not None
+        logits, h = out
+        base = len(history)  # the head's rows past this are the draft's own
+        t_first = time.perf_counter()
+        tokens: list[int] = []
+        dists: list[Distribution] | None = None if sampler.greedy else []
+        stopped = False
+        for i in range(k):
+            tok = pick_token(logits[: self.n_vocab], sampler, rng, p_min, dists)
+            if tok is None:
+                stopped = True
+                break
+            tokens.append(tok)
+            if i + 1 < k:
+                step = self.head.eval([tok], h[None, :], last=True)
+                assert step is not None
+                logits, h = step
+        # The last history token's row goes too: the target has not evaluated it, and
+        # the head reads it again with the target's hidden state once it has.
+        self.head.rollback(base - 1)
+        del self._held[base - 1 :]
+        t_end = time.perf_counter()
+        self.seconds += t_end - t0
+        if len(tokens) > 1:
+            self._token_seconds = (t_end - t_first) / (len(tokens) - 1)
+        return Draft(tokens, dists, stopped=stopped, token_seconds=self._token_seconds)

@@ -1,0 +1,274 @@
+"""Recurrent and hybrid models (issue 31): a state rolled back through llama.cpp's
+snapshots (``n_rs_seq``), drafts that draft in a copy of their sequence, the MTP layers,
+and what is refused with the architecture named. On the fake backend (what the loop asks
+of a recurrent state) and on the tiny qwen35 (hybrid), qwen35 + MTP and mamba2
+(recurrent, no rollback in this llama.cpp) fixtures of :mod:`specgguf.gguf.tiny`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgguf.engine import Engine
+from specgguf.gguf.info import read_model_info
+from specgguf.llama.backend import LlamaContext, LlamaModel
+from specgguf.llama.memory import kv_cache_bytes
+from specgguf.speculative.drafters import ModelDrafter
+from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+from specgguf.speculative.planner import FixedPlanner
+from specgguf.speculative.sampling import SamplerParams
+
+from .fakes import FakeContext, FakeRecurrentContext, FakeVocab, ScriptedDrafter, one_hot_rule
+from .helpers import load_engine, run_cli
+
+G = SamplerParams(temperature=0.0)
+V, EOS = 32, 31
+PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
+
+
+def walk(prefix: Sequence[int]) -> int:
+    return prefix[-1] % 30 + 1
+
+
+def wrong(history: Sequence[int], k: int) -> list[int]:
+    """A draft rejected at its first token: never the walk's next token."""
+    return [(walk(history) + 1) % 30 + 1] * k
+
+
+# -- the loop on a fake recurrent state ------------------------------------------------
+
+
+def fake_run(
+    script: object, k: int, n_rs_seq: int, *, n: int = 40, eos: bool = False
+) -> tuple[list[int], FakeRecurrentContext]:
+    ctx = FakeRecurrentContext(one_hot_rule(walk, V), V, n_rs_seq=n_rs_seq)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V, eog_ids=[EOS] if eos else []))
+    planner = FixedPlanner(ScriptedDrafter(script), k)  # type: ignore[arg-type]
+    res = dec.generate([1, 2, 3], GenerationParams(n_predict=n, sampler=G), planner).run()
+    return res.tokens, ctx
+
+
+def truth(start: int, n: int) -> list[int]:
+    out, t = [], start
+    for _ in range(n):
+        t = t % 30 + 1
+        out.append(t)
+    return out
+
+
+def test_every_rejection_is_dropped_by_snapshots_never_by_reading_again() -> None:
+    tokens, ctx = fake_run(wrong, 4, n_rs_seq=4)
+    assert tokens == truth(3, 40)
+    # all four drafts rejected at every step: exactly n_rs_seq positions dropped
+    assert ctx.deepest == 4 and ctx.rereads == 0
+
+
+def test_the_draft_length_is_clamped_to_the_snapshots() -> None:
+    drafter = ScriptedDrafter(wrong)
+    ctx = FakeRecurrentContext(one_hot_rule(walk, V), V, n_rs_seq=3)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V))
+    assert dec.draft_capacity == 3
+    dec.generate([1, 2], GenerationParams(n_predict=12, sampler=G), FixedPlanner(drafter, 8)).run()
+    assert max(drafter.ks) == 3 and ctx.rereads == 0
+
+
+def test_no_snapshots_no_drafts() -> None:
+    ctx = FakeRecurrentContext(one_hot_rule(walk, V), V, n_rs_seq=0)
+    assert SpeculativeDecoder(ctx, FakeVocab(V)).draft_capacity == 0
+
+
+def test_an_end_of_generation_first_in_a_step_reads_nothing_again() -> None:
+    # The step's first token is EOS: the output ends, and the drafts and the step's first
+    # token (K + 1 positions, one more than the snapshots drop) are left in the state.
+    def eos_next(prefix: Sequence[int]) -> int:
+        return EOS if prefix[-1] == 9 else walk(prefix)
+
+    ctx = FakeRecurrentContext(one_hot_rule(eos_next, V), V, n_rs_seq=4)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V, eog_ids=[EOS]))
+    planner = FixedPlanner(ScriptedDrafter(lambda h, k: [1] * k), 4)
+    res = dec.generate([7, 8], GenerationParams(n_predict=20, sampler=G), planner).run()
+    assert res.tokens == [9] and res.finish_reason == "stop" and ctx.rereads == 0
+
+
+def test_an_attention_cache_is_unbounded() -> None:
+    ctx = FakeContext(one_hot_rule(walk, V), V)
+    assert SpeculativeDecoder(ctx, FakeVocab(V)).draft_capacity == ctx.n_batch - 1
+
+
+def test_a_recurrent_draft_model_drafts_in_a_scratch_copy() -> None:
+    # The draft is the target's own rule: every draft is accepted; its cache never holds a
+    # draft token, so it is never rolled back past its snapshots.
+    dctx = FakeRecurrentContext(one_hot_rule(walk, V), V, n_rs_seq=0)
+    tctx = FakeRecurrentContext(one_hot_rule(walk, V), V, n_rs_seq=4)
+    drafter = ModelDrafter(dctx, V)  # type: ignore[arg-type]
+    dec = SpeculativeDecoder(tctx, FakeVocab(V))
+    res = dec.generate([1, 2, 3], GenerationParams(n_predict=30, sampler=G),
+                       FixedPlanner(drafter, 4)).run()  # fmt: skip
+    assert res.tokens == truth(3, 30)
+    assert res.stats.accepted == res.stats.drafted > 0
+    assert dctx.rereads == 0 and tctx.rereads == 0
+    assert ("scratch", 3) in dctx.log
+
+
+# -- the tiny models -------------------------------------------------------------------
+
+
+def plain_greedy(path: Path, ids: list[int], n: int) -> list[int]:
+    """The target alone, token by token, argmax over the tokens that do not end
+    generation (``ignore_eos``)."""
+    out: list[int] = []
+    with LlamaModel(path) as model, model.new_context(n_ctx=512) as ctx:
+        eog = sorted(model.eog_ids)
+        logits = ctx.eval(ids, logits="last")
+        for _ in range(n):
+            row = logits[-1].copy()
+            row[eog] = -np.inf
+            out.append(int(row.argmax()))
+            logits = ctx.eval([out[-1]], logits="last")
+    return out
+
+
+@pytest.fixture(scope="module")
+def baselines(tiny_models: dict[str, Path]) -> dict[tuple[str, str], list[int]]:
+    out = {}
+    for fam in ("hybrid", "mtp", "recurrent"):
+        with load_engine(tiny_models[fam], drafter="none", n_ctx=512) as e:
+            ids = {p: e.prompt_ids(p) for p in PROMPTS}
+        for p in PROMPTS:
+            out[(fam, p)] = plain_greedy(tiny_models[fam], ids[p], 200)
+            assert len(set(out[(fam, p)])) > 20  # not one token repeated
+    return out
+
+
+class Counting:
+    """Counts the target context's rollbacks by depth and its reads past the snapshots."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.depths: list[int] = []
+        self.rereads = 0
+        original = LlamaContext._truncate
+        counter = self
+
+        def truncate(ctx: LlamaContext, n_keep: int) -> None:
+            room = ctx.rollback_room
+            depth = ctx.n_past - n_keep
+            if ctx.recurrent and n_keep and room is not None and depth > room:
+                counter.rereads += 1
+            elif ctx.recurrent and n_keep:
+                counter.depths.append(depth)
+            original(ctx, n_keep)
+
+        monkeypatch.setattr(LlamaContext, "_truncate", truncate)
+
+
+def generate_all(e: Engine, ks: Sequence[int]) -> Iterator[tuple[int, str, list[int]]]:
+    for k in ks:
+        for p in PROMPTS:
+            res = e.generate(
+                p, GenerationParams(n_predict=200, draft_max=k, sampler=G, ignore_eos=True)
+            ).run()
+            yield k, p, res.tokens
+
+
+@pytest.mark.parametrize(
+    ("family", "draft", "drafter"),
+    [("hybrid", None, "ngram"), ("hybrid", None, "suffix"), ("hybrid", None, "auto"),
+     ("hybrid", "hybrid-draft", "model"), ("hybrid", "recurrent", "model"),
+     ("mtp", None, "mtp"), ("mtp", None, "auto"), ("mtp", "hybrid-draft", "auto")],
+)  # fmt: skip
+def test_greedy_output_is_the_targets_own(
+    tiny_models: dict[str, Path],
+    baselines: dict[tuple[str, str], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    family: str,
+    draft: str | None,
+    drafter: str,
+) -> None:
+    d = tiny_models[draft] if draft else None
+    with load_engine(tiny_models[family], d, drafter=drafter, n_ctx=512, draft_max=16) as e:
+        assert e.target_ctx.n_rs_seq == 16
+        e.timings()  # calibrated first: its deep probe reads its prefix again, once
+        count = Counting(monkeypatch)
+        for k, p, tokens in generate_all(e, (1, 4, 16)):
+            assert tokens == baselines[(family, p)], (k, p)
+    # The model drafters are mostly rejected at once: K = 16 rolls back exactly n_rs_seq.
+    if drafter in ("model", "mtp"):
+        assert max(count.depths) == 16
+    assert count.rereads == 0
+
+
+def test_a_recurrent_target_without_snapshots_runs_alone(
+    tiny_models: dict[str, Path], baselines: dict[tuple[str, str], list[int]]
+) -> None:
+    with load_engine(tiny_models["recurrent"], drafter="auto", n_ctx=512) as e:
+        assert e.target_ctx.recurrent and e.target_ctx.n_rs_seq == 0
+        for _, p, tokens in generate_all(e, (16,)):
+            assert tokens == baselines[("recurrent", p)]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--drafter", "ngram"], "mamba2 (recurrent state, no rollback"),
+     (["--deterministic"], "not supported on a recurrent state"),
+     (["--drafter", "mtp"], "no multi-token-prediction layers")],
+)  # fmt: skip
+def test_what_an_architecture_cannot_do_is_refused_in_one_line(
+    tiny_models: dict[str, Path], args: list[str], needle: str
+) -> None:
+    res = run_cli("run", "-m", str(tiny_models["recurrent"]), *args, "-n", "4", "hi")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_token_trees_are_refused_on_a_hybrid_target(tiny_models: dict[str, Path]) -> None:
+    res = run_cli("run", "-m", str(tiny_models["hybrid"]), "--drafter", "suffix",
+                  "--draft-tree", "4", "-n", "4", "hi")  # fmt: skip
+    assert res.returncode == 2 and b"qwen35" in res.stderr and b"token tree" in res.stderr
+
+
+def test_run_with_mtp_from_the_command_line(tiny_models: dict[str, Path]) -> None:
+    outs = []
+    for spec in ("none", "draft-mtp"):
+        res = run_cli("run", "-m", str(tiny_models["mtp"]), "--spec-type", spec, "--draft", "4",
+                      "-n", "24", "--temp", "0", "--ignore-eos", "--json", "A fox")  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        outs.append(json.loads(res.stdout))
+    assert outs[1]["tokens"] == outs[0]["tokens"] and len(outs[0]["tokens"]) == 24
+    steps, drafted, _ = outs[1]["stats"]["by_drafter"]["mtp"]
+    assert steps > 0 and drafted > 0
+
+
+def test_auto_mode_says_it_uses_the_mtp_layers(tiny_models: dict[str, Path]) -> None:
+    res = run_cli("run", "-m", str(tiny_models["mtp"]), "-n", "4", "hi")
+    assert res.returncode == 0 and b"multi-token-prediction layer" in res.stderr
+
+
+def test_check_reports_the_kind_and_passes(tiny_models: dict[str, Path]) -> None:
+    res = run_cli("check", str(tiny_models["hybrid"]), str(tiny_models["recurrent"]))
+    out = res.stdout.decode()
+    assert res.returncode == 0, out
+    assert "hybrid: attention + recurrent state, rolled back by snapshots" in out
+    assert "mamba2 (recurrent state, no rollback in this llama.cpp)" in out
+    res = run_cli("info", str(tiny_models["mtp"]))
+    assert b"MTP layers" in res.stdout and b"1" in res.stdout.split(b"MTP layers")[1][:40]
+
+
+def test_the_memory_plan_counts_states_and_snapshots_as_llama_cpp_allocates(
+    tiny_models: dict[str, Path],
+) -> None:
+    # llama.cpp's buffers for tiny-hybrid at n_ctx 512, n_rs_seq 16: KV 0.12 MiB (2
+    # attention layers), RS 0.18 MiB (17 states of 2 delta-net layers: F32 conv
+    # 3 x (64 + 2 x 2 x 16) + state 16 x 64 = 1,408 values a layer); tiny-recurrent:
+    # 2 mamba2 layers, 3 x (128 + 2 x 128) + 128 x 128 = 17,536 values a layer.
+    hybrid = read_model_info(tiny_models["hybrid"])
+    assert (hybrid.recurrent_layers, hybrid.attention_layers) == (2, 2)
+    assert hybrid.recurrent_state_bytes == 2 * 1408 * 4
+    assert kv_cache_bytes(hybrid, 512, snapshots=16) == 2 * 512 * 2 * 16 * 2 * 2 + 17 * 11264
+    mamba = read_model_info(tiny_models["recurrent"])
+    assert mamba.recurrent_state_bytes == 2 * 17536 * 4 and mamba.attention_layers == 0
+    mtp = read_model_info(tiny_models["mtp"])
+    assert mtp.nextn_layers == 1 and mtp.attention_layers == 2
