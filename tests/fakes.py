@@ -102,6 +102,17 @@ class FakeContext:
             self.kv = kv
             self.log.append(("scratch end", len(kv)))
 
+    def set_rows_per_decode(self, rows: int | None) -> None:
+        self.rows_per_decode = rows
+
+    def eval_tree(
+        self, root: int, tokens: Sequence[int], parents: Sequence[int]
+    ) -> npt.NDArray[np.float32]:
+        raise AssertionError("a tree verified on a context without trees")
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        raise AssertionError("a tree kept on a context without trees")
+
 
 class FakeRecurrentContext(FakeContext):
     """A :class:`FakeContext` whose memory is a recurrent state with ``n_rs_seq``
@@ -136,17 +147,6 @@ class FakeRecurrentContext(FakeContext):
         if depth:
             self.rollback_room = 0
         super().rollback(n_keep)
-
-    def set_rows_per_decode(self, rows: int | None) -> None:
-        self.rows_per_decode = rows
-
-    def eval_tree(
-        self, root: int, tokens: Sequence[int], parents: Sequence[int]
-    ) -> npt.NDArray[np.float32]:
-        raise AssertionError("a tree verified on a context without trees")
-
-    def keep_tree_path(self, path: Sequence[int]) -> None:
-        raise AssertionError("a tree kept on a context without trees")
 
 
 class FakeTreeContext(FakeContext):

@@ -241,10 +241,12 @@ def test_a_tree_is_verified_as_a_tree_only_where_trees_are() -> None:
 
 def test_an_unknown_drafter_is_refused_with_the_names_there_are() -> None:
     drafting = Drafting(None, (2, 8), SuffixDrafter(), lambda det: Timings({1: 0.01}))
-    with pytest.raises(UsageError, match="auto, model, ngram, suffix, none, not 'walk'"):
+    with pytest.raises(UsageError, match="auto, model, mtp, ngram, suffix, none, not 'walk'"):
         make_planner("walk", drafting, DraftSettings(draft_max=4))
     with pytest.raises(UsageError, match="the model drafter needs a draft model"):
         make_planner("model", drafting, DraftSettings(draft_max=4))
+    with pytest.raises(UsageError, match="the mtp drafter needs the target's MTP layers"):
+        make_planner("mtp", drafting, DraftSettings(draft_max=4))
 
 
 class Recording(Drafter):
@@ -476,7 +478,7 @@ def test_auto_mode_s_defaults_come_from_its_tuning() -> None:
     # a long copy's prior weighs the tokens it expects between breaks
     assert AUTO_TUNING.long_copy_weight == pytest.approx(1 / (1 - AUTO_TUNING.long_copy_prior))
     # --drafter's choices, as its error lists them
-    assert drafter_kinds() == ("auto", "model", "ngram", "suffix", "none")
+    assert drafter_kinds() == ("auto", "model", "mtp", "ngram", "suffix", "none")
 
 
 def test_a_match_counts_in_the_longest_bucket_it_reaches() -> None:

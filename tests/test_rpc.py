@@ -247,6 +247,28 @@ def test_serve_over_rpc_answers_as_local_run(
     assert texts[0] and texts[1] != texts[0]
 
 
+def test_a_hybrid_target_drafting_with_its_mtp_layers_over_rpc(
+    tiny_models: dict[str, Path], rpc_servers: list[str]
+) -> None:
+    """`specgguf serve --rpc` with the tiny qwen35 + MTP target (a recurrent state rolled
+    back by snapshots, MTP layers drafting) two layers on the servers: a greedy completion
+    equal to `specgguf run --drafter none` on this machine alone, and drafts made."""
+    import httpx
+
+    models = ["-m", str(tiny_models["mtp"]), "-c", "512", "--draft", "4"]
+    body = {"model": "tiny", "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "prompt": PROMPTS[0]}  # fmt: skip
+    with ServerProcess(*models, "--drafter", "mtp", "--rpc", ",".join(rpc_servers), "-ngl",
+                       "2") as s:  # fmt: skip
+        out = httpx.post(f"{s.base_url}/completions", json=body, timeout=120)
+        data = out.raise_for_status().json()
+    local = run_cli("run", *models, "--drafter", "none", "--raw", "--temp", "0", "-n", "20",
+                    "--ignore-eos", "--json", PROMPTS[0])  # fmt: skip
+    assert local.returncode == 0, local.stderr.decode()
+    assert data["choices"][0]["text"] == json.loads(local.stdout)["text"]
+    assert data["timings"]["draft_n"] > 0
+
+
 def test_serve_refuses_a_dead_server_before_listening(tiny_models: dict[str, Path]) -> None:
     require_rpc()
     port = free_port()

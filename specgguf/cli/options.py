@@ -272,16 +272,17 @@ class DraftOptions:
     )  # fmt: skip
     drafter: str | None = option(
         None, "--drafter", panel=SPEC,
-        help="auto (per step, the fastest of the draft model, n-gram lookup and suffix "
-        "matching), model, ngram, suffix (matching over all text seen) or none (the target "
-        "alone). Default: auto, or with --draft K the draft model (given or found) else "
-        "n-gram lookup, at that fixed K.",
+        help="auto (per step, the fastest of the draft model or the target's MTP layers, "
+        "n-gram lookup and suffix matching), model, mtp (the target's multi-token-"
+        "prediction layers), ngram, suffix (matching over all text seen) or none (the "
+        "target alone). Default: auto, or with --draft K the draft model (given or found) "
+        "else n-gram lookup, at that fixed K.",
     )  # fmt: skip
     spec_type: str | None = option(
         None, "--spec-type", metavar="TYPE[,TYPE]", panel=SPEC,
-        help="llama.cpp's name for --drafter: draft-simple = model; ngram-simple, "
-        "ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache = ngram (specgguf's own "
-        "n-gram lookup); both kinds = auto; none.",
+        help="llama.cpp's name for --drafter: draft-simple = model; draft-mtp = mtp; "
+        "ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache = ngram "
+        "(specgguf's own n-gram lookup); several kinds = auto; none.",
     )  # fmt: skip
 
 

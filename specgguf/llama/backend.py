@@ -1072,6 +1072,12 @@ class MtpHead(_Native):
         if self.n_past + n > self.n_ctx:
             raise ContextOverflowError(self.n_past + n, self.n_ctx, prompt=False,
                                        model=self.model.path.name)  # fmt: skip
+        if last and n > 1:
+            # The hidden state llama.cpp returns is the batch's first row's, not the
+            # output row's (qwen35's MTP graph sets it before selecting the outputs), so
+            # the row that is read goes alone, as llama.cpp's draft-mtp decodes it.
+            self.eval(tokens[:-1], inputs[:-1], last=False)
+            return self.eval(tokens[-1:], inputs[-1:], last=True)
         t0 = time.perf_counter()
         try:
             for start in range(0, n, self.n_batch):
