@@ -29,7 +29,17 @@ class HiddenTarget(FakeContext):
 
     def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]:
         assert 0 <= start <= end <= self.n_past, (start, end, self.n_past)
+        assert start >= self.forgotten, (start, self.forgotten)
         return np.array([[p, self.kv[p], 1.0] for p in range(start, end)], np.float32)
+
+    forgotten = 0
+
+    def forget_hidden(self, before: int) -> None:
+        self.forgotten = max(self.forgotten, before)
+
+    def rollback(self, n_keep: int) -> None:
+        super().rollback(n_keep)
+        self.forgotten = min(self.forgotten, n_keep)
 
 
 class FakeHead:

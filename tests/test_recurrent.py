@@ -153,14 +153,14 @@ class Counting:
         original = LlamaContext._truncate
         counter = self
 
-        def truncate(ctx: LlamaContext, n_keep: int) -> None:
+        def truncate(ctx: LlamaContext, n_keep: int, *, reread: bool = False) -> None:
             room = ctx.rollback_room
             depth = ctx.n_past - n_keep
-            if ctx.recurrent and n_keep and room is not None and depth > room:
+            if ctx.recurrent and n_keep and (reread or (room is not None and depth > room)):
                 counter.rereads += 1
             elif ctx.recurrent and n_keep:
                 counter.depths.append(depth)
-            original(ctx, n_keep)
+            original(ctx, n_keep, reread=reread)
 
         monkeypatch.setattr(LlamaContext, "_truncate", truncate)
 
@@ -213,7 +213,7 @@ def test_a_recurrent_target_without_snapshots_runs_alone(
 @pytest.mark.parametrize(
     ("args", "needle"),
     [(["--drafter", "ngram"], "mamba2 (recurrent state, no rollback"),
-     (["--deterministic"], "not supported on a recurrent state"),
+     (["--deterministic"], "deterministic mode is not supported on a recurrent state"),
      (["--drafter", "mtp"], "no multi-token-prediction layers")],
 )  # fmt: skip
 def test_what_an_architecture_cannot_do_is_refused_in_one_line(
@@ -227,7 +227,7 @@ def test_what_an_architecture_cannot_do_is_refused_in_one_line(
 def test_token_trees_are_refused_on_a_hybrid_target(tiny_models: dict[str, Path]) -> None:
     res = run_cli("run", "-m", str(tiny_models["hybrid"]), "--drafter", "suffix",
                   "--draft-tree", "4", "-n", "4", "hi")  # fmt: skip
-    assert res.returncode == 2 and b"qwen35" in res.stderr and b"token tree" in res.stderr
+    assert res.returncode == 2 and b"qwen35" in res.stderr and b"token trees" in res.stderr
 
 
 def test_run_with_mtp_from_the_command_line(tiny_models: dict[str, Path]) -> None:
@@ -242,9 +242,55 @@ def test_run_with_mtp_from_the_command_line(tiny_models: dict[str, Path]) -> Non
     assert steps > 0 and drafted > 0
 
 
-def test_auto_mode_says_it_uses_the_mtp_layers(tiny_models: dict[str, Path]) -> None:
-    res = run_cli("run", "-m", str(tiny_models["mtp"]), "-n", "4", "hi")
-    assert res.returncode == 0 and b"multi-token-prediction layer" in res.stderr
+def test_auto_mode_uses_the_mtp_layers_rather_than_a_draft_found_on_disk(
+    tiny_models: dict[str, Path],
+) -> None:
+    # tiny-hybrid-draft.gguf is in the same folder: a compatible draft the search would
+    # choose for the target, were it not for its MTP layers.
+    res = run_cli("run", "-m", str(tiny_models["mtp"]), "--draft-search",
+                  str(tiny_models["hybrid-draft"].parent), "-n", "16", "--json", "hi")  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    assert "carries 1 multi-token-prediction layer(s): auto mode drafts with them" in err
+    assert "chosen" not in err
+    out = json.loads(res.stdout)
+    assert "model" not in out["stats"]["by_drafter"]
+
+
+def test_mtp_layers_draft_chains_and_keep_only_the_hidden_states_still_to_read(
+    tiny_models: dict[str, Path],
+) -> None:
+    with load_engine(tiny_models["mtp"], drafter="mtp", n_ctx=512, draft_max=4) as e:
+        assert e.target_ctx.tree_branches == 0  # trees would bypass the hidden states
+        res = e.generate("The quick brown fox", GenerationParams(
+            n_predict=200, sampler=G, ignore_eos=True)).run()  # fmt: skip
+        held = sum(len(h) for _, h in e.target_ctx._hidden_rows)
+    assert len(res.tokens) == 200 and res.stats.drafted > 0
+    assert held <= 4 + 2, held
+
+
+def test_mtp_is_not_loaded_on_a_target_that_cannot_roll_back() -> None:
+    from specgguf.engine.config import EngineConfig, ModelConfig, uses_mtp
+
+    config = EngineConfig(ModelConfig(Path("t.gguf")))
+    assert uses_mtp(config, 1) and not uses_mtp(config, 0)
+    assert not uses_mtp(config, 1, rolls_back=False)
+
+
+def test_a_request_for_mtp_drafts_without_mtp_layers_is_a_400(
+    tiny_models: dict[str, Path],
+) -> None:
+    import httpx
+
+    from .helpers import ServerProcess
+
+    body = {"model": "tiny", "max_tokens": 4, "prompt": "hi",
+            "speculative.drafter": "mtp"}  # fmt: skip
+    with ServerProcess("-m", str(tiny_models["hybrid"]), "-c", "512") as s:
+        r = httpx.post(f"{s.base_url}/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "speculative.drafter" and "multi-token-prediction" in err["message"]
 
 
 def test_check_reports_the_kind_and_passes(tiny_models: dict[str, Path]) -> None:
@@ -253,6 +299,8 @@ def test_check_reports_the_kind_and_passes(tiny_models: dict[str, Path]) -> None
     assert res.returncode == 0, out
     assert "hybrid: attention + recurrent state, rolled back by snapshots" in out
     assert "mamba2 (recurrent state, no rollback in this llama.cpp)" in out
+    res = run_cli("check", str(tiny_models["recurrent"]), str(tiny_models["hybrid-draft"]))
+    assert res.returncode == 0 and b"[no-rollback]" in res.stdout, res.stdout
     res = run_cli("info", str(tiny_models["mtp"]))
     assert b"MTP layers" in res.stdout and b"1" in res.stdout.split(b"MTP layers")[1][:40]
 
@@ -272,3 +320,25 @@ def test_the_memory_plan_counts_states_and_snapshots_as_llama_cpp_allocates(
     assert mamba.recurrent_state_bytes == 2 * 17536 * 4 and mamba.attention_layers == 0
     mtp = read_model_info(tiny_models["mtp"])
     assert mtp.nextn_layers == 1 and mtp.attention_layers == 2
+
+
+def test_bench_measures_the_mtp_layers(tiny_models: dict[str, Path]) -> None:
+    res = run_cli("bench", "-m", str(tiny_models["mtp"]), "-n", "8", "--rounds", "1",
+                  "--categories", "code-editing", "--draft", "1,2", "--json")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    configs = {r["config"] for r in json.loads(res.stdout)["results"]}
+    assert {"target", "mtp-K1", "mtp-K2", "ngram-K1", "auto"} <= configs, configs
+
+
+def test_a_separate_mtp_assistant_is_refused_in_one_line(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from specgguf.gguf.tiny import TinySpec, gpt2_vocab, write_tiny_model
+
+    # metadata only: refused before anything loads
+    [assistant] = write_tiny_model(tmp_path / "assistant.gguf", TinySpec(
+        vocab=gpt2_vocab(), architecture="gemma4-assistant"))  # fmt: skip
+    res = run_cli("run", "-m", str(tiny_models["mtp"]), "-md", str(assistant), "-n", "4", "hi")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "MTP assistant (gemma4-assistant)" in err, err
+    assert len(err.strip().splitlines()) == 1

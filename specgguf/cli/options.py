@@ -428,6 +428,20 @@ def spec_type_drafter(value: str) -> tuple[str, str | None]:
     return (kinds.pop() if kinds else "none"), note
 
 
+def _mtp_layers(path: Path) -> int:
+    """The MTP layers a target's metadata declares that can draft for it (0 when it has
+    none, its state cannot be rolled back, or it is unreadable: loading then says why)."""
+    from specgguf.errors import SpecggufError
+    from specgguf.gguf.arch import rolls_back
+    from specgguf.gguf.info import read_model_info
+
+    try:
+        info = read_model_info(path)
+    except (SpecggufError, OSError):
+        return 0
+    return info.nextn_layers if rolls_back(info.architecture) else 0
+
+
 def engine_config(
     load: ModelOptions,
     drafting: DraftOptions | None = None,
@@ -508,6 +522,13 @@ def engine_config(
     target_path = model_path(model, load.registry)
     draft_path = model_path(model_draft, load.registry) if model_draft is not None else None
     searched = None
+    if draft_path is None and wants_model and (drafter or "auto") == "auto":
+        n_mtp = _mtp_layers(target_path)
+        if n_mtp:  # the target's own layers draft, as Ollama uses them
+            say(f"specgguf: note: {target_path.name} carries {n_mtp} multi-token-prediction "
+                "layer(s): auto mode drafts with them (no draft model is looked for; -md "
+                "adds one instead)")  # fmt: skip
+            wants_model = False
     if draft_path is None and wants_model:
         searched = _find_draft(target_path, model, load.draft_search or (), load.registry, say)
         draft_path = searched
@@ -517,6 +538,9 @@ def engine_config(
             "--drafter model needs a draft model (-md/--model-draft), and none on disk is "
             "compatible with the target (`specgguf list --drafts-for TARGET` says why)"
         )
+    if kind in ("mtp", "ngram", "suffix", "none") and model_draft is not None:
+        say(f"specgguf: note: the {kind} drafter drafts without the draft model "
+            f"{Path(model_draft).name}: it is not loaded")  # fmt: skip
     target = ModelConfig(target_path, **config_args(load, "target"))
     draft_args = config_args(load, "draft")
     draft_model = None

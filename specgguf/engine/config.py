@@ -68,11 +68,13 @@ def verify_draft_max(spec: SpeculativeConfig, memory: str) -> int:
     return spec.draft_max
 
 
-def uses_mtp(config: EngineConfig, nextn_layers: int) -> bool:
-    """Whether the target's MTP layers draft: asked for (``--drafter mtp``), or in auto
-    mode when the target carries them and no draft model is loaded (as Ollama does)."""
+def uses_mtp(config: EngineConfig, nextn_layers: int, *, rolls_back: bool = True) -> bool:
+    """Whether the target's MTP layers draft: asked for (the "mtp" drafter), or in auto
+    mode when the target carries them, its memory can drop rejected drafts
+    (``rolls_back``) and no draft model is loaded (as Ollama does)."""
     kind = config.speculative.drafter
-    return kind == "mtp" or (kind == "auto" and nextn_layers > 0 and not config.loads_draft)
+    auto = kind == "auto" and nextn_layers > 0 and rolls_back and not config.loads_draft
+    return kind == "mtp" or auto
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,11 +39,10 @@ from specgguf.engine.config import (
     check_p_min,
     default_draft_max,
     default_draft_tree,
-    uses_mtp,
     verify_draft_max,
 )
 from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
-from specgguf.engine.preflight import Preflight, preflight, target_snapshots
+from specgguf.engine.preflight import Preflight, preflight, target_mtp, target_snapshots
 from specgguf.errors import BackendError, ContextOverflowError, UsageError
 from specgguf.gguf.arch import describe
 from specgguf.llama.backend import LlamaContext, LlamaModel, MtpHead, default_threads
@@ -109,7 +108,7 @@ class Engine:
         self._stack = contextlib.ExitStack()
         spec = config.speculative
         t_info = self.preflight.target
-        mtp = uses_mtp(config, t_info.nextn_layers)
+        mtp = target_mtp(config, t_info)
         try:
             self.target_model = self._load(config.target, load_mtp=mtp)
             # A verification needs K + 1 outputs; llama.cpp sizes its logits buffer by this.
@@ -120,7 +119,9 @@ class Engine:
                 self._context, self.target_model, config.target, self.preflight.n_ctx,
                 verify_draft_max(spec, self.target_model.memory) + 1,
                 reserve=int(config.deterministic),
-                tree_branches=spec.draft_tree if attention else 0,
+                # (nor with MTP layers, which read the hidden state of each position the
+                # target decodes in sequence 0)
+                tree_branches=spec.draft_tree if attention and not mtp else 0,
                 n_rs_seq=target_snapshots(config, t_info), hidden=mtp,
             )  # fmt: skip
             if config.deterministic:
@@ -155,29 +156,27 @@ class Engine:
             if mtp:
                 self.mtp_head = self._stack.enter_context(MtpHead(self.target_ctx))
                 mtp_drafter = MtpDrafter(self.mtp_head, self.target_ctx, self.target_model.n_vocab)
-                if spec.drafter == "auto":
-                    log.warning(
-                        "note: %s carries %d multi-token-prediction layer(s): auto mode "
-                        "drafts with them too (--drafter to choose)",
-                        self.target_model.path.name, self.target_model.n_layer_nextn,
-                    )  # fmt: skip
+                log.info("%s: drafting with its %d multi-token-prediction layer(s)",
+                         self.target_model.path.name, self.target_model.n_layer_nextn)  # fmt: skip
             if not attention and spec.drafter == "auto" and not self.target_ctx.n_rs_seq:
-                log.warning("note: the target is %s: auto mode runs it without drafts",
+                log.warning("the target is %s: auto mode runs it without drafts",
                             describe(t_info.architecture))  # fmt: skip
             if config.rpc_servers:
                 from specgguf.llama.rpc import keep_alive, parse_endpoints
 
                 keep_alive(parse_endpoints(config.rpc_servers), config.rpc_timeout)
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
-            # Said when the batch size is what clamps the draft length; a context smaller
-            # than the draft length limits each step by the room left, as it should.
-            if spec.draft_max >= config.target.n_batch and (
+            # Said when the batch size (or a recurrent state's snapshots) is what clamps
+            # the draft length; a context smaller than the draft length limits each step
+            # by the room left, as it should.
+            capacity = self.decoder.draft_capacity
+            if spec.draft_max > capacity and (
                 spec.draft_max != default_draft_max(spec.drafter)  # asked for, not auto's
             ):
                 log.warning(
-                    "a draft length of %d does not fit a verification batch of %d tokens: "
+                    "a draft length of %d does not fit a verification batch of %d tokens%s: "
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
-                    self.decoder.draft_capacity,
+                    "" if attention else " and the recurrent state's snapshots", capacity,
                 )  # fmt: skip
             self.drafting = Drafting(
                 model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from specgguf.engine.config import EngineConfig, ModelConfig, verify_draft_max
+from specgguf.engine.config import EngineConfig, ModelConfig, uses_mtp, verify_draft_max
 from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
 from specgguf.gguf.arch import describe, rolls_back
 from specgguf.gguf.info import ModelInfo, read_model_info
@@ -145,13 +145,21 @@ def memory_plan(
     for m, info, ctx in pairs:
         devices = model_devices(m, servers, gpus)
         places.update({d.name: d for d in devices})
-        snaps = target_snapshots(config, info) if info is target else draft_snapshots(info)
-        mem = model_memory(info, n_ctx=ctx, snapshots=snaps)
+        if info is target:
+            mem = model_memory(info, n_ctx=ctx, snapshots=target_snapshots(config, info),
+                               mtp=target_mtp(config, info))  # fmt: skip
+        else:
+            mem = model_memory(info, n_ctx=ctx, snapshots=draft_snapshots(info))
         models.append(
             place_model(info, mem, devices, n_gpu_layers=m.n_gpu_layers,
                         tensor_split=m.tensor_split)
         )  # fmt: skip
     return MemoryPlan(tuple(places.values()), tuple(models))
+
+
+#: Draft architectures that are MTP assistants reading the target's memory (llama.cpp's
+#: ``ctx_other``), not models of their own.
+MTP_ASSISTANTS = frozenset({"gemma4-assistant"})
 
 
 def target_snapshots(config: EngineConfig, info: ModelInfo) -> int:
@@ -160,6 +168,11 @@ def target_snapshots(config: EngineConfig, info: ModelInfo) -> int:
     if info.memory == "attention" or not rolls_back(info.architecture):
         return 0
     return verify_draft_max(config.speculative, info.memory)
+
+
+def target_mtp(config: EngineConfig, info: ModelInfo) -> bool:
+    """Whether the target's MTP layers are loaded to draft (:func:`uses_mtp`)."""
+    return uses_mtp(config, info.nextn_layers, rolls_back=rolls_back(info.architecture))
 
 
 def draft_snapshots(info: ModelInfo) -> int:
@@ -178,22 +191,22 @@ def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
     spec, arch = config.speculative, describe(target.architecture)
     if spec.drafter == "mtp" and not target.nextn_layers:
         raise UsageError(
-            f"--drafter mtp: {target.path.name} carries no multi-token-prediction layers "
+            f"the mtp drafter: {target.path.name} carries no multi-token-prediction layers "
             f"({target.architecture}.nextn_predict_layers)"
         )
     if target.memory == "attention":
         return
     if spec.drafter not in ("auto", "none") and not rolls_back(target.architecture):
         raise UsageError(
-            f"--drafter {spec.drafter}: the target is {arch}: rejected drafts cannot be "
-            "dropped from its state; use --drafter none (auto mode runs it alone)"
+            f"the {spec.drafter} drafter: the target is {arch}: rejected drafts cannot be "
+            "dropped from its state; run it without a drafter (auto mode runs it alone)"
         )
     if config.deterministic:
-        raise UsageError(f"--deterministic: not supported on a recurrent state; the target is "
-                         f"{arch}")  # fmt: skip
+        raise UsageError(f"deterministic mode is not supported on a recurrent state; the "
+                         f"target is {arch}")  # fmt: skip
     if spec.draft_tree and spec.drafter != "auto":
-        raise UsageError(f"--draft-tree: a recurrent state cannot hold a token tree; the target "
-                         f"is {arch}: use chains (--draft-tree 0)")  # fmt: skip
+        raise UsageError(f"token trees: a recurrent state cannot hold one; the target is "
+                         f"{arch}: draft chains (no tree branches)")  # fmt: skip
 
 
 def preflight(config: EngineConfig) -> Preflight:
@@ -221,6 +234,11 @@ def preflight(config: EngineConfig) -> Preflight:
     d_info = read_model_info(draft.path) if draft is not None else None
     t_info.require_loadable()
     check_speculation(config, t_info)
+    if d_info is not None and d_info.architecture in MTP_ASSISTANTS:
+        raise UsageError(
+            f"the draft {d_info.path.name} is an MTP assistant ({d_info.architecture}), "
+            "which drafts from the target's own KV cache: specgguf does not support it yet"
+        )
     if d_info is not None:
         d_info.require_loadable()
     compat = None
@@ -242,7 +260,8 @@ def preflight(config: EngineConfig) -> Preflight:
     # 0: the model's training context; a model that gives none: the default size
     n_ctx = config.target.n_ctx or t_info.context_length or ModelConfig.n_ctx
     n_ctx_draft = n_ctx
-    parts = [model_memory(t_info, n_ctx=n_ctx, snapshots=target_snapshots(config, t_info))]
+    parts = [model_memory(t_info, n_ctx=n_ctx, snapshots=target_snapshots(config, t_info),
+                          mtp=target_mtp(config, t_info))]  # fmt: skip
     if d_info is not None and draft is not None:
         n_ctx_draft = draft.n_ctx or n_ctx
         parts.append(model_memory(d_info, n_ctx=n_ctx_draft, snapshots=draft_snapshots(d_info)))

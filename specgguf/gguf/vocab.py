@@ -584,6 +584,11 @@ def compare_vocabs(t: VocabInfo, d: VocabInfo, *, started: float | None = None) 
     def add(sev: Severity, code: str, msg: str) -> None:
         out.append(Finding(sev, code, msg))
 
+    if not rolls_back(t.architecture):
+        add("warning", "no-rollback",
+            f"the target's architecture {t.architecture!r} keeps no snapshots of its "
+            "recurrent state in this llama.cpp: no draft can be verified on it (it runs "
+            "alone)")  # fmt: skip
     for role, v in (("target", t), ("draft", d)):
         if v.tokens is None:
             add("error", "no-vocabulary", f"the {role} has no tokenizer.ggml.tokens list")

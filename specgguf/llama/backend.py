@@ -474,7 +474,8 @@ class LlamaContext(_Native):
     own draft tokens, evaluated and then dropped whole, which needs no rollback).
     ``hidden`` keeps the hidden state after every position decoded
     (``llama_set_embeddings_nextn``) for :meth:`hidden_rows`, which an :class:`MtpHead`
-    reads.
+    reads: float32 rows of ``n_embd_out`` values, kept until :meth:`forget_hidden` (at
+    most one per cached position: 20 KB a position for a 5120-wide model).
 
     Raises:
         BackendError: llama.cpp could not create the context.
@@ -660,8 +661,9 @@ class LlamaContext(_Native):
             # On failure llama.cpp restores the cache (or keeps processed ubatches):
             # remove anything past what we know is committed (a recurrent state cannot
             # be cut there: the sequence is read again).
-            self._room = 0
-            self._truncate(self.n_past)
+            # Processed micro-batches may be cached past what the snapshots cover: a
+            # recurrent state is read again.
+            self._truncate(self.n_past, reread=self.recurrent)
             raise BackendError(
                 f"llama_decode failed with code {rc} on {self.model.path.name} "
                 f"({m} tokens at position {self.n_past})"
@@ -900,14 +902,16 @@ class LlamaContext(_Native):
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
-    def _truncate(self, n_keep: int) -> None:
+    def _truncate(self, n_keep: int, *, reread: bool = False) -> None:
         """Cut sequence 0 to ``n_keep`` positions: by llama.cpp's ``seq_rm`` where the
-        memory allows it, else by clearing it and decoding its tokens again."""
-        self._hidden_rows = [(p, h[: max(0, n_keep - p)]) for p, h in self._hidden_rows
-                             if p < n_keep]  # fmt: skip
+        memory allows it, else (or with ``reread``) by clearing it and decoding its tokens
+        again."""
+        # (a cut chunk is copied: a view would keep the dropped rows' memory)
+        self._hidden_rows = [(p, h if p + len(h) <= n_keep else h[: n_keep - p].copy())
+                             for p, h in self._hidden_rows if p < n_keep]  # fmt: skip
         depth = self.n_past - n_keep
         room = self.rollback_room
-        if n_keep > 0 and room is not None and depth > room:
+        if n_keep > 0 and (reread or (room is not None and depth > room)):
             ok = False  # beyond the snapshots: llama.cpp could restore a stale one
         else:
             ok = bool(self._lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
@@ -926,28 +930,31 @@ class LlamaContext(_Native):
 
     def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]:
         """The hidden states after positions ``start .. end - 1`` (``hidden`` contexts),
-        float32[end - start, n_embd_out]; the rows before ``start`` are forgotten.
+        float32[end - start, n_embd_out], a copy.
 
         Raises:
-            ValueError: not a ``hidden`` context, or a position not decoded since the
-                rows before it were forgotten, or past ``n_past``.
+            ValueError: not a ``hidden`` context, or a position not decoded (or forgotten,
+                :meth:`forget_hidden`), or past ``n_past``.
         """
         if not self._hidden:
             raise ValueError("this context was created without hidden states")
         out = np.empty((max(0, end - start), self.n_embd_out), np.float32)
         filled = np.zeros(len(out), bool)
-        kept: list[tuple[int, npt.NDArray[np.float32]]] = []
         for p, h in self._hidden_rows:
             lo, hi = max(p, start), min(p + len(h), end)
             if lo < hi:
                 out[lo - start : hi - start] = h[lo - p : hi - p]
                 filled[lo - start : hi - start] = True
-            if p + len(h) > start:
-                kept.append((p, h))
         if end > self.n_past or not filled.all():
             raise ValueError(f"no hidden states for positions {start}..{end - 1}")
-        self._hidden_rows = kept
         return out
+
+    def forget_hidden(self, before: int) -> None:
+        """Forget the hidden states of the positions before ``before`` (read for good)."""
+        self._hidden_rows = [
+            (p, h) if p >= before else (before, h[before - p :].copy())
+            for p, h in self._hidden_rows if p + len(h) > before
+        ]  # fmt: skip
 
     @contextlib.contextmanager
     def scratch(self) -> Iterator[None]:

@@ -68,14 +68,21 @@ def model_memory(
     n_ubatch: int = 512,
     n_outputs_max: int = 64,
     snapshots: int = 0,
+    mtp: bool = False,
 ) -> ModelMemory:
     """The estimate for one model loaded with a context of ``n_ctx`` positions (and
-    ``snapshots`` of a recurrent state, see :func:`kv_cache_bytes`)."""
+    ``snapshots`` of a recurrent state, see :func:`kv_cache_bytes`); with ``mtp``, its MTP
+    layers drafting: their own KV cache and the target's hidden state of every position
+    (F32), which they read."""
     activations = n_ubatch * (info.embedding_length or 0) * 4 * 16
+    kv = kv_cache_bytes(info, n_ctx, snapshots=snapshots)
+    if mtp and info.attention_layers:
+        per_layer = _attention_bytes(info, n_ctx) // info.attention_layers
+        kv += info.nextn_layers * per_layer + n_ctx * (info.embedding_length or 0) * 4
     return ModelMemory(
         name=info.path.name,
         weights=info.file_size,
-        kv_cache=kv_cache_bytes(info, n_ctx, snapshots=snapshots),
+        kv_cache=kv,
         compute=info.vocab.n_tokens * n_outputs_max * 4 + activations,
         activations=activations,
     )

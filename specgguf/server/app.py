@@ -174,7 +174,8 @@ class _Service:
         speculative settings within what was loaded.
 
         Raises:
-            APIError: the model drafter without a draft model, a draft length above the
+            APIError: the model drafter without a draft model, the mtp drafter without MTP
+                layers, a draft length above the
                 loaded one, ``speculative.n_min`` above ``speculative.n_max``.
         """
         check_supported(req)
@@ -185,6 +186,11 @@ class _Service:
             raise bad_request(
                 "speculative.drafter: the model drafter needs a draft model, and none "
                 "was loaded", param="speculative.drafter",
+            )  # fmt: skip
+        if req.spec_drafter == "mtp" and self.engine.mtp_head is None:
+            raise bad_request(
+                "speculative.drafter: the mtp drafter needs the target's multi-token-"
+                "prediction layers, and none were loaded", param="speculative.drafter",
             )  # fmt: skip
         n_max = req.spec_n_max
         if n_max is not None and n_max > spec.draft_max:

@@ -73,7 +73,7 @@ class _Generation(_Strict):
     spec_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
     spec_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
     spec_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
-    spec_drafter: Literal["auto", "model", "ngram", "suffix", "none"] | None = Field(
+    spec_drafter: Literal["auto", "model", "mtp", "ngram", "suffix", "none"] | None = Field(
         None, alias="speculative.drafter"
     )
     #: specgguf's extension: greedy (and seeded) output independent of the drafter and K;

@@ -27,13 +27,15 @@ from specgguf.speculative.sampling import Distribution, SamplerParams
 
 class HiddenStates(Protocol):
     """The target's context as the head reads it: ``n_past`` committed positions and the
-    hidden state after each (float32[end - start, n_embd] for positions start..end - 1;
-    earlier rows may be forgotten)."""
+    hidden state after each (float32[end - start, n_embd] for positions start..end - 1);
+    ``forget_hidden`` drops the rows before a position, read for good."""
 
     @property
     def n_past(self) -> int: ...
 
     def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]: ...
+
+    def forget_hidden(self, before: int) -> None: ...
 
 
 class Head(Protocol):
@@ -117,6 +119,8 @@ class MtpDrafter(Drafter):
             inputs[len(tokens) - len(rows) :] = rows
         out = self.head.eval(tokens, inputs, last=last)
         self._held.extend(tokens)
+        # the next catch-up starts at the head's end: it reads from the state before it
+        self.target.forget_hidden(min(end, stop) - 1)
         return out
 
     def propose(
