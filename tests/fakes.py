@@ -281,3 +281,63 @@ def first_eval_cost(p: AutoPlanner, history: Sequence[int]) -> float:
     step = Step(history, 1, 16, SamplerParams(temperature=0.0), np.random.default_rng(0),
                 p.timings, len(history) - 1, p.confidence, 0.0, p.tuning)  # fmt: skip
     return p.arm("model")._first_eval_cost(step)  # type: ignore[attr-defined,no-any-return]
+
+
+class FakeSequence(FakeContext):
+    """One sequence of a :class:`FakeParallelContext`."""
+
+    lone_rows_max = 0
+    recurrent = False
+
+    def __init__(self, base: FakeParallelContext, rule: Rule, n_vocab: int, n_ctx: int) -> None:
+        super().__init__(rule, n_vocab, n_ctx=n_ctx, n_batch=base.n_batch)
+        self._base = base
+        self.n_parallel = base.n_parallel
+        self.n_outputs_max = base.n_outputs_max
+
+    def eval(
+        self, tokens: Sequence[int], *, logits: Literal["last", "all", "none"] = "last"
+    ) -> npt.NDArray[np.float32]:
+        if not self._base.batching:  # a decode of this sequence alone
+            self._base.alone.append((self._base.seqs.index(self), list(tokens), logits))
+        return super().eval(tokens, logits=logits)
+
+
+class FakeParallelContext:
+    """A parallel context (``LlamaContext(n_parallel=...)``) over :class:`FakeSequence`
+    sequences: :meth:`decode_many` evaluates each part on its sequence and records the
+    batch in ``batches`` as (sequence index, tokens, logits wanted) per part; a sequence's
+    own ``eval`` is a decode of that sequence alone (recorded in its ``log``)."""
+
+    recurrent = False
+
+    def __init__(
+        self, rule: Rule, n_vocab: int, n_parallel: int, *, n_ctx: int = 256, n_batch: int = 64,
+        n_outputs_max: int | None = None,
+    ) -> None:  # fmt: skip
+        self.n_batch = n_batch
+        self.n_outputs_max = n_outputs_max or n_batch
+        self.n_parallel = n_parallel
+        self.n_vocab = n_vocab
+        self.seqs = [FakeSequence(self, rule, n_vocab, n_ctx) for _ in range(n_parallel)]
+        self.batches: list[list[tuple[int, list[int], str]]] = []
+        #: decodes of one sequence alone, as (sequence index, tokens, logits wanted)
+        self.alone: list[tuple[int, list[int], str]] = []
+        self.batching = False
+
+    def sequence(self, i: int) -> FakeSequence:
+        return self.seqs[i]
+
+    def decode_many(
+        self, parts: Sequence[tuple[FakeSequence, Sequence[int], Literal["all", "last", "none"]]]
+    ) -> list[npt.NDArray[np.float32]]:
+        rows = sum(len(t) for _, t, _ in parts)
+        outs = sum(len(t) if w == "all" else w == "last" for _, t, w in parts)
+        assert rows <= self.n_batch and outs <= self.n_outputs_max, (rows, outs)
+        assert len({id(c) for c, _, _ in parts}) == len(parts), "a sequence twice in a batch"
+        self.batches.append([(self.seqs.index(c), list(t), w) for c, t, w in parts])
+        self.batching = True
+        try:
+            return [c.eval(t, logits=w) for c, t, w in parts]
+        finally:
+            self.batching = False

@@ -679,8 +679,10 @@ def test_taken_port_is_refused_before_loading(
 
 @pytest.fixture(scope="module")
 def long_server(tiny_models: dict[str, Path], env: dict[str, str]) -> Iterator[ServerProcess]:
-    """A long context (8192) for generations that take seconds, and a queue of 1."""
-    with ServerProcess(*models(tiny_models, ctx=8192), "--max-queue", "1", env=env) as s:
+    """A long context (8192) for generations that take seconds, one at a time, and a queue
+    of 1 (tests/test_parallel.py: the queue of parallel sequences)."""
+    with ServerProcess(*models(tiny_models, ctx=8192), "--max-queue", "1", "-np", "1",
+                       env=env) as s:  # fmt: skip
         yield s
 
 

@@ -68,6 +68,16 @@ def bench(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Draw speedup against K (needs matplotlib).")
     ] = None,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            "-np",
+            "--parallel",
+            min=1,
+            help="N prompts at once through the engine's N sequences, against one at a "
+            "time (aggregate tokens/s).",
+        ),
+    ] = 1,
 ) -> None:
     """Measure the target alone, each drafter at each draft length, and auto mode, on a
     prompt set with categories, interleaved in one process; speedups are relative to the
@@ -78,6 +88,7 @@ def bench(
         builtin_prompts,
         load_prompts,
         run_bench,
+        run_parallel_bench,
         sample_per_category,
     )
     from specgguf.errors import UsageError
@@ -104,7 +115,7 @@ def bench(
         chosen = sample_per_category(chosen, per_category, seed)
     draft_max = max(AUTO_TUNING.draft_max_lookup, *ks)
     drafting = dataclasses.replace(drafting, drafter="auto", draft=draft_max)
-    config = o.engine_config(load, drafting, say=say)
+    config = dataclasses.replace(o.engine_config(load, drafting, say=say), n_parallel=parallel)
     with LoadProgress({}) as load_progress:
         engine = Engine(config, on_load_progress=load_progress)
     configs = [("target", "none", 0)]
@@ -117,6 +128,15 @@ def bench(
     configs.append(("auto", "auto", draft_max))
     if load.deterministic:
         configs += [("det-" + name, kind, k) for name, kind, k in configs]
+    if parallel > 1:
+        with engine:
+            progress = say if sys.stderr.isatty() else (lambda m: None)
+            report = run_parallel_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
+                                        progress=progress)  # fmt: skip
+        if json_out:
+            print_json(report)
+        _print_parallel(report, stderr=json_out)
+        return
     with engine:
         report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
                            progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip
@@ -166,6 +186,25 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
     con.print(f"peak RSS {size(mem['peak_rss'])} = {mem['ratio']:.2f} x (model files "
               f"{size(mem['model_files'])} + KV caches {size(mem['kv_caches'])}); "
               f"{report['wall_seconds']:.0f} s", highlight=False)  # fmt: skip
+
+
+def _print_parallel(report: dict[str, Any], *, stderr: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(stderr=True, highlight=False) if stderr else stdout_console()
+    n = report["parallel"]
+    title = (f"{report['prompts']} prompts, n={report['n_predict']}, greedy: one at a time "
+             f"against {n} at once")  # fmt: skip
+    t = Table(title=title, title_justify="left", box=None, header_style="bold")
+    for col in ("config", "tokens/s (1)", f"tokens/s ({n})", "ratio"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for r in report["results"]:
+        t.add_row(r["config"], f"{r['tokens_per_s_1']:.2f}", f"{r['tokens_per_s_parallel']:.2f}",
+                  f"{r['ratio']:.2f}x")  # fmt: skip
+    con.print(t)
+    con.print(f"the batch curve allows {report['batch_allows']:.2f}x for {n} sequences "
+              f"({n} x t(1) / t({n}))", highlight=False)  # fmt: skip
 
 
 def _rpc_note(models: dict[str, Any]) -> str:

@@ -326,8 +326,13 @@ class ServerOptions:
     # here, as its import (FastAPI) would slow every command by half a second.
     max_queue: int = option(
         16, "--max-queue", min=0,
-        help="Requests that may wait while one generates; more get 503.",
+        help="Requests that may wait while --parallel generate; more get 503.",
         to="server.max_queue",
+    )  # fmt: skip
+    parallel: int | None = option(
+        None, "-np", "--parallel", min=1,
+        help="Requests generated at once, every one's draft verified in one target batch; "
+        "each has a context of -c tokens (default: 4 where the memory plan allows, else 1).",
     )  # fmt: skip
 
 

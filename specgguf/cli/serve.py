@@ -7,9 +7,10 @@ import dataclasses
 import logging
 import os
 import signal
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -18,6 +19,10 @@ from specgguf.cli.app import app, handled, setup_logging
 from specgguf.cli.flags import config_args, takes
 from specgguf.cli.output import stderr_say
 from specgguf.errors import EXIT_INTERRUPTED
+
+if TYPE_CHECKING:
+    from specgguf.engine import EngineConfig
+    from specgguf.engine.preflight import Preflight
 
 
 @app.command(context_settings={"allow_interspersed_args": True})
@@ -48,8 +53,8 @@ def serve(
     ] = False,
 ) -> None:
     """Serve the models over HTTP with an OpenAI-compatible API (chat and text
-    completions, streamed or whole), one request at a time, with the speculative
-    statistics in every response.
+    completions, streamed or whole), up to --parallel requests at once, with the
+    speculative statistics in every response.
 
     Without -m, the registry's default pair is used (and downloaded on first use). The
     models load once; then one line on stderr says where the server listens. The sampling
@@ -63,7 +68,7 @@ def serve(
     5 does not fit, 6 an RPC server does not answer, 9 llama.cpp error (an RPC server
     lost).
     """
-    from specgguf.engine import Engine, preflight
+    from specgguf.engine import Engine
     from specgguf.server import ServerSettings, bind, serve
     from specgguf.server.listen import is_loopback
     from specgguf.server.scheduler import engine_thread
@@ -84,7 +89,7 @@ def serve(
         target=dataclasses.replace(config.target, huge_pages=True),
         draft=config.draft and dataclasses.replace(config.draft, huge_pages=True),
     )
-    checked = preflight(config)  # before any weights load
+    config, checked = _parallel(config, server.parallel, say)  # before any weights load
     sock = bind(server.host, server.port)  # a taken port is reported before loading too
     if not is_loopback(sock) and not server.api_key:
         say(
@@ -121,9 +126,11 @@ def serve(
                     for role, key in (("target", "rpc"), ("draft", "rpc_draft"))
                     if d[key]
                 )
+                n_par = config.n_parallel
                 say(
                     f"specgguf: listening on {url} (model {settings.model_id}, draft "
-                    f"{draft_name}, drafter {d['drafter']}, n_ctx {d['n_ctx']}{servers})"
+                    f"{draft_name}, drafter {d['drafter']}, parallel {n_par}, n_ctx "
+                    f"{d['n_ctx']}{' each' if n_par > 1 else ''}{servers})"
                 )
 
             serve(engine, settings, sock, on_ready=ready, executor=llama_thread)
@@ -133,6 +140,43 @@ def serve(
 
 
 T = TypeVar("T")
+
+#: ``--parallel`` when not given, where the memory plan allows it.
+DEFAULT_PARALLEL = 4
+
+
+def _parallel(
+    config: EngineConfig, parallel: int | None, say: Callable[[str], None]
+) -> tuple[EngineConfig, Preflight]:
+    """The configuration with its parallel sequences, and its preflight: ``parallel`` as
+    given (refused with the memory plan's numbers when it does not fit), else
+    :data:`DEFAULT_PARALLEL` where the plan allows it and nothing needs one sequence
+    (the target's MTP layers drafting, a recurrent draft model), else 1; said on stderr.
+
+    Raises:
+        InsufficientMemoryError, UsageError: from :func:`specgguf.engine.preflight`.
+    """
+    from specgguf.engine import preflight
+    from specgguf.engine.preflight import target_mtp
+    from specgguf.errors import InsufficientMemoryError, UsageError
+
+    if parallel is not None:
+        config = dataclasses.replace(config, n_parallel=parallel)
+        return config, preflight(config)
+    wide = dataclasses.replace(config, n_parallel=DEFAULT_PARALLEL)
+    try:
+        checked = preflight(wide)
+    except InsufficientMemoryError as e:
+        why = f"{DEFAULT_PARALLEL} would not fit ({e})"
+    except UsageError as e:
+        why = str(e)
+    else:
+        if not target_mtp(config, checked.target):
+            return wide, checked
+        why = "the target's MTP layers draft for one sequence"
+    one = preflight(config)
+    say(f"specgguf: one request at a time (--parallel 1): {why}")
+    return config, one
 
 
 def _before_listening(future: Future[T]) -> T:

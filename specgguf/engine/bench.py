@@ -445,3 +445,95 @@ def run_bench(
         "wall_seconds": round(wall, 1),
         "results": results,
     }
+
+
+def generate_together(
+    engine: Engine, prompts: Sequence[Any], params: GenerationParams
+) -> tuple[list[GenerationResult], float]:
+    """Every prompt through the engine's ``--parallel`` sequences as a server would take
+    them (a prompt starts as soon as a sequence is free, in order); returns the results in
+    the prompts' order and the wall seconds from the first prompt to the last token.
+
+    Raises:
+        UsageError: the engine was loaded for one sequence.
+    """
+    batcher = engine.batcher or engine.start_batching()
+    out: dict[int, GenerationResult] = {}
+    queue = list(enumerate(prompts))
+    free = list(range(len(engine.slots)))
+
+    def start(slot: int) -> None:
+        i, prompt = queue.pop(0)
+
+        def run() -> None:
+            try:
+                out[i] = engine.generate(prompt, params, slot=slot).run()
+            finally:
+                free.append(slot)
+
+        batcher.add(slot, run).on_resume = engine.slots[slot].batch_rows
+
+    t0 = time.perf_counter()
+    while queue or batcher.active:
+        while queue and free:
+            start(free.pop(0))
+        batcher.step()
+    return [out[i] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def run_parallel_bench(
+    engine: Engine,
+    prompts: Sequence[BenchPrompt],
+    configs: Sequence[tuple[str, str, int]],
+    *,
+    n: int,
+    rounds: int,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> dict[str, Any]:
+    """``bench --parallel N``: for each configuration, every prompt's first turn one after
+    another (one sequence at a time, each alone in the batcher) and all through the engine's N
+    sequences at once (:func:`generate_together`), alternating which goes first from
+    round to round; aggregate tokens/s (all tokens over all wall time) of both, their
+    ratio, and what the calibrated batch curve allows for it: N rows in one batch against
+    N single rows, t(1) N / t(N).
+
+    Raises:
+        UsageError: the engine was loaded for one sequence.
+    """
+    n_par = len(engine.slots)
+    if n_par < 2:
+        from specgguf.errors import UsageError
+
+        raise UsageError("a parallel bench needs an engine of 2 sequences or more")
+    progress("calibrating")
+    timings = engine.timings(recalibrate=True)
+    engine.start_batching()
+    totals: dict[tuple[str, int], list[float]] = {}
+    for r in range(rounds):
+        for name, kind, k in configs:
+            params = GenerationParams(n_predict=n, sampler=SamplerParams(temperature=0),
+                                      drafter=kind, draft_max=k)  # fmt: skip
+            firsts = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
+            for width in (1, n_par) if r % 2 == 0 else (n_par, 1):
+                progress(f"round {r + 1}/{rounds}: {name}, {width} at once")
+                if width == 1:  # through the batcher too, on its first sequence
+                    res, seconds = [], 0.0
+                    for m in firsts:
+                        alone, s = generate_together(engine, [m], params)
+                        res += alone
+                        seconds += s
+                else:
+                    res, seconds = generate_together(engine, firsts, params)
+                acc = totals.setdefault((name, width), [0.0, 0.0])
+                acc[0] += sum(len(x.tokens) for x in res)
+                acc[1] += seconds
+    allowed = n_par * timings.verify_time(1) / timings.verify_time(n_par)
+    results = []
+    for name, _, _ in configs:
+        single, many = (totals[(name, w)] for w in (1, n_par))
+        rate1, rate_n = single[0] / single[1], many[0] / many[1]
+        results.append({"config": name, "tokens_per_s_1": round(rate1, 3),
+                        "tokens_per_s_parallel": round(rate_n, 3),
+                        "ratio": round(rate_n / rate1, 3)})  # fmt: skip
+    return {"parallel": n_par, "n_predict": n, "rounds": rounds, "prompts": len(prompts),
+            "batch_allows": round(allowed, 3), "results": results}  # fmt: skip

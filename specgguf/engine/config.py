@@ -71,9 +71,11 @@ def verify_draft_max(spec: SpeculativeConfig, memory: str) -> int:
 def uses_mtp(config: EngineConfig, nextn_layers: int, *, rolls_back: bool = True) -> bool:
     """Whether the target's MTP layers draft: asked for (the "mtp" drafter), or in auto
     mode when the target carries them, its memory can drop rejected drafts
-    (``rolls_back``) and no draft model is loaded (as Ollama does)."""
+    (``rolls_back``), no draft model is loaded (as Ollama does) and one sequence is
+    generated at a time (the head drafts for one)."""
     kind = config.speculative.drafter
-    auto = kind == "auto" and nextn_layers > 0 and rolls_back and not config.loads_draft
+    auto = (kind == "auto" and nextn_layers > 0 and rolls_back and not config.loads_draft
+            and config.n_parallel == 1)  # fmt: skip
     return kind == "mtp" or auto
 
 
@@ -221,9 +223,13 @@ class EngineConfig:
             and, after loading, for its machine to answer at the TCP level before the
             connection is given up (see :mod:`specgguf.llama.rpc` for what llama.cpp
             does not allow).
+        n_parallel: sequences generated at once (``serve --parallel``), each with a
+            context of the target's (and the draft's) ``n_ctx`` in one llama.cpp context
+            (:mod:`specgguf.engine.batching`); 1: one at a time.
 
     Raises:
-        UsageError: the "model" drafter without a draft model, a timeout of 0 or less.
+        UsageError: the "model" drafter without a draft model, a timeout of 0 or less,
+            fewer than 1 parallel sequence.
     """
 
     target: ModelConfig
@@ -233,8 +239,11 @@ class EngineConfig:
     check_memory: bool = True
     deterministic: bool = False
     rpc_timeout: float = DEFAULT_TIMEOUT
+    n_parallel: int = 1
 
     def __post_init__(self) -> None:
+        if self.n_parallel < 1:
+            raise UsageError(f"n_parallel must be 1 or more, not {self.n_parallel}")
         if self.speculative.drafter == "model" and self.draft is None:
             raise UsageError("the model drafter needs a draft model")
         if not self.rpc_timeout > 0:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from specgguf.engine.batching import BatchedSequence, Batcher
 from specgguf.engine.calibration import calibrate, calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import (
@@ -48,6 +49,7 @@ from specgguf.gguf.arch import describe
 from specgguf.llama.backend import LlamaContext, LlamaModel, MtpHead, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
+from specgguf.speculative.draft import TargetEvaluator
 from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, SuffixDrafter
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import Planner
@@ -64,6 +66,29 @@ DETERMINISTIC_TYPE_K = "q8_0"
 #: What :meth:`Engine.generate` takes: a text completed as is, a conversation rendered with
 #: the target's chat template, or token ids.
 Prompt = str | Sequence[ChatMessage] | Sequence[int]
+
+
+@dataclasses.dataclass
+class Slot:
+    """One of the ``--parallel`` sequences: its loop, its target sequence, its timings
+    by deterministic mode, and its drafting (set once made)."""
+
+    decoder: SpeculativeDecoder
+    target: BatchedSequence
+    timings: dict[bool, Timings]
+    drafting: Drafting = dataclasses.field(init=False)
+
+    def batch_rows(self, others: int, sharing: int, active: int = 1) -> None:
+        """The rows the other sequences bring to the next target batch and the sequences
+        sharing it, for auto mode's costs (:class:`Timings`, ``others``); a deterministic
+        generation's batches are its own, as a recurrent target's (the batcher decodes
+        each of their evaluations alone: ``others`` 0). With no other sequence ``active``,
+        its steps' times are its own, and auto mode learns from them (``Timings.solo``)."""
+        for det, t in self.timings.items():
+            t.solo = active <= 1
+            if not det:
+                t.others, t.sharing = others, sharing
+
 
 #: Any valid text for timing calibration (the timing, not the text, matters).
 _CALIBRATION_TEXT = "def f(x):\n    return x + 1\n"
@@ -115,14 +140,15 @@ class Engine:
             # Token trees need a sequence per branch (SpeculativeConfig.draft_tree); a
             # recurrent state holds none, and keeps a snapshot per draft token instead.
             attention = self.target_model.memory == "attention"
+            n_par = config.n_parallel
             target_ctx = functools.partial(
                 self._context, self.target_model, config.target, self.preflight.n_ctx,
-                verify_draft_max(spec, self.target_model.memory) + 1,
+                (verify_draft_max(spec, self.target_model.memory) + 1) * n_par,
                 reserve=int(config.deterministic),
                 # (nor with MTP layers, which read the hidden state of each position the
-                # target decodes in sequence 0)
-                tree_branches=spec.draft_tree if attention and not mtp else 0,
-                n_rs_seq=target_snapshots(config, t_info), hidden=mtp,
+                # target decodes in sequence 0, nor with parallel sequences)
+                tree_branches=spec.draft_tree if attention and not mtp and n_par == 1 else 0,
+                n_rs_seq=target_snapshots(config, t_info), hidden=mtp, n_parallel=n_par,
             )  # fmt: skip
             if config.deterministic:
                 # K in q8_0: then no lone row needs a throw-away row (specgguf.llama.
@@ -146,8 +172,9 @@ class Engine:
                 # The draft only ever needs the logits of its last position; a recurrent
                 # one drafts in a copy of its sequence (ModelDrafter).
                 self.draft_ctx = self._context(
-                    self.draft_model, config.draft, self.preflight.n_ctx_draft, 1, draft=True,
-                    scratch=self.draft_model.memory != "attention",
+                    self.draft_model, config.draft, self.preflight.n_ctx_draft, n_par,
+                    draft=True, scratch=self.draft_model.memory != "attention",
+                    n_parallel=n_par,
                 )  # fmt: skip
                 model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
             #: the target's MTP layers, when they draft
@@ -182,6 +209,12 @@ class Engine:
                 model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings,
                 mtp=mtp_drafter,
             )  # fmt: skip
+            if n_par > 1 and spec.draft_tree >= 2:
+                log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
+                         n_par)  # fmt: skip
+            #: the sequences of ``serve --parallel`` (none when one at a time)
+            self.slots: list[Slot] = [self._slot(i) for i in range(n_par)] if n_par > 1 else []
+            self.batcher: Batcher | None = None
             trained = self.preflight.target.context_length
             if trained and self.n_ctx > trained:
                 # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context
@@ -222,6 +255,48 @@ class Engine:
                  "lone rows never padded" if lone == NO_LIMIT
                  else f"lone rows padded past {lone} cached positions")  # fmt: skip
 
+    def _slot(self, i: int) -> Slot:
+        """Sequence ``i`` of ``--parallel``: the loop and the drafters over its sequences
+        of the target's and the draft's contexts, evaluating through :attr:`batcher`;
+        drafters of its own (the suffix drafter remembers what this sequence generated),
+        and timings of its own, which the batcher tells how many rows the other sequences
+        bring to a step (:attr:`Timings.others`)."""
+        target = BatchedSequence(self.target_ctx.sequence(i), lambda: self.batcher)
+        model = None
+        if self.draft_ctx is not None:
+            draft = BatchedSequence(self.draft_ctx.sequence(i), lambda: self.batcher)
+            model = ModelDrafter(draft, self.target_model.n_vocab)
+        slot = Slot(SpeculativeDecoder(target, self.target_model), target, {})
+
+        def timings(det: bool) -> Timings:
+            if det not in slot.timings:
+                slot.timings[det] = dataclasses.replace(self.timings(det))
+            return slot.timings[det]
+
+        spec = self.config.speculative
+        # (timings are refined only while this sequence runs alone: Timings.solo)
+        slot.drafting = Drafting(model, (spec.ngram_min, spec.ngram_max), SuffixDrafter(),
+                                 timings)  # fmt: skip
+        return slot
+
+    def start_batching(self) -> Batcher:
+        """The :class:`~specgguf.engine.batching.Batcher` of ``--parallel`` generations
+        (:meth:`generate` with a ``slot``), made on the calling thread, which must then run
+        it. Measures the timings auto mode needs first (a generation must not calibrate
+        while others hold the context).
+
+        Raises:
+            UsageError: the engine was loaded for one sequence at a time.
+            BackendError: the calibration failed.
+        """
+        if not self.slots:
+            raise UsageError("this engine was loaded for one sequence at a time")
+        self.timings(False)
+        if self.deterministic_rows:
+            self.timings(True)
+        self.batcher = Batcher(self.target_ctx, self.draft_ctx)
+        return self.batcher
+
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
         """``Engine(config)``: check, then load (see the class)."""
@@ -256,12 +331,13 @@ class Engine:
         n_rs_seq: int = 0,
         scratch: bool = False,
         hidden: bool = False,
+        n_parallel: int = 1,
     ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
                 reserve=reserve, tree_branches=tree_branches, type_k=type_k,
-                n_rs_seq=n_rs_seq, scratch=scratch, hidden=hidden,
+                n_rs_seq=n_rs_seq, scratch=scratch, hidden=hidden, n_parallel=n_parallel,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
@@ -324,7 +400,7 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------
 
-    def planner(self, params: GenerationParams) -> Planner:
+    def planner(self, params: GenerationParams, slot: int | None = None) -> Planner:
         """The planner of one generation: the drafter, draft length, minimum draft length
         and p_min of ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
 
@@ -358,15 +434,22 @@ class Engine:
             raise UsageError(f"a token tree has 0 or more branches, not {tree}")
         tree = min(tree, self.target_ctx.tree_branches)
         settings = DraftSettings(draft_max, p_min, bool(det), draft_min, tree)
-        return make_planner(kind, self.drafting, settings)
+        drafting = self.drafting if slot is None else self.slots[slot].drafting
+        return make_planner(kind, drafting, settings)
 
-    def generate(self, prompt: Prompt, params: GenerationParams | None = None) -> Generation:
+    def generate(
+        self, prompt: Prompt, params: GenerationParams | None = None, *, slot: int | None = None
+    ) -> Generation:
         """Start a generation: iterate the result for text pieces; ``result`` holds the
         text, tokens, finish reason and statistics when it ends.
 
         The draft length is clamped, at every step, to what the verification batch, the
         context and ``n_predict`` leave (:mod:`specgguf.speculative.loop`); ``stats.draft_max``
         reports the largest usable.
+
+        ``slot``: one of the ``--parallel`` sequences (0 to ``n_parallel - 1``), whose
+        generation must then be iterated inside a task of :attr:`batcher`
+        (:meth:`start_batching`); None: the engine's one sequence.
 
         Raises:
             UsageError: an empty prompt, a malformed conversation, bad speculative settings.
@@ -378,10 +461,15 @@ class Engine:
         if det and not self.deterministic_rows:
             raise UsageError("a deterministic generation needs an engine set up for it")
         params = dataclasses.replace(params, deterministic=det)
-        planner = self.planner(params)
+        planner = self.planner(params, slot)
         ids = self.prompt_ids(prompt)
-        self.target_ctx.set_rows_per_decode(self.deterministic_rows if det else None)
-        return self.decoder.generate(ids, params, planner)
+        target: TargetEvaluator
+        if slot is None:
+            target, decoder = self.target_ctx, self.decoder
+        else:
+            target, decoder = self.slots[slot].target, self.slots[slot].decoder
+        target.set_rows_per_decode(self.deterministic_rows if det else None)
+        return decoder.generate(ids, params, planner)
 
     # -- facts ------------------------------------------------------------------------
 

@@ -147,9 +147,10 @@ def memory_plan(
         places.update({d.name: d for d in devices})
         if info is target:
             mem = model_memory(info, n_ctx=ctx, snapshots=target_snapshots(config, info),
-                               mtp=target_mtp(config, info))  # fmt: skip
+                               mtp=target_mtp(config, info), n_seq=config.n_parallel)  # fmt: skip
         else:
-            mem = model_memory(info, n_ctx=ctx, snapshots=draft_snapshots(info))
+            mem = model_memory(info, n_ctx=ctx, snapshots=draft_snapshots(info),
+                               n_seq=config.n_parallel)  # fmt: skip
         models.append(
             place_model(info, mem, devices, n_gpu_layers=m.n_gpu_layers,
                         tensor_split=m.tensor_split)
@@ -189,6 +190,10 @@ def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
         UsageError: one line naming the architecture and what to use instead.
     """
     spec, arch = config.speculative, describe(target.architecture)
+    if config.n_parallel > 1 and spec.drafter == "mtp":
+        raise UsageError(
+            "the mtp drafter drafts for one sequence at a time: serve one request at a time with it"
+        )
     if spec.drafter == "mtp" and not target.nextn_layers:
         raise UsageError(
             f"the mtp drafter: {target.path.name} carries no multi-token-prediction layers "
@@ -241,6 +246,12 @@ def preflight(config: EngineConfig) -> Preflight:
         )
     if d_info is not None:
         d_info.require_loadable()
+        if config.n_parallel > 1 and d_info.memory != "attention":
+            raise UsageError(
+                f"the draft {d_info.path.name} is {describe(d_info.architecture)}: it drafts "
+                "for one sequence at a time; serve one request at a time with it, or use a draft "
+                "with a KV cache only"
+            )
     compat = None
     if draft is not None and config.check_vocab:
         compat = check_compatibility(config.target.path, draft.path)
@@ -260,11 +271,13 @@ def preflight(config: EngineConfig) -> Preflight:
     # 0: the model's training context; a model that gives none: the default size
     n_ctx = config.target.n_ctx or t_info.context_length or ModelConfig.n_ctx
     n_ctx_draft = n_ctx
+    n_seq = config.n_parallel
     parts = [model_memory(t_info, n_ctx=n_ctx, snapshots=target_snapshots(config, t_info),
-                          mtp=target_mtp(config, t_info))]  # fmt: skip
+                          mtp=target_mtp(config, t_info), n_seq=n_seq)]  # fmt: skip
     if d_info is not None and draft is not None:
         n_ctx_draft = draft.n_ctx or n_ctx
-        parts.append(model_memory(d_info, n_ctx=n_ctx_draft, snapshots=draft_snapshots(d_info)))
+        parts.append(model_memory(d_info, n_ctx=n_ctx_draft, snapshots=draft_snapshots(d_info),
+                                  n_seq=n_seq))  # fmt: skip
     plan = memory_plan(config, t_info, d_info, n_ctx, n_ctx_draft, servers=servers)
     needed = check_plan(plan) if config.check_memory else plan.need(LOCAL)
     return Preflight(t_info, d_info, compat, parts, needed, n_ctx, n_ctx_draft, plan,

@@ -335,15 +335,18 @@ class LlamaModel(_Native):
         n_rs_seq: int = 0,
         scratch: bool = False,
         hidden: bool = False,
+        n_parallel: int = 1,
+        kv_unified: bool = False,
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
         deterministic mode's throw-away rows use) on this model; ``tree_branches``,
-        ``type_k``, ``n_rs_seq``, ``scratch`` and ``hidden``: see :class:`LlamaContext`."""
+        ``type_k``, ``n_rs_seq``, ``scratch``, ``hidden``, ``n_parallel`` and
+        ``kv_unified``: see :class:`LlamaContext`."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
             reserve=reserve, tree_branches=tree_branches, type_k=type_k, n_rs_seq=n_rs_seq,
-            scratch=scratch, hidden=hidden,
+            scratch=scratch, hidden=hidden, n_parallel=n_parallel, kv_unified=kv_unified,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -477,8 +480,24 @@ class LlamaContext(_Native):
     reads: float32 rows of ``n_embd_out`` values, kept until :meth:`forget_hidden` (at
     most one per cached position: 20 KB a position for a 5120-wide model).
 
+    ``n_parallel`` (2 or more) holds that many independent sequences (llama.cpp's
+    ``n_seq_max``), each of ``n_ctx`` positions in a KV stream of its own (``kv_unified``
+    off): a sequence's attention spans only its own cells, so that what it computes does
+    not depend on the other sequences' cells (in a unified cache they interleave with its
+    own, which changes the order of its sums: measured on the tiny models, a 400-token
+    greedy text then differed from the same request alone). The price: llama.cpp splits a
+    batch whose sequences bring different numbers of rows into micro-batches of equal rows
+    per sequence (``split_equal``), each reading the weights again; measured on a 2-core
+    AMD EPYC with the 1.5B/0.5B pair, 4 sequences in auto mode, 2-3% of aggregate
+    tokens/s. ``kv_unified`` shares one cache of ``n_parallel * n_ctx`` cells instead, as
+    llama-server's slots do. This context is
+    sequence 0; :meth:`sequence` gives the others, each with its own ``n_past``,
+    rollback and timing, and :meth:`decode_many` decodes several sequences' tokens in one
+    ``llama_decode``. Such a context has no trees, scratch sequence or hidden states.
+
     Raises:
         BackendError: llama.cpp could not create the context.
+        ValueError: ``n_parallel`` with trees, a scratch sequence or hidden states.
     """
 
     def __init__(
@@ -497,14 +516,20 @@ class LlamaContext(_Native):
         n_rs_seq: int = 0,
         scratch: bool = False,
         hidden: bool = False,
+        n_parallel: int = 1,
+        kv_unified: bool = False,
     ) -> None:
+        if n_parallel > 1 and (tree_branches >= 2 or scratch or hidden):
+            raise ValueError("parallel sequences have no trees, scratch sequence or hidden states")
         self._lc = lc = model._lc
         self.model = model
         self._ctx: Any = None  # llama_context * (ctypes)
         self._batch: Any = None  # a llama_batch struct (ctypes)
         threads = n_threads or default_threads()
         params = lc.llama_context_default_params()
-        params.n_ctx = n_ctx + reserve if n_ctx > 0 else 0
+        #: independent sequences (this context is sequence 0, see :meth:`sequence`)
+        self.n_parallel = max(1, n_parallel)
+        params.n_ctx = (n_ctx + reserve) * self.n_parallel if n_ctx > 0 else 0
         params.n_batch = n_batch
         if n_ubatch is None:
             n_ubatch = 512 if model.offloads else 128
@@ -512,12 +537,14 @@ class LlamaContext(_Native):
         params.n_outputs_max = min(n_outputs_max, n_batch)
         #: the most leaves :meth:`eval_tree` accepts (0: no trees, one sequence)
         self.tree_branches = tree_branches if tree_branches >= 2 else 0
-        n_seq = max(self.tree_branches + 1, 2 if scratch else 1)
+        n_seq = max(self.tree_branches + 1, 2 if scratch else 1, self.n_parallel)
         params.n_seq_max = n_seq
         # llama.cpp reserves an output per sequence at creation, and asserts they fit
         params.n_outputs_max = max(params.n_outputs_max, n_seq)
-        if n_seq > 1:
-            params.kv_unified = True
+        # A tree's or a scratch sequence's tokens share cells with sequence 0; parallel
+        # sequences each get a stream of their own (n_ctx_seq = n_ctx / n_seq_max) unless
+        # asked to share.
+        params.kv_unified = n_seq > 1 and (self.n_parallel == 1 or kv_unified)
         recurrent = model.memory != "attention"
         if recurrent and n_rs_seq > 0:
             # llama.cpp keeps a sequence's last n_rs_seq + 1 tokens in one micro-batch and
@@ -540,7 +567,7 @@ class LlamaContext(_Native):
         self._ctx = ctx
         model._contexts.add(self)
         #: KV-cache positions llama.cpp allocated (it rounds a request up, to 256 at least)
-        self.n_ctx_allocated: int = lc.llama_n_ctx(ctx)
+        self.n_ctx_allocated: int = lc.llama_n_ctx_seq(ctx)
         n_ctx = min(n_ctx, self.n_ctx_allocated - reserve) if n_ctx > 0 else 0
         #: positions this context uses: the size asked for (0: what llama.cpp chose), one
         #: fewer when nothing is left for deterministic mode's throw-away row
@@ -560,6 +587,7 @@ class LlamaContext(_Native):
         self._room = 0  # positions the latest decode's snapshots can drop
         self._scratch_ok = scratch
         self._seq = 0  # the sequence eval() writes: 1 inside scratch()
+        self._home = 0  # the sequence of the committed text (see sequence())
         # the token at each cached position, to decode again past the snapshots
         self._held = np.zeros(self.n_ctx_allocated, np.int32)
         self._hidden = hidden
@@ -646,6 +674,10 @@ class LlamaContext(_Native):
         row after it, removed again); returns the number of output rows."""
         m = len(chunk)
         rows = m + pad
+        if self.n_parallel > 1:  # the batch is shared by the sequences
+            seq_id = self._batch.seq_id
+            for i in range(rows):
+                seq_id[i][0] = self._seq
         self._tok[:m] = chunk
         if pad:
             self._tok[m] = chunk[-1]
@@ -914,7 +946,7 @@ class LlamaContext(_Native):
         if n_keep > 0 and (reread or (room is not None and depth > room)):
             ok = False  # beyond the snapshots: llama.cpp could restore a stale one
         else:
-            ok = bool(self._lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+            ok = bool(self._lc.llama_memory_seq_rm(self._mem, self._home, n_keep, -1))
         self._room = 0
         if ok:
             self.n_past = n_keep
@@ -922,7 +954,7 @@ class LlamaContext(_Native):
         log.debug("%s: rolling back %d positions past the recurrent state's snapshots: "
                   "decoding %d tokens again", self.model.path.name, depth, n_keep)  # fmt: skip
         kept = self._held[:n_keep].tolist()
-        self._lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
         self.n_past = 0
         self._hidden_rows = []
         for start in range(0, n_keep, self.n_batch):
@@ -980,6 +1012,107 @@ class LlamaContext(_Native):
             self.n_past = n_past
             self._room = 0
 
+    def sequence(self, i: int) -> LlamaContext:
+        """Sequence ``i`` of a parallel context (``n_parallel``): 0 is this context, the
+        others views of it with their own ``n_past``, cache positions, rollback and
+        ``eval_seconds`` (a decode shared by several sequences counts its whole time in
+        each). A view lives as long as this context and is never closed itself.
+
+        Raises:
+            ValueError: no such sequence.
+        """
+        if not 0 <= i < self.n_parallel:
+            raise ValueError(f"sequence {i} of a context of {self.n_parallel}")
+        if i == 0:
+            return self
+        view = _Sequence.__new__(_Sequence)
+        view.__dict__.update(self.__dict__)
+        view._base = self
+        view._seq = view._home = i
+        view.n_past = 0
+        view.eval_seconds = 0.0
+        view._room = 0
+        view._held = np.zeros_like(self._held)
+        view._hidden_rows = []
+        view._tree = None
+        view._rows_per_decode = None
+        return view
+
+    def decode_many(
+        self, parts: Sequence[tuple[LlamaContext, Sequence[int], Literal["all", "last", "none"]]]
+    ) -> list[npt.NDArray[np.float32]]:
+        """Decode several sequences' tokens in one ``llama_decode``: for each part, a
+        sequence of this context (:meth:`sequence`), its tokens (appended at its
+        ``n_past``) and the logits it wants back ("all" its rows, "last" its last row,
+        "none"). Sequences are batched as llama-server batches its slots
+        (tools/server/server-context.cpp); each row attends to its own sequence's cells.
+
+        Returns:
+            for each part, a read-only float32[n_out, n_vocab] array of its logits (a
+            view of llama.cpp's output buffer, valid until the next decode).
+
+        Raises:
+            ValueError: more rows than ``n_batch``, more logits than ``n_outputs_max``, a
+                sequence twice, or one of another context.
+            ContextOverflowError: a sequence's tokens do not fit its context.
+            BackendError: llama_decode failed (each sequence's cache is left as before).
+        """
+        rows = sum(len(t) for _, t, _ in parts)
+        outs = [len(t) if w == "all" else int(w == "last" and bool(t)) for _, t, w in parts]
+        if rows > self.n_batch or sum(outs) > self.n_outputs_max:
+            raise ValueError(f"{rows} rows and {sum(outs)} outputs: at most n_batch="
+                             f"{self.n_batch} and n_outputs_max={self.n_outputs_max}")  # fmt: skip
+        seqs = [ctx for ctx, _, _ in parts]
+        if len({id(c) for c in seqs}) < len(seqs) or any(
+            c is not self and getattr(c, "_base", None) is not self for c in seqs
+        ):
+            raise ValueError("each part must be a different sequence of this context")
+        for ctx, tokens, _ in parts:
+            if ctx.n_past + len(tokens) > ctx.n_ctx:
+                raise ContextOverflowError(
+                    ctx.n_past + len(tokens), ctx.n_ctx, prompt=False, model=self.model.path.name
+                )
+        b, seq_id, row = self._batch, self._batch.seq_id, 0
+        for (ctx, tokens, want), n_out in zip(parts, outs, strict=True):
+            m = len(tokens)
+            self._tok[row : row + m] = tokens
+            self._pos[row : row + m] = np.arange(ctx.n_past, ctx.n_past + m, dtype=np.int32)
+            self._out[row : row + m] = 1 if want == "all" else 0
+            if n_out and want == "last":
+                self._out[row + m - 1] = 1
+            for i in range(row, row + m):
+                seq_id[i][0] = ctx._home
+            row += m
+        b.n_tokens = rows
+        t0 = time.perf_counter()
+        try:
+            rc = self._lc.llama_decode(self._ctx, b) if rows else 0
+            if rc != 0:
+                for ctx in seqs:
+                    ctx._truncate(ctx.n_past, reread=ctx.recurrent)
+                raise BackendError(f"llama_decode failed with code {rc} on "
+                                   f"{self.model.path.name} ({rows} tokens of {len(parts)} "
+                                   "sequences)")  # fmt: skip
+            ptr = self._lc.llama_get_logits(self._ctx) if sum(outs) else None
+        finally:
+            seconds = time.perf_counter() - t0
+            for ctx in seqs:
+                ctx.eval_seconds += seconds
+        result, first = [], 0
+        for (ctx, tokens, _), n_out in zip(parts, outs, strict=True):
+            m = len(tokens)
+            ctx._held[ctx.n_past : ctx.n_past + m] = tokens
+            ctx.n_past += m
+            ctx._room = min(ctx.n_rs_seq, m - 1) if m else 0
+            if n_out:
+                out = np.ctypeslib.as_array(ptr, shape=(first + n_out, self.n_vocab))[first:]
+            else:
+                out = np.empty((0, self.n_vocab), np.float32)
+            out.flags.writeable = False
+            result.append(out)
+            first += n_out
+        return result
+
     def _set_seq(self, seq: int) -> None:
         for i in range(self.n_batch):
             self._batch.seq_id[i][0] = seq
@@ -996,6 +1129,19 @@ class LlamaContext(_Native):
         if self._ctx is not None:
             self._lc.llama_free(self._ctx)
             self._ctx = None
+
+
+class _Sequence(LlamaContext):
+    """A sequence of a parallel :class:`LlamaContext` (:meth:`LlamaContext.sequence`):
+    its own positions over the shared context, which it never frees."""
+
+    _base: LlamaContext
+
+    def _is_open(self) -> bool:
+        return self._base._is_open()
+
+    def _free(self) -> None:
+        pass
 
 
 class MtpHead(_Native):

@@ -485,7 +485,7 @@ def create_app(
     shuts down; join it before closing the engine.
     """
     sched: Scheduler
-    metrics = Metrics(lambda: sched.waiting, lambda: sched.busy)
+    metrics = Metrics(lambda: sched.waiting, lambda: sched.running)
     sched = Scheduler(engine, settings.max_queue, on_result=metrics.observe, executor=executor)
     svc = _Service(engine, settings, sched)
 

@@ -11,7 +11,7 @@ since start (a rate is Prometheus's ``rate()``); the gauges are read when scrape
 - ``specgguf_acceptance_rate``: accepted / drafted draft tokens since start;
 - ``specgguf_tokens_per_second``: generated tokens / generation seconds since start, and
   ``specgguf_last_tokens_per_second`` of the latest generation;
-- ``specgguf_queue_length``: requests waiting; ``specgguf_requests_running``: 0 or 1.
+- ``specgguf_queue_length``: requests waiting; ``specgguf_requests_running``: 0 to ``--parallel``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_length: Callable[[], int], running: Callable[[], bool]) -> None:
+    def __init__(self, queue_length: Callable[[], int], running: Callable[[], int]) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "specgguf_requests", "HTTP requests answered", ["endpoint", "status"], registry=r

@@ -1,5 +1,6 @@
 """The engine boundary of the server: requests become :class:`Job` objects that one worker
-thread runs on the engine, one at a time, in arrival order, from a bounded queue.
+thread runs on the engine, in arrival order, from a bounded queue: one at a time, or with
+``--parallel N`` up to N at once, their evaluations batched.
 
 The HTTP side (asyncio) never touches llama.cpp. It submits a job and reads its events
 (text pieces, then the result or an error) from an :class:`asyncio.Queue` that the worker
@@ -8,14 +9,12 @@ event loop keeps serving other requests (``/health``, ``/metrics``, queueing, 50
 a generation runs. :meth:`Job.cancel` (a client went away) ends a waiting job at once and
 a running one before its next speculative step (:meth:`Generation.cancel`).
 
-Batching later: everything above this module talks to :meth:`Scheduler.submit` and a
-job's events only. Serving several sequences in one llama.cpp context (batched
-verification across requests, as llama-server's slots) replaces :meth:`Scheduler._work`:
-instead of iterating one generation, the worker takes up to n_seq jobs from the same
-queue and advances them together, one speculative step each per target batch (each
-sequence's last token and drafts under its own ``seq_id``; per-sequence rollback with
-``llama_memory_seq_rm``), emitting the same events per job. The job, its events, the
-queue, cancellation and the HTTP layer stay as they are.
+With several sequences (an engine loaded with ``n_parallel``), the worker takes a waiting
+job as soon as a sequence is free and runs every running job as a task of the engine's
+:class:`~specgguf.engine.batching.Batcher`: each step of the batcher decodes one batch
+holding every running job's verification (and pieces of new prompts), and a finished or
+cancelled job frees its sequence for the next waiting one at once. Each job emits its own
+events as with one sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -126,12 +126,14 @@ class Job:
 
 
 class Scheduler:
-    """Runs jobs on ``engine`` one at a time in arrival order on one worker thread.
+    """Runs jobs on ``engine`` in arrival order on one worker thread: one at a time, or,
+    on an engine loaded with parallel sequences (``engine.slots``), as many at once as it
+    has (:attr:`parallel`).
 
     Args:
         engine: the loaded engine (only the worker thread generates with it).
-        max_queue: the most jobs that may wait while one runs; :meth:`submit` raises
-            :class:`QueueFull` beyond it.
+        max_queue: the most jobs that may wait while every sequence runs one;
+            :meth:`submit` raises :class:`QueueFull` beyond it.
         on_result: called on the worker thread with every finished generation's result
             (cancelled ones included), e.g. to count tokens.
         executor: a one-thread executor whose thread becomes the worker (it should be the
@@ -158,7 +160,10 @@ class Scheduler:
         self.on_result = on_result
         self.stream_interval = stream_interval
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        #: jobs generating, by sequence
+        self._running: dict[int, Job] = {}
+        #: how many jobs may generate at once
+        self.parallel = max(1, len(getattr(engine, "slots", ()) or ()))
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -177,7 +182,12 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Whether a job is running."""
-        return self._running is not None
+        return bool(self._running)
+
+    @property
+    def running(self) -> int:
+        """Jobs generating now (0 to :attr:`parallel`)."""
+        return len(self._running)
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` behind the others.
@@ -190,8 +200,8 @@ class Scheduler:
             if self._closed:
                 raise ShuttingDown()
             self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
-            # One job runs, up to max_queue wait their turn.
-            if len(self._waiting) + (self._running is not None) > self.max_queue:
+            # `parallel` jobs run, up to max_queue wait their turn.
+            if len(self._waiting) + len(self._running) >= self.max_queue + self.parallel:
                 raise QueueFull()
             self._waiting.append(job)
             self._cond.notify()
@@ -203,13 +213,13 @@ class Scheduler:
         with self._cond:
             self._closed = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-            running = self._running
+            running = list(self._running.values())
             self._cond.notify_all()
         for job in waiting:
             job.cancel()
             job._emit(Event("error", error=ShuttingDown()))
-        if running is not None:
-            running.cancel()
+        for job in running:
+            job.cancel()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the worker to finish its job and stop; True when it has."""
@@ -225,6 +235,9 @@ class Scheduler:
     # -- the worker thread ------------------------------------------------------------
 
     def _work(self) -> None:
+        if self.parallel > 1:
+            self._work_batched()
+            return
         while True:
             with self._cond:
                 while not self._waiting and not self._closed:
@@ -232,23 +245,71 @@ class Scheduler:
                 if not self._waiting:
                     return  # closed and drained
                 job = self._waiting.popleft()
-                self._running = job
-            try:
-                self._run(job)
-            except Exception as e:  # never lose the worker: the job reports the error
-                log.exception("the engine's worker failed")
-                job._emit(Event("error", error=e))
-            finally:
-                with self._cond:
-                    self._running = None
+                self._running[0] = job
+            self._run_safely(job)
 
-    def _run(self, job: Job) -> None:
+    def _work_batched(self) -> None:
+        """The worker of parallel sequences: waiting jobs take free sequences as tasks of
+        the engine's batcher, which is stepped while any runs."""
+        free = list(range(self.parallel))
+        try:
+            batcher = self.engine.start_batching()
+        except Exception as e:  # the calibration failed: every job learns why
+            log.exception("the engine's worker could not start")
+            batcher, failed = None, e
+        while True:
+            with self._cond:
+                while not self._waiting and not (batcher and batcher.active) and not self._closed:
+                    self._cond.wait()
+                if not self._waiting and not (batcher and batcher.active):
+                    return  # closed and drained
+                while self._waiting and free:
+                    job, slot = self._waiting.popleft(), free.pop(0)
+                    if batcher is None:
+                        job._emit(Event("error", error=failed))
+                        free.append(slot)
+                        continue
+                    self._running[slot] = job
+                    task = batcher.add(slot, functools.partial(self._run_safely, job, slot, free))
+                    task.on_resume = self.engine.slots[slot].batch_rows
+            if batcher is None:
+                continue
+            try:
+                batcher.step()
+            except Exception as e:  # a bug: every running job learns of it, none hangs
+                log.exception("the engine's batched worker failed")
+                with self._cond:
+                    running, self._running = list(self._running.values()), {}
+                    free[:] = range(self.parallel)
+                for job in running:
+                    job._emit(Event("error", error=e))
+                batcher = self.engine.start_batching()
+
+    def _run_safely(self, job: Job, slot: int = 0, free: list[int] | None = None) -> None:
+        """Run ``job`` on sequence ``slot``, then free it (in ``free``)."""
+        try:
+            self._run(job, slot if free is not None else None)
+        except Exception as e:  # never lose the worker: the job reports the error
+            log.exception("the engine's worker failed")
+            job._emit(Event("error", error=e))
+        finally:
+            with self._cond:
+                if self._running.get(slot) is job:  # (not after a failed step ended it)
+                    del self._running[slot]
+                    if free is not None:
+                        free.append(slot)
+                        free.sort()
+
+    def _run(self, job: Job, slot: int | None = None) -> None:
         with job._lock:
             if job.cancelled:
                 job._emit(Event("done"))
                 return
             try:
-                gen = self.engine.generate(job.prompt, job.params)
+                if slot is None:
+                    gen = self.engine.generate(job.prompt, job.params)
+                else:
+                    gen = self.engine.generate(job.prompt, job.params, slot=slot)
             except Exception as e:  # a bad setting the request checks did not catch
                 job._emit(Event("error", error=e))
                 return

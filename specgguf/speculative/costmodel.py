@@ -68,6 +68,19 @@ class Timings:
     what two rows do, and drafting one token costs no more verification than drafting
     none. Its greedy verification runs in calls of at most ``chunk_rows`` rows and stops
     after the first call that shows a rejection (:meth:`expected_verify_time`).
+
+    ``others``: rows that other sequences bring to the same target batch, and
+    ``sharing`` the sequences in it, this one included (``serve --parallel``,
+    :mod:`specgguf.engine.batching`). A step's cost is then this sequence's share of what
+    the batch costs whatever its rows, plus what its own rows add::
+
+        t_verify(n) = F / sharing + t(others + n) - t(others),   F = 2 t(1) - t(2)
+
+    F is the part of a lone row's time that does not grow with rows (reading the weights,
+    once per batch). With one sequence this is t(n), as before. Where a batch is
+    compute-bound (a CPU: F small against a row's cost) a draft row costs about what a
+    sequence's whole step does and drafts pay less the more sequences share the batch;
+    where rows are nearly free (a GPU) drafts pay as much as alone.
     """
 
     verify: dict[int, float]
@@ -84,6 +97,12 @@ class Timings:
     #: a batch
     position_single: float = 0.0
     position_row: float = 0.0
+    #: rows of other sequences in the same target batch, and the sequences sharing it
+    others: int = 0
+    sharing: int = 1
+    #: whether no other sequence runs beside this one (a step's time is then its own, and
+    #: auto mode refines the timings from it)
+    solo: bool = True
 
     def padded(self, cached: int) -> bool:
         """Whether a lone row is decoded with a throw-away row after ``cached`` positions."""
@@ -132,7 +151,15 @@ class Timings:
     def verify_time(self, n: int, cached: int = 0) -> float:
         """t_verify(n) in seconds after ``cached`` positions: the calibrated curve, with
         what depth adds, times the learned correction; a lone row that is padded
-        (:meth:`padded`) costs two rows."""
+        (:meth:`padded`) costs two rows. With :attr:`others`, this sequence's share of a
+        batch (see the class; at least a thousandth of a lone row: a flat stretch of the
+        measured curve is noise, not free rows)."""
+        if self.others > 0:
+            r = self.others
+            fixed = max(0.0, 2.0 * self.curve(1) - self.curve(2))
+            added = max(0.0, self._at_depth(r + n, cached) - self._at_depth(r, cached))
+            share = fixed / max(1, self.sharing) + added
+            return max(share, 0.001 * self.curve(1)) * self.scale_batch
         if n == 1 and self.padded(cached):
             n = 2
         return self._at_depth(n, cached) * (self.scale_single if n == 1 else self.scale_batch)

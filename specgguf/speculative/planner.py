@@ -135,7 +135,9 @@ class AutoPlanner:
     which needs no draft evaluation and tracks acceptance closely).
 
     Args:
-        timings: calibrated timings (refined online unless ``learn_timings`` is False).
+        timings: calibrated timings (refined online unless ``learn_timings`` is False, or
+            while other sequences run beside this one: ``timings.solo`` False, when a
+            step's time is not its own).
         arms: the drafters as auto mode weighs them, in the order ties are broken (the
             engine's are built from :data:`specgguf.engine.drafter_map.DRAFTERS`).
         draft_max: the largest draft length of any arm (default: the tuning's
@@ -240,11 +242,12 @@ class AutoPlanner:
             self._n_confidence += 1
             w = max(t.confidence_weight, 1.0 / self._n_confidence)
             self.confidence += w * (confidence - self.confidence)
-        if self.learn_timings and (rows is None or rows == n + 1):
+        learn = self.learn_timings and self.timings.solo
+        if learn and (rows is None or rows == n + 1):
             self.timings.observe_verify(n + 1, verify_seconds, self.cached,
                                         weight=t.timing_weight, clamp=t.timing_clamp)  # fmt: skip
         if plan.arm is None or not n:
             return
         plan.arm.observe(plan, accepted, accepted < plan.draft.depth)
-        if self.learn_timings and plan.draft.token_seconds > 0:
+        if learn and plan.draft.token_seconds > 0:
             self.timings.observe_draft(plan.draft.token_seconds, weight=t.timing_weight)

@@ -1,0 +1,278 @@
+"""Several sequences in one target batch (``serve --parallel``): the batcher on a fake
+backend with exact integer logits, and auto mode's cost of a step in a shared batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from specgguf.engine.batching import BatchedSequence, Batcher, Task
+from specgguf.speculative.costmodel import Timings, best_k, expected_tokens
+from specgguf.speculative.draft import Drafter
+from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
+from specgguf.speculative.loop import (
+    Generation,
+    GenerationParams,
+    GenerationResult,
+    SpeculativeDecoder,
+)
+from specgguf.speculative.planner import FixedPlanner, Planner
+from specgguf.speculative.sampling import SamplerParams
+
+from .fakes import FakeContext, FakeParallelContext, FakeVocab, ScriptedDrafter, one_hot_rule
+
+V = 32
+EOS = 31
+GREEDY = SamplerParams(temperature=0.0)
+
+
+def target_next(prefix: Sequence[int]) -> int:
+    """The fake target: a walk 1, 2, ..., 30, 1, ... after the last token."""
+    return prefix[-1] % 30 + 1
+
+
+def draft_next(prefix: Sequence[int]) -> int:
+    """The fake draft model: the target's walk, wrong at every fifth position."""
+    t = target_next(prefix)
+    return t if len(prefix) % 5 else t % 30 + 1
+
+
+def oracle(wrong_every: int) -> ScriptedDrafter:
+    """The target's own continuation, every ``wrong_every``-th draft token wrong."""
+
+    def script(history: Sequence[int], k: int) -> list[int]:
+        out, seq = [], list(history)
+        for _ in range(k):
+            t = target_next(seq)
+            if (len(seq) + 1) % wrong_every == 0:
+                t = t % 30 + 1
+            out.append(t)
+            seq.append(t)
+        return out
+
+    return ScriptedDrafter(script)
+
+
+#: A sequence's drafter by name -> (drafter or None, draft length)
+Spec = tuple[str, int]
+
+
+class Harness:
+    """``n`` sequences of a fake parallel target (and draft model), run by a batcher."""
+
+    def __init__(self, n: int, *, n_batch: int = 64, n_ctx: int = 256) -> None:
+        self.target = FakeParallelContext(one_hot_rule(target_next, V), V, n, n_ctx=n_ctx,
+                                          n_batch=n_batch)  # fmt: skip
+        self.draft = FakeParallelContext(one_hot_rule(draft_next, V), V, n, n_ctx=n_ctx,
+                                         n_batch=n_batch)  # fmt: skip
+        self.batcher = Batcher(self.target, self.draft)  # type: ignore[arg-type]
+        self.vocab = FakeVocab(V, eog_ids=[EOS])
+        self.n_batch, self.n_ctx = n_batch, n_ctx
+        self.results: dict[int, GenerationResult] = {}
+        self.generations: dict[int, Generation] = {}
+        self.views = [BatchedSequence(self.target.sequence(i), lambda: self.batcher)  # type: ignore[arg-type]
+                      for i in range(n)]  # fmt: skip
+
+    def planner(self, spec: Spec, draft_ctx: object) -> Planner:
+        kind, k = spec
+        drafter: Drafter | None = {
+            "oracle": lambda: oracle(3),
+            "ngram": lambda: NgramDrafter(1, 4),
+            "model": lambda: ModelDrafter(draft_ctx, V),  # type: ignore[arg-type]
+            "none": lambda: None,
+        }[kind]()
+        return FixedPlanner(drafter, k)
+
+    def start(
+        self,
+        i: int,
+        prompt: list[int],
+        spec: Spec,
+        params: GenerationParams,
+        on_piece: Callable[[Generation, int], None] | None = None,
+    ) -> Task:
+        draft = BatchedSequence(self.draft.sequence(i), lambda: self.batcher)  # type: ignore[arg-type]
+        dec = SpeculativeDecoder(self.views[i], self.vocab)
+        gen = dec.generate(prompt, params, self.planner(spec, draft))
+        self.generations[i] = gen
+
+        def run() -> None:
+            for n, _ in enumerate(gen, start=1):
+                if on_piece is not None:
+                    on_piece(gen, n)
+            assert gen.result is not None
+            self.results[i] = gen.result
+
+        return self.batcher.add(i, run)
+
+    def run(self, steps: int | None = None) -> None:
+        while self.batcher.active and steps != 0:
+            self.batcher.step()
+            steps = None if steps is None else steps - 1
+
+    def alone(self, prompt: list[int], spec: Spec, params: GenerationParams) -> GenerationResult:
+        """The same generation on a context of its own, without a batcher."""
+        target = FakeContext(one_hot_rule(target_next, V), V, n_ctx=self.n_ctx,
+                             n_batch=self.n_batch)  # fmt: skip
+        draft = FakeContext(one_hot_rule(draft_next, V), V, n_ctx=self.n_ctx, n_batch=self.n_batch)
+        dec = SpeculativeDecoder(target, self.vocab)
+        return dec.generate(prompt, params, self.planner(spec, draft)).run()
+
+
+PROMPTS = [[3, 4, 5], [10, 11, 12, 13, 14], [20, 21], [7, 8, 9, 10]]
+SPECS: list[Spec] = [("oracle", 4), ("ngram", 6), ("none", 0), ("model", 3)]
+
+
+def params(n: int) -> GenerationParams:
+    return GenerationParams(n_predict=n, sampler=GREEDY)
+
+
+def test_sequences_in_one_batch_equal_each_generated_alone() -> None:
+    h = Harness(4)
+    for i, (prompt, spec) in enumerate(zip(PROMPTS, SPECS, strict=True)):
+        h.start(i, prompt, spec, params(40))
+    h.run()
+    for i, (prompt, spec) in enumerate(zip(PROMPTS, SPECS, strict=True)):
+        alone = h.alone(prompt, spec, params(40))
+        assert h.results[i].tokens == alone.tokens and len(alone.tokens) == 40
+        assert h.results[i].stats.drafted == alone.stats.drafted
+        assert h.results[i].stats.accepted == alone.stats.accepted
+    # Every evaluation of the target went through a shared batch, each sequence at most
+    # once per batch, and the four sequences' steps were verified together.
+    assert h.target.alone == []
+    assert max(len(b) for b in h.target.batches) == 4
+    steps = max(r.stats.steps for r in h.results.values())
+    assert len(h.target.batches) <= steps + 1  # + the prompts, read in one batch
+    assert [(i, w) for i, _, w in h.target.batches[0]] == [(i, "none") for i in range(4)]
+
+
+def test_draft_model_drafts_every_sequence_in_one_batch_per_position() -> None:
+    h = Harness(3)
+    for i in range(3):
+        h.start(i, [5 + i, 6 + i, 7 + i], ("model", 4), params(30))
+    h.run()
+    # The same control flow in each sequence: every draft batch holds all three.
+    assert h.draft.batches and all(len(b) == 3 for b in h.draft.batches)
+    assert h.draft.alone == []
+    for i in range(3):
+        assert (
+            h.results[i].tokens == h.alone([5 + i, 6 + i, 7 + i], ("model", 4), params(30)).tokens
+        )
+
+
+def test_finished_cancelled_and_joining_sequences_leave_the_others_unchanged() -> None:
+    h = Harness(4)
+    p = [params(5), params(60), params(60), params(40)]
+
+    def cancel_third(gen: Generation, n: int) -> None:
+        if n == 3:
+            gen.cancel()
+
+    h.start(0, PROMPTS[0], SPECS[0], p[0])
+    h.start(1, PROMPTS[1], SPECS[1], p[1], on_piece=cancel_third)
+    h.start(2, PROMPTS[2], ("oracle", 5), p[2])
+    h.run(steps=12)
+    assert 0 in h.results and 3 not in h.results
+    h.start(3, PROMPTS[3], SPECS[3], p[3])  # joins while 2 runs
+    h.run()
+    assert h.results[1].finish_reason == "interrupted"
+    cut = h.results[1].tokens
+    assert 0 < len(cut) < 60 and cut == h.alone(PROMPTS[1], SPECS[1], p[1]).tokens[: len(cut)]
+    for i, spec in ((0, SPECS[0]), (2, ("oracle", 5)), (3, SPECS[3])):
+        assert h.results[i].tokens == h.alone(PROMPTS[i], spec, p[i]).tokens
+    # The joining sequence shared batches with the running one.
+    assert any({i for i, _, _ in b} >= {2, 3} for b in h.target.batches)
+
+
+def test_a_long_prompt_is_read_in_chunks_beside_the_running_steps() -> None:
+    h = Harness(2, n_batch=16)
+    h.start(0, PROMPTS[0], ("oracle", 3), params(80))
+    h.run(steps=6)
+    long_prompt = [(i % 29) + 1 for i in range(61)]
+    h.start(1, long_prompt, ("none", 0), params(10))
+    h.run()
+    chunks = [b for b in h.target.batches if any(i == 1 and w == "none" for i, _, w in b)]
+    # 60 prompt tokens beside a verification of 4 rows: 12 at a time, 5 batches, each
+    # also holding sequence 0's step.
+    assert [len(t) for b in chunks for i, t, _ in b if i == 1] == [12, 12, 12, 12, 12]
+    assert all(any(i == 0 and w == "all" and len(t) == 4 for i, t, w in b) for b in chunks)
+    assert h.results[0].tokens == h.alone(PROMPTS[0], ("oracle", 3), params(80)).tokens
+    assert h.results[1].tokens == h.alone(long_prompt, ("none", 0), params(10)).tokens
+
+
+def test_a_deterministic_sequence_is_decoded_alone() -> None:
+    h = Harness(2)
+    h.views[0].set_rows_per_decode(2)  # deterministic mode's batch shapes
+    det = GenerationParams(n_predict=20, sampler=GREEDY, deterministic=True)
+    h.start(0, PROMPTS[0], ("oracle", 4), det)
+    h.start(1, PROMPTS[1], ("oracle", 4), params(20))
+    h.run()
+    assert all(i != 0 for b in h.target.batches for i, _, _ in b)
+    assert {i for i, _, _ in h.target.alone} == {0} and h.target.batches
+    assert h.results[0].tokens == h.alone(PROMPTS[0], ("oracle", 4), det).tokens
+
+
+def test_each_step_is_planned_with_the_rows_the_others_bring() -> None:
+    h = Harness(3)
+    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    for i, k in enumerate((4, 2, 0)):
+        task = h.start(i, PROMPTS[i], ("oracle", k) if k else ("none", 0), params(12))
+        task.on_resume = lambda others, sharing, _, i=i: seen[i].append((others, sharing))
+    h.run()
+    # Once every sequence has verified a step, the others' rows are their K + 1:
+    # sequence 0 sees 3 + 1, sequence 1 sees 5 + 1, sequence 2 sees 5 + 3, all three
+    # sharing the batch.
+    assert (4, 3) in seen[0] and (6, 3) in seen[1] and (8, 3) in seen[2]
+
+
+def test_a_sequence_decoded_alone_is_neither_costed_shared_nor_counted_by_the_others() -> None:
+    h = Harness(3)
+    h.views[2].set_rows_per_decode(2)  # deterministic: decoded alone
+    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    det = GenerationParams(n_predict=12, sampler=GREEDY, deterministic=True)
+    for i, k in enumerate((4, 2, 4)):
+        task = h.start(i, PROMPTS[i], ("oracle", k), det if i == 2 else params(12))
+        task.on_resume = lambda others, sharing, _, i=i: seen[i].append((others, sharing))
+    h.run()
+    assert (3, 2) in seen[0] and (5, 2) in seen[1]  # sequence 2's 5 rows not among them
+    assert (3 + 5, 3) not in seen[0] and (5 + 5, 3) not in seen[1]
+    assert set(seen[2][2:]) == {(0, 1)}  # alone once its prompt was decoded alone
+
+
+# -- auto mode's cost of a step in a shared batch (hand-computed) ---------------------------
+
+#: a CPU-like curve: a lone row 1.0 s, each further row 0.5 s (F = 2 t(1) - t(2) = 0.5)
+CPU = {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5, 16: 8.5}
+#: the GPU-like curve of the planner's checks: 17 rows 1.1x one, 65 rows 1.6x
+GPU = {1: 1.0, 17: 1.1, 65: 1.6}
+
+
+def test_a_step_in_a_shared_batch_costs_its_share_and_its_rows() -> None:
+    t = Timings(dict(CPU))
+    assert t.verify_time(3) == pytest.approx(2.0)  # alone: the curve
+    t.others, t.sharing = 12, 4
+    # F / 4 + t(12 + n) - t(12): 0.125 + 0.5 n
+    assert t.verify_time(1) == pytest.approx(0.625)
+    assert t.verify_time(3) == pytest.approx(1.625)
+    g = Timings(dict(GPU), others=12, sharing=4)
+    # F = 2 - t(2) = 2 - 1.00625 = 0.99375; each row 0.1 / 16 = 0.00625 s
+    assert g.verify_time(1) == pytest.approx(0.99375 / 4 + 0.00625)
+    assert g.verify_time(5) == pytest.approx(0.99375 / 4 + 5 * 0.00625)
+
+
+def test_drafts_pay_less_in_a_compute_bound_batch_and_as_much_on_a_gpu() -> None:
+    alone = Timings(dict(CPU))
+    # a = 0.7: alone K = 1 (1.7 / 1.5 = 1.133 tokens/s against 1.0; K = 2: 2.19 / 2.0)
+    assert best_k(0.7, alone, 8) == (1, pytest.approx(1.7 / 1.5))
+    # beside 12 rows of 3 other sequences: alone 1 / 0.625 = 1.6 tokens/s, K = 1:
+    # 1.7 / 1.125 = 1.51: no drafts
+    shared = Timings(dict(CPU), others=12, sharing=4)
+    assert best_k(0.7, shared, 8) == (0, pytest.approx(1.6))
+    # GPU-like, a = 0.6: rate(K) = E(K) / (0.2484375 + 0.00625 (K + 1)) up to 17 rows
+    # (K = 4: 8.24 tokens/s against 3.93 alone); past 17 a row costs 0.5 / 48 s, and
+    # K = 5 (18 rows) gives E(5) / (0.2484375 + 0.0625 - 0.00625 + 0.5 / 48) = 8.22
+    gpu = Timings(dict(GPU), others=12, sharing=4)
+    k, rate = best_k(0.6, gpu, 8)
+    assert k == 4
+    assert rate == pytest.approx(expected_tokens(0.6, 4) / (0.99375 / 4 + 5 * 0.00625))

@@ -1,0 +1,335 @@
+"""``serve --parallel`` on the tiny models: several requests in one target batch give each
+what it gives alone, through the engine and over HTTP, and llama-server ``-np 4`` gives
+the same greedy texts (when its tools are built: ``scripts/bench-llama-cpp
+--build-only``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+from specgguf.speculative.loop import GenerationParams, GenerationResult
+from specgguf.speculative.sampling import SamplerParams
+
+from .helpers import ServerProcess
+from .test_mtp_oracle import llama_tools_dir
+from .test_server import _loopback_only, env  # noqa: F401 (fixtures)
+
+PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n",
+           "Once upon a time", "import numpy as np\n"]  # fmt: skip
+GREEDY = GenerationParams(n_predict=40, sampler=SamplerParams(temperature=0.0), ignore_eos=True)
+
+
+def engine(tiny: dict[str, Path], n_parallel: int, drafter: str, **kw: Any) -> Engine:
+    return Engine(
+        EngineConfig(
+            ModelConfig(tiny["target"], n_ctx=512), ModelConfig(tiny["draft-partial"], n_ctx=512),
+            SpeculativeConfig(drafter=drafter, draft_max=4), n_parallel=n_parallel, **kw,
+        )
+    )  # fmt: skip
+
+
+def batched(e: Engine, prompts: list[str], params: GenerationParams) -> list[GenerationResult]:
+    """Every prompt at once, each on a sequence of its own."""
+    batcher = e.start_batching()
+    out: dict[int, GenerationResult] = {}
+    for i, p in enumerate(prompts):
+
+        def run(i: int = i, p: str = p) -> None:
+            out[i] = e.generate(p, params, slot=i).run()
+
+        batcher.add(i, run).on_resume = e.slots[i].batch_rows
+    while batcher.active:
+        batcher.step()
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model", "auto"])
+def test_sequences_generated_together_equal_each_alone(
+    tiny_models: dict[str, Path], drafter: str
+) -> None:
+    with engine(tiny_models, 1, drafter) as one:
+        alone = [one.generate(p, GREEDY).run() for p in PROMPTS[:4]]
+    with engine(tiny_models, 4, drafter) as four:
+        together = batched(four, PROMPTS[:4], GREEDY)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert all(len(r.tokens) == 40 for r in together)
+    if drafter == "model":  # each request's own draft counts
+        assert [r.stats.drafted for r in together] == [r.stats.drafted for r in alone]
+
+
+def test_auto_mode_plans_each_step_with_the_rows_of_the_others(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specgguf.speculative.costmodel import Timings
+
+    seen: set[tuple[int, int]] = set()
+    verify_time = Timings.verify_time
+
+    def spy(self: Timings, n: int, cached: int = 0) -> float:
+        seen.add((self.others, self.sharing))
+        return verify_time(self, n, cached)
+
+    monkeypatch.setattr(Timings, "verify_time", spy)
+    with engine(tiny_models, 3, "auto") as three:
+        batched(three, PROMPTS[:3], GREEDY)
+    # every sequence planned beside the two others' rows at some step
+    assert any(sharing == 3 and others >= 2 for others, sharing in seen), seen
+
+
+def test_deterministic_sequences_together_equal_each_alone(tiny_models: dict[str, Path]) -> None:
+    sampled = dataclasses.replace(
+        GREEDY, sampler=SamplerParams(temperature=0.8, seed=7), deterministic=True
+    )
+    with engine(tiny_models, 1, "model", deterministic=True) as one:
+        alone = [one.generate(p, sampled).run() for p in PROMPTS[:3]]
+    with engine(tiny_models, 3, "model", deterministic=True) as three:
+        together = batched(three, PROMPTS[:3], sampled)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+
+
+def test_parallel_is_refused_where_a_sequence_cannot_be_shared(
+    tiny_models: dict[str, Path],
+) -> None:
+    from specgguf.errors import UsageError
+
+    with pytest.raises(UsageError, match="one request at a time"):
+        Engine(EngineConfig(ModelConfig(tiny_models["mtp"]), None,
+                            SpeculativeConfig(drafter="mtp"), n_parallel=2))  # fmt: skip
+    with pytest.raises(UsageError, match="drafts for one sequence at a time"):
+        Engine(EngineConfig(ModelConfig(tiny_models["hybrid"]),
+                            ModelConfig(tiny_models["hybrid-draft"]), n_parallel=2))  # fmt: skip
+
+
+# -- over HTTP -------------------------------------------------------------------------------
+
+
+def complete(url: str, prompt: str, n: int = 40, **extra: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def args(tiny: dict[str, Path], *extra: str) -> list[str]:
+    return ["-m", str(tiny["target"]), "-md", str(tiny["draft-partial"]), "-c", "1024", *extra]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models: dict[str, Path], env: dict[str, str]) -> Iterator[ServerProcess]:  # noqa: F811
+    # A fixed drafter: each request's draft counts are then its own alone too.
+    with ServerProcess(*args(tiny_models, "-np", "4", "--drafter", "model", "--draft", "4"),
+                       env=env) as s:  # fmt: skip
+        yield s
+
+
+@pytest.fixture(scope="module")
+def det_server(tiny_models: dict[str, Path], env: dict[str, str]) -> Iterator[ServerProcess]:  # noqa: F811
+    """Deterministic mode: a request's output is what it is alone whatever runs beside it
+    and whenever it arrives (without it, which requests share a batch depends on timing,
+    and a long greedy text of the tiny models can meet a near-tie)."""
+    with ServerProcess(*args(tiny_models, "-np", "4", "--drafter", "model", "--draft", "4",
+                             "--deterministic"), env=env) as s:  # fmt: skip
+        yield s
+
+
+def test_four_clients_at_once_get_what_each_gets_alone(server: ServerProcess) -> None:
+    assert "parallel 4, n_ctx 1024 each" in server.stderr
+    alone = [complete(server.url, p) for p in PROMPTS[:4]]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: complete(server.url, p), PROMPTS[:4]))
+    assert [r["choices"][0]["text"] for r in together] == [r["choices"][0]["text"] for r in alone]
+    for r, a in zip(together, alone, strict=True):  # each request's own counts
+        assert r["usage"] == a["usage"]
+        assert r["timings"]["draft_n"] == a["timings"]["draft_n"]
+
+
+def stream_chunks(url: str, prompt: str, n: int, stop_after: int | None = None) -> str:
+    """A streamed completion's text; with ``stop_after``, the connection is dropped after
+    that many text chunks."""
+    text, got = [], 0
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0]["text"]
+            if piece:
+                text.append(piece)
+                got += 1
+                if stop_after is not None and got >= stop_after:
+                    break
+    return "".join(text)
+
+
+def test_a_client_leaving_mid_stream_leaves_the_three_others_whole(
+    det_server: ServerProcess,
+) -> None:
+    server, n = det_server, 400
+    alone = [complete(server.url, p, n)["choices"][0]["text"] for p in PROMPTS[1:4]]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        left = pool.submit(stream_chunks, server.url, PROMPTS[0], 2000, 2)
+        others = [pool.submit(stream_chunks, server.url, p, n) for p in PROMPTS[1:4]]
+        assert left.result(60)
+        assert [f.result(120) for f in others] == alone
+    # The server took the dropped request's sequence back: all four answer again.
+    deadline = time.monotonic() + 30
+    while "specgguf_requests_running 0.0" not in httpx.get(f"{server.url}/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_request_arriving_mid_generation_is_answered_beside_them(
+    det_server: ServerProcess,
+) -> None:
+    server, n = det_server, 300
+    alone = complete(server.url, PROMPTS[4], 40)["choices"][0]["text"]
+    running_alone = [complete(server.url, p, n)["choices"][0]["text"] for p in PROMPTS[:3]]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(stream_chunks, server.url, p, n) for p in PROMPTS[:3]]
+        deadline = time.monotonic() + 30
+        while "specgguf_requests_running 3.0" not in httpx.get(f"{server.url}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        late = complete(server.url, PROMPTS[4], 40)
+        unfinished = sum(not f.done() for f in running)
+        assert [f.result(120) for f in running] == running_alone
+    assert late["choices"][0]["text"] == alone
+    assert unfinished > 0  # it was answered while the others were generating
+
+
+def test_parallel_sequences_and_then_the_queue_then_503(
+    tiny_models: dict[str, Path],
+    env: dict[str, str],  # noqa: F811
+) -> None:
+    with ServerProcess(*args(tiny_models, "-np", "2", "--max-queue", "1", "-c", "8192"),
+                       env=env) as s:  # fmt: skip
+        long = {"prompt": PROMPTS[0], "max_tokens": 8000, "temperature": 0, "ignore_eos": True}
+        stop = threading.Event()
+        results: list[int] = []
+
+        def hold() -> None:
+            with httpx.stream("POST", f"{s.url}/v1/completions", json={**long, "stream": True},
+                              timeout=120) as r:  # fmt: skip
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+            results.append(r.status_code)
+
+        holders = [threading.Thread(target=hold) for _ in range(2)]
+        for t in holders:
+            t.start()
+        waiting: dict[str, int] = {}
+        queued = threading.Thread(target=lambda: waiting.update(
+            code=httpx.post(f"{s.url}/v1/completions", json={**long, "max_tokens": 4},
+                            timeout=120).status_code))  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            m = httpx.get(f"{s.url}/metrics").text
+            if "specgguf_requests_running 2.0" in m:
+                break
+            assert time.monotonic() < deadline, m
+            time.sleep(0.02)
+        queued.start()
+        while "specgguf_queue_length 1.0" not in httpx.get(f"{s.url}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = httpx.post(f"{s.url}/v1/completions", json={**long, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        stop.set()
+        for t in holders:
+            t.join(60)
+        queued.join(60)
+        assert waiting["code"] == 200 and results == [200, 200]
+
+
+# -- llama-server as the oracle ----------------------------------------------------------------
+
+
+def test_llama_server_np4_gives_the_same_greedy_texts(
+    tiny_models: dict[str, Path],
+    env: dict[str, str],  # noqa: F811
+) -> None:
+    bindir = llama_tools_dir()
+    tool = bindir / "llama-server" if bindir is not None else None
+    if tool is None or not tool.is_file():
+        why = "llama-server is not built (scripts/bench-llama-cpp --build-only)"
+        if os.environ.get("SPECGGUF_REQUIRE_LLAMA_TOOLS") == "1":
+            pytest.fail(f"SPECGGUF_REQUIRE_LLAMA_TOOLS=1 but {why}")
+        pytest.skip(why)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # -c is shared by llama-server's slots: 4 x 1024 as specgguf's -c 1024 -np 4.
+    proc = subprocess.Popen(
+        [str(tool), "-m", str(tiny_models["target"]), "-c", "4096", "-np", "4", "--port",
+         str(port), "--host", "127.0.0.1", "-t", "2", "--no-webui"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "llama-server did not start"
+            time.sleep(0.2)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            theirs = list(pool.map(lambda p: complete(url, p), PROMPTS[:4]))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    ours_args = ["-m", str(tiny_models["target"]), "-c", "1024", "-np", "4", "--drafter", "none"]
+    with ServerProcess(*ours_args, env=env) as s, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        ours = list(pool.map(lambda p: complete(s.url, p), PROMPTS[:4]))
+    assert [r["choices"][0]["text"] for r in ours] == [r["choices"][0]["text"] for r in theirs]
+    assert all(r["usage"]["completion_tokens"] == 40 for r in ours)
+
+
+def test_hybrid_target_sequences_together_equal_each_alone(tiny_models: dict[str, Path]) -> None:
+    """A recurrent state's evaluations are decoded one sequence at a time, each one's
+    logits its own (the next decode reuses llama.cpp's buffer)."""
+    from specgguf.engine.bench import generate_together
+
+    def load(n: int) -> Engine:
+        return Engine(EngineConfig(ModelConfig(tiny_models["hybrid"], n_ctx=512), None,
+                                   SpeculativeConfig(drafter="ngram", draft_max=4),
+                                   n_parallel=n))  # fmt: skip
+
+    prompts = ["def f(x):", "hello there", "abc abc abc abc"]
+    with load(1) as one:
+        alone = [one.generate(p, GREEDY).run().tokens for p in prompts]
+    with load(3) as three:
+        together, _ = generate_together(three, prompts, GREEDY)
+    assert [r.tokens for r in together] == alone
+
+
+def test_a_parallel_that_does_not_fit_is_refused_before_loading(
+    tiny_models: dict[str, Path],
+) -> None:
+    from .helpers import run_cli
+
+    res = run_cli("serve", "-m", str(tiny_models["target"]), "-c", "200000", "-np", "4000",
+                  "--port", "0")  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 5, err
+    assert "KV cache" in err and "-np/--parallel" in err and "Traceback" not in err
