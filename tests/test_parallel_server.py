@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+from specgguf.engine.bench import generate_together
 from specgguf.speculative.loop import GenerationParams, GenerationResult
 from specgguf.speculative.sampling import SamplerParams
 
@@ -43,17 +44,7 @@ def engine(tiny: dict[str, Path], n_parallel: int, drafter: str, **kw: Any) -> E
 
 def batched(e: Engine, prompts: list[str], params: GenerationParams) -> list[GenerationResult]:
     """Every prompt at once, each on a sequence of its own."""
-    batcher = e.start_batching()
-    out: dict[int, GenerationResult] = {}
-    for i, p in enumerate(prompts):
-
-        def run(i: int = i, p: str = p) -> None:
-            out[i] = e.generate(p, params, slot=i).run()
-
-        batcher.add(i, run).on_resume = e.slots[i].batch_rows
-    while batcher.active:
-        batcher.step()
-    return [out[i] for i in range(len(prompts))]
+    return generate_together(e, prompts, params)[0]
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model", "auto"])
@@ -308,7 +299,6 @@ def test_llama_server_np4_gives_the_same_greedy_texts(
 def test_hybrid_target_sequences_together_equal_each_alone(tiny_models: dict[str, Path]) -> None:
     """A recurrent state's evaluations are decoded one sequence at a time, each one's
     logits its own (the next decode reuses llama.cpp's buffer)."""
-    from specgguf.engine.bench import generate_together
 
     def load(n: int) -> Engine:
         return Engine(EngineConfig(ModelConfig(tiny_models["hybrid"], n_ctx=512), None,

@@ -118,10 +118,8 @@ class Batcher:
         """``ctx.eval(tokens, logits=want)``, batched with the other tasks' when called
         from a task, else at once."""
         current = greenlet.getcurrent()
-        if current is self.hub or not isinstance(current.parent, greenlet.greenlet):
-            return ctx.eval(tokens, logits=want)
         task = next((t for t in self.active if t._g is current), None)
-        if task is None:  # not one of ours
+        if task is None:  # the hub, or not one of ours
             return ctx.eval(tokens, logits=want)
         if self._base(ctx) is self.target:
             task.alone = self._alone(ctx)
@@ -276,10 +274,6 @@ class BatchedSequence:
     @property
     def rows_per_decode(self) -> int | None:
         return self.ctx.rows_per_decode
-
-    @property
-    def lone_rows_max(self) -> int:
-        return self.ctx.lone_rows_max
 
     def set_rows_per_decode(self, rows: int | None) -> None:
         self.ctx.set_rows_per_decode(rows)
