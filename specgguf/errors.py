@@ -136,6 +136,10 @@ class ChatTemplateError(ModelFileError):
     sandbox violation."""
 
 
+class ChatTemplateBudgetError(ChatTemplateError):
+    """A chat template stopped for running past its budget of time, output or memory."""
+
+
 class ChatInputError(UsageError):
     """A conversation the model's chat template refuses (the template's own
     ``raise_exception``, e.g. roles that do not alternate); ``message`` quotes it."""
@@ -313,6 +317,8 @@ class RpcServerLost(BackendError):
         super().__init__(f"RPC server{plural} {which} stopped answering ({detail})")
         self.endpoints = endpoints
         self.detail = detail
+        #: a server's open requests answered with this error (None: not a server)
+        self.requests_answered: int | None = None
 
 
 class Interrupted(SpecggufError):

@@ -17,9 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from specgguf.gguf.tiny import write_fixtures
 from specgguf.hub import testmodels
+
+# Hypothesis judges wall time by default (a 200 ms deadline per example, and the too_slow
+# health check): under load, both fail a property test whose property holds. Off for
+# every property test here; speed is for the benchmarks in scripts/.
+settings.register_profile("specgguf", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("specgguf")
 
 # Resolved before any test changes HOME, so that the real models stay findable.
 _REAL_MODELS_DIR = testmodels.test_models_dir()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -216,3 +218,143 @@ def test_a_cells_mean_depth_is_its_generations_prompts_and_half_their_output() -
     cell.add(GenerationStats(prompt_tokens=60, generated=20))
     assert cell.generations == 3
     assert cell.mean_depth == round((460 + 276 / 2) / 3)  # 199
+
+
+# --- progress and the cached calibration --------------------------------------------------
+
+_STEP = re.compile(rb"bench: \[(\d+)/(\d+)\] (\S+), question (\d+)/(\d+) \((\S+)\), "
+                   rb"round (\d+)/(\d+), \d+ s")  # fmt: skip
+
+
+def test_bench_reports_each_configuration_and_question_when_stderr_is_not_a_terminal(
+    tiny_models: dict[str, Path],
+) -> None:
+    # A run in a pipeline or CI (stderr a pipe here) printed nothing for 590 s: one line per
+    # round, question and configuration, numbered, in the order they run, on stderr only.
+    res = run_cli(
+        "bench", "-m", str(tiny_models["target"]), "-md", str(tiny_models["draft-partial"]),
+        "--draft", "1,2", "-n", "4", "--rounds", "2", "--categories", "code-editing,chat",
+        "-c", "1024", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
+    lines = res.stderr.splitlines()
+    steps = [m.groups() for m in map(_STEP.fullmatch, lines) if m]
+    configs = ["target", "model-K1", "model-K2", "ngram-K1", "ngram-K2", "suffix-K1",
+               "suffix-K2", "auto"]  # fmt: skip
+    want = [(r, q, cat, name) for r in (1, 2) for q, cat in ((1, "code-editing"), (2, "chat"))
+            for name in configs]  # fmt: skip
+    assert len(steps) == len(want) == 32, res.stderr.decode()
+    for i, (got, (r, q, cat, name)) in enumerate(zip(steps, want, strict=True), 1):
+        assert got == (str(i).encode(), b"32", name.encode(), str(q).encode(), b"2",
+                       cat.encode(), str(r).encode(), b"2")  # fmt: skip
+    # The calibration says itself before the first step and after it, and the table comes
+    # after the last step.
+    first = lines.index(next(x for x in lines if _STEP.fullmatch(x)))
+    assert lines[0].startswith(b"bench: calibration: checking the pair's cached timings")
+    assert re.fullmatch(rb"bench: calibration (reused from|measured in) .*", lines[1]), lines[1]
+    assert first == 2
+    table = next(i for i, x in enumerate(lines) if b"tokens/s" in x and b"speedup" in x)
+    assert table > first + 31
+    # stdout is the JSON alone.
+    assert {"results", "calibration"} <= set(json.loads(res.stdout))
+
+
+def test_bench_parallel_reports_each_question_and_batch(tiny_models: dict[str, Path]) -> None:
+    res = run_cli(
+        "bench", "-m", str(tiny_models["target"]), "--draft", "2", "-n", "4", "--rounds", "1",
+        "--categories", "code-editing,chat", "-c", "1024", "-np", "2",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
+    steps = [x for x in res.stderr.splitlines() if x.startswith(b"bench: [")]
+    # per configuration: each question one at a time, then both at once
+    configs = ["target", "ngram-K2", "suffix-K2", "auto"]
+    want = [part for name in configs for part in (
+        f"{name}, one at a time, question 1/2", f"{name}, one at a time, question 2/2",
+        f"{name}, 2 questions, 2 at once")]  # fmt: skip
+    assert [re.sub(rb"^bench: \[\d+/12\] (.*), round 1/1, \d+ s$", rb"\1", x).decode()
+            for x in steps] == want  # fmt: skip
+    assert b"calibration: " in res.stdout and b"bench:" not in res.stdout
+
+
+def _cached(file: Path, key: str) -> dict[str, Any]:
+    entry: dict[str, Any] = json.loads(file.read_text())[key]
+    return entry
+
+
+def test_a_second_bench_reuses_the_pairs_calibration_unless_asked_to_measure_again(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # Each bench recalibrated (4.5 minutes on a busy machine). Now the pair's cached
+    # calibration is reused, and the report says so and from which file.
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    file = tmp_path / "cache" / "specgguf" / "calibration.json"
+
+    def bench(*extra: str) -> tuple[dict[str, Any], bytes, bytes]:
+        res = run_cli(
+            "bench", "-m", str(tiny_models["target"]), "--draft", "1", "-n", "2",
+            "--rounds", "1", "--categories", "chat", "-c", "1024", *extra, env=env,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr.decode()
+        data = json.loads(res.stdout) if "--json" in extra else {}
+        return data, res.stdout, res.stderr
+
+    data, _, err = bench("--json")
+    (first,) = data["calibration"]
+    assert first["reused"] is False and first["why"] == "none cached for this pair"
+    assert first["file"] == str(file) and first["saved"] is True and first["mode"] == "normal"
+    assert b"bench: calibration measured in " in err
+    assert f"none cached for this pair), saved to {file}".encode() in err
+    key = first["key"]
+    # Plant timings no step of this machine can beat (1 ns), measured on 2026-01-01: the
+    # fresh decode step that checks them is slower, so the cached ones are kept (the
+    # machine is busier now than then), and the report carries exactly them.
+    planted = {**_cached(file, key), "time": 1767225600.0}
+    planted["verify"] = {n: 1e-9 * int(n) for n in planted["verify"]}
+    file.write_text(json.dumps({key: planted}))
+    data, _, err = bench("--json")
+    (second,) = data["calibration"]
+    assert second["reused"] is True and second["key"] == key and second["why"] is None
+    assert second["measured_at"] == "2026-01-01T00:00:00+00:00"
+    assert second["fresh_step_ratio"] > 1
+    assert data["timings"]["t_verify"] == {n: float(f"{v:.4g}")
+                                           for n, v in planted["verify"].items()}  # fmt: skip
+    assert _cached(file, key) == planted  # not measured, not written
+    assert f"calibration reused from {file} (measured 2026-01-01T00:00:00+00:00)".encode() in err
+    # the table's note (on stderr with --json)
+    assert re.search(rb"calibration: reused from \S+ \(measured 2026-01-01T00:00:00\+00:00\); "
+                     rb"a fresh decode step took \S+x the calibrated one: the machine is busier "
+                     rb"now; --recalibrate measures it again", err), err  # fmt: skip
+    # --recalibrate measures it again, and caches it for the next run.
+    _, out, err = bench("--recalibrate")
+    want = f"calibration: measured in this run (recalibration asked for), saved to {file}"
+    assert want.encode() in out and b"bench:" not in out
+    again = _cached(file, key)
+    assert again["time"] > planted["time"] and again["verify"] != planted["verify"]
+    # A cached calibration far slower than a fresh step (measured while the machine was
+    # busy: 100 s a step) is measured again without being asked.
+    slow = {**again, "verify": {n: 100.0 for n in again["verify"]}}
+    file.write_text(json.dumps({key: slow}))
+    data, _, _ = bench("--json")
+    (third,) = data["calibration"]
+    assert third["reused"] is False and "measured while the machine was busy" in third["why"]
+    assert _cached(file, key)["verify"] != slow["verify"]
+
+
+def test_a_large_target_loading_without_a_terminal_reports_every_ten_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # bench and run load through LoadProgress: a 40 GB target was silent until loaded.
+    from specgguf.cli import display
+
+    now = [0.0]
+    big = tmp_path / "big.gguf"
+    with display.LoadProgress({big: 40 * 2**30}, live=False, clock=lambda: now[0]) as progress:
+        for t, share in ((0, 0.0), (5, 0.1), (12, 0.3), (15, 0.35), (21, 0.5), (23, 0.6),
+                         (26, 1.0)):  # fmt: skip
+            now[0] = t
+            progress(big, share)
+    assert capsys.readouterr().err.splitlines() == [
+        "specgguf: loading big.gguf (40.00 GiB): 30%, 12 s",
+        "specgguf: loading big.gguf (40.00 GiB): 60%, 23 s",
+        "specgguf: loaded big.gguf (40.00 GiB) in 26.00 s",
+    ]

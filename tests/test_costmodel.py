@@ -10,7 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgguf.engine.calibration import calibration_key, load_calibration, save_calibration
+from specgguf.engine.calibration import (
+    calibration_key,
+    load_calibration,
+    measured_draft_cost,
+    save_calibration,
+)
 from specgguf.speculative.costmodel import Timings, best_k, expected_tokens, verify_time_at
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
 from specgguf.speculative.estimates import Acceptance
@@ -188,6 +193,41 @@ def test_calibration_cache_follows_files(tmp_path: Path) -> None:
     os.utime(target, ns=(1, 1))  # the file changed: another key, nothing cached
     assert calibration_key("build", target, None, 2, True) != key
     assert calibration_key("other build", target, None, 2, True) != key
+
+
+def test_a_pairs_draft_cost_is_looked_up_by_its_files_whatever_the_threads(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(tiny_models["target"].read_bytes())
+    draft.write_bytes(tiny_models["draft-identical"].read_bytes())
+    assert measured_draft_cost(target, draft) is None  # nothing cached
+
+    def plant(n_threads: int, verify_1: float, t_draft: float, when: float, rows: int = 0) -> None:
+        key = calibration_key("build", target, draft, n_threads, True, rows)
+        timings = Timings({1: verify_1, 2: 0.9}, t_draft, depth=64)
+        assert save_calibration(key, timings, measured_at=when)
+
+    plant(4, 0.040, 0.030, when=1000.0)  # an older one, with other threads
+    plant(2, 0.050, 0.012, when=2000.0)  # the most recent: c = 0.012 / 0.050
+    plant(2, 0.010, 0.009, when=3000.0, rows=4)  # deterministic mode's: not one row's
+    assert measured_draft_cost(target, draft) == pytest.approx(0.24)
+    # The other way round, or the target alone, is not this pair.
+    assert measured_draft_cost(draft, target) is None
+    save_calibration(calibration_key("build", target, None, 2, True), Timings({1: 0.05}, 0.0))
+    assert measured_draft_cost(target, target) is None
+    # An entry cached before entries recorded their files is not found.
+    from specgguf.cache import read_json_cache, update_json_cache
+    from specgguf.engine.calibration import _cache_file
+
+    newest = {k: v for k, v in read_json_cache(_cache_file()).items() if v["time"] == 2000.0}
+    ((key, old),) = newest.items()
+    update_json_cache(_cache_file(), key, {k: v for k, v in old.items() if "file" not in k})
+    assert measured_draft_cost(target, draft) == pytest.approx(0.030 / 0.040)
+    # A changed draft file is another file: its old timings are not its own.
+    os.utime(draft, ns=(1, 1))
+    assert measured_draft_cost(target, draft) is None
 
 
 V = 32

@@ -123,6 +123,11 @@ def test_pull_pair_then_run_with_aliases_and_default_pair(
     assert lines[0].startswith("tiny-target\t") and lines[1].startswith("tiny-draft\t")
     assert lines[-1].startswith("compatible: ")
     assert snapshot_files(isolated_env, "test/tiny-target-GGUF") == ["tiny-target-q8_0.gguf"]
+    # stderr is not a terminal (no bars): a line per file before it downloads
+    said = res.stderr.decode()
+    for repo, name in (("test/tiny-target-GGUF", "tiny-target-q8_0.gguf"),
+                       ("test/tiny-draft-GGUF", "tiny-draft-q8_0.gguf")):  # fmt: skip
+        assert f"specgguf: downloading {name} (" in said and f"MiB) from {repo}" in said, said
     gen = ["--temp", "0", "-n", "8", "--ignore-eos", "--json", "hello"]
     by_alias = run_cli("run", "-m", "tiny-target", "-md", "tiny-draft", *gen, env=env(hub))
     default = run_cli("run", *gen, env=env(hub))
@@ -344,6 +349,8 @@ def one_line_error(res: object, code: int) -> str:
     """The single stderr line of a failed command, after checking its exit code."""
     assert res.returncode == code, (res.returncode, res.stderr)  # type: ignore[attr-defined]
     lines = res.stderr.decode().strip().splitlines()  # type: ignore[attr-defined]
+    # (a download's own progress line, without a terminal, comes before the error)
+    lines = [ln for ln in lines if not ln.startswith("specgguf: downloading ")]
     assert len(lines) == 1 and lines[0].startswith("specgguf: error: "), lines
     return lines[0]
 

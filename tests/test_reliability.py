@@ -152,7 +152,7 @@ def test_a_forced_configuration_slower_than_the_target_alone_is_reported(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     target, draft = tiny_models["target"], tiny_models["draft-partial"]
     with load_engine(target, draft, n_ctx=512, n_batch=2048) as engine:
-        key = engine._calibration_key()
+        key = engine.calibration_key()
     args = ["run", "-m", str(target), "-md", str(draft), "--drafter", "model", "--draft", "8",
             "-c", "512", "-n", "32", "--temp", "1.5", "--seed", "1", "hello"]  # fmt: skip
     # Nothing calibrated yet: measured after the run (three decode steps).

@@ -306,12 +306,25 @@ def test_server_wrapper_warns_off_loopback() -> None:
         stderr=subprocess.PIPE,
         cwd=ROOT,
     )
+    warning = b"Never expose the RPC server to an open network"
+    assert p.stderr is not None
+    err = b""
     try:
-        time.sleep(3)
+        # Read until the warning is there (or the server has exited): a fixed sleep
+        # missed it when a loaded machine took longer to start the server. The deadline
+        # only ends a hang.
+        deadline = time.monotonic() + 120
+        while warning not in err and time.monotonic() < deadline:
+            ready, _, _ = select.select([p.stderr], [], [], 1)
+            if ready:
+                chunk = os.read(p.stderr.fileno(), 4096)
+                if not chunk:
+                    break
+                err += chunk
     finally:
         p.terminate()
-        _, err = p.communicate(timeout=30)
-    assert b"Never expose the RPC server to an open network" in err
+        err += p.communicate(timeout=30)[1]
+    assert warning in err, err.decode(errors="replace")
 
 
 def test_server_killed_mid_generation(tiny_models: dict[str, Path]) -> None:

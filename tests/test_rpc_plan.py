@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -373,27 +373,50 @@ def test_lost_server_is_singled_out(fake: type[FakeServer]) -> None:
     assert both.endpoints == [str(alive.endpoint)] and "llama.cpp:" in both.detail
 
 
-def test_a_server_still_listening_as_it_dies_is_singled_out_once_it_stops() -> None:
+def test_a_server_still_listening_as_it_dies_is_singled_out_once_it_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A killed rpc-server closes its connection to the client before its listening
     socket: a connection opened in between still succeeds. The server that stops
     accepting within the settle time is the one named, not every server."""
+    import types
+
     msg = "/x/ggml-rpc.cpp:566: Remote RPC server crashed or returned malformed response"
+    # A fake clock that only lost_error's waits move on: the dying server closes at the
+    # fifth wait (0.5 s), the settle time is 2 s, whatever the machine's load.
+    now = [0.0]
+    waits: list[float] = []
+    on_wait: list[Callable[[], None]] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        now[0] += seconds
+        if len(waits) == 5:
+            for f in on_wait:
+                f()
+
+    monkeypatch.setattr(rpc, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
     with socket.create_server(("127.0.0.1", 0)) as live:
         dying = socket.create_server(("127.0.0.1", 0))
         ends = [rpc.Endpoint("127.0.0.1", s.getsockname()[1]) for s in (live, dying)]
-        closer = threading.Timer(0.5, dying.close)
-        closer.start()
+        on_wait.append(dying.close)
         try:
             err = rpc.lost_error(msg, ends)
         finally:
-            closer.join()
             dying.close()
     assert err.endpoints == [str(ends[1])]
     assert err.detail.startswith("connection refused now")
-    # Without the wait (settle 0) the same moment names both: the CI failure.
+    assert waits == [0.1] * 5  # asked again every 0.1 s until it stopped accepting
+    # Both still listening after the settle time: both named, once it has passed.
+    now[0], waits[:], on_wait[:] = 0.0, [], []
     with socket.create_server(("127.0.0.1", 0)) as a, socket.create_server(("127.0.0.1", 0)) as b:
         ends = [rpc.Endpoint("127.0.0.1", s.getsockname()[1]) for s in (a, b)]
+        assert rpc.lost_error(msg, ends).endpoints == [str(e) for e in ends]
+        assert 2.0 <= now[0] < 2.15  # the settle time, 2 s, and no longer
+        # Without the wait (settle 0) the same moment names both: the CI failure.
+        now[0], waits[:] = 0.0, []
         assert rpc.lost_error(msg, ends, settle=0).endpoints == [str(e) for e in ends]
+        assert waits == []
 
 
 def test_keep_alive_sets_dead_peer_timeouts(fake: type[FakeServer]) -> None:

@@ -298,7 +298,9 @@ def test_logs_carry_no_text_without_verbose(
     with ServerProcess(*models(tiny_models), "-v", env=env) as loud:
         c = openai.OpenAI(base_url=loud.base_url, api_key="x", max_retries=0)
         out = chat(c, f"{marker} hi", max_tokens=8, **GREEDY).choices[0].message.content
-        time.sleep(0.2)
+        deadline = time.monotonic() + 60  # a hang guard: the log line is written after
+        while repr(out) not in loud.stderr and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert marker in loud.stderr and repr(out) in loud.stderr
 
 
@@ -352,7 +354,9 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("max_tokens a string", {"messages": USER, "max_tokens": "5"}, "max_tokens"),
     ("stream not a bool", {"messages": USER, "stream": 1}, "stream"),
     ("stop not a string", {"messages": USER, "stop": 5}, "stop"),
-    ("too many stops", {"messages": USER, "stop": ["a"] * 17}, "stop"),
+    ("too many stops", {"messages": USER, "stop": ["a"] * 5}, "stop"),
+    ("an empty stop", {"messages": USER, "stop": [""]}, "stop"),
+    ("an empty stop string", {"messages": USER, "stop": ""}, "stop"),
     ("n > 1", {"messages": USER, "n": 2}, "n"),
     ("negative max_tokens", {"messages": USER, "max_tokens": -1}, "max_tokens"),
     ("zero max_tokens", {"messages": USER, "max_tokens": 0}, "max_tokens"),
@@ -420,6 +424,32 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("n_predict below -1", {"messages": USER, "n_predict": -2}, "n_predict"),
     ("nested speculative", {"messages": USER, "speculative": {"n_max": 2}}, "speculative"),
     (
+        "template kwargs",
+        {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}},
+        "chat_template_kwargs",
+    ),
+    ("a template per request", {"messages": USER, "chat_template": "{{ x }}"}, "chat_template"),
+    ("continue without assistant", {"messages": USER, "continue_final_message": True}, "messages"),
+    (
+        "continue and generation prompt",
+        {
+            "messages": [*USER, {"role": "assistant", "content": "Hi"}],
+            "continue_final_message": True,
+            "add_generation_prompt": True,
+        },
+        "continue_final_message",
+    ),
+    (
+        "two assistant messages to continue",
+        {"messages": [*USER, *[{"role": "assistant", "content": "Hi"}] * 2]},
+        "messages",
+    ),
+    (
+        "add_generation_prompt not a bool",
+        {"messages": USER, "add_generation_prompt": 1},
+        "add_generation_prompt",
+    ),
+    (
         "stream_options without stream",
         {"messages": USER, "stream_options": {"include_usage": True}},
         "stream_options",
@@ -435,6 +465,11 @@ BAD_CHAT_MESSAGES = {
     "llama.cpp's grammar": "grammar (constrained generation) is not supported",
     "llama.cpp's repeat_penalty": "repeat_penalty (repetition penalties) is not supported",
     "nested speculative": "'speculative.n_max'",
+    "template kwargs": "chat_template_kwargs (other chat template arguments) is not supported",
+    "continue without assistant": "ends with an assistant message",
+    "continue and generation prompt": "contradict each other",
+    "two assistant messages to continue": "two assistant messages in a row",
+    "an empty stop": "cannot be empty",
 }
 
 
@@ -495,6 +530,9 @@ def test_every_name_of_the_token_limit_is_honoured(
         ("echo", {"prompt": "a", "echo": True}, "echo"),
         ("best_of", {"prompt": "a", "best_of": 3}, "best_of"),
         ("logprobs", {"prompt": "a", "logprobs": 2}, "logprobs"),
+        # OpenAI takes up to 4 stop strings, none empty (the reported inputs)
+        ("five stop strings", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("an empty stop string", {"prompt": "a", "stop": [""]}, "stop"),
     ],
 )
 def test_bad_completion_requests_get_400(
@@ -735,11 +773,9 @@ def test_dropped_streams_cancel_and_memory_stays_flat(long_server: ServerProcess
             for _ in range(4):
                 next(lines)  # role chunk, then text
 
-    def short() -> float:
-        t0 = time.monotonic()
-        r = httpx.post(url, json={**LONG, "max_tokens": 4}, timeout=60)
+    def short() -> None:
+        r = httpx.post(url, json={**LONG, "max_tokens": 4}, timeout=600)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        return time.monotonic() - t0
 
     for _ in range(3):  # warm up allocations
         drop()
@@ -748,7 +784,7 @@ def test_dropped_streams_cancel_and_memory_stays_flat(long_server: ServerProcess
     before = rss(long_server.proc.pid)
     for _ in range(20):
         drop()
-        assert short() < 20  # the next request starts at once, not after 8000 tokens
+        short()  # (the tokens counted below say the dropped one stopped at once)
     growth = rss(long_server.proc.pid) - before
     assert growth < 32 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 20 drops"
     # 20 cancelled generations of up to 8000 tokens and 20 of 4: far fewer than 160000.
@@ -757,14 +793,26 @@ def test_dropped_streams_cancel_and_memory_stays_flat(long_server: ServerProcess
 
 def test_dropped_non_streaming_request_is_cancelled(long_server: ServerProcess) -> None:
     url = f"{long_server.base_url}/chat/completions"
+
+    def metric(name: str) -> float:
+        text = httpx.get(f"{long_server.url}/metrics").text
+        return float(next(ln for ln in text.splitlines() if ln.startswith(name + " ")).split()[1])
+
     logged = long_server.stderr.count("the client went away")
+    generated = metric("specgguf_tokens_generated_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=LONG, timeout=1.0)
-    t0 = time.monotonic()
-    r = httpx.post(url, json={**LONG, "max_tokens": 4}, timeout=60)
-    assert r.status_code == 200 and time.monotonic() - t0 < 20
+    r = httpx.post(url, json={**LONG, "max_tokens": 4}, timeout=600)
+    assert r.status_code == 200
+    # Counted, not timed: once nothing runs, the dropped request's tokens are counted, and
+    # they are far fewer than the 8000 it asked for.
+    deadline = time.monotonic() + 600  # a hang guard
+    while metric("specgguf_requests_running") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert metric("specgguf_tokens_generated_total") - generated < 8000
     # The log has a line for the cancelled request too.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while long_server.stderr.count("the client went away") == logged:
         assert time.monotonic() < deadline, long_server.stderr[-2000:]
         time.sleep(0.05)
@@ -774,7 +822,7 @@ def test_every_request_has_a_log_line(server: ServerProcess) -> None:
     # Refused requests too, with the reason and no prompt text.
     error_of(post(server, "/chat/completions", {"messages": USER, "n": 3}), 400)
     error_of(httpx.get(f"{server.base_url}/nothing-here"), 404)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while "GET /v1/nothing-here: 404" not in server.stderr:
         assert time.monotonic() < deadline, server.stderr[-2000:]
         time.sleep(0.05)
@@ -797,11 +845,9 @@ def test_signal_ends_generation_and_exits_0(
     t.start()
     while len(events) < 3 and t.is_alive():
         time.sleep(0.02)
-    t0 = time.monotonic()
-    code = s.stop(sig)
+    code = s.stop(sig)  # (fails past its own 30 s: a hang guard)
     assert code == 0, s.stderr
-    assert time.monotonic() - t0 < 10
-    t.join(10)
+    t.join(60)
     assert not t.is_alive()
     # The stream ended early, with an error event that says why (not 8000 tokens).
     assert len(events) < 4000

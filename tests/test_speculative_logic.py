@@ -14,7 +14,7 @@ from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeD
 from specgguf.speculative.planner import FixedPlanner
 from specgguf.speculative.sampling import SamplerParams
 
-from .fakes import FakeContext, FakeVocab, ScriptedDrafter, auto_planner, one_hot_rule
+from .fakes import FakeContext, FakeVocab, Rule, ScriptedDrafter, auto_planner, one_hot_rule
 
 V = 32
 EOS = 31
@@ -513,15 +513,28 @@ def test_rejected_steps_counts_steps_whose_draft_was_cut() -> None:
 
 
 class TimedContext(FakeContext):
-    """A fake target whose every evaluation counts 0.25 s of model time."""
+    """A fake target whose every evaluation counts 0.25 s of model time and moves the
+    fake wall clock ``now`` on by 0.125 s (nothing else moves it)."""
+
+    def __init__(self, rule: Rule, n_vocab: int, *, now: list[float]) -> None:
+        super().__init__(rule, n_vocab)
+        self.now = now
 
     def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
         self.eval_seconds += 0.25
+        self.now[0] += 0.125
         return super().eval(tokens, logits=logits)
 
 
-def test_statistics_of_a_generation() -> None:
-    ctx = TimedContext(one_hot_rule(target_next, V), V)
+def test_statistics_of_a_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import specgguf.speculative.loop as loop_module
+
+    # A fake clock: the times below are exact whatever the machine's load.
+    now = [1000.0]
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    ctx = TimedContext(one_hot_rule(target_next, V), V, now=now)
     drafter = oracle_drafter(wrong_every=3)
     dec = Decoder(ctx, FakeVocab(V), drafter)
     res = dec.generate([1, 2, 3], GenerationParams(n_predict=9, draft_max=4, sampler=GREEDY)).run()
@@ -529,14 +542,15 @@ def test_statistics_of_a_generation() -> None:
     assert s.prompt_tokens == 3 and s.generated == 9 and s.draft_max == 4
     # The prompt's evaluation (0.25 s) is prompt time; three verifications are generation.
     assert s.target_seconds == 0.75 and s.draft_seconds == 0.0
-    assert 0.0 <= s.prompt_seconds < 5.0 and 0.0 <= s.seconds < 5.0
+    # On the wall clock: one evaluation for the prompt, three for the generation.
+    assert s.prompt_seconds == 0.125 and s.seconds == 0.375
     assert s.last_draft == 2 and s.last_drafter == "scripted"  # the last step: K = 2
     d = s.as_dict()
     assert d["target_seconds"] == 0.75 and d["generated"] == 9 and d["rejected_steps"] == 2
     assert d["by_drafter"] == {"scripted": [3, 10, 6]}
     assert d["acceptance_rate"] == 0.6 and d["mean_accepted"] == 2.0
     assert d["python_seconds"] == 0.0  # the fake's model time exceeds the wall time
-    assert d["tokens_per_s"] == round(9 / s.seconds, 3)
+    assert d["tokens_per_s"] == 24.0  # 9 tokens in 0.375 s
     assert set(d) >= {f.name for f in s.__dataclass_fields__.values()}
 
 

@@ -166,13 +166,22 @@ def test_sampling_and_targets_without_trees_verify_the_first_branch() -> None:
     res = dec.generate(prompt, GenerationParams(n_predict=40, sampler=GREEDY), planner).run()
     assert res.tokens == target_alone(prompt, 40)
     assert res.stats.tree_steps == 0 and not any(e[0] == "tree" for e in ctx.log)
-    # sampling: FixedPlanner drafts chains, never trees
+    # sampling without a seed: FixedPlanner drafts chains, never trees
     dec, ctx = decoder()
     drafter = RandomTreeDrafter(2, 3)
     planner = FixedPlanner(drafter, 8, tree_branches=3)  # type: ignore[arg-type]
-    sampled = GenerationParams(n_predict=20, sampler=SamplerParams(temperature=0.8, seed=1))
+    sampled = GenerationParams(n_predict=20, sampler=SamplerParams(temperature=0.8))
     dec.generate(prompt, sampled, planner).run()
     assert not drafter.trees and not any(e[0] == "tree" for e in ctx.log)
+    # with a seed (draws keyed by position, drafts greedy, as in deterministic mode): a tree
+    # is verified as its first branch
+    dec, ctx = decoder()
+    drafter = RandomTreeDrafter(2, 3)
+    planner = FixedPlanner(drafter, 8, tree_branches=3)  # type: ignore[arg-type]
+    seeded = GenerationParams(n_predict=20, sampler=SamplerParams(temperature=0.8, seed=1))
+    res = dec.generate(prompt, seeded, planner).run()
+    assert drafter.trees and not any(e[0] == "tree" for e in ctx.log)
+    assert res.stats.tree_steps == 0
     # deterministic mode (fixed batch shapes): a tree drafted greedily is verified as its
     # first branch
     dec, ctx = decoder()

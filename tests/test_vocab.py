@@ -177,6 +177,45 @@ def test_info_reports_missing_shard(tiny_models: dict[str, Path], tmp_path: Path
     assert data["n_params"] is None
 
 
+def test_info_on_a_missing_shard_names_the_exit_of_the_commands_that_load(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # The reported case: info exits 0 on a split model with a shard missing (documented),
+    # while check, run, serve and bench exit 3; info's output says so, in text and JSON.
+    spec = TinySpec(vocab=fixture_specs()["target"].vocab, split_max_tensors=8)
+    files = write_tiny_model(tmp_path / "s.gguf", spec)
+    assert len(files) == 3
+    whole = json.loads(run_cli("info", "--json", str(files[0])).stdout)
+    assert whole["load_refusal"] is None
+    files[1].unlink()
+    res = run_cli("info", "--json", str(files[0]))
+    assert res.returncode == 0, res.stderr
+    refusal = json.loads(res.stdout)["load_refusal"]
+    assert refusal["reason"] == f"shard 2 of 3 is missing: {files[1]}"
+    assert refusal["exit_code"] == 3
+    assert refusal["commands"] == ["check", "run", "serve", "bench"]
+    text = run_cli("info", str(files[0]))
+    assert text.returncode == 0, text.stderr
+    row = [ln for ln in text.stdout.decode().splitlines() if ln.startswith("loadable")]
+    assert len(row) == 1, text.stdout
+    assert f"no: shard 2 of 3 is missing: {files[1]}" in row[0]
+    assert "check, run, serve and bench exit 3 for it" in row[0]
+    # What info says is what each of those commands does with the file.
+    m, ok = str(files[0]), str(tiny_models["target"])
+    for args in (["check", m, ok], ["check", ok, m], ["run", "-m", m, "-n", "1", "hi"],
+                 ["serve", "-m", m, "--host", "127.0.0.1", "--port", "0"],
+                 ["bench", "-m", m, "-n", "1", "--rounds", "1"]):  # fmt: skip
+        got = run_cli(*args, timeout=120)
+        assert got.returncode == 3, (args, got.stderr)
+        assert b"shard 2 of 3 is missing" in got.stderr, (args, got.stderr)
+    # plan reads the metadata alone, as info does: it plans, and warns of the same
+    planned = run_cli("plan", "-m", m, "--json", timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["models"][0]["load_refusal"]["exit_code"] == 3
+    warned = planned.stderr.decode()
+    assert "shard 2 of 3 is missing" in warned and "run, serve and bench exit 3" in warned
+
+
 @pytest.mark.real_models
 def test_real_qwen_pair_compatible_and_foreign_refused(real_models: dict[str, Path]) -> None:
     target = real_models[testmodels.TARGET]

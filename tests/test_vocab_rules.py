@@ -14,7 +14,6 @@ the code under test.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,16 +105,24 @@ def messages(r: CompatReport) -> list[tuple[str, str, str]]:
 # -- identical vocabularies and the report ---------------------------------------------------
 
 
-def test_identical_vocabularies(vocab: Callable[..., VocabInfo]) -> None:
+def test_identical_vocabularies(
+    vocab: Callable[..., VocabInfo], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    import specgguf.gguf.vocab as vocab_module
+
     t, d = vocab("t"), vocab("d")
-    r = compare_vocabs(t, d, started=time.perf_counter() - 100)
+    # A fake clock that stands still: the seconds below are exact whatever the load.
+    monkeypatch.setattr(vocab_module, "time", types.SimpleNamespace(perf_counter=lambda: 1000.0))
+    r = compare_vocabs(t, d, started=900.0)
     assert r.findings == () and r.compatible and r.llama_cpp_compatible is True
     assert r.token_diff == TokenDiff(5, 0, None, None, None)
     assert r.errors == [] and r.warnings == []
     assert r.verdict() == "compatible: d.gguf can draft for t.gguf"
-    assert 100 <= r.seconds < 105  # measured from the given start
+    assert r.seconds == 100.0  # measured from the given start
     later = compare_vocabs(t, d)
-    assert 0 <= later.seconds < 5
+    assert later.seconds == 0.0  # from the start of the comparison itself
 
 
 def test_report_as_dict(vocab: Callable[..., VocabInfo]) -> None:

@@ -176,6 +176,9 @@ def hint(err: SpecggufError) -> str | None:
         return ("start it on that machine with `specgguf rpc-server` (see the README, "
                 "\"Targets bigger than one machine\"), or leave it out of --rpc")  # fmt: skip
     if isinstance(err, RpcServerLost):
+        if err.requests_answered is not None:
+            return (f"{err.requests_answered} open request(s) answered with this error; "
+                    "restart the rpc-server, then this server")  # fmt: skip
         return "the text so far is on stdout; restart the server and run again"
     if isinstance(err, IncompatibleVocabError):
         return "`specgguf check TARGET DRAFT` gives the whole report; --no-check overrides"

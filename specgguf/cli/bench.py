@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -78,6 +77,13 @@ def bench(
             "time (aggregate tokens/s).",
         ),
     ] = 1,
+    recalibrate: Annotated[
+        bool,
+        typer.Option(
+            "--recalibrate",
+            help="Measure the pair's timings again rather than reuse its cached calibration.",
+        ),
+    ] = False,
 ) -> None:
     """Measure the target alone, each drafter at each draft length, and auto mode, on a
     prompt set with categories, interleaved in one process; speedups are relative to the
@@ -128,18 +134,23 @@ def bench(
     configs.append(("auto", "auto", draft_max))
     if load.deterministic:
         configs += [("det-" + name, kind, k) for name, kind, k in configs]
+
+    # One line per step on stderr, terminal or not: a run in a pipeline or CI that prints
+    # nothing for many minutes looks hung (as pip and huggingface_hub, one line at a time).
+    def progress(msg: str) -> None:
+        say(f"bench: {msg}")
+
     if parallel > 1:
         with engine:
-            progress = say if sys.stderr.isatty() else (lambda m: None)
             report = run_parallel_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
-                                        progress=progress)  # fmt: skip
+                                        progress=progress, recalibrate=recalibrate)  # fmt: skip
         if json_out:
             print_json(report)
         _print_parallel(report, stderr=json_out)
         return
     with engine:
         report = run_bench(engine, chosen, configs, n=n_predict, rounds=rounds,
-                           progress=say if sys.stderr.isatty() else (lambda m: None))  # fmt: skip
+                           progress=progress, recalibrate=recalibrate)  # fmt: skip
     if json_out:
         print_json(report)
     _print_bench(report, stderr=json_out)
@@ -186,6 +197,23 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
     con.print(f"peak RSS {size(mem['peak_rss'])} = {mem['ratio']:.2f} x (model files "
               f"{size(mem['model_files'])} + KV caches {size(mem['kv_caches'])}); "
               f"{report['wall_seconds']:.0f} s", highlight=False)  # fmt: skip
+    _print_calibration(con, report["calibration"])
+
+
+def _print_calibration(con: Any, entries: list[dict[str, Any]]) -> None:
+    """One line per calibration: reused from which file, or measured in this run."""
+    from specgguf.engine.bench import busier_note
+
+    for c in entries:
+        label = "calibration" + (" of deterministic mode" if c["mode"] == "deterministic" else "")
+        if c["reused"]:
+            line = (f"{label}: reused from {c['file']} (measured {c['measured_at']})"
+                    f"{busier_note(c['fresh_step_ratio'])}; --recalibrate measures it "
+                    "again")  # fmt: skip
+        else:
+            saved = "saved to" if c["saved"] else "not saved: cannot write"
+            line = f"{label}: measured in this run ({c['why']}), {saved} {c['file']}"
+        con.print(line, highlight=False, soft_wrap=True)
 
 
 def _print_parallel(report: dict[str, Any], *, stderr: bool) -> None:
@@ -205,6 +233,7 @@ def _print_parallel(report: dict[str, Any], *, stderr: bool) -> None:
     con.print(t)
     con.print(f"the batch curve allows {report['batch_allows']:.2f}x for {n} sequences "
               f"({n} x t(1) / t({n}))", highlight=False)  # fmt: skip
+    _print_calibration(con, report["calibration"])
 
 
 def _rpc_note(models: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@ draft for a target, from metadata alone (no weights load)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -19,6 +19,9 @@ from specgguf.cli.output import (
     tok,
 )
 
+if TYPE_CHECKING:
+    from specgguf.gguf.info import ModelInfo
+
 
 @app.command()
 @handled
@@ -32,12 +35,16 @@ def info(
     """Show what a GGUF model holds, from its metadata alone (no weights load).
 
     Problems that would make llama.cpp refuse the file are printed on stderr (in JSON,
-    under "findings"). Exits 3 when the file is missing or not a readable GGUF file.
+    under "findings"). Exits 3 when the file is missing or not a readable GGUF file; a
+    file llama.cpp would refuse (a split model with a shard missing, say) is exit 0 here,
+    and the "loadable" row (in JSON, "load_refusal") says why and that check, run, serve
+    and bench exit 3 for it.
     """
     from specgguf.gguf.info import read_model_info
 
     info = read_model_info(model_path(model, registry))
     mi = info.as_dict()
+    mi["load_refusal"] = load_refusal(info)
     _print_findings(info.findings)
     if json_out:
         print_json(mi)
@@ -77,10 +84,44 @@ def info(
         ("file size", f"{mi['file_size']:,} bytes ({size(mi['file_size'])})"),
         ("splits", shards),
         ("GGUF version", str(mi["gguf_version"])),
+        ("loadable", loadable_text(mi["load_refusal"])),
     ]  # fmt: skip
     for k, val in rows:
         t.add_row(k, val)
     stdout_console().print(t)
+
+
+#: The commands that load the model's weights, or refuse from its metadata first as
+#: ``check`` does: each exits with :class:`ModelLoadError`'s code for a file llama.cpp
+#: would refuse (``info`` and ``plan`` read the metadata alone, say so and exit 0).
+LOADING_COMMANDS = ("check", "run", "serve", "bench")
+
+
+def load_refusal(info: ModelInfo) -> dict[str, Any] | None:
+    """None when llama.cpp would load the file; else why not (the first problem, as the
+    error of the commands that load it says), how many more, and their exit code."""
+    from specgguf.errors import ModelLoadError
+
+    reasons = [f.message for f in info.load_errors]
+    if not reasons:
+        return None
+    return {
+        "reason": reasons[0],
+        "more": len(reasons) - 1,
+        "exit_code": ModelLoadError(info.path, reasons).exit_code,
+        "commands": list(LOADING_COMMANDS),
+    }
+
+
+def loadable_text(refusal: dict[str, Any] | None) -> str:
+    """``yes (...)``, or ``no: shard 2 of 3 is missing: ... (+1 more); check, run, serve
+    and bench exit 3 for it``."""
+    if refusal is None:
+        return "yes (as far as its metadata shows)"
+    more = f" (+{refusal['more']} more)" if refusal["more"] else ""
+    *first, last = refusal["commands"]
+    return (f"no: {refusal['reason']}{more}; {', '.join(first)} and {last} exit "
+            f"{refusal['exit_code']} for it")  # fmt: skip
 
 
 def _memory(mi: dict[str, Any]) -> str:

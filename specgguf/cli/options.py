@@ -570,14 +570,17 @@ def _find_draft(
     say: Callable[[str], None],
 ) -> Path | None:
     """The draft model chosen on disk for ``target`` (called ``label`` on the command
-    line; None: none fits), said on stderr."""
+    line; None: none fits), said on stderr; a pair calibrated on this machine is judged by
+    its measured draft-token cost (:func:`~specgguf.engine.calibration.measured_draft_cost`)."""
     import shlex
 
     from specgguf.cli.output import size
+    from specgguf.engine.calibration import measured_draft_cost
     from specgguf.hub.draft_search import count, find_drafts
     from specgguf.hub.registry import load_registry
 
-    found = find_drafts(target, search_dirs=dirs, registry=load_registry(registry))
+    found = find_drafts(target, search_dirs=dirs, registry=load_registry(registry),
+                        measured=measured_draft_cost)  # fmt: skip
     c = found.chosen
     if c is None:
         if found.n_files:

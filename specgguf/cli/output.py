@@ -31,6 +31,24 @@ def stderr_say(quiet: bool = False) -> Any:
     return say
 
 
+#: A target at least this large gets a line before auto mode measures its batch costs
+#: (10-20 s on 2 cores for a 1.5B target of 0.9 GiB; a tiny test model takes well under 1 s).
+CALIBRATION_SAY_BYTES = 256 << 20
+
+
+def say_calibration(engine: Any, say: Any, *, deterministic: bool = False) -> None:
+    """Say on stderr that auto mode is about to measure what batches cost on this machine,
+    when it will (nothing cached for the pair) and the target is large enough for the pause
+    to be noticed: without it, stderr that is not a terminal stays silent for seconds to
+    minutes."""
+    path = engine.target_model.path
+    if path.stat().st_size >= CALIBRATION_SAY_BYTES and engine.calibration_needed(deterministic):
+        say(
+            f"specgguf: measuring what verification batches of {path.name} cost on this "
+            "machine, for auto mode (once per pair and machine; seconds to a minute)"
+        )
+
+
 def size(n: int) -> str:
     """Bytes in binary units: 163.6 KiB, 1.04 GiB."""
     value = float(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -9,6 +10,7 @@ import typer
 from specgguf.cli import options as o
 from specgguf.cli.app import app, handled
 from specgguf.cli.flags import Options, takes
+from specgguf.cli.info import load_refusal, loadable_text
 from specgguf.cli.output import print_json, size, stdout_console
 
 
@@ -66,7 +68,9 @@ def plan(
     models' metadata alone: no weights load.
 
     Exit codes: 0 it fits, 5 it does not (the plan is still shown), 6 an RPC server does
-    not answer.
+    not answer. A model llama.cpp would refuse to load (a split model with a shard missing,
+    say) is planned all the same, with a warning on stderr (in JSON, "load_refusal") that
+    check, run, serve and bench exit 3 for it.
     """
     from specgguf.engine.planning import fewest_servers, make_plan
     from specgguf.errors import InsufficientMemoryError, UsageError
@@ -93,6 +97,11 @@ def plan(
     else:
         result = make_plan(config, server_free=server_free, local_free=local_free, gpus=gpus)
     report = _report(result, search)
+    for m in report["models"]:
+        if m["load_refusal"]:
+            why = loadable_text(m["load_refusal"]).removeprefix("no: ")
+            print(f"specgguf: warning: llama.cpp cannot load {m['file']}: {why}",
+                  file=sys.stderr)  # fmt: skip
     if json_out:
         print_json(report)
     else:
@@ -113,6 +122,7 @@ def _report(result: Any, search: bool) -> dict[str, Any]:
             "role": role, "file": info.path.name, "n_layer": info.block_count,
             "layers": [{"place": p, "layers": r} for p, r in layer_ranges(plan, i)],
             "need": {place: share.total for place, share in m.shares.items()},
+            "load_refusal": load_refusal(info),
         })  # fmt: skip
     t = result.config.target
     out: dict[str, Any] = {

@@ -161,15 +161,18 @@ def list_models(
 
 
 def _list_drafts(target: str, dirs: list[Path], *, json_out: bool, registry: Path | None) -> None:
-    """``list --drafts-for``: every model on disk as a draft for ``target``, best first."""
+    """``list --drafts-for``: every model on disk as a draft for ``target``, best first;
+    a pair calibrated on this machine is judged by its measured draft-token cost."""
     from rich.table import Table
 
     from specgguf.cli.options import model_path
+    from specgguf.engine.calibration import measured_draft_cost
     from specgguf.hub.draft_search import count, find_drafts
     from specgguf.hub.registry import load_registry
 
     path = model_path(target, registry)
-    found = find_drafts(path, search_dirs=dirs, registry=load_registry(registry), check_all=True)
+    found = find_drafts(path, search_dirs=dirs, registry=load_registry(registry), check_all=True,
+                        measured=measured_draft_cost)  # fmt: skip
     if json_out:
         print_json(found.as_dict())
         return

@@ -13,7 +13,7 @@ import typer
 from specgguf.cli import options as o
 from specgguf.cli.app import GroupedCommand, app, handled, setup_logging
 from specgguf.cli.flags import takes
-from specgguf.cli.output import print_json, stderr_say
+from specgguf.cli.output import print_json, say_calibration, stderr_say
 
 
 @app.command(cls=GroupedCommand, context_settings={"allow_interspersed_args": True})
@@ -92,9 +92,8 @@ def run(
     text = read_prompt(prompt, file)
     checked = preflight(config)  # before any weights load; the template too
     messages = [{"role": "system", "content": system}] if system is not None else []
-    prepared = render_prompt(
-        checked.target, text if raw else [*messages, {"role": "user", "content": text}]
-    )
+    conversation = text if raw else [*messages, {"role": "user", "content": text}]
+    render_prompt(checked.target, conversation)  # its faults before any weights load
     sampler = sampling.sampler()
     if sampler.seed is None:  # drawn here, so that --json can tell it
         sampler = dataclasses.replace(sampler, seed=secrets.randbits(32))
@@ -104,7 +103,11 @@ def run(
     with LoadProgress(sizes, quiet=quiet) as progress:
         engine = Engine(config, checked=checked, on_load_progress=progress)
     with engine:
+        # rendered again with the loaded vocabulary's control tokens kept out of the text
+        prepared = engine.render(conversation)
         ids = engine.prepared_ids(prepared)
+        if config.speculative.drafter == "auto":
+            say_calibration(engine, say, deterministic=config.deterministic)
         gen = engine.generate(ids, params)
         # A forced drafter is compared with the target alone; auto mode weighs the target
         # alone at every step itself.

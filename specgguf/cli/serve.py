@@ -17,7 +17,7 @@ import typer
 from specgguf.cli import options as o
 from specgguf.cli.app import app, handled, setup_logging
 from specgguf.cli.flags import config_args, takes
-from specgguf.cli.output import stderr_say
+from specgguf.cli.output import say_calibration, stderr_say
 from specgguf.errors import EXIT_INTERRUPTED
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ def serve(
         with engine:
             if config.speculative.drafter == "auto":
                 # calibrate now, not in the first request
+                say_calibration(engine, say)
                 _before_listening(llama_thread.submit(engine.timings))
             # Once listening, a second SIGTERM while the server stops ends it (as before
             # the handler above): uvicorn puts back the handler it found.

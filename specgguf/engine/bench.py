@@ -10,7 +10,10 @@ noise hits all alike; the numbers of a (category, configuration) cell pool its r
 (tokens over seconds), and an "overall" row per configuration pools every category, as
 Spec-Bench computes it (total tokens over total time, against the target alone's). Each
 ``auto`` row also carries what the measured batch costs allow for the acceptance the
-fixed-K drafters reached (:func:`allowed_rate`) and auto mode's share of it.
+fixed-K drafters reached (:func:`allowed_rate`) and auto mode's share of it. The timings
+are the pair's cached calibration unless asked to measure them again
+(:func:`calibrate_pair`); the report says which, and progress comes one line per question
+and configuration.
 
 Spec-Bench (Xia et al. 2024; its ``question.jsonl``: ``question_id``, ``category``,
 ``turns``) groups its categories in six columns (:data:`SPEC_BENCH_COLUMNS`); a question with
@@ -327,32 +330,44 @@ def run_bench(
     n: int,
     rounds: int,
     progress: Callable[[str], None] = lambda msg: None,
+    recalibrate: bool = False,
 ) -> dict[str, Any]:
     """Run every (prompt, configuration) ``rounds`` times, interleaved; returns the report
     (``machine``, ``results`` with one entry per category and configuration and an
-    "overall" entry per configuration, ``memory``). A configuration named ``det-...`` runs
+    "overall" entry per configuration, ``memory``, and ``calibration``: where the timings
+    came from, see :func:`calibrate_pair`). A configuration named ``det-...`` runs
     in deterministic mode; its speedup is against the target alone in normal mode. The
     suffix drafter's corpus is per configuration and round: the earlier questions of that
-    run, never the same question's answer from another configuration or round."""
+    run, never the same question's answer from another configuration or round.
+
+    ``progress`` gets a line before and after the calibration and one before each
+    (round, question, configuration), numbered (``[3/24] model-K4, question 2/6
+    (code-editing), round 1/2, 41 s``); ``recalibrate`` measures the timings again
+    rather than reuse the pair's cached calibration."""
     from specgguf.llama.memory import kv_cache_bytes
     from specgguf.llama.runtime import build_info, platform_summary
 
     cells: dict[tuple[str, str], Cell] = {}
     t0 = time.perf_counter()
-    # Timings measured now, in this run, for auto mode and for the cost-model limit.
-    progress("calibrating")
-    engine.timings(recalibrate=True)
-    if any(name.startswith("det-") for name, _, _ in configs):
-        engine.timings(True, recalibrate=True)
+    # The timings of auto mode and of the cost-model limit: the pair's cached calibration
+    # unless a fresh decode step shows it was measured on a busier machine.
+    has_det = any(name.startswith("det-") for name, _, _ in configs)
+    calibration = calibrate_pair(engine, deterministic=has_det, recalibrate=recalibrate,
+                                 progress=progress)  # fmt: skip
     shared_suffix = engine.drafting.suffix
+    total = rounds * len(prompts) * len(configs)
+    done = 0
     for r in range(rounds):
         # Suffix matching learns from earlier generations: each configuration gets its own
         # corpus per round, so that it holds the earlier questions (as a server's earlier
         # responses would) and never this question's answer from another run.
         corpus = {name: _fresh_suffix(shared_suffix) for name, _, _ in configs}
-        for p in prompts:
+        for q, p in enumerate(prompts, 1):
             for name, kind, k in configs:
-                progress(f"round {r + 1}/{rounds}: {p.category} {p.question_id} {name}")
+                done += 1
+                progress(f"[{done}/{total}] {name}, question {q}/{len(prompts)} "
+                         f"({p.category}), round {r + 1}/{rounds}, "
+                         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
                 det = name.startswith("det-")
                 engine.drafting.suffix = corpus[name]
                 try:
@@ -442,9 +457,78 @@ def run_bench(
             "kv_caches": kv,
             "ratio": round(peak / (files + kv), 3),
         },
+        "calibration": calibration,
         "wall_seconds": round(wall, 1),
         "results": results,
     }
+
+
+def calibrate_pair(
+    engine: Engine,
+    *,
+    deterministic: bool = False,
+    recalibrate: bool = False,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> list[dict[str, Any]]:
+    """The engine's timings (:meth:`Engine.timings`; with ``deterministic``, deterministic
+    mode's too): the pair's cached calibration, checked against one fresh decode step, or
+    measured now (with ``recalibrate``, always). ``progress`` gets a line before each
+    (the measurement can take minutes on a busy machine) and one after it that says
+    where the timings came from. Returns, per mode, where they came from: ``mode``
+    ("normal" or "deterministic"), ``reused`` (True: read from ``file``; False: measured
+    in this run), ``file`` (the cache file), ``key`` (its entry), ``measured_at`` (ISO
+    8601, UTC), ``seconds`` (the check or the measurement, in this run), ``saved``
+    (whether ``file`` holds them), ``why`` (why they were measured; None when reused) and
+    ``fresh_step_ratio`` (when reused: a fresh decode step's time over the cached one's;
+    above 1 the machine is busier now than when they were measured).
+
+    Raises:
+        BackendError: an evaluation failed.
+    """
+    from datetime import UTC, datetime
+
+    from specgguf.engine.calibration import calibration_source
+
+    out = []
+    for det in (False, True) if deterministic and engine.deterministic_rows else (False,):
+        mode = "deterministic" if det else "normal"
+        label = "calibration of deterministic mode" if det else "calibration"
+        progress(f"{label}: checking the pair's cached timings, or measuring them (10-30 s "
+                 "for a 1.5B target on 2 cores, minutes on a busy machine)")  # fmt: skip
+        engine.timings(det, recalibrate=recalibrate)
+        src = calibration_source(engine.calibration_key(det))
+        if src is None:  # not through the calibration cache: nothing to tell
+            continue
+        when = datetime.fromtimestamp(src.measured_at, UTC).isoformat(timespec="seconds")
+        out.append({
+            "mode": mode, "reused": src.reused, "file": str(src.file), "key": src.key,
+            "measured_at": when, "seconds": round(src.seconds, 2), "saved": src.saved,
+            "why": None if src.reused else src.why,
+            "fresh_step_ratio": None if src.fresh_step_ratio is None
+            else round(src.fresh_step_ratio, 3),
+        })  # fmt: skip
+        if src.reused:
+            progress(f"{label} reused from {src.file} (measured {when}), checked in "
+                     f"{src.seconds:.1f} s{busier_note(src.fresh_step_ratio)}")  # fmt: skip
+        else:
+            saved = "saved to" if src.saved else "not saved: cannot write"
+            progress(f"{label} measured in {src.seconds:.1f} s ({src.why}), {saved} "
+                     f"{src.file}")  # fmt: skip
+    return out
+
+
+#: A reused calibration's check ratio above this is worth telling: the numbers of the run
+#: carry the machine's other work.
+BUSIER = 1.25
+
+
+def busier_note(ratio: float | None) -> str:
+    """``; a fresh decode step took 3.10x the calibrated one: the machine is busier now``
+    when a reused calibration's check ``ratio`` (fresh step over cached) says so (above
+    :data:`BUSIER`), else ""."""
+    if ratio is None or ratio <= BUSIER:
+        return ""
+    return f"; a fresh decode step took {ratio:.2f}x the calibrated one: the machine is busier now"
 
 
 def generate_together(
@@ -489,13 +573,16 @@ def run_parallel_bench(
     n: int,
     rounds: int,
     progress: Callable[[str], None] = lambda msg: None,
+    recalibrate: bool = False,
 ) -> dict[str, Any]:
     """``bench --parallel N``: for each configuration, every prompt's first turn one after
     another (one sequence at a time, each alone in the batcher) and all through the engine's N
     sequences at once (:func:`generate_together`), alternating which goes first from
     round to round; aggregate tokens/s (all tokens over all wall time) of both, their
     ratio, and what the calibrated batch curve allows for it: N rows in one batch against
-    N single rows, t(1) N / t(N).
+    N single rows, t(1) N / t(N). ``calibration`` in the report, ``progress`` and
+    ``recalibrate``: as in :func:`run_bench` (a line per question one at a time, and one
+    per batch of all at once).
 
     Raises:
         UsageError: the engine was loaded for one sequence.
@@ -505,24 +592,38 @@ def run_parallel_bench(
         from specgguf.errors import UsageError
 
         raise UsageError("a parallel bench needs an engine of 2 sequences or more")
-    progress("calibrating")
-    timings = engine.timings(recalibrate=True)
+    t0 = time.perf_counter()
+    # (deterministic mode's timings too where the engine has it: start_batching needs both)
+    calibration = calibrate_pair(engine, deterministic=True, recalibrate=recalibrate,
+                                 progress=progress)  # fmt: skip
+    timings = engine.timings()
     engine.start_batching()
     totals: dict[tuple[str, int], list[float]] = {}
+    total = rounds * len(configs) * (len(prompts) + 1)
+    done = 0
+
+    def step(what: str) -> None:
+        nonlocal done
+        done += 1
+        progress(f"[{done}/{total}] {what}, {time.perf_counter() - t0:.0f} s")
+
     for r in range(rounds):
         for name, kind, k in configs:
             params = GenerationParams(n_predict=n, sampler=SamplerParams(temperature=0),
                                       drafter=kind, draft_max=k)  # fmt: skip
             firsts = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
             for width in (1, n_par) if r % 2 == 0 else (n_par, 1):
-                progress(f"round {r + 1}/{rounds}: {name}, {width} at once")
                 if width == 1:  # through the batcher too, on its first sequence
                     res, seconds = [], 0.0
-                    for m in firsts:
+                    for q, m in enumerate(firsts, 1):
+                        step(f"{name}, one at a time, question {q}/{len(firsts)}, "
+                             f"round {r + 1}/{rounds}")  # fmt: skip
                         alone, s = generate_together(engine, [m], params)
                         res += alone
                         seconds += s
                 else:
+                    step(f"{name}, {len(firsts)} questions, {width} at once, "
+                         f"round {r + 1}/{rounds}")  # fmt: skip
                     res, seconds = generate_together(engine, firsts, params)
                 acc = totals.setdefault((name, width), [0.0, 0.0])
                 acc[0] += sum(len(x.tokens) for x in res)
@@ -536,4 +637,5 @@ def run_parallel_bench(
                         "tokens_per_s_parallel": round(rate_n, 3),
                         "ratio": round(rate_n / rate1, 3)})  # fmt: skip
     return {"parallel": n_par, "n_predict": n, "rounds": rounds, "prompts": len(prompts),
-            "batch_allows": round(allowed, 3), "results": results}  # fmt: skip
+            "batch_allows": round(allowed, 3), "calibration": calibration,
+            "results": results}  # fmt: skip

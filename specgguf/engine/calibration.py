@@ -4,16 +4,22 @@ depths of the context: 10-20 seconds on two CPU cores for a 1.5B target) and cac
 ``~/.cache/specgguf/calibration.json``, keyed by the llama.cpp build, the model files, the
 threads, the repacking setting and the layers' placement (RPC servers). A cached
 calibration is checked against one fresh decode step first: one taken while the machine
-was busy would mislead every run after it.
+was busy would mislead every run after it (and so would one taken now, when the machine
+is busier than it was then: the cached one is kept). Where the timings of a key came from
+in this process (read from the cache or measured, which file, when, why measured) is kept
+for the callers that report it (:func:`calibration_source`). Each entry also records its two
+files, so that the draft search can judge a pair by what a draft token cost here
+(:func:`measured_draft_cost`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from specgguf.cache import cache_dir, read_json_cache, update_json_cache
 from specgguf.speculative.costmodel import Timings
@@ -32,6 +38,10 @@ DEPTH_SIZES = (1, 5, 17)
 DEPTH_PROBE = 384
 #: The least distance between the two depths for a slope to be measured.
 DEPTH_SPAN_MIN = 128
+
+#: A cached calibration is measured again when a fresh decode step takes less than this
+#: share of its one (it was measured while the machine was busy).
+FRESH_STEP_MIN = 0.5
 
 #: A batch size that took this many times longer than the larger sizes after it was a
 #: hiccup of the machine, not of the kernel: it is interpolated from its neighbours.
@@ -169,6 +179,12 @@ def _file_key(path: Path) -> str:
     return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
+#: What each key :func:`calibration_key` made in this process says of its pair (the two
+#: files' identities, as the key hashes them, and deterministic mode's rows per decode):
+#: :func:`save_calibration` records it in the key's entry, where a hash cannot be read back.
+_KEY_FILES: dict[str, dict[str, Any]] = {}
+
+
 def calibration_key(
     build: str,
     target: Path,
@@ -182,12 +198,18 @@ def calibration_key(
 ) -> str:
     """The cache key of one pair on one build: files by path, size and modification time,
     deterministic mode's rows per decode (0: off), where the layers are (RPC servers
-    and the split; "" on this machine alone) and the target's K cache type."""
+    and the split; "" on this machine alone) and the target's K cache type. Remembers
+    the files of the key in this process, for :func:`save_calibration` to record."""
     parts = [build, _file_key(target), _file_key(draft) if draft else "-", str(n_threads),
              str(repack)] + ([f"rows={rows_per_decode}"] if rows_per_decode else [])  # fmt: skip
     parts += [f"placement={placement}"] if placement else []
     parts += [f"type_k={type_k}"] if type_k != "f16" else []
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    _KEY_FILES[key] = {
+        "target_file": parts[1], "draft_file": parts[2] if draft else None,
+        "rows_per_decode": rows_per_decode,
+    }  # fmt: skip
+    return key
 
 
 def _cache_file() -> Path:
@@ -197,24 +219,115 @@ def _cache_file() -> Path:
 def load_calibration(key: str) -> Timings | None:
     """The cached timings for ``key``; None when absent or unreadable (or cached before
     calibrations measured what depth costs)."""
+    entry = _load_entry(key)
+    return entry[0] if entry is not None else None
+
+
+def _load_entry(key: str) -> tuple[Timings, float] | None:
+    """The cached timings for ``key`` and when they were measured (Unix time; 0 when the
+    entry does not say)."""
     try:
         data = read_json_cache(_cache_file())[key]
-        return Timings(
+        timings = Timings(
             {int(k): float(v) for k, v in data["verify"].items()}, float(data["draft"]),
             depth=int(data["depth"]), position_single=float(data["position_single"]),
             position_row=float(data["position_row"]),
         )  # fmt: skip
+        return timings, float(data.get("time", 0.0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def save_calibration(key: str, timings: Timings) -> None:
+def save_calibration(key: str, timings: Timings, measured_at: float | None = None) -> bool:
+    """Cache ``timings`` under ``key``, measured at ``measured_at`` (Unix time; default
+    now), with the identities of the pair's files (path, size, modification time) when
+    :func:`calibration_key` made ``key`` in this process, for :func:`measured_draft_cost`.
+    Returns whether the cache file holds them now (a cache that cannot be written is
+    skipped)."""
+    when = time.time() if measured_at is None else measured_at
     value = {
         "verify": timings.verify, "draft": timings.draft, "depth": timings.depth,
         "position_single": timings.position_single, "position_row": timings.position_row,
-        "time": time.time(),
+        "time": when, **_KEY_FILES.get(key, {}),
     }  # fmt: skip
     update_json_cache(_cache_file(), key, value)
+    entry = _load_entry(key)
+    return entry is not None and entry[1] == when
+
+
+def measured_draft_cost(target: Path, draft: Path) -> float | None:
+    """What one token of the draft model ``draft`` cost on this machine relative to one
+    row of the target model ``target``: t_draft / t_verify(1) (seconds over seconds; the
+    cost coefficient c of Leviathan et al. 2023, section 3.4) of the most recent
+    calibration cached for these two files (path, size and modification time, as
+    :func:`calibration_key` knows them), whatever the llama.cpp build, threads, repacking
+    or placement it was measured with; None when none is cached. The shape of
+    :data:`specgguf.hub.draft_search.MeasuredCost`.
+
+    Not found: entries cached before calibrations recorded their files (their key is a hash
+    of them, which cannot be read back), entries of a file changed since, and deterministic
+    mode's (a lone row may carry a throw-away second row there, so its t_verify(1) is not
+    one row's). An unreadable cache or file gives None; nothing is raised.
+    """
+    try:
+        t_file, d_file = _file_key(Path(target)), _file_key(Path(draft))
+    except OSError:
+        return None
+    best: tuple[float, float] | None = None
+    for entry in read_json_cache(_cache_file()).values():
+        if not isinstance(entry, dict) or entry.get("rows_per_decode"):
+            continue
+        if entry.get("target_file") != t_file or entry.get("draft_file") != d_file:
+            continue
+        try:
+            one_row, t_draft = float(entry["verify"]["1"]), float(entry["draft"])
+            when = float(entry.get("time", 0.0))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if one_row > 0 and t_draft > 0 and (best is None or when > best[0]):
+            best = (when, t_draft / one_row)
+    return None if best is None else best[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationSource:
+    """Where the timings of one calibration key came from, the last time this process
+    asked :func:`pair_timings` for them.
+
+    Attributes:
+        key: the cache key (:func:`calibration_key`).
+        file: the cache file, ``calibration.json`` in specgguf's cache folder
+            (:func:`specgguf.cache.cache_dir`).
+        reused: True when read from ``file`` (a fresh decode step was not more than twice
+            as fast as theirs), False when measured in this process.
+        measured_at: when they were measured (Unix time, seconds).
+        seconds: how long :func:`pair_timings` took this time (seconds): the check of a
+            cached calibration, or the whole measurement.
+        saved: whether ``file`` holds them (a cache that cannot be written is skipped).
+        why: why they were measured ("" when reused).
+        fresh_step_ratio: a fresh decode step's time over the cached one's, when the
+            cache was checked and reused (above 1: the machine is busier now than when
+            they were measured); None otherwise.
+    """
+
+    key: str
+    file: Path
+    reused: bool
+    measured_at: float
+    seconds: float
+    saved: bool
+    why: str = ""
+    fresh_step_ratio: float | None = None
+
+
+#: The last :class:`CalibrationSource` of each key in this process.
+_SOURCES: dict[str, CalibrationSource] = {}
+
+
+def calibration_source(key: str) -> CalibrationSource | None:
+    """Where the timings of ``key`` came from the last time this process asked
+    :func:`pair_timings` for them; None when it has not."""
+    return _SOURCES.get(key)
 
 
 def pair_timings(
@@ -225,19 +338,42 @@ def pair_timings(
     *,
     recalibrate: bool = False,
 ) -> Timings:
-    """The timings of ``key``: from the cache when one fresh decode step agrees with it
-    (within a factor of 2) and it measured the largest batch the target's outputs allow
-    now (a context set up for longer drafts measures again), else measured now and cached.
-    Both KV caches end empty.
+    """The timings of ``key``: from the cache when it measured the largest batch the
+    target's outputs allow now (a context set up for longer drafts measures again) and
+    one fresh decode step is not more than twice as fast as the cached one (that one was
+    measured while the machine was busy), else (or with ``recalibrate``) measured now and
+    cached. A fresh step slower than the cached one keeps the cache: the machine is busy
+    now, and what it measured now would mislead every run after it (other work only ever
+    adds time; the runs' own steps correct the costs, :class:`Timings`). Both KV caches
+    end empty. Where the timings came from: :func:`calibration_source`.
 
     Raises:
         BackendError: an evaluation failed.
     """
-    cached = None if recalibrate else load_calibration(key)
-    if cached is not None and max(cached.verify) >= max(calibration_sizes(target, draft)):
-        now = calibrate(target, None, sample_ids, sizes=(1,), repeats=3)
-        if 0.5 <= now.verify[1] / cached.verify[1] <= 2.0:
-            return cached
+    t0 = time.perf_counter()
+    entry = None if recalibrate else _load_entry(key)
+    why = "recalibration asked for" if recalibrate else "none cached for this pair"
+    if entry is not None:
+        cached, measured_at = entry
+        need = max(calibration_sizes(target, draft))
+        if max(cached.verify) < need:
+            why = (f"the cached one measured batches of up to {max(cached.verify)} rows, "
+                   f"this context verifies {need}")  # fmt: skip
+        else:
+            now = calibrate(target, None, sample_ids, sizes=(1,), repeats=3)
+            ratio = now.verify[1] / cached.verify[1]
+            if ratio >= FRESH_STEP_MIN:
+                _SOURCES[key] = CalibrationSource(
+                    key, _cache_file(), True, measured_at, time.perf_counter() - t0, True,
+                    fresh_step_ratio=ratio,
+                )  # fmt: skip
+                return cached
+            why = (f"a fresh decode step was {1 / ratio:.3g}x as fast as the cached one: that "
+                   "one was measured while the machine was busy")  # fmt: skip
     timings = calibrate(target, draft, sample_ids, deep=DEPTH_PROBE)
-    save_calibration(key, timings)
+    measured_at = time.time()
+    saved = save_calibration(key, timings, measured_at)
+    _SOURCES[key] = CalibrationSource(
+        key, _cache_file(), False, measured_at, time.perf_counter() - t0, saved, why
+    )
     return timings

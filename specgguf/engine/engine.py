@@ -92,6 +92,9 @@ class Slot:
 
 #: Any valid text for timing calibration (the timing, not the text, matters).
 _CALIBRATION_TEXT = "def f(x):\n    return x + 1\n"
+#: ``llama_token_attr`` flags of a special token that eats the whitespace on its left
+#: (LLAMA_TOKEN_ATTR_LSTRIP) or its right (LLAMA_TOKEN_ATTR_RSTRIP).
+_ATTR_LSTRIP, _ATTR_RSTRIP = 1 << 7, 1 << 8
 
 
 class Engine:
@@ -358,7 +361,8 @@ class Engine:
         return self.target_model.tokenize(text, add_special=add_special, parse_special=True)
 
     def prepared_ids(self, prepared: PreparedPrompt) -> list[int]:
-        """The token ids of a rendered prompt (:meth:`render`), by :meth:`tokenize`.
+        """The token ids of a rendered prompt (:meth:`render`), by :meth:`tokenize`; its
+        literal spans (message text holding control-token texts) tokenized as plain text.
 
         Raises:
             ContextOverflowError: the text holds at least n_ctx special-token texts
@@ -369,24 +373,77 @@ class Engine:
         n_min = self.target_model.min_tokens(prepared.text, at_least=self.n_ctx)
         if n_min >= self.n_ctx:
             raise ContextOverflowError(n_min, self.n_ctx, at_least=True)
-        return self.tokenize(prepared.text, add_special=prepared.add_special)
+        if not prepared.literal:
+            return self.tokenize(prepared.text, add_special=prepared.add_special)
+        return self._tokenize_guarded(prepared)
 
-    def render(self, prompt: str | Sequence[ChatMessage]) -> PreparedPrompt:
-        """The text a prompt becomes (see :func:`specgguf.engine.chat.render_prompt`).
+    def _tokenize_guarded(self, prepared: PreparedPrompt) -> list[int]:
+        """Token ids of a prompt with literal spans, as llama.cpp's own tokenizer splits a
+        text (``tokenizer_st_partition`` in src/llama-vocab.cpp): the special-token texts
+        outside the literal spans become their tokens (whitespace next to a token with the
+        lstrip/rstrip attribute dropped, as there), and each stretch of text between them
+        is tokenized as text, literal spans and all. Each stretch then starts as llama.cpp
+        starts a fragment after a special token (a space prefix where the vocabulary
+        adds one), and no cut falls inside text that llama.cpp would tokenize in one."""
+        model = self.target_model
+        attrs, pattern = model.special_attrs, model.special_pattern
+        text, spans = prepared.text, prepared.literal
+        ids = model.tokenize("", add_special=prepared.add_special, parse_special=False)
+        cuts: list[tuple[int, int, str]] = []
+        for m in pattern.finditer(text) if pattern is not None else ():
+            if not any(m.start() < e and s < m.end() for s, e in spans):
+                cuts.append((m.start(), m.end(), m.group(0)))
+        at, strip_left = 0, False
+        for start, end, special in [*cuts, (len(text), len(text), "")]:
+            stretch = text[at:start]
+            a = attrs.get(special, 0)
+            if strip_left:
+                stretch = stretch.lstrip()
+            if a & _ATTR_LSTRIP:
+                stretch = stretch.rstrip()
+            if stretch:
+                ids += model.tokenize(stretch, add_special=False, parse_special=False)
+            if special:
+                ids += model.tokenize(special, add_special=False, parse_special=True)
+            strip_left, at = bool(a & _ATTR_RSTRIP), end
+        return ids
+
+    def render(
+        self,
+        prompt: str | Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+    ) -> PreparedPrompt:
+        """The text a prompt becomes (see :func:`specgguf.engine.chat.render_prompt`), the
+        target's control-token texts in messages kept as text.
 
         Raises:
-            UsageError: a malformed conversation.
+            UsageError: a malformed conversation, or contradicting options.
+            ChatInputError: the template refuses the conversation.
             ChatTemplateError: the chat template cannot be rendered.
         """
-        return render_prompt(self.preflight.target, prompt)
+        return render_prompt(
+            self.preflight.target, prompt,
+            control_texts=self.target_model.control_texts,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )  # fmt: skip
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
+    def prompt_ids(
+        self,
+        prompt: Prompt,
+        *,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+    ) -> list[int]:
         """The token ids a prompt becomes: a string tokenized as is (no second BOS when it
-        starts with the BOS text), a conversation through the chat template, ids unchanged.
-        The same ids go to the target and the draft.
+        starts with the BOS text; special-token texts parsed: the caller owns the whole
+        prompt), a conversation through the chat template (:meth:`render`, whose options
+        these are), ids unchanged. The same ids go to the target and the draft.
 
         Raises:
-            UsageError, ChatTemplateError: as :meth:`render`.
+            UsageError, ChatInputError, ChatTemplateError: as :meth:`render`.
             ContextOverflowError: as :meth:`prepared_ids`.
         """
         if isinstance(prompt, str):
@@ -396,7 +453,12 @@ class Engine:
             return [int(t) for t in items]
         if not all(isinstance(m, Mapping) for m in items):
             raise UsageError("a prompt is a string, a list of messages, or a list of token ids")
-        return self.prepared_ids(self.render(items))
+        prepared = self.render(
+            items,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return self.prepared_ids(prepared)
 
     # -- generation -------------------------------------------------------------------
 
@@ -509,7 +571,7 @@ class Engine:
         self.target_ctx.set_rows_per_decode(self.deterministic_rows if det else None)
         try:
             self._timings[det] = pair_timings(
-                self._calibration_key(det), self.target_ctx, self.draft_ctx,
+                self.calibration_key(det), self.target_ctx, self.draft_ctx,
                 self._calibration_ids(), recalibrate=recalibrate,
             )  # fmt: skip
         finally:
@@ -520,6 +582,14 @@ class Engine:
         if self.mtp_head is not None and self.draft_ctx is None:
             self._timings[det].draft = self._mtp_token_seconds()
         return self._timings[det]
+
+    def calibration_needed(self, deterministic: bool = False) -> bool:
+        """Whether :meth:`timings` would measure (no timings in this engine nor in the
+        cache for this pair), so that a face can say so before a pause of 10-20 s on a
+        CPU for a 1.5B target. (A cached calibration may still be measured again, when a
+        fresh step shows it was taken on a busy machine.)"""
+        det = deterministic and bool(self.deterministic_rows)
+        return det not in self._timings and load_calibration(self.calibration_key(det)) is None
 
     def _mtp_token_seconds(self, repeats: int = 5) -> float:
         """Seconds per MTP draft token: the least of ``repeats`` one-row evaluations of
@@ -538,7 +608,10 @@ class Engine:
         self.drafting.mtp.reset()
         return best
 
-    def _calibration_key(self, deterministic: bool = False) -> str:
+    def calibration_key(self, deterministic: bool = False) -> str:
+        """The key of this pair's calibration in the cache (see
+        :func:`specgguf.engine.calibration.calibration_key`), for deterministic mode's
+        batch shapes when ``deterministic``."""
         return calibration_key(
             build_key(build_info()), self.target_model.path,
             self.draft_model.path if self.draft_model else None, self.n_threads,
@@ -562,7 +635,7 @@ class Engine:
         Raises:
             BackendError: an evaluation failed.
         """
-        t = self._timings.get(False) or load_calibration(self._calibration_key())
+        t = self._timings.get(False) or load_calibration(self.calibration_key())
         if t is None:
             if not measure:
                 return None

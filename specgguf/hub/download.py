@@ -461,6 +461,8 @@ def _pull_hub(
         disable_progress_bars()
     paths = []
     for f in files:
+        if not progress and f in missing:  # no bar: one line per file, as pip prints
+            say(f"specgguf: downloading {f} ({sizes[f] / 2**20:,.1f} MiB) from {entry.repo}")
         local = _hub_call(
             hf_hub_download, entry.repo, f, entry.repo, f, revision=revision, cache_dir=cache,
             endpoint=endpoint(), token=_token(), size=sizes[f] or None,

@@ -12,19 +12,32 @@ disk, never downloading anything:
 It keeps the files that are models (first shards; no projector or other sidecar), reads
 their metadata, and ranks them:
 
-1. a draft that the registry pairs with this target (``[pairs]`` of models.toml), when it is
-   downloaded and its vocabulary passes the check: a pairing someone measured;
-2. otherwise the smallest parameter count whose vocabulary passes the check and which is at
-   most a quarter of the target's parameters, ties broken by the smaller file (a smaller
-   quant is read faster at every draft token). A draft token costs roughly in proportion
-   to the draft's size, and a draft pays only when its tokens are much cheaper than a
-   verification (Leviathan et al. 2023, section 3.4: the cost coefficient c); within that
-   bound, the smallest draft is the cheapest.
+1. a draft that the registry pairs with this target (``[pairs]`` of models.toml), when its
+   vocabulary passes the check: a pairing someone measured. Both files are recognized by
+   what they are, wherever they lie: the registry's pinned size and the same file name,
+   or for a renamed copy the pinned SHA-256 (:meth:`ModelEntry.identify`), or the
+   registry's own place in the Hugging Face cache;
+2. otherwise the draft whose tokens are expected to cost least against the target, among
+   those whose vocabulary passes the check and whose cost can pay, ties broken by the
+   smaller file.
 
-Every other file is rejected with its reason. Parameter counts and check verdicts are
-remembered per file (path, size and modification time) in specgguf's cache folder, so that
-a later search opens only files it has not seen; a first search reads each file's metadata
-once (about 0.03-0.1 s for a real model, mostly walking its token list).
+The cost of a draft token is the cost coefficient c of Leviathan et al. 2023 (section
+3.4): the time of one draft token over that of one target row. Measured on this machine
+where the caller knows the pair's calibration (``measured``), it is otherwise estimated
+from the bytes of weights one token reads (decoding one token is bound by memory on a CPU
+and on a GPU alike: every weight but the token embedding is read once), times
+:data:`ESTIMATE_SLACK`. With acceptance rate alpha and K draft tokens, the paper's speedup
+is (1 - alpha^(K+1)) / ((1 - alpha)(cK + 1)), above 1 for some K only when alpha > c; since
+alpha is at most 1 and a verification costs at least one target row on every machine, a
+draft with c >= :data:`MAX_DRAFT_COST` can never pay and is rejected. Which of the others
+pays on this machine, and when, is auto mode's decision at run time, from the pair's
+measured timings (:mod:`specgguf.engine.calibration`).
+
+Every other file is rejected with its reason. Facts and check verdicts are remembered per
+file (path, size and modification time) in specgguf's cache folder, so that a later search
+opens only files it has not seen; a first search reads each file's metadata once (about
+0.03-0.1 s for a real model, mostly walking its token list), and hashes a file only when it
+has a registry model's pinned size under another name.
 """
 
 from __future__ import annotations
@@ -33,37 +46,59 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from specgguf import __version__
 from specgguf.cache import cache_dir
 from specgguf.errors import ModelFileError, SpecggufError, UsageError
-from specgguf.gguf.info import read_model_info
+from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.metadata import GGUFMetadata
 from specgguf.gguf.vocab import compare_vocabs, read_vocab
-from specgguf.hub.download import cached_model_path, hub_cache_dir
+from specgguf.hub.download import cached_model_path, hub_cache_dir, sha256_file
 from specgguf.hub.hfref import is_model_file, split_info
-from specgguf.hub.registry import Registry
+from specgguf.hub.registry import ModelEntry, Registry
 
-#: A draft may have at most this share of the target's parameters (unless paired).
-MAX_DRAFT_SHARE = 0.25
+#: A draft token that costs this many target rows or more (c of Leviathan et al. 2023,
+#: section 3.4) can never pay: a gain needs an acceptance rate above c, and acceptance is
+#: at most 1. The bound is the most favourable machine's, where a verification of K + 1
+#: rows costs one row (a GPU, the paper's setting); on the CPU curves of the project's
+#: machines (``../shared/machines``), every token accepted, c must stay below 0.70-0.84
+#: (0.70 on a 2-core EPYC at K = 48, 0.83 and 0.84 on 2-core Xeons at K = 64 and 16: the
+#: best K of (K + 1 - t_verify(K + 1)) / K), and auto mode judges that at run time.
+MAX_DRAFT_COST = 1.0
+
+#: An estimate of c from weight bytes is multiplied by this: a small model's fixed costs
+#: per token weigh more than a large one's. The 0.5B Qwen draft reads 0.40 of the 1.5B
+#: target's bytes per token; its token was measured at 0.41, 0.54 and 0.60 of a target
+#: row on three machines (``../shared/machines``), 1.5 times the bytes at most.
+ESTIMATE_SLACK = 1.5
+
+#: ``measured(target, draft)``: one draft token's time over one target row's for the pair,
+#: as measured on this machine (a calibration's t_draft / t_verify(1)); None: not measured.
+MeasuredCost = Callable[[Path, Path], float | None]
 
 #: The memo's format and the check's rules: a memo of another version is not used.
-_MEMO_VERSION = f"{__version__}/1"
+_MEMO_VERSION = f"{__version__}/2"
 
 #: Verdicts of a candidate, in the order they are listed.
 CHOSEN, COMPATIBLE, UNCHECKED, REJECTED = "chosen", "compatible", "not checked", "rejected"
 _ORDER = {CHOSEN: 0, COMPATIBLE: 1, UNCHECKED: 2, REJECTED: 3}
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftCandidate:
     """One GGUF file considered as a draft: where it was found (``source``), its facts
     (``n_params``: parameters; ``file_size``: bytes, all shards), the ``verdict``
-    (chosen, compatible, not checked, rejected) and why (``reason``)."""
+    (chosen, compatible, not checked, rejected) and why (``reason``); ``cost``: what one of
+    its tokens costs in target rows (c of Leviathan et al. 2023, section 3.4; None when
+    unknown), ``cost_basis`` "measured" (on this machine) or "estimated" (from weight
+    bytes); ``pair``: the registry pair that joins it to the target (None: none)."""
 
     path: Path
     source: str
@@ -74,10 +109,14 @@ class DraftCandidate:
     verdict: str
     reason: str
     paired: bool = False
+    cost: float | None = None
+    cost_basis: str = ""
+    pair: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["path"] = str(self.path)
+        d["cost"] = None if self.cost is None else round(self.cost, 4)
         return d
 
 
@@ -124,18 +163,34 @@ def count(n: int | None) -> str:
     return f"{n / 1e3:.0f}K"
 
 
+def token_bytes(info: ModelInfo) -> int:
+    """Bytes of weights that decoding one token reads: every tensor but the token
+    embedding, of which a token reads one row (an output layer that shares the embedding
+    reads all of it, and is counted); the file's size when a tensor type is unknown."""
+    layout = info.layout
+    if layout is None:
+        return info.file_size
+    return sum(layout.blocks) + layout.output + layout.other
+
+
 def find_drafts(
     target: Path | str,
     *,
     search_dirs: Iterable[Path | str] = (),
     registry: Registry | None = None,
     check_all: bool = False,
+    measured: MeasuredCost | None = None,
 ) -> DraftSearch:
     """The draft models on disk for ``target``, ranked as the module says; reads only
     metadata (and the memo of earlier searches), never downloads.
 
     ``check_all``: check every eligible file's vocabulary (for a listing); otherwise the
     check stops at the first compatible file in rank order, the rest are "not checked".
+    ``measured``: the cost of a draft token in target rows measured on this machine for a
+    pair, where known (:data:`MeasuredCost`; what it raises propagates); a measured cost
+    replaces the estimate, and rejects at :data:`MAX_DRAFT_COST` even a draft the registry
+    pairs with the target. A file that cannot be read for its SHA-256 is not recognized
+    as a registry model.
 
     Raises:
         ModelNotFoundError, GGUFFormatError: the target is missing or unreadable.
@@ -148,29 +203,31 @@ def find_drafts(
         if not d.is_dir():
             raise UsageError(f"draft search folder not found: {d}")
     info = read_model_info(target)
-    t_params = info.n_params
+    t_params, t_bytes = info.n_params, token_bytes(info)
     memo = _Memo.load()
     t_key = memo.key(target)
     exclude = {os.path.realpath(p) for p in (target, *info.shards)}
-    paired = _paired_drafts(target, registry)
+    pairs = _Pairs(target, info.file_size, registry, memo)
     found: dict[str, tuple[Path, str]] = {}
-    for path, source in _files(paired, dirs):
+    for path, source in _files(pairs.cached, dirs):
         real = os.path.realpath(path)
         if real not in exclude and real not in found:
             found[real] = (path, source)
 
     rows: list[DraftCandidate] = []
     eligible: list[DraftCandidate] = []
-    for real, (path, source) in found.items():
+    for path, source in found.values():
         facts = memo.facts(path)
-        reason = _size_reason(facts, t_params, paired=real in paired)
+        pair = pairs.of(path, facts)
+        cost, basis = _cost(facts, t_bytes, measured(target, path) if measured else None)
+        reason = _cost_reason(facts, cost, basis, t_bytes, paired=pair is not None)
         cand = DraftCandidate(
             path, source, facts.get("n_params"), facts.get("file_size") or 0,
             facts.get("quant"), facts.get("name"), REJECTED if reason else UNCHECKED, reason,
-            paired=real in paired,
+            paired=pair is not None, cost=cost, cost_basis=basis, pair=pair,
         )  # fmt: skip
         (rows if reason else eligible).append(cand)
-    eligible.sort(key=lambda c: (not c.paired, c.n_params or 0, c.file_size, str(c.path)))
+    eligible.sort(key=_rank)
 
     chosen = None
     with contextlib.closing(_TargetVocab(target)) as tv:
@@ -182,57 +239,123 @@ def find_drafts(
             if not ok:
                 rows.append(dataclasses.replace(c, verdict=REJECTED, reason=why))
             elif chosen is None:
-                why = (
-                    f"{why}; the registry pairs it with this target"
-                    if c.paired
-                    else f"{why}; the smallest with at most {MAX_DRAFT_SHARE:.0%} of the "
-                    f"target's {count(t_params)} parameters"
-                )
-                chosen = dataclasses.replace(c, verdict=CHOSEN, reason=why)
+                chosen = dataclasses.replace(c, verdict=CHOSEN, reason=f"{why}; {_why(c)}")
                 rows.append(chosen)
             else:
                 rows.append(dataclasses.replace(c, verdict=COMPATIBLE, reason=why))
     memo.save()
-    rows.sort(key=lambda c: (_ORDER[c.verdict], not c.paired, c.n_params or 0, c.file_size))
+    rows.sort(key=lambda c: (_ORDER[c.verdict], *_rank(c)))
     places = (hub_cache_dir(), *dirs)
     return DraftSearch(target, t_params, tuple(rows), places, time.perf_counter() - t0)
 
 
-def _size_reason(facts: dict[str, Any], t_params: int | None, *, paired: bool) -> str:
+def _rank(c: DraftCandidate) -> tuple[bool, float, int, str]:
+    """Registry pairs first, then the cheapest draft token, then the smaller file."""
+    cost = c.cost if c.cost is not None else float("inf")
+    return (not c.paired, cost, c.file_size, str(c.path))
+
+
+def _cost(facts: dict[str, Any], t_bytes: int, measured: float | None) -> tuple[float | None, str]:
+    """A draft token's cost in target rows and its basis ("measured", "estimated"; None
+    and "" when the file's facts do not tell)."""
+    if measured is not None:
+        return measured, "measured"
+    d_bytes = facts.get("token_bytes")
+    if not d_bytes or t_bytes <= 0:
+        return None, ""
+    return ESTIMATE_SLACK * d_bytes / t_bytes, "estimated"
+
+
+def _cost_reason(
+    facts: dict[str, Any], cost: float | None, basis: str, t_bytes: int, *, paired: bool
+) -> str:
     """Why a file cannot be a draft before its vocabulary is looked at ("" when it can)."""
     if facts.get("error"):
         return str(facts["error"])
-    n = facts.get("n_params")
-    if n is None:
+    if facts.get("n_params") is None:
         return "some of its shards are missing"
-    if paired or t_params is None:
+    if cost is None or cost < MAX_DRAFT_COST or (paired and basis != "measured"):
         return ""
-    if n > MAX_DRAFT_SHARE * t_params:
-        share = n / t_params if t_params else float("inf")
-        return (
-            f"{count(n)} parameters, {share:.0%} of the target's {count(t_params)} "
-            f"(a draft has at most {MAX_DRAFT_SHARE:.0%})"
+    if basis == "measured":
+        how = "measured on this machine"
+    else:
+        share = facts["token_bytes"] / t_bytes
+        how = (
+            f"estimated: it reads {share:.0%} of the target's weight bytes per token, "
+            f"times {ESTIMATE_SLACK:g} for a smaller model's fixed costs"
         )
-    return ""
+    return (
+        f"a draft token would cost {cost:.2f} target rows ({how}); a draft pays only below "
+        f"{MAX_DRAFT_COST:g} (Leviathan et al. 2023, section 3.4)"
+    )
 
 
-def _paired_drafts(target: Path, registry: Registry | None) -> dict[str, tuple[Path, str]]:
-    """Downloaded drafts that the registry pairs with ``target``, by real path."""
-    out: dict[str, tuple[Path, str]] = {}
-    if registry is None:
-        return out
-    real = os.path.realpath(target)
-    for pair in registry.pairs.values():
+def _why(c: DraftCandidate) -> str:
+    """Why the chosen candidate was chosen (after its vocabulary's verdict)."""
+    if c.paired:
+        return f"the registry pairs it with this target ({c.pair})"
+    if c.cost is None:
+        return "its cost unknown"
+    return f"the cheapest: a draft token costs {c.cost:.2f} of a target row ({c.cost_basis})"
+
+
+class _Pairs:
+    """The drafts the registry pairs with the target, and which files on disk are their
+    models: recognized by identity (:meth:`ModelEntry.identify`: pinned size and name, or
+    pinned SHA-256), else by the registry's own place in the Hugging Face cache."""
+
+    def __init__(self, target: Path, size: int, registry: Registry | None, memo: _Memo) -> None:
+        self.memo = memo
+        self._places: dict[str, Path | None] = {}
+        #: the paired drafts' models: (entry, pair name, how the target was recognized)
+        self.drafts: list[tuple[ModelEntry, str, str]] = []
+        #: real path -> (path, source): paired drafts in the Hugging Face cache
+        self.cached: dict[str, tuple[Path, str]] = {}
+        if registry is None:
+            return
+        known = {e.alias: how for e in registry.models.values()
+                 if (how := self._identify(e, target, size)) is not None}  # fmt: skip
+        for p in registry.pairs.values():
+            t, d = registry.model(p.target), registry.model(p.draft)
+            if t.alias in known:
+                self.drafts.append((d, p.name, known[t.alias]))
+                place = self._place(d)
+                if place is not None:
+                    real = os.path.realpath(place)
+                    self.cached.setdefault(real, (place, f"registry pair {p.name}"))
+
+    def _place(self, entry: ModelEntry) -> Path | None:
+        """``entry``'s file in the Hugging Face cache (None: not there)."""
+        if entry.alias not in self._places:
+            try:
+                self._places[entry.alias] = cached_model_path(entry)
+            except (SpecggufError, OSError):
+                self._places[entry.alias] = None
+        return self._places[entry.alias]
+
+    def _identify(self, entry: ModelEntry, path: Path, size: int) -> str | None:
+        """How ``path`` (``size`` bytes, all shards) is known to be ``entry``'s file, or
+        None when it is not."""
         try:
-            t = cached_model_path(registry.model(pair.target))
-            if t is None or os.path.realpath(t) != real:
-                continue
-            d = cached_model_path(registry.model(pair.draft))
-        except SpecggufError:
-            continue
-        if d is not None:
-            out[os.path.realpath(d)] = (d, f"registry pair {pair.name}")
-    return out
+            how = entry.identify(path.name, size, lambda: self.memo.sha256(path))
+        except OSError:
+            how = None
+        place = self._place(entry)
+        if how is None and place is not None and os.path.samefile(place, path):
+            how = "its place in the Hugging Face cache"
+        return how
+
+    def of(self, path: Path, facts: dict[str, Any]) -> str | None:
+        """The pair that joins the draft ``path`` to the target and how both files were
+        recognized (None: no pair)."""
+        size = facts.get("file_size")
+        if facts.get("error") or not isinstance(size, int):
+            return None
+        for entry, name, t_how in self.drafts:
+            d_how = self._identify(entry, path, size)
+            if d_how is not None:
+                return f"{name}; the target recognized by {t_how}, the draft by {d_how}"
+        return None
 
 
 def _files(paired: dict[str, tuple[Path, str]], dirs: list[Path]) -> Iterator[tuple[Path, str]]:
@@ -283,8 +406,8 @@ class _TargetVocab:
 
 
 class _Memo:
-    """Facts and check verdicts of files seen before, keyed by real path, size and
-    modification time (a changed file is read again), in ``draft-search.json`` of
+    """Facts, SHA-256 digests and check verdicts of files seen before, keyed by real path,
+    size and modification time (a changed file is read again), in ``draft-search.json`` of
     specgguf's cache folder. Entries of files that no longer exist are dropped on save; a
     memo written by another specgguf version is ignored (the check's rules may differ)."""
 
@@ -294,6 +417,7 @@ class _Memo:
         self.path = path
         self.files: dict[str, dict[str, Any]] = data.get("files", {})
         self.checks: dict[str, list[Any]] = data.get("checks", {})
+        self.digests: dict[str, str] = data.get("digests", {})
         self.changed = False
 
     @classmethod
@@ -313,8 +437,8 @@ class _Memo:
         return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
 
     def facts(self, path: Path) -> dict[str, Any]:
-        """n_params, file_size, quant, name (or error) of ``path``, read once per version
-        of the file."""
+        """n_params, file_size (bytes, all shards), token_bytes (:func:`token_bytes`),
+        quant, name (or error) of ``path``, read once per version of the file."""
         key = self.key(path)
         if key in self.files:
             return self.files[key]
@@ -322,13 +446,31 @@ class _Memo:
             mi = read_model_info(path)
             facts: dict[str, Any] = {
                 "n_params": mi.n_params, "file_size": mi.file_size,
-                "quant": mi.quantization, "name": mi.name,
+                "token_bytes": token_bytes(mi), "quant": mi.quantization, "name": mi.name,
             }  # fmt: skip
         except ModelFileError as e:
             facts = {"error": f"not a readable GGUF model: {e}", "file_size": path.stat().st_size}
         self.files[key] = facts
         self.changed = True
         return facts
+
+    def sha256(self, path: Path) -> str:
+        """The SHA-256 of ``path`` (lower-case hex): the name of its blob where it is a
+        link into the Hugging Face cache (huggingface_hub names the blobs of LFS files by
+        their SHA-256, and specgguf's mirror blobs likewise), else computed once per version
+        of the file (about 1 s per GB).
+
+        Raises:
+            OSError: the file cannot be read.
+        """
+        real = Path(os.path.realpath(path))
+        if real.parent.name == "blobs" and _SHA256_RE.fullmatch(real.name):
+            return real.name
+        key = self.key(path)
+        if key not in self.digests:
+            self.digests[key] = sha256_file(real)
+            self.changed = True
+        return self.digests[key]
 
     def check(self, t_key: str, path: Path, target: _TargetVocab) -> tuple[bool, str]:
         """Whether ``path`` can draft for the target, and the reason (the first error of
@@ -360,7 +502,8 @@ class _Memo:
 
         files = {k: v for k, v in self.files.items() if alive(k)}
         checks = {k: v for k, v in self.checks.items() if all(alive(p) for p in k.split(">"))}
-        data = {"version": _MEMO_VERSION, "files": files, "checks": checks}
+        digests = {k: v for k, v in self.digests.items() if alive(k)}
+        data = {"version": _MEMO_VERSION, "files": files, "checks": checks, "digests": digests}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")

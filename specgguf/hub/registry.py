@@ -38,6 +38,7 @@ import difflib
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,25 @@ class ModelEntry:
         """The SHA-256 of each file of ``quant`` when pinned (only for the entry's own
         quantization), else ()."""
         return self.sha256 if (quant or self.quant) == self.quant else ()
+
+    def identify(self, name: str, size: int, sha256: Callable[[], str]) -> str | None:
+        """How a GGUF file found anywhere on disk is known to be this entry's file of its
+        own quantization, or None when it is not: ``name`` is the file's name (the first
+        shard's, for a split model), ``size`` its bytes (all shards), and ``sha256`` computes
+        the SHA-256 of its first shard (lower-case hex), called only for a file of the
+        pinned size under another name. The size must be the pinned one; then the same
+        name suffices ("name and size"), and a renamed copy is known by its pinned SHA-256
+        ("SHA-256"). An entry without a pinned size knows no file by identity (where it
+        lives in the Hugging Face cache is :func:`specgguf.hub.download.cached_model_path`'s
+        business). What ``sha256`` raises propagates.
+        """
+        if self.size is None or size != self.size:
+            return None
+        if name == self.filename():
+            return "name and size"
+        if self.sha256 and sha256().lower() == self.sha256[0]:
+            return "SHA-256"
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

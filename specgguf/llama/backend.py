@@ -20,6 +20,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,8 @@ MemoryKind = Literal["attention", "recurrent", "hybrid"]
 #: ``llama_token_attr`` flags of the tokens whose texts llama.cpp parses as special:
 #: LLAMA_TOKEN_ATTR_UNKNOWN, LLAMA_TOKEN_ATTR_CONTROL, LLAMA_TOKEN_ATTR_USER_DEFINED
 _SPECIAL_ATTRS = 1 << 0 | 1 << 3 | 1 << 4
+#: Of those, the ones parsed only with ``parse_special``: unknown and control.
+_CONTROL_ATTRS = 1 << 0 | 1 << 3
 
 
 def default_threads() -> int:
@@ -281,16 +284,46 @@ class LlamaModel(_Native):
         return raw.decode("utf-8", errors="replace") if raw else ""
 
     @functools.cached_property
-    def _special_texts(self) -> tuple[str, ...]:
-        """The texts llama.cpp parses as special tokens (control, user-defined and
-        unknown tokens: ``cache_special_tokens`` in src/llama-vocab.cpp), longest first as
-        llama.cpp splits them out. Read from the vocabulary once (about 0.1 s for 151,936
+    def _special_attrs(self) -> dict[str, int]:
+        """The text of every token llama.cpp parses as special (control, user-defined and
+        unknown tokens: ``cache_special_tokens`` in src/llama-vocab.cpp) and its
+        ``llama_token_attr`` flags. Read from the vocabulary once (about 0.1 s for 151,936
         tokens)."""
         vocab = self._live_vocab()
         attr = native_fn("llama_vocab_get_attr", ctypes.c_int, ctypes.c_void_p, ctypes.c_int32)
-        texts = {self.token_text(t) for t in range(self.n_vocab) if attr(vocab, t) & _SPECIAL_ATTRS}
-        texts.discard("")
-        return tuple(sorted(texts, key=len, reverse=True))
+        found: dict[str, int] = {}
+        for t in range(self.n_vocab):
+            a = attr(vocab, t)
+            if a & _SPECIAL_ATTRS:
+                text = self.token_text(t)
+                if text:
+                    found[text] = found.get(text, 0) | a
+        return found
+
+    @property
+    def special_attrs(self) -> dict[str, int]:
+        """The text of every token llama.cpp parses as special and its
+        ``llama_token_attr`` flags (see :attr:`_special_attrs`)."""
+        return self._special_attrs
+
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern[str] | None:
+        """A regular expression that finds the special-token texts, longest first (None:
+        the vocabulary has none)."""
+        texts = self._special_texts
+        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of :attr:`_special_attrs`, longest first as llama.cpp splits them."""
+        return tuple(sorted(self._special_attrs, key=len, reverse=True))
+
+    @functools.cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The texts llama.cpp parses as special tokens only when asked to
+        (``parse_special``: control and unknown tokens; user-defined ones are split out
+        always), longest first."""
+        return tuple(t for t in self._special_texts if self._special_attrs[t] & _CONTROL_ATTRS)
 
     def min_tokens(self, text: str, *, at_least: int = 0) -> int:
         """A lower bound on ``len(tokenize(text))`` (special-token texts parsed) that costs

@@ -375,6 +375,11 @@ def set_lost_handler(handler: Callable[[RpcServerLost], None] | None) -> None:
     _lost_handler = handler
 
 
+def lost_handler() -> Callable[[RpcServerLost], None] | None:
+    """The handler set with :func:`set_lost_handler` (None: none)."""
+    return _lost_handler
+
+
 def _reachable(ep: Endpoint, timeout: float = 1.0) -> str | None:
     """None when a TCP connection to ``ep`` opens now, else why not."""
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -142,7 +143,14 @@ class _Service:
 
     # -- request -> generation ------------------------------------------------------
 
-    async def prompt_ids(self, prompt: Prompt, param: str) -> list[int]:
+    async def prompt_ids(
+        self,
+        prompt: Prompt,
+        param: str,
+        *,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+    ) -> list[int]:
         """The prompt's token ids, checked against the vocabulary and the context.
 
         Raises:
@@ -153,7 +161,14 @@ class _Service:
         engine = self.engine
         try:
             # Rendering and tokenizing read the model only: safe next to a generation.
-            ids = await run_in_threadpool(engine.prompt_ids, prompt)
+            ids = await run_in_threadpool(
+                functools.partial(
+                    engine.prompt_ids,
+                    prompt,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+            )
         except (ChatTemplateError, ChatInputError) as e:
             raise bad_request(str(e), param=param, code="chat_template_error") from None
         except ContextOverflowError as e:  # found before tokenizing: a lower bound
@@ -276,6 +291,7 @@ class _Service:
             _log_cancelled(label)
             return None
         finally:
+            job.delivered.set()
             job.cancel()  # no-op once finished
             for task in (waiter, watcher):
                 task.cancel()
@@ -320,6 +336,7 @@ class _Service:
         finally:
             if not ended:
                 _log_cancelled(label)
+            job.delivered.set()
             job.cancel()
 
     def log_result(self, label: str, result: GenerationResult, prompt: Any = None) -> None:
@@ -515,7 +532,11 @@ def create_app(
         req = await parse(request, ChatCompletionRequest, settings.max_body_bytes)
         params = svc.params(req)
         conversation = req.conversation()
-        ids = await svc.prompt_ids(conversation, "messages")
+        ids = await svc.prompt_ids(
+            conversation, "messages",
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+        )  # fmt: skip
         if settings.log_text:
             log.debug("chat: messages: %r", conversation)
         job = svc.submit(ids, params, stream=bool(req.stream))

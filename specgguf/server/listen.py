@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from specgguf.errors import UsageError
+from specgguf.errors import RpcServerLost, UsageError
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +80,7 @@ def serve(
     """
     import uvicorn
 
+    from specgguf.engine import template_sandbox
     from specgguf.server.app import create_app
 
     app = create_app(engine, settings, executor=executor)
@@ -92,8 +93,10 @@ def serve(
                 on_ready(address(sock))
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            # Before uvicorn waits for open responses: end the generations they wait for.
+            # Before uvicorn waits for open responses: end the generations they wait for,
+            # and the chat template renders (a render answers at once when stopped).
             scheduler.close()
+            template_sandbox.shutdown()
             await super().shutdown(sockets)
 
     config = uvicorn.Config(
@@ -101,10 +104,24 @@ def serve(
         access_log=False, timeout_graceful_shutdown=GRACE_SECONDS, server_header=False,
     )  # fmt: skip
     server = Server(config)
+    from specgguf.llama import rpc
+
+    before = rpc.lost_handler()
+
+    def on_rpc_lost(err: RpcServerLost) -> None:
+        # llama.cpp aborts the process when this returns: every open request is answered
+        # first (a stream gets an error event, then ends)
+        n = scheduler.fail_all(err)
+        err.requests_answered = n
+        if before is not None:
+            before(err)
+
+    rpc.set_lost_handler(on_rpc_lost)
     try:
         with _exit_normally_after_signals():
             server.run(sockets=[sock])
     finally:
+        rpc.set_lost_handler(before)
         scheduler.close()
         scheduler.join()  # the engine may be closed only once its worker is done
         sock.close()

@@ -29,7 +29,7 @@ import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from time import monotonic
+from time import monotonic, sleep
 from typing import TYPE_CHECKING, Literal
 
 from specgguf.speculative.loop import Generation, GenerationParams, GenerationResult
@@ -101,14 +101,21 @@ class Job:
         self._generation: Generation | None = None
         self.cancelled = False
         self.started = threading.Event()
+        #: set by whoever reads the events once the last one was handed on (a response
+        #: about to end); see :meth:`Scheduler.fail_all`
+        self.delivered = threading.Event()
+        #: streamed text generated but not sent yet (see ``stream_interval``)
+        self.held: list[str] = []
 
     def cancel(self) -> None:
         """End the job: a waiting one never starts, a running one stops before its next
-        speculative step (its result has finish reason "interrupted")."""
-        with self._lock:
-            self.cancelled = True
-            if self._generation is not None:
-                self._generation.cancel()
+        speculative step (its result has finish reason "interrupted"). Never waits: the
+        worker may be inside llama.cpp holding the job (see :meth:`Scheduler.fail_all`);
+        a generation set after the flag is cancelled by the worker itself."""
+        self.cancelled = True
+        gen = self._generation
+        if gen is not None:
+            gen.cancel()
 
     def _emit(self, event: Event) -> None:
         """From the worker thread: hand an event to the event loop (dropped when the loop
@@ -221,6 +228,28 @@ class Scheduler:
         for job in running:
             job.cancel()
 
+    def fail_all(self, error: BaseException, *, timeout: float = 3.0) -> int:
+        """End every job at once with an ``error`` event for ``error`` (the text each
+        running one holds sent first), from any thread, and wait up to ``timeout`` seconds
+        for their readers to hand the events on: the process is about to end (an RPC server
+        was lost and llama.cpp aborts). Takes no more jobs. Returns the jobs ended."""
+        with self._cond:
+            self._closed = True
+            jobs = [*self._waiting, *self._running.values()]
+            self._waiting = collections.deque()
+            self._cond.notify_all()
+        for job in jobs:
+            job.cancelled = True  # no lock: the engine thread may hold it, stopped in llama.cpp
+            if job.held:
+                job._emit(Event("piece", text="".join(job.held)))
+                job.held.clear()
+            job._emit(Event("error", error=error))
+        deadline = monotonic() + timeout
+        for job in jobs:
+            job.delivered.wait(max(0.0, deadline - monotonic()))
+        sleep(0.2)  # for the responses' last bytes to leave after their events
+        return len(jobs)
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the worker to finish its job and stop; True when it has."""
         if self._future is not None:
@@ -314,8 +343,10 @@ class Scheduler:
                 job._emit(Event("error", error=e))
                 return
             job._generation = gen
+            if job.cancelled:  # cancelled while the generation was being set up
+                gen.cancel()
         job.started.set()
-        held: list[str] = []  # text not sent yet (see stream_interval)
+        held = job.held  # text not sent yet (see stream_interval)
         try:
             if job.pieces:
                 sent = -math.inf

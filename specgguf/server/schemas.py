@@ -23,8 +23,8 @@ from specgguf.server.errors import bad_request, unsupported
 #: The most tokens a request may ask for (larger values are refused; values beyond the
 #: room left in the context are clamped to it).
 MAX_TOKENS = 2**31 - 1
-#: The most stop strings a request may give.
-MAX_STOP = 16
+#: The most stop strings a request may give (OpenAI's limit: "up to 4 sequences").
+MAX_STOP = 4
 
 
 class _Strict(BaseModel):
@@ -104,15 +104,17 @@ class _Generation(_Strict):
 
     @property
     def stops(self) -> tuple[str, ...]:
-        """The stop strings (empty ones dropped).
+        """The stop strings.
 
         Raises:
-            APIError: more than :data:`MAX_STOP`.
+            APIError: more than :data:`MAX_STOP`, or an empty one (as OpenAI refuses them).
         """
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stops) > MAX_STOP:
             raise bad_request(f"stop: at most {MAX_STOP} stop strings", param="stop")
-        return tuple(s for s in stops if s)
+        if any(not s for s in stops):
+            raise bad_request("stop: a stop string cannot be empty", param="stop")
+        return tuple(stops)
 
     @property
     def include_usage(self) -> bool:
@@ -128,6 +130,11 @@ class ChatCompletionRequest(_Generation):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    #: The chat template's arguments that the server takes, as vLLM and llama-server
+    #: name them (None: a final assistant message is continued, llama-server's default;
+    #: otherwise the assistant's header follows the conversation).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them: text content (parts joined by
@@ -241,7 +248,15 @@ LLAMA_CPP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n_indent": (_number_in(0), "n_indent"),
     "t_max_predict_ms": (_number_where(lambda v: v <= 0), "t_max_predict_ms (a time limit)"),
     "lora": (_empty, "lora (LoRA adapters)"),
-    "chat_template_kwargs": (_empty, "chat_template_kwargs"),
+    "chat_template_kwargs": (_empty, "chat_template_kwargs (other chat template arguments)"),
+}
+
+#: Request fields of other servers that change how the chat template renders (vLLM's
+#: ``ChatCompletionRequest``): refused by name unless absent or empty.
+TEMPLATE_FIELDS: dict[str, str] = {
+    "chat_template": "chat_template (a chat template per request)",
+    "documents": "documents (chat template documents)",
+    "mm_processor_kwargs": "mm_processor_kwargs",
 }
 
 #: The per-request speculative settings, by llama.cpp's names.
@@ -286,6 +301,15 @@ def check_supported(req: _Generation) -> None:
         if getattr(req, name) not in (None, 0):
             raise unsupported(name)
     if isinstance(req, ChatCompletionRequest):
+        for name, what in TEMPLATE_FIELDS.items():
+            if not _empty(extra.get(name)):
+                raise unsupported(name, what)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message: continuing the final message and adding a "
+                "generation prompt (add_generation_prompt) contradict each other",
+                param="continue_final_message",
+            )
         if req.tools or req.functions:
             raise unsupported("tools" if req.tools else "functions", "tools (function calling)")
         if req.tool_choice not in (None, "none", "auto") or req.function_call not in (

@@ -262,20 +262,25 @@ class SpeculativeDecoder:
         model reads it too) and set up the generation's state."""
         params, planner, target = gen.params, gen.planner, self.target
         sampler, det = params.sampler, bool(params.deterministic)
+        # Seeded sampling (and deterministic mode) draws the target's token at each output
+        # position with a uniform keyed by the seed and the position: the same seed gives
+        # the same text whatever the drafter proposed, as llama.cpp's draws do (one per
+        # output token, common_sampler_sample_and_accept_n in common/sampling.cpp).
+        keyed = not sampler.greedy and (det or sampler.seed is not None)
         eog = self.vocab.eog_ids
         run = _Run(
             list(gen.prompt), len(gen.prompt),
             params.n_predict if params.n_predict >= 0 else math.inf,
             np.random.default_rng(sampler.seed),
-            # deterministic sampling: drafts are point masses (greedy drafting), verified
-            # against the target's own draws keyed by output position
-            GREEDY if det else sampler,
+            # keyed draws: drafts are point masses (greedy drafting), verified against the
+            # target's own draws
+            GREEDY if det or keyed else sampler,
             np.array(sorted(eog), np.int64) if params.ignore_eos and eog else None,
             # token trees: greedy only, and not in deterministic mode, whose verification
             # batches have fixed shapes
             target.tree_branches if sampler.greedy and not det else 0,
             (target.rows_per_decode or 0) if det and sampler.greedy else 0,
-            det and not sampler.greedy,
+            keyed,
         )  # fmt: skip
         t0 = time.perf_counter()
         planner.reset()

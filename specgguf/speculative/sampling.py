@@ -13,7 +13,8 @@ draft token x ~ q is kept with probability min(1, p(x)/q(x)); otherwise the toke
 from normalize(max(0, p - q)). For a deterministic drafter (n-gram lookup) q is a point
 mass at x: x is kept with probability p(x), otherwise drawn from p with x removed.
 
-Deterministic mode (:func:`sample_at`, :func:`keyed_uniform`) couples the draws instead: the
+Seeded sampling and deterministic mode (:func:`sample_at`, :func:`keyed_uniform`) couple
+the draws instead: the
 target's token at output position i is ``sample_at(p_i, u_i)`` with u_i keyed by the seed
 and i, and a point-mass draft token is accepted when it equals that token. A draft token x
 is then accepted with probability p(x) and the output follows p exactly, as in the rule
@@ -33,8 +34,11 @@ class SamplerParams:
     """Sampling settings with llama.cpp's names and defaults.
 
     ``temperature <= 0`` means greedy decoding (argmax). ``top_k <= 0``, ``top_p >= 1`` and
-    ``min_p <= 0`` disable those filters. ``seed`` seeds the generator used for drafting,
-    acceptance and resampling (None: random).
+    ``min_p <= 0`` disable those filters. ``seed``: the target's token at each output
+    position is drawn with a uniform keyed by the seed and the position
+    (:func:`keyed_uniform`), so a seed gives the same text with any drafter and draft
+    length; None: random draws, and drafts with their distributions verified by modified
+    rejection sampling.
     """
 
     temperature: float = 0.8
