@@ -38,6 +38,7 @@ _EXPORTS = {
     "GenerationParams": "specgguf.speculative.loop",
     "GenerationResult": "specgguf.speculative.loop",
     "GenerationStats": "specgguf.speculative.loop",
+    "GrammarSpec": "specgguf.speculative.grammar",
     "SamplerParams": "specgguf.speculative.sampling",
     "SpecggufError": "specgguf.errors",
 }
@@ -49,6 +50,7 @@ __all__ = [
     "GenerationParams",
     "GenerationResult",
     "GenerationStats",
+    "GrammarSpec",
     "ModelConfig",
     "SamplerParams",
     "SpecggufError",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
     from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
     from specgguf.engine.engine import Engine
     from specgguf.errors import SpecggufError
+    from specgguf.speculative.grammar import GrammarSpec
     from specgguf.speculative.loop import (
         Generation,
         GenerationParams,

@@ -140,9 +140,24 @@ class ChatTemplateBudgetError(ChatTemplateError):
     """A chat template stopped for running past its budget of time, output or memory."""
 
 
+class GrammarError(UsageError):
+    """A constraint on the output that cannot be used: a JSON Schema that is not valid
+    JSON or uses a feature the grammar library does not support, a grammar that does not
+    parse, a regular expression that does not compile. ``message`` names what is wrong."""
+
+
 class ChatInputError(UsageError):
     """A conversation the model's chat template refuses (the template's own
     ``raise_exception``, e.g. roles that do not alternate); ``message`` quotes it."""
+
+
+class ToolsTemplateError(ChatInputError):
+    """Tools, tool calls or tool results given to a model whose chat template does not
+    render them; ``part`` says which: ``tools``, ``tool calls`` or ``tool results``."""
+
+    def __init__(self, message: str, *, part: str) -> None:
+        super().__init__(message)
+        self.part = part
 
 
 class ModelLoadError(ModelFileError, ValueError):

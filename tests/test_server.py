@@ -373,6 +373,7 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("seed below -1", {"messages": USER, "seed": -5}, "seed"),
     ("logprobs", {"messages": USER, "logprobs": True}, "logprobs"),
     ("top_logprobs", {"messages": USER, "top_logprobs": 3}, "logprobs"),
+    # tools for a chat template that does not render them (more in test_server_structured)
     (
         "tools",
         {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -381,7 +382,7 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("tool_choice", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
     (
         "response_format",
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "xml"}},
         "response_format",
     ),
     ("presence_penalty", {"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
@@ -414,8 +415,11 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
         {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": []}, *USER]},
         "messages.1.content",
     ),
-    ("llama.cpp's grammar", {"messages": USER, "grammar": 'root ::= "a"'}, "grammar"),
-    ("llama.cpp's json_schema", {"messages": USER, "json_schema": {}}, "json_schema"),
+    (
+        "llama.cpp's grammar_triggers",
+        {"messages": USER, "grammar_triggers": [{}]},
+        "grammar_triggers",
+    ),
     ("llama.cpp's repeat_penalty", {"messages": USER, "repeat_penalty": 1.1}, "repeat_penalty"),
     ("llama.cpp's mirostat", {"messages": USER, "mirostat": 2}, "mirostat"),
     ("llama.cpp's samplers", {"messages": USER, "samplers": ["top_k"]}, "samplers"),
@@ -461,8 +465,8 @@ BAD_CHAT_MESSAGES = {
     "lone surrogate": "lone UTF-16 surrogate",
     "NaN temperature": "finite number",
     "text part without its text": "a text part needs its text",
-    "assistant without content": "the assistant message needs text content (tool calls",
-    "llama.cpp's grammar": "grammar (constrained generation) is not supported",
+    "assistant without content": "the assistant message needs text content or tool calls",
+    "llama.cpp's grammar_triggers": "grammar_triggers (constrained generation) is not supported",
     "llama.cpp's repeat_penalty": "repeat_penalty (repetition penalties) is not supported",
     "nested speculative": "'speculative.n_max'",
     "template kwargs": "chat_template_kwargs (other chat template arguments) is not supported",

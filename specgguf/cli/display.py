@@ -75,6 +75,12 @@ def summary_line(stats: GenerationStats, finish_reason: str | None = None) -> st
         f"other {s.python_seconds:.2f} s",
         f"prompt {s.prompt_tokens} tokens in {s.prompt_seconds:.2f} s",
     ]
+    if s.constrained:
+        forced = s.by_drafter.get("grammar")
+        n = forced.drafted if forced else 0
+        parts.insert(2, f"grammar: {n} token{'s' if n != 1 else ''} forced, "
+                        f"{s.grammar_cut} draft token{'s' if s.grammar_cut != 1 else ''} "
+                        "cut")  # fmt: skip
     if finish_reason:
         parts.append(f"finish: {finish_reason}")
     return "; ".join(parts)

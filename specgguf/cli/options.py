@@ -341,6 +341,8 @@ QuietOpt = Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr
 # The model options that `pull`, `list`, `info` and `check` take alone, as declared above
 # (for mypy, the values' types).
 if TYPE_CHECKING:
+    from specgguf.speculative.grammar import GrammarSpec
+
     HfRepoOpt = str | None
     HfRepoDraftOpt = str | None
     RegistryOpt = Path | None
@@ -593,3 +595,38 @@ def _find_draft(
         f"{found.n_files} on disk in {found.seconds:.2f} s: {c.reason} "
         "(--no-draft: none)")  # fmt: skip
     return c.path
+
+
+def grammar_spec(
+    json_schema: str | None,
+    json_schema_file: Path | None,
+    grammar: str | None,
+    grammar_file: Path | None,
+) -> GrammarSpec | None:
+    """The one constraint on the output that ``run``'s flags give (llama.cpp's
+    ``--json-schema``, ``-jf``, ``--grammar``, ``--grammar-file``), checked before any
+    model loads (:func:`specgguf.engine.constraints.check_grammar`).
+
+    Raises:
+        UsageError: two of them, or a file that cannot be read.
+        GrammarError: a schema or grammar that cannot be used.
+    """
+    from specgguf.engine.constraints import check_grammar
+    from specgguf.speculative.grammar import GrammarSpec
+
+    given = [(flag, v) for flag, v in (("--json-schema", json_schema),
+             ("--json-schema-file", json_schema_file), ("--grammar", grammar),
+             ("--grammar-file", grammar_file)) if v is not None]  # fmt: skip
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UsageError(f"give one of {given[0][0]} and {given[1][0]}, not both")
+    flag, value = given[0]
+    if isinstance(value, Path):
+        try:
+            value = value.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"{flag}: cannot read {value}: {getattr(e, 'strerror', e)}") from None
+    spec = GrammarSpec("json_schema" if "json" in flag else "gbnf", value)
+    check_grammar(spec)
+    return spec

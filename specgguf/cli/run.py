@@ -54,6 +54,21 @@ def run(
     json_out: Annotated[
         bool, typer.Option("--json", help="One JSON object at the end instead of text.")
     ] = False,
+    json_schema: Annotated[
+        str | None,
+        typer.Option("-j", "--json-schema", help="Output JSON valid against this JSON Schema."),
+    ] = None,
+    json_schema_file: Annotated[
+        Path | None,
+        typer.Option("-jf", "--json-schema-file", help="--json-schema read from a file."),
+    ] = None,
+    grammar: Annotated[
+        str | None,
+        typer.Option("--grammar", help="Output held to this GBNF grammar (llama.cpp's)."),
+    ] = None,
+    grammar_file: Annotated[
+        Path | None, typer.Option("--grammar-file", help="--grammar read from a file.")
+    ] = None,
     quiet: o.QuietOpt = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="llama.cpp's logs.")] = False,
 ) -> None:
@@ -63,9 +78,13 @@ def run(
     -m and no -md, a compatible draft model already on disk is chosen, and stderr says
     which and why (`specgguf list --drafts-for TARGET` lists them).
 
-    Exit codes: 0 done, 2 usage, 3 model file, 4 incompatible draft, 5 does not fit,
-    6 an RPC server does not answer, 9 llama.cpp error (an RPC server lost), 130
-    interrupted, 141 stdout closed.
+    With --json-schema or --grammar, the output follows the grammar; speculation stays on
+    (drafts are cut where the grammar forbids them, and tokens the grammar forces are
+    drafted without a drafter).
+
+    Exit codes: 0 done, 2 usage (a schema or grammar that cannot be used too), 3 model
+    file, 4 incompatible draft, 5 does not fit, 6 an RPC server does not answer, 9
+    llama.cpp error (an RPC server lost), 130 interrupted, 141 stdout closed.
     """
     from specgguf.cli.display import (
         LoadProgress,
@@ -82,6 +101,7 @@ def run(
 
     setup_logging(verbose=verbose, quiet=quiet)
     say = stderr_say(quiet)
+    spec = o.grammar_spec(json_schema, json_schema_file, grammar, grammar_file)
     config = o.engine_config(load, drafting, say=say)
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
@@ -98,7 +118,7 @@ def run(
     if sampler.seed is None:  # drawn here, so that --json can tell it
         sampler = dataclasses.replace(sampler, seed=secrets.randbits(32))
     params = GenerationParams(n_predict=n_predict, sampler=sampler, stop=tuple(stop or ()),
-                              ignore_eos=ignore_eos)  # fmt: skip
+                              ignore_eos=ignore_eos, grammar=spec)  # fmt: skip
     sizes = {m.path: m.file_size for m in (checked.target, checked.draft) if m is not None}
     with LoadProgress(sizes, quiet=quiet) as progress:
         engine = Engine(config, checked=checked, on_load_progress=progress)
@@ -138,6 +158,7 @@ def run(
                     "top_k": sampler.top_k, "top_p": sampler.top_p, "min_p": sampler.min_p,
                     "seed": sampler.seed,
                     "stop": list(params.stop), "chat_template": prepared.templated,
+                    "grammar": spec.kind if spec is not None else None,
                     "prompt_tokens": len(ids), "deterministic": config.deterministic,
                 },
             })  # fmt: skip

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ from specgguf.engine.config import (
     default_draft_tree,
     verify_draft_max,
 )
+from specgguf.engine.constraints import Grammars, model_grammars
 from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
 from specgguf.engine.preflight import Preflight, preflight, target_mtp, target_snapshots
 from specgguf.errors import BackendError, ContextOverflowError, UsageError
@@ -51,6 +53,7 @@ from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import TargetEvaluator
 from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, SuffixDrafter
+from specgguf.speculative.grammar import Constraint, GrammarSpec
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import Planner
 from specgguf.speculative.tuning import AUTO_TUNING
@@ -133,6 +136,8 @@ class Engine:
         self._timings: dict[bool, Timings] = {}  # by deterministic mode
         #: deterministic mode's most rows per decode (0: the engine was not set up for it)
         self.deterministic_rows = 0
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         spec = config.speculative
         t_info = self.preflight.target
@@ -414,13 +419,16 @@ class Engine:
         *,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> PreparedPrompt:
         """The text a prompt becomes (see :func:`specgguf.engine.chat.render_prompt`), the
-        target's control-token texts in messages kept as text.
+        target's control-token texts in messages kept as text; ``tools`` (OpenAI tool
+        objects) given to the chat template.
 
         Raises:
-            UsageError: a malformed conversation, or contradicting options.
-            ChatInputError: the template refuses the conversation.
+            UsageError: a malformed conversation or tool, or contradicting options.
+            ChatInputError: the template refuses the conversation, or does not render
+                tools (:class:`~specgguf.errors.ToolsTemplateError`).
             ChatTemplateError: the chat template cannot be rendered.
         """
         return render_prompt(
@@ -428,6 +436,7 @@ class Engine:
             control_texts=self.target_model.control_texts,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )  # fmt: skip
 
     def prompt_ids(
@@ -436,11 +445,13 @@ class Engine:
         *,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids a prompt becomes: a string tokenized as is (no second BOS when it
         starts with the BOS text; special-token texts parsed: the caller owns the whole
         prompt), a conversation through the chat template (:meth:`render`, whose options
-        these are), ids unchanged. The same ids go to the target and the draft.
+        these are; ``tools`` only with a conversation), ids unchanged. The same ids go to
+        the target and the draft.
 
         Raises:
             UsageError, ChatInputError, ChatTemplateError: as :meth:`render`.
@@ -457,6 +468,7 @@ class Engine:
             items,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         return self.prepared_ids(prepared)
 
@@ -513,8 +525,12 @@ class Engine:
         generation must then be iterated inside a task of :attr:`batcher`
         (:meth:`start_batching`); None: the engine's one sequence.
 
+        ``params.grammar``: the output held to a grammar (:mod:`specgguf.speculative.grammar`;
+        compiled here, cached per grammar).
+
         Raises:
             UsageError: an empty prompt, a malformed conversation, bad speculative settings.
+            GrammarError: a grammar that cannot be used (a UsageError).
             ChatTemplateError: the chat template cannot be rendered.
             ContextOverflowError: the prompt leaves no room to generate.
         """
@@ -531,7 +547,37 @@ class Engine:
         else:
             target, decoder = self.slots[slot].target, self.slots[slot].decoder
         target.set_rows_per_decode(self.deterministic_rows if det else None)
-        return decoder.generate(ids, params, planner)
+        constraint = self.constraint(params.grammar) if params.grammar is not None else None
+        return decoder.generate(ids, params, planner, constraint)
+
+    @property
+    def grammars(self) -> Grammars:
+        """Grammars over the target's vocabulary (:mod:`specgguf.engine.constraints`),
+        built at the first use (about 1 s for 151,936 tokens), by whichever thread asks
+        first (the server compiles a request's grammar before queueing it); reading the
+        vocabulary is safe beside a generation."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = model_grammars(self.target_model)
+            return self._grammars
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` for the target's vocabulary (kept for the generations that use
+        it), before any token is generated.
+
+        Raises:
+            GrammarError: a schema, grammar or regular expression that cannot be used,
+                named in the message.
+        """
+        self.grammars.compile(spec)
+
+    def constraint(self, spec: GrammarSpec) -> Constraint:
+        """The grammar ``spec`` at its start, for one generation.
+
+        Raises:
+            GrammarError: as :meth:`check_grammar`.
+        """
+        return self.grammars.constraint(spec)
 
     # -- facts ------------------------------------------------------------------------
 

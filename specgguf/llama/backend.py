@@ -300,6 +300,14 @@ class LlamaModel(_Native):
                     found[text] = found.get(text, 0) | a
         return found
 
+    @functools.cached_property
+    def control_ids(self) -> frozenset[int]:
+        """The ids of the control tokens (``LLAMA_TOKEN_ATTR_CONTROL``: ``<|im_end|>``,
+        ``<s>``; not user-defined ones), read from the vocabulary once."""
+        vocab = self._live_vocab()
+        attr = native_fn("llama_vocab_get_attr", ctypes.c_int, ctypes.c_void_p, ctypes.c_int32)
+        return frozenset(t for t in range(self.n_vocab) if attr(vocab, t) & 1 << 3)
+
     @property
     def special_attrs(self) -> dict[str, int]:
         """The text of every token llama.cpp parses as special and its

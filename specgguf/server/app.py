@@ -3,8 +3,11 @@ gives them, with its ``timings``), the model list, health and Prometheus metrics
 engine through a :class:`~specgguf.server.scheduler.Scheduler`.
 
 A request is checked (types and ranges by pydantic, unsupported features by name), its
-prompt rendered and tokenized and checked against the context, before it is queued; so
-every bad request is a 4xx with OpenAI's error shape before any generation starts. A
+prompt rendered and tokenized and checked against the context, its constraint on the output
+(a JSON Schema, a grammar, forced tool calls) compiled, before it is queued; so every bad
+request is a 4xx with OpenAI's error shape before any generation starts. A chat answer
+with tool calls (:mod:`specgguf.server.tools`) comes back as ``message.tool_calls`` or, streamed,
+as ``delta.tool_calls`` chunks at the end, with ``finish_reason`` ``"tool_calls"``. A
 response streams as server-sent events (``fastapi.sse``'s framing) or comes whole; either
 way, a client that goes away cancels its generation (:meth:`Job.cancel`).
 """
@@ -36,7 +39,9 @@ from specgguf.errors import (
     ChatInputError,
     ChatTemplateError,
     ContextOverflowError,
+    GrammarError,
     SpecggufError,
+    ToolsTemplateError,
 )
 from specgguf.server.errors import (
     APIError,
@@ -52,7 +57,17 @@ from specgguf.server.schemas import (
     CompletionRequest,
     _Generation,
     check_supported,
+    constraint,
 )
+from specgguf.server.tools import (
+    ParsedMessage,
+    ToolCallStream,
+    ToolSet,
+    output_constraint,
+    parameters_schema,
+    parse_tool_calls,
+)
+from specgguf.speculative.grammar import GrammarSpec
 from specgguf.speculative.loop import GenerationParams, GenerationResult, GenerationStats
 from specgguf.speculative.sampling import SamplerParams
 
@@ -104,7 +119,9 @@ def timings(stats: GenerationStats) -> dict[str, Any]:
     """llama.cpp server's ``timings`` object for a generation (milliseconds, tokens/s):
     ``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, their per-token and
     per-second rates, and ``draft_n``, ``draft_n_accepted`` (given always, 0 without
-    drafts; llama.cpp's tools/server/server-common.cpp ``server_slot_stats::to_json``)."""
+    drafts; llama.cpp's tools/server/server-common.cpp ``server_slot_stats::to_json``); under
+    a grammar, always, also specgguf's ``draft_n_grammar`` (of ``draft_n``, the tokens the
+    grammar forced) and ``draft_n_cut`` (drafters' tokens cut before verification)."""
     prompt_ms = stats.prompt_seconds * 1e3
     predicted_ms = stats.seconds * 1e3
     pn, gn = stats.prompt_tokens, stats.generated
@@ -120,7 +137,15 @@ def timings(stats: GenerationStats) -> dict[str, Any]:
         "predicted_per_second": stats.tokens_per_s,
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
+        **_grammar_counts(stats),
     }
+
+
+def _grammar_counts(stats: GenerationStats) -> dict[str, int]:
+    if not stats.constrained:
+        return {}
+    forced = stats.by_drafter.get("grammar")
+    return {"draft_n_grammar": forced.drafted if forced else 0, "draft_n_cut": stats.grammar_cut}
 
 
 def usage(stats: GenerationStats) -> dict[str, int]:
@@ -150,13 +175,16 @@ class _Service:
         *,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
+        tools: ToolSet | None = None,
     ) -> list[int]:
-        """The prompt's token ids, checked against the vocabulary and the context.
+        """The prompt's token ids (a conversation with ``tools`` rendered by the chat
+        template), checked against the vocabulary and the context.
 
         Raises:
-            APIError: a chat template that fails (its message quoted), a malformed
-                conversation, token ids outside the vocabulary, a prompt that leaves no
-                room to generate (``context_length_exceeded``).
+            APIError: a chat template that fails (its message quoted) or does not render
+                tools (``param`` "tools" or "messages"), a malformed conversation, token
+                ids outside the vocabulary, a prompt that leaves no room to generate
+                (``context_length_exceeded``).
         """
         engine = self.engine
         try:
@@ -167,8 +195,12 @@ class _Service:
                     prompt,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    tools=tools.tools if tools else None,
                 )
             )
+        except ToolsTemplateError as e:
+            where = "tools" if e.part == "tools" else param
+            raise bad_request(str(e), param=where, code="chat_template_error") from None
         except (ChatTemplateError, ChatInputError) as e:
             raise bad_request(str(e), param=param, code="chat_template_error") from None
         except ContextOverflowError as e:  # found before tokenizing: a lower bound
@@ -241,6 +273,48 @@ class _Service:
             deterministic=req.deterministic,
         )  # fmt: skip
 
+    async def check_grammar(self, spec: GrammarSpec, param: str) -> None:
+        """Compile a request's constraint for the target before it is queued (the engine
+        keeps it for the generation).
+
+        Raises:
+            APIError: a schema, grammar or tool that cannot be used (``param`` names the
+                request field; the message what is wrong).
+        """
+        try:
+            await run_in_threadpool(self.engine.check_grammar, spec)
+        except GrammarError as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
+        except SpecggufError as e:
+            raise bad_request(str(e), param=param) from None
+
+    async def constrained(
+        self, req: _Generation, params: GenerationParams, tools: ToolSet | None = None
+    ) -> GenerationParams:
+        """``params`` with the request's constraint on the output (and the stop strings
+        its tools need), compiled.
+
+        Raises:
+            APIError: as :func:`~specgguf.server.schemas.constraint`,
+                :func:`~specgguf.server.tools.output_constraint` and :meth:`check_grammar`;
+                a tool whose parameters schema cannot be used (``param``
+                ``tools.K.function.parameters``), whatever ``tool_choice`` says.
+        """
+        answer = constraint(req)
+        found = output_constraint(answer, tools)
+        stops = tools.stops() if tools else ()
+        for k, tool in enumerate(tools.tools if tools else ()):
+            # each tool's parameters, named, whether or not a call is forced
+            schema = GrammarSpec("json_schema", json.dumps(parameters_schema(tool)))
+            await self.check_grammar(schema, f"tools.{k}.function.parameters")
+        if found is None:
+            return dataclasses.replace(params, stop=params.stop + stops) if stops else params
+        spec, param = found
+        if answer is not None and answer[0] is not spec:  # its own faults named first
+            await self.check_grammar(*answer)
+        await self.check_grammar(spec, param)
+        return dataclasses.replace(params, grammar=spec, stop=params.stop + stops)
+
     def submit(self, ids: list[int], params: GenerationParams, *, stream: bool) -> Job:
         """Queue a generation; its text pieces are passed on only for a ``stream``.
 
@@ -302,21 +376,22 @@ class _Service:
         self,
         job: Job,
         head: Sequence[dict[str, Any]],
-        piece: Callable[[str], dict[str, Any]],
+        piece: Callable[[str], list[dict[str, Any]]],
         tail: Callable[[GenerationResult], list[dict[str, Any]]],
         label: str,
     ) -> AsyncIterator[bytes]:
-        """Server-sent events: ``head`` chunks, one chunk per text piece, the ``tail``
-        chunks of the result, then ``data: [DONE]``; an error mid-stream is one event with
-        OpenAI's error object. A client that disconnects cancels this iterator, and so
-        the job (logged under ``label``)."""
+        """Server-sent events: ``head`` chunks, the chunks of each text piece (none while
+        it is held back), the ``tail`` chunks of the result, then ``data: [DONE]``; an
+        error mid-stream is one event with OpenAI's error object. A client that
+        disconnects cancels this iterator, and so the job (logged under ``label``)."""
         ended = False
         try:
             for chunk in head:
                 yield _sse(chunk)
             async for ev in job.events():
                 if ev.kind == "piece":
-                    yield _sse(piece(ev.text))
+                    for chunk in piece(ev.text):
+                        yield _sse(chunk)
                     continue
                 try:
                     if ev.kind == "error":
@@ -428,6 +503,17 @@ def _job_error(err: BaseException | None) -> APIError:
     return APIError(500, "internal server error", type="server_error")
 
 
+def _call_deltas(parsed: ParsedMessage) -> list[dict[str, Any]]:
+    """The streamed ``delta.tool_calls`` items of an answer's calls, as OpenAI sends them:
+    per call, its index, id, type and name with empty arguments, then its arguments."""
+    out: list[dict[str, Any]] = []
+    for i, call in enumerate(parsed.calls):
+        out.append({"index": i, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+        out.append({"index": i, "function": {"arguments": call.arguments}})
+    return out
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
 
@@ -531,25 +617,42 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest, settings.max_body_bytes)
         params = svc.params(req)
+        tools = req.tool_set()
         conversation = req.conversation()
+        params = await svc.constrained(req, params, tools)
         ids = await svc.prompt_ids(
             conversation, "messages",
             add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
+            continue_final_message=req.continue_final_message, tools=tools,
         )  # fmt: skip
         if settings.log_text:
             log.debug("chat: messages: %r", conversation)
         job = svc.submit(ids, params, stream=bool(req.stream))
         base = envelope("chat.completion.chunk" if req.stream else "chat.completion", "chatcmpl")
         label = "POST /v1/chat/completions"
+        call_names = tools.callable if tools and tools.parses else None
         if req.stream:
+            splitter = ToolCallStream(call_names) if call_names is not None else None
 
             def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
                 c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 return {**base, "choices": [c]}
 
+            def piece(text: str) -> list[dict[str, Any]]:
+                if splitter is None:
+                    return [choice({"content": text})]
+                text = splitter.feed(text)  # nothing of what may be a tool call
+                return [choice({"content": text})] if text else []
+
             def tail(result: GenerationResult) -> list[dict[str, Any]]:
-                chunks = [choice({}, result.finish_reason)]
+                chunks, finish = [], str(result.finish_reason)
+                if splitter is not None:
+                    rest, parsed = splitter.finish(result.text)
+                    if rest:
+                        chunks.append(choice({"content": rest}))
+                    chunks += [choice({"tool_calls": [d]}) for d in _call_deltas(parsed)]
+                    finish = "tool_calls" if parsed.calls else finish
+                chunks.append(choice({}, finish))
                 if req.include_usage:
                     chunks.append({**base, "choices": [], "usage": usage(result.stats)})
                 chunks[-1]["timings"] = timings(result.stats)  # llama.cpp: on the last chunk
@@ -557,18 +660,24 @@ def create_app(
 
             head = [choice({"role": "assistant", "content": ""})]
             return EventSourceResponse(
-                svc.stream(job, head, lambda text: choice({"content": text}), tail, label),
-                headers=SSE_HEADERS,
+                svc.stream(job, head, piece, tail, label), headers=SSE_HEADERS
             )
         result = await svc.result(job, request, label)
         if result is None:
             return Response(status_code=499)  # nobody is listening
         svc.log_result(label, result)
-        message = {"role": "assistant", "content": result.text}
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        finish = str(result.finish_reason)
+        if call_names is not None:
+            parsed = parse_tool_calls(result.text, call_names)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": [c.openai() for c in parsed.calls]}  # fmt: skip
+                finish = "tool_calls"
         body = {
             **base,
             "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": result.finish_reason}],
+                         "finish_reason": finish}],
             "usage": usage(result.stats), "timings": timings(result.stats),
         }  # fmt: skip
         return JSONResponse(body)
@@ -577,7 +686,7 @@ def create_app(
     @app.post("/completions", response_model=None, include_in_schema=False)
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest, settings.max_body_bytes)
-        params = svc.params(req)
+        params = await svc.constrained(req, svc.params(req))
         prompt = req.prompt_input()
         ids = await svc.prompt_ids(prompt, "prompt")
         if settings.log_text:
@@ -590,6 +699,9 @@ def create_app(
             return {**base, "choices": [{"index": 0, "text": text, "logprobs": None,
                                          "finish_reason": finish}]}  # fmt: skip
 
+        def piece(text: str) -> list[dict[str, Any]]:
+            return [choice(text)]
+
         if req.stream:
 
             def tail(result: GenerationResult) -> list[dict[str, Any]]:
@@ -599,9 +711,7 @@ def create_app(
                 chunks[-1]["timings"] = timings(result.stats)
                 return chunks
 
-            return EventSourceResponse(
-                svc.stream(job, [], choice, tail, label), headers=SSE_HEADERS
-            )
+            return EventSourceResponse(svc.stream(job, [], piece, tail, label), headers=SSE_HEADERS)
         result = await svc.result(job, request, label)
         if result is None:
             return Response(status_code=499)

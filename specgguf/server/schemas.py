@@ -6,19 +6,28 @@ llama.cpp's server for its extensions (``n_predict``, ``top_k``, ``min_p``, ``ig
 and the per-request speculative settings ``speculative.n_max``, ``speculative.n_min``,
 ``speculative.p_min``, plus specgguf's ``speculative.drafter``). Types are strict (a
 string is not a number, 1 is not ``true``, numbers are finite); fields the server does not
-know are ignored, and features it does not have (``logprobs``, ``tools``,
-``response_format``, ``n`` > 1, penalties, ``logit_bias``, and llama.cpp's grammars and
-samplers of :data:`LLAMA_CPP_FIELDS`) are refused by name (:func:`check_supported`).
+know are ignored, and features it does not have (``logprobs``, ``functions``, ``n`` > 1,
+penalties, ``logit_bias``, and llama.cpp's samplers of :data:`LLAMA_CPP_FIELDS`) are
+refused by name (:func:`check_supported`).
+
+Structured output: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``;
+llama-server's ``json_object`` with a ``schema`` too) and llama.cpp's ``json_schema`` and
+``grammar`` (GBNF), one of them per request (:func:`constraint`); OpenAI's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (:mod:`specgguf.server.tools`), and in the
+conversation assistant messages with ``tool_calls`` and ``tool`` messages.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specgguf.server.errors import bad_request, unsupported
+from specgguf.server.tools import ToolSet
+from specgguf.speculative.grammar import GrammarSpec
 
 #: The most tokens a request may ask for (larger values are refused; values beyond the
 #: room left in the context are clamped to it).
@@ -44,11 +53,59 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
-class Message(_Strict):
-    """A chat message; ``developer`` is OpenAI's newer name for ``system``."""
+class FunctionCall(_Strict):
+    """The function of an assistant's tool call: ``arguments`` a JSON object as text (as
+    OpenAI gives it; an object is taken too)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallItem(_Strict):
+    """One of an assistant message's ``tool_calls``."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    """A chat message; ``developer`` is OpenAI's newer name for ``system``. An assistant
+    message may carry ``tool_calls`` (its content may then be null); a ``tool`` message
+    answers one (``tool_call_id``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(_Strict):
+    """A tool's function: ``parameters`` a JSON Schema of its arguments (an object)."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """OpenAI's ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _Generation(_Strict):
@@ -85,6 +142,12 @@ class _Generation(_Strict):
     logit_bias: dict[str, Any] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # Constraints on the output (see constraint()).
+    response_format: dict[str, Any] | None = None
+    #: llama.cpp's: a JSON Schema the output follows
+    json_schema: dict[str, Any] | None = None
+    #: llama.cpp's: a grammar in its GBNF the output follows ("": none)
+    grammar: str | None = None
 
     @property
     def n_predict(self) -> int | None:
@@ -125,35 +188,47 @@ class ChatCompletionRequest(_Generation):
     """``POST /v1/chat/completions``."""
 
     messages: list[Message] = Field(min_length=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     #: The chat template's arguments that the server takes, as vLLM and llama-server
     #: name them (None: a final assistant message is continued, llama-server's default;
     #: otherwise the assistant's header follows the conversation).
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them: text content (parts joined by
-        newlines, as llama.cpp's server does), ``developer`` as ``system``.
+        newlines, as llama.cpp's server does), ``developer`` as ``system``; an assistant's
+        ``tool_calls`` as OpenAI's objects with their arguments as a JSON object (as vLLM
+        gives them to templates, which write them with ``tojson``), its content None when
+        it has none; a ``tool`` message with its ``tool_call_id`` and ``name``.
 
         Raises:
-            APIError: a message without text content, or with a non-text part.
+            APIError: a message without text content (an assistant's may have tool calls
+                instead), with a non-text part, tool calls on another role, arguments that
+                are not a JSON object.
         """
-        out = []
+        out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
-            if m.content is None:
-                calls = " (tool calls are not supported by this server)" if (
-                    m.role == "assistant" and m.model_extra and "tool_calls" in m.model_extra
-                ) else ""  # fmt: skip
+            calls = m.tool_calls or []
+            if m.tool_calls is not None and m.role != "assistant":
                 raise bad_request(
-                    f"messages.{i}.content: the {m.role} message needs text content{calls}",
-                    param=f"messages.{i}.content",
+                    f"messages.{i}.tool_calls: only an assistant message makes tool calls",
+                    param=f"messages.{i}.tool_calls",
                 )  # fmt: skip
-            if isinstance(m.content, str):
+            text: str | None
+            if m.content is None:
+                if not calls:
+                    needs = "text content" + (" or tool calls" if m.role == "assistant" else "")
+                    raise bad_request(
+                        f"messages.{i}.content: the {m.role} message needs {needs}",
+                        param=f"messages.{i}.content",
+                    )  # fmt: skip
+                text = None
+            elif isinstance(m.content, str):
                 text = m.content
             else:
                 texts = []
@@ -170,8 +245,73 @@ class ChatCompletionRequest(_Generation):
                     texts.append(part.text)
                 text = "\n".join(texts)
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": text})
+            msg: dict[str, Any] = {"role": role, "content": text}
+            if calls:
+                msg["tool_calls"] = [_tool_call(c, f"messages.{i}.tool_calls.{j}")
+                                     for j, c in enumerate(calls)]  # fmt: skip
+            if role == "tool":
+                msg.update({k: v for k, v in (("tool_call_id", m.tool_call_id),
+                                               ("name", m.name)) if v is not None})  # fmt: skip
+            out.append(msg)
         return out
+
+    def tool_set(self) -> ToolSet | None:
+        """The request's tools and how they may be called; None without tools (an empty
+        list is none).
+
+        Raises:
+            APIError: two tools of one name, a ``tool_choice`` other than ``none`` or
+                ``auto`` without tools, a named function that is not among them.
+        """
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise bad_request(
+                    "tool_choice: a tool to call needs tools: give them in 'tools'",
+                    param="tool_choice",
+                )  # fmt: skip
+            return None
+        tools = tuple(t.model_dump(exclude_none=True) for t in self.tools)
+        names = [t.function.name for t in self.tools]
+        for k, name in enumerate(names):
+            if name in names[:k]:
+                raise bad_request(
+                    f"tools.{k}.function.name: another tool is named {name!r} already",
+                    param=f"tools.{k}.function.name",
+                )  # fmt: skip
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(
+                    f"tool_choice: no tool is named {choice.function.name!r} (the tools: "
+                    + ", ".join(repr(n) for n in names) + ")", param="tool_choice",
+                )  # fmt: skip
+            return ToolSet(tools, "function", choice.function.name, parallel=parallel)
+        return ToolSet(tools, choice or "auto", parallel=parallel)
+
+
+def _tool_call(call: ToolCallItem, where: str) -> dict[str, Any]:
+    """An assistant's tool call with its arguments as a JSON object.
+
+    Raises:
+        APIError: arguments that are not a JSON object.
+    """
+    args: Any = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = None
+    if not isinstance(args, dict):
+        raise bad_request(
+            f"{where}.function.arguments: the arguments must be a JSON object",
+            param=f"{where}.function.arguments",
+        )  # fmt: skip
+    out: dict[str, Any] = {"type": "function",
+                           "function": {"name": call.function.name, "arguments": args}}  # fmt: skip
+    if call.id is not None:
+        out["id"] = call.id
+    return out
 
 
 class CompletionRequest(_Generation):
@@ -230,8 +370,6 @@ def _is_number(value: Any) -> bool:
 #: Fields that only shape the response or the server's caching (``cache_prompt``,
 #: ``id_slot``, ``timings_per_token``, ``n_keep``, ...) are accepted and ignored.
 LLAMA_CPP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "grammar": (_empty, "grammar (constrained generation)"),
-    "json_schema": (lambda v: v is None, "json_schema (constrained generation)"),
     "grammar_triggers": (_empty, "grammar_triggers (constrained generation)"),
     "repeat_penalty": (_number_in(1.0), "repeat_penalty (repetition penalties)"),
     "dry_multiplier": (_number_in(0.0), "dry_multiplier (DRY repetition penalty)"),
@@ -272,10 +410,10 @@ def check_supported(req: _Generation) -> None:
     """Refuse, by name, what the server does not do (rather than silently ignoring it).
 
     Raises:
-        APIError: ``n`` > 1, log probabilities, tools or functions, a response format
-            other than text, a logit bias, a non-zero penalty, ``echo``, ``suffix``,
-            ``best_of`` > 1, a llama.cpp field of :data:`LLAMA_CPP_FIELDS` that would
-            change the output, speculative settings as a nested object,
+        APIError: ``n`` > 1, log probabilities, legacy ``functions``, a logit bias, a
+            non-zero penalty, ``echo``, ``suffix``, ``best_of`` > 1, a llama.cpp field of
+            :data:`LLAMA_CPP_FIELDS` that would change the output, speculative settings
+            as a nested object,
             ``stream_options`` without ``stream``.
     """
     extra = req.model_extra or {}
@@ -310,15 +448,9 @@ def check_supported(req: _Generation) -> None:
                 "generation prompt (add_generation_prompt) contradict each other",
                 param="continue_final_message",
             )
-        if req.tools or req.functions:
-            raise unsupported("tools" if req.tools else "functions", "tools (function calling)")
-        if req.tool_choice not in (None, "none", "auto") or req.function_call not in (
-            None, "none", "auto",
-        ):  # fmt: skip
-            param = "tool_choice" if req.function_call is None else "function_call"
-            raise unsupported(param, "tools (function calling)")
-        if req.response_format not in (None, {"type": "text"}):
-            raise unsupported("response_format", "response_format other than text")
+        if req.functions or req.function_call not in (None, "none", "auto"):
+            param = "functions" if req.functions else "function_call"
+            raise unsupported(param, "functions (the legacy function calling; use tools)")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise unsupported("echo")
@@ -326,3 +458,71 @@ def check_supported(req: _Generation) -> None:
             raise unsupported("suffix")
         if req.best_of not in (None, 1):
             raise unsupported("best_of")
+
+
+def _response_format(value: dict[str, Any]) -> GrammarSpec | None:
+    """The constraint of OpenAI's ``response_format``: ``{"type": "text"}`` none,
+    ``{"type": "json_object"}`` any JSON object (llama-server's ``{"type":
+    "json_object", "schema": {...}}``: that schema), ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`` the schema (none given: any JSON
+    object; ``strict`` changes nothing, the schema is always enforced).
+
+    Raises:
+        APIError: another type, or a part of the wrong type.
+    """
+    kind = value.get("type")
+    schema: Any = None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = value.get("schema")
+        where = "response_format.schema"
+    elif kind == "json_schema":
+        wrapper = value.get("json_schema")
+        if not isinstance(wrapper, dict):
+            raise bad_request(
+                "response_format.json_schema: an object with the schema ('schema') and its "
+                "name ('name')", param="response_format",
+            )  # fmt: skip
+        if not isinstance(wrapper.get("name", ""), str):
+            raise bad_request("response_format.json_schema.name: a string", param="response_format")
+        schema = wrapper.get("schema")
+        where = "response_format.json_schema.schema"
+    else:
+        raise bad_request(
+            "response_format.type: one of 'text', 'json_object', 'json_schema' (not "
+            f"{json.dumps(kind)})", param="response_format",
+        )  # fmt: skip
+    if schema is None:
+        return GrammarSpec("json_object")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}: a JSON Schema (an object)", param="response_format")
+    return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False))
+
+
+def constraint(req: _Generation) -> tuple[GrammarSpec, str] | None:
+    """The constraint a request puts on its output, and the field that gave it:
+    ``response_format`` (:func:`_response_format`), llama.cpp's ``json_schema`` (a JSON
+    Schema object) or ``grammar`` (GBNF; "" is none, as in llama.cpp); None without one.
+    The tools' constraint is added later (:func:`specgguf.server.tools.call_grammar`).
+
+    Raises:
+        APIError: a malformed ``response_format``, or two constraints in one request.
+    """
+    found: list[tuple[GrammarSpec, str]] = []
+    if req.response_format is not None:
+        spec = _response_format(req.response_format)
+        if spec is not None:
+            found.append((spec, "response_format"))
+    if req.json_schema is not None:
+        schema = json.dumps(req.json_schema, ensure_ascii=False)
+        found.append((GrammarSpec("json_schema", schema), "json_schema"))
+    if req.grammar:
+        found.append((GrammarSpec("gbnf", req.grammar), "grammar"))
+    if len(found) > 1:
+        names = " and ".join(f"'{param}'" for _, param in found)
+        raise bad_request(
+            f"{found[1][1]}: one constraint on the output per request, not {names}",
+            param=found[1][1],
+        )  # fmt: skip
+    return found[0] if found else None

@@ -18,6 +18,10 @@ proposes, and how many tokens, is the planner's choice (:mod:`specgguf.speculati
 the loop clamps the draft length K to what the target's batch, its context and
 ``n_predict`` leave, at every step, and nowhere else.
 
+Under a grammar (:mod:`specgguf.speculative.grammar`), the tokens it forces are the step's
+draft without a drafter, a drafter's draft is cut before the first token it forbids, and
+every row's logits are masked to the tokens it allows there.
+
 The draft length is called ``draft_max`` in code, JSON and flags (llama.cpp's
 ``--draft-max``, its server's ``speculative.n_max``) and K in formulas.
 """
@@ -37,6 +41,7 @@ import numpy.typing as npt
 from specgguf.errors import ContextOverflowError, UsageError
 from specgguf.speculative.arms.base import StepPlan
 from specgguf.speculative.draft import Draft, TargetEvaluator, Vocabulary
+from specgguf.speculative.grammar import Constraint, GrammarSpec
 from specgguf.speculative.planner import FixedPlanner, Planner
 from specgguf.speculative.sampling import SamplerParams
 from specgguf.speculative.stats import DrafterStats, GenerationStats
@@ -73,6 +78,8 @@ class GenerationParams:
     :mod:`specgguf.speculative.sampling`; the engine also fixes the verification batch shapes),
     ``draft_tree`` (the most branches of a token tree, greedy only; 0: chains; at most what
     the engine was loaded with, see :class:`specgguf.engine.SpeculativeConfig`).
+    ``grammar``: a constraint on the output (JSON Schema, GBNF, regex; see
+    :mod:`specgguf.speculative.grammar`), compiled by the engine; None: free text.
     """
 
     n_predict: int = -1
@@ -85,6 +92,7 @@ class GenerationParams:
     deterministic: bool | None = None
     draft_min: int | None = None
     draft_tree: int | None = None
+    grammar: GrammarSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +118,12 @@ class Generation:
         params: GenerationParams,
         planner: Planner,
         draft_max: int,
+        constraint: Constraint | None = None,
     ) -> None:
         self.params = params
         self.prompt = prompt
         self.planner = planner
+        self.constraint = constraint
         self.tokens: list[int] = []
         self.stats = GenerationStats(prompt_tokens=len(prompt), draft_max=draft_max)
         self.stream = TextStream(params.stop)
@@ -203,11 +213,17 @@ class SpeculativeDecoder:
         return max(0, rows - 1)
 
     def generate(
-        self, prompt: Sequence[int], params: GenerationParams, planner: Planner | None = None
+        self,
+        prompt: Sequence[int],
+        params: GenerationParams,
+        planner: Planner | None = None,
+        constraint: Constraint | None = None,
     ) -> Generation:
         """Start generating after ``prompt`` (token ids, already tokenized with the
         target's rules), with the drafter and draft length of ``planner`` (None: the target
-        alone). Nothing is evaluated until the first piece is requested.
+        alone), the output held to ``constraint`` (a grammar at its start, see
+        :mod:`specgguf.speculative.grammar`; None: free). Nothing is evaluated until the
+        first piece is requested.
 
         Raises:
             UsageError: the prompt is empty.
@@ -220,7 +236,7 @@ class SpeculativeDecoder:
             raise ContextOverflowError(len(ids), self.target.n_ctx)
         planner = planner or FixedPlanner(None, 0)
         draft_max = min(planner.draft_max, self.draft_capacity)
-        return Generation(self, ids, params, planner, draft_max)
+        return Generation(self, ids, params, planner, draft_max, constraint)
 
     def _run(self, gen: Generation) -> Generator[str, None, None]:
         """Plan, verify, accept, commit, roll back, until a finish reason; yields text."""
@@ -234,21 +250,41 @@ class SpeculativeDecoder:
             if run.remaining <= 0 or room <= 0:
                 finish = "length"
                 break
+            grammar = gen.constraint
+            if grammar is not None and grammar.done:
+                finish = "stop"  # only an end of generation is left (or none: ignore_eos)
+                break
             # K + 1 new tokens must fit the context and the batch, and not overshoot n_predict.
             k = int(min(gen.stats.draft_max, room - 1, run.remaining - 1))
-            plan = gen.planner.plan(run.history, k, run.draft_sampler, run.rng)
+            forced = grammar.forced(k) if grammar is not None else []
+            if forced:  # jump-forward: the grammar's own tokens, no drafter asked
+                plan = StepPlan(None, Draft(forced), math.nan)
+            else:
+                plan = gen.planner.plan(run.history, k, run.draft_sampler, run.rng)
             draft = verifiable(plan.draft, k, run.max_leaves)
+            allowed = None
+            if grammar is not None:
+                n_valid = grammar.valid_prefix(draft.tokens)
+                gen.stats.grammar_cut += len(draft.tokens) - n_valid
+                draft = draft.head(n_valid)
+                allowed = grammar.masks(draft.tokens)
+                if run.banned is not None:  # ignore_eos: until the grammar allows only an end
+                    allowed = _without(allowed, run.banned)
             logits, rows, seconds = evaluate(
-                self.target, run.history[-1], draft, lazy_rows=run.lazy_rows, banned=run.banned
-            )
+                self.target, run.history[-1], draft, lazy_rows=run.lazy_rows,
+                banned=run.banned if allowed is None else None, allowed=allowed,
+            )  # fmt: skip
             keyed_at = len(run.history) - run.n_prompt if run.keyed else None
             verdict = accept(draft, logits, gen.params.sampler, run.rng, keyed_at=keyed_at)
-            confidence = None
-            if gen.planner.wants_confidence:  # the target's top-1 probability of its token
-                row = logits[verdict.row]
-                confidence = 1.0 / float(np.exp(row - row.max()).sum())
-            gen.planner.observe(plan, len(verdict.accepted), seconds, confidence, rows=rows)
-            piece, finish = self._commit(gen, run, plan, draft, verdict)
+            if not forced:
+                confidence = None
+                if gen.planner.wants_confidence:  # the target's top-1 probability of its token
+                    row = logits[verdict.row]
+                    confidence = 1.0 / float(np.exp(row - row.max()).sum())
+                # a draft cut by the grammar counts as rejected at the cut: its rows and
+                # acceptance are the cut draft's
+                gen.planner.observe(plan, len(verdict.accepted), seconds, confidence, rows=rows)
+            piece, finish = self._commit(gen, run, plan, draft, verdict, forced=bool(forced))
             if piece:
                 yield piece
         tail = gen.stream.finish()
@@ -272,17 +308,18 @@ class SpeculativeDecoder:
             list(gen.prompt), len(gen.prompt),
             params.n_predict if params.n_predict >= 0 else math.inf,
             np.random.default_rng(sampler.seed),
-            # keyed draws: drafts are point masses (greedy drafting), verified against the
-            # target's own draws
-            GREEDY if det or keyed else sampler,
+            # keyed draws and grammars: drafts are point masses (greedy drafting), verified
+            # against the target's own draws (a grammar cuts them: see speculative/grammar.py)
+            GREEDY if det or keyed or gen.constraint is not None else sampler,
             np.array(sorted(eog), np.int64) if params.ignore_eos and eog else None,
             # token trees: greedy only, and not in deterministic mode, whose verification
-            # batches have fixed shapes
-            target.tree_branches if sampler.greedy and not det else 0,
+            # batches have fixed shapes, nor under a grammar, which masks a chain
+            target.tree_branches if sampler.greedy and not det and gen.constraint is None else 0,
             (target.rows_per_decode or 0) if det and sampler.greedy else 0,
             keyed,
         )  # fmt: skip
         t0 = time.perf_counter()
+        gen.stats.constrained = gen.constraint is not None
         planner.reset()
         target.rollback(0)
         if run.n_prompt > 1:
@@ -296,7 +333,14 @@ class SpeculativeDecoder:
         return run
 
     def _commit(
-        self, gen: Generation, run: _Run, plan: StepPlan, draft: Draft, verdict: Verdict
+        self,
+        gen: Generation,
+        run: _Run,
+        plan: StepPlan,
+        draft: Draft,
+        verdict: Verdict,
+        *,
+        forced: bool = False,
     ) -> tuple[str, FinishReason | None]:
         """Commit the step's tokens one at a time: the earlier of an end-of-generation token
         and a completed stop string ends the output at that token, and the tokens, the text
@@ -318,7 +362,12 @@ class SpeculativeDecoder:
                 finish = "stop"
                 break
         n = len(verdict.accepted)
-        name = plan.drafter.name if plan.drafter is not None and draft.tokens else "none"
+        if gen.constraint is not None:
+            gen.constraint.commit(committed)
+        if forced:
+            name = "grammar"
+        else:
+            name = plan.drafter.name if plan.drafter is not None and draft.tokens else "none"
         gen.stats.record_step(
             name, len(draft.tokens), min(n, len(committed)),  # drafts past the end: not output
             rejected=verdict.rejected and len(committed) > n,  # its correction kept
@@ -344,3 +393,16 @@ class SpeculativeDecoder:
         stats.seconds = time.perf_counter() - run.t_gen
         stats.target_seconds = self.target.eval_seconds - run.target_s0
         stats.draft_seconds = sum(d.seconds for d in gen.planner.drafters) - run.draft_s0
+
+
+def _without(
+    allowed: npt.NDArray[np.bool_], banned: npt.NDArray[np.int64]
+) -> npt.NDArray[np.bool_]:
+    """A grammar's masks (``bool[rows, n_vocab]``) with the ``banned`` tokens (the ends of
+    generation ``ignore_eos`` bans) taken out of every row that allows anything else: where
+    the grammar is complete, its end is the only token left, and the output ends there."""
+    out = np.array(allowed)
+    out[:, banned] = False
+    empty = ~out.any(axis=1)
+    out[empty] = allowed[empty]
+    return out

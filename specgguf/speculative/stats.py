@@ -29,9 +29,11 @@ class GenerationStats:
     ``steps``: target verification passes (one per generated token without a drafter);
     ``rejected_steps``: steps where a draft token was rejected (for a token tree: at the
     last node accepted); ``tree_steps``: steps that verified a token tree of several
-    branches (their ``drafted`` counts every node); ``draft_max``: the largest
-    draft length this generation could use; ``last_draft``, ``last_drafter``: the latest
-    step's. Several generations' statistics pool with :meth:`add`.
+    branches (their ``drafted`` counts every node); ``grammar_cut``: draft tokens a grammar
+    cut before verification (not in ``drafted``; the grammar's own forced tokens are drafts
+    of the drafter "grammar"); ``constrained``: the output followed a grammar;
+    ``draft_max``: the largest draft length this generation could use; ``last_draft``,
+    ``last_drafter``: the latest step's. Several generations' statistics pool with :meth:`add`.
     """
 
     prompt_tokens: int = 0
@@ -48,6 +50,8 @@ class GenerationStats:
     last_drafter: str = "none"
     rejected_steps: int = 0
     tree_steps: int = 0
+    grammar_cut: int = 0
+    constrained: bool = False
     by_drafter: dict[str, DrafterStats] = dataclasses.field(default_factory=dict)
 
     @property
@@ -75,9 +79,10 @@ class GenerationStats:
         ``last_*`` are left as they are)."""
         for f in ("prompt_tokens", "prompt_seconds", "generated", "steps", "drafted",
                   "accepted", "seconds", "target_seconds", "draft_seconds",
-                  "rejected_steps", "tree_steps"):  # fmt: skip
+                  "rejected_steps", "tree_steps", "grammar_cut"):  # fmt: skip
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.draft_max = max(self.draft_max, other.draft_max)
+        self.constrained = self.constrained or other.constrained
         for name, row in other.by_drafter.items():
             self.by_drafter.setdefault(name, DrafterStats()).add(row)
 

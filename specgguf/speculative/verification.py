@@ -85,6 +85,7 @@ def evaluate(
     *,
     lazy_rows: int = 0,
     banned: npt.NDArray[np.int64] | None = None,
+    allowed: npt.NDArray[np.bool_] | None = None,
 ) -> tuple[npt.NDArray[np.float32], int, float]:
     """The target's logits after ``root`` (the last committed token) and after each draft
     token, in one batch (a tree through ``eval_tree``).
@@ -92,7 +93,9 @@ def evaluate(
     ``lazy_rows``: greedy verification in deterministic mode's decode calls of at most this
     many rows, stopping after the first call that shows a rejection
     (:func:`_eval_until_rejected`; 0: one evaluation). ``banned``: token ids whose logits
-    are set to -inf (``ignore_eos``).
+    are set to -inf (``ignore_eos``). ``allowed``: ``bool[len(draft) + 1, n_vocab]``, a
+    grammar's tokens per row (:meth:`specgguf.speculative.grammar.Constraint.masks`; a
+    chain only): the others' logits are set to -inf.
 
     Returns:
         float32[m, n_vocab] logits of the m rows evaluated (m = len(draft) + 1 unless a
@@ -103,15 +106,28 @@ def evaluate(
     if draft.parents is not None:
         logits, rows = target.eval_tree(root, d, draft.parents), len(d) + 1
     elif lazy_rows and len(d) + 1 > lazy_rows:
-        logits, rows = _eval_until_rejected(target, [root, *d], lazy_rows, banned)
+        logits, rows = _eval_until_rejected(target, [root, *d], lazy_rows, banned, allowed)
         return logits, rows, time.perf_counter() - t0
     else:
         logits, rows = target.eval([root, *d], logits="all"), len(d) + 1
     seconds = time.perf_counter() - t0
+    return _masked(logits, banned, allowed), rows, seconds
+
+
+def _masked(
+    logits: npt.NDArray[np.float32],
+    banned: npt.NDArray[np.int64] | None,
+    allowed: npt.NDArray[np.bool_] | None,
+) -> npt.NDArray[np.float32]:
+    """``logits`` (float32[m, n_vocab]) with ``banned`` columns and the tokens outside
+    ``allowed`` (its first m rows) at -inf: a new array when anything is masked (the
+    evaluator's may be its own buffer), else ``logits`` itself."""
     if banned is not None:
-        logits = logits.copy()
+        logits = np.array(logits)
         logits[:, banned] = -np.inf
-    return logits, rows, seconds
+    if allowed is not None:
+        logits = np.where(allowed[: len(logits)], logits, np.float32(-np.inf))
+    return logits
 
 
 def _eval_until_rejected(
@@ -119,6 +135,7 @@ def _eval_until_rejected(
     tokens: list[int],
     rows_per_decode: int,
     banned: npt.NDArray[np.int64] | None,
+    allowed: npt.NDArray[np.bool_] | None = None,
 ) -> tuple[npt.NDArray[np.float32], int]:
     """Greedy verification of ``tokens`` (the last committed token, then the drafts) in the
     decode calls deterministic mode makes anyway (sizes as even as possible, at most
@@ -129,16 +146,16 @@ def _eval_until_rejected(
     the output is too.
 
     Returns:
-        float32[m, n_vocab] logits of the m rows evaluated (``banned`` tokens at -inf), and
-        m (``len(tokens)`` when every draft was accepted).
+        float32[m, n_vocab] logits of the m rows evaluated (``banned`` tokens and those
+        outside ``allowed`` at -inf), and m (``len(tokens)`` when every draft was accepted).
     """
     n = len(tokens)
     parts: list[npt.NDArray[np.float32]] = []
     done = 0
     for size in call_sizes(n, rows_per_decode):
         part = np.array(target.eval(tokens[done : done + size], logits="all"))
-        if banned is not None:
-            part[:, banned] = -np.inf
+        rows = allowed[done : done + size] if allowed is not None else None
+        part = _masked(part, banned, rows)
         parts.append(part)
         done += size
         # row j predicts tokens[j + 1]; the last row of all predicts past the drafts
