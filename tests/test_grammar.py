@@ -14,7 +14,7 @@ import pytest
 
 from specgguf.engine.constraints import Grammars, check_grammar
 from specgguf.errors import GrammarError, UsageError
-from specgguf.speculative.draft import Drafter
+from specgguf.speculative.draft import Draft, Drafter
 from specgguf.speculative.drafters import NgramDrafter
 from specgguf.speculative.grammar import GrammarSpec
 from specgguf.speculative.loop import GenerationParams, GenerationResult, SpeculativeDecoder
@@ -180,8 +180,7 @@ def test_evaluate_masks_every_row_and_lazy_verification_judges_masked_rows(lazy:
     ctx.eval([3], logits="none")
     allowed = np.ones((4, V), bool)
     allowed[1, 6] = False  # row 1 (after draft token 5) may not give 6
-    logits, rows, _ = evaluate(ctx, 4, type("D", (), {"tokens": [5, 7, 8], "parents": None})(),  # type: ignore[arg-type]
-                               lazy_rows=lazy, allowed=allowed)  # fmt: skip
+    logits, rows, _ = evaluate(ctx, 4, Draft([5, 7, 8]), lazy_rows=lazy, allowed=allowed)
     assert logits[1, 6] == -np.inf and logits[1].argmax() == 7
     # the masked argmax accepts 7 at row 1: a lazy verification goes on past it
     assert rows == 4 and logits[2].argmax() == 8

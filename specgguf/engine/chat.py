@@ -98,20 +98,26 @@ def _check_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         fn = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise UsageError(f"message {i}: tool call {j} needs a function with a name")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = None
-        if not isinstance(args, Mapping):
+        args = call_arguments(fn.get("arguments", {}))
+        if args is None:
             raise UsageError(f"message {i}: tool call {j}: the arguments must be a JSON object")
-        function = {"name": fn["name"], "arguments": dict(args)}
+        function = {"name": fn["name"], "arguments": args}
         item: dict[str, Any] = {"type": "function", "function": function}
         if isinstance(call.get("id"), str):
             item["id"] = call["id"]
         out.append(item)
     return out
+
+
+def call_arguments(args: Any) -> dict[str, Any] | None:
+    """A tool call's arguments as the template takes them: a JSON object, given as one or as
+    its text (OpenAI's); None when they are not one."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return dict(args) if isinstance(args, Mapping) else None
 
 
 def check_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:

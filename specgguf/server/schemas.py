@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specgguf.engine.chat import call_arguments
 from specgguf.server.errors import bad_request, unsupported
 from specgguf.server.tools import ToolSet
 from specgguf.speculative.grammar import GrammarSpec
@@ -296,13 +297,8 @@ def _tool_call(call: ToolCallItem, where: str) -> dict[str, Any]:
     Raises:
         APIError: arguments that are not a JSON object.
     """
-    args: Any = call.function.arguments
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            args = None
-    if not isinstance(args, dict):
+    args = call_arguments(call.function.arguments)
+    if args is None:
         raise bad_request(
             f"{where}.function.arguments: the arguments must be a JSON object",
             param=f"{where}.function.arguments",
