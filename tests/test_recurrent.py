@@ -114,6 +114,25 @@ def test_a_recurrent_draft_model_drafts_in_a_scratch_copy() -> None:
     assert ("scratch", 3) in dctx.log
 
 
+def test_a_recurrent_draft_model_never_goes_back_past_its_snapshots() -> None:
+    # Its cache holds an earlier text (a prompt and its output) when the same prompt
+    # comes again, and holds the whole history when it is asked twice at one point: it
+    # reads from the start once, rather than reading up to the shared prefix again and
+    # then on. (CI at 4bc33c8: auto mode left the drafter out of some generations, and
+    # a later one repeated a prompt it had read.)
+    dctx = FakeRecurrentContext(one_hot_rule(walk, V), V, n_rs_seq=0)
+    drafter = ModelDrafter(dctx, V)  # type: ignore[arg-type]
+    prompt, rng = [1, 2, 3, 4], np.random.default_rng(0)
+    drafter.prefill(prompt)
+    assert drafter.propose(prompt, 4, G, rng).tokens == [5, 6, 7, 8]
+    assert drafter.propose(prompt, 4, G, rng).tokens == [5, 6, 7, 8]
+    text = [*prompt, 5, 6, 7, 8, 9]
+    assert drafter.propose(text, 2, G, rng).tokens == [10, 11]
+    drafter.prefill(prompt)
+    assert drafter.propose(prompt, 3, G, rng).tokens == [5, 6, 7]
+    assert dctx.rereads == 0 and dctx.n_past == len(prompt)
+
+
 # -- the tiny models -------------------------------------------------------------------
 
 
@@ -144,12 +163,23 @@ def baselines(tiny_models: dict[str, Path]) -> dict[tuple[str, str], list[int]]:
     return out
 
 
+def _caller() -> str:
+    """The innermost specgguf frame above the backend, as ``file:line function``."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/specgguf/" in frame.filename and "/llama/backend.py" not in frame.filename:
+            return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+    return "?"
+
+
 class Counting:
     """Counts the target context's rollbacks by depth and its reads past the snapshots."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.depths: list[int] = []
         self.rereads = 0
+        self.where: list[str] = []  # what read again, and who asked
         original = LlamaContext._truncate
         counter = self
 
@@ -158,6 +188,8 @@ class Counting:
             depth = ctx.n_past - n_keep
             if ctx.recurrent and n_keep and (reread or (room is not None and depth > room)):
                 counter.rereads += 1
+                counter.where.append(f"{ctx.model.path.name}: {depth} positions back, "
+                                     f"room {room}, from {_caller()}")  # fmt: skip
             elif ctx.recurrent and n_keep:
                 counter.depths.append(depth)
             original(ctx, n_keep, reread=reread)
@@ -198,7 +230,24 @@ def test_greedy_output_is_the_targets_own(
     # The model drafters are mostly rejected at once: K = 16 rolls back exactly n_rs_seq.
     if drafter in ("model", "mtp"):
         assert max(count.depths) == 16
-    assert count.rereads == 0
+    assert count.rereads == 0, count.where
+
+
+def test_a_prompt_read_before_by_a_recurrent_draft_is_read_from_the_start(
+    tiny_models: dict[str, Path],
+    baselines: dict[tuple[str, str], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The draft model sits out the middle generation, as auto mode's arms may: its cache
+    # still holds the first one's text when the prompt comes again.
+    with load_engine(tiny_models["hybrid"], tiny_models["hybrid-draft"], drafter="model",
+                     n_ctx=512, draft_max=4) as e:  # fmt: skip
+        count = Counting(monkeypatch)
+        for p, drafter in ((PROMPTS[0], "model"), (PROMPTS[1], "none"), (PROMPTS[0], "model")):
+            res = e.generate(p, GenerationParams(n_predict=40, drafter=drafter, sampler=G,
+                                                 ignore_eos=True)).run()  # fmt: skip
+            assert res.tokens == baselines[("hybrid", p)][:40]
+    assert count.rereads == 0, count.where
 
 
 def test_a_recurrent_target_without_snapshots_runs_alone(

@@ -98,15 +98,26 @@ class ModelDrafter(Drafter):
         if self.offset > len(history) - 1 or self._common_prefix(history) == 0:
             self.offset = 0  # another text: the window starts at its beginning
         self._fit(history, 1)
-        keep = min(self._common_prefix(history), len(history) - 1 - self.offset)
-        self.ctx.rollback(keep)
-        del self._held[keep:]
+        keep = self._rewind(min(self._common_prefix(history), len(history) - 1 - self.offset))
         start = self.offset + keep
         if len(history) - 1 > start:
             self.ctx.eval(history[start:-1], logits="none")
             self._held.extend(history[start:-1])
         self._synced = len(history) - 1 - self.offset
         self.seconds += time.perf_counter() - t0
+
+    def _rewind(self, keep: int) -> int:
+        """Cut the cache to its first ``keep`` tokens and return how many it keeps: all
+        of them, or none where a recurrent state would have to go back past its
+        snapshots (a prompt that repeats an earlier text's prefix, after a step that
+        dropped none): it is then read from the start of the window, in one pass, rather
+        than read again up to ``keep`` and then on."""
+        room = self.ctx.rollback_room
+        if room is not None and self.ctx.n_past - keep > room:
+            keep = 0
+        self.ctx.rollback(keep)
+        del self._held[keep:]
+        return keep
 
     def cached_tokens(self, history: Sequence[int]) -> int:
         """How many leading tokens of ``history`` need no evaluation by the draft: those
@@ -135,9 +146,7 @@ class ModelDrafter(Drafter):
         self._fit(history, k - 1)
         common = self._common_prefix(history)
         # At least the last history token is evaluated, to get logits after it.
-        keep = min(common, len(history) - 1 - self.offset)
-        self.ctx.rollback(keep)
-        del self._held[keep:]
+        keep = self._rewind(min(common, len(history) - 1 - self.offset))
         start = self.offset + keep
         logits = self.ctx.eval(history[start:], logits="last")
         self._held.extend(history[start:])
