@@ -489,3 +489,48 @@ def test_a_match_counts_in_the_longest_bucket_it_reaches() -> None:
     other = tuned(lookup_priors=((3, 0.5), (8, 0.9)))
     assert (other.buckets, other.bucket(0), other.bucket(5), other.bucket(9)) == ((3, 8), 3, 3, 8)
     assert other.lookup_prior(8) == 0.9 and AUTO_TUNING.buckets == (1, 2, 4, 16, 32)
+
+
+# --- the draft model's stopping probability and its acceptance prior (issue 34) ------
+
+
+def test_the_draft_model_stops_where_its_next_token_costs_more_than_it_is_likely_to_give() -> None:
+    from specgguf.speculative.arms import ModelArm
+
+    class Idle:
+        name = "model"
+
+        def reset(self) -> None:
+            pass
+
+    arm = ModelArm(Idle(), draft_max=16, p_min=0.0)  # type: ignore[arg-type]
+    arm.reset(Timings({1: 0.010}, 0.001), AUTO_TUNING)
+    assert arm.p_stop == AUTO_TUNING.p_stop  # before any step
+    # one row 10 ms; 5 rows (explore_k = 4 drafts) 10.4 ms: a row 0.1 ms
+    gpu = Timings({1: 0.010, 5: 0.0104}, 0.003)
+    assert arm.p_stop_at(gpu) == pytest.approx((3.0 + 0.1) / 10.0)
+    assert arm.p_stop_at(Timings({1: 0.010, 5: 0.0104}, 0.0002)) == pytest.approx(0.3)  # floor
+    # a CPU: a draft token 4.1 ms, 5 rows 18.2 ms (a row 2.05 ms): 0.615, capped at 0.5
+    assert arm.p_stop_at(Timings({1: 0.010, 5: 0.0182}, 0.0041)) == 0.5
+    arm.reset(gpu, tuned(p_stop_cost=0.0))
+    assert arm.p_stop_at(gpu) == 0.5  # the rule off
+    asking = ModelArm(Idle(), draft_max=16, p_min=0.7)  # type: ignore[arg-type]
+    asking.reset(gpu, AUTO_TUNING)
+    assert asking.p_stop_at(gpu) == 0.7  # --spec-draft-p-min wins when higher
+
+
+def test_a_draft_models_acceptance_falls_below_what_a_fixed_prior_allows() -> None:
+    from specgguf.speculative.estimates import Acceptance
+
+    fixed = Acceptance.of(tuned(prior_floor=1.0), 0.95)
+    fading = Acceptance.fading(tuned(prior_floor=0.1), 0.95)
+    for _ in range(200):
+        for a in (fixed, fading):
+            a.tick()
+            a.observe(0, True)
+    # counts saturate at 1 / (1 - 0.97 * 0.9) = 7.87 trials with no success: a prior of
+    # 2 trials keeps 0.95 * 2 / 9.87 = 0.192; one faded to 0.2 trials, 0.024
+    assert fixed.rate == pytest.approx(0.95 * 2 / (2 + 1 / (1 - 0.97 * 0.9)), rel=1e-3)
+    assert fading.rate == pytest.approx(0.95 * 0.2 / (0.2 + 1 / (1 - 0.97 * 0.9)), rel=1e-3)
+    # before any verification, both are the prior
+    assert Acceptance.fading(AUTO_TUNING, 0.95).rate == pytest.approx(0.95)

@@ -25,12 +25,18 @@ class Acceptance:
     fade: float = AUTO_TUNING.fade
     successes: float = 0.0
     trials: float = 0.0
+    #: the prior's weight fades with the counts at each verification, down to this
+    #: share of ``weight`` (1: it never fades): where verifications keep saying the
+    #: prior was wrong, the estimate can fall below the floor a fixed-weight prior sets
+    #: (about ``prior * weight / (weight + 1 / (1 - decay))``)
+    prior_floor: float = 1.0
+    _faded: float = 1.0
 
     def rate_with(self, prior: float | None = None, weight: float | None = None) -> float:
         """The counts blended with ``prior`` (default: :attr:`prior`) worth ``weight``
         trials (default: :attr:`weight`)."""
         p = self.prior if prior is None else prior
-        w = self.weight if weight is None else weight
+        w = (self.weight if weight is None else weight) * self._faded
         return (self.successes + p * w) / (self.trials + w)
 
     @classmethod
@@ -39,6 +45,12 @@ class Acceptance:
         (default: the confidence assumed before any step)."""
         p = tuning.confidence_start if prior is None else prior
         return cls(p, tuning.prior_trials, tuning.decay, tuning.fade)
+
+    @classmethod
+    def fading(cls, tuning: AutoTuning, prior: float) -> Acceptance:
+        """As :meth:`of`, with a prior that fades to ``tuning.prior_floor`` of its weight."""
+        return cls(prior, tuning.prior_trials, tuning.decay, tuning.fade,
+                   prior_floor=tuning.prior_floor)  # fmt: skip
 
     @property
     def rate(self) -> float:
@@ -50,6 +62,7 @@ class Acceptance:
         nothing."""
         if accepted <= 0 and not rejected:
             return
+        self._faded = max(self.prior_floor, self._faded * self.decay)
         self.successes = self.decay * self.successes + accepted
         self.trials = self.decay * self.trials + accepted + rejected
 

@@ -5,9 +5,13 @@ git history of ``specgguf/costmodel.py``, later ``specgguf/spec/planner.py``, 20
 2026-12-02). "EPYC" and "Xeon" are the 2-core VMs of ``../shared/machines`` (their
 verification batch costs differ: on the EPYC a batch costs nearly its rows one by one, on
 the Xeon 5 rows cost 1.8 lone rows). Where no measurement is recorded, the field says so
-and gives the reason the value was chosen. None of these values came from a sweep: each
+and gives the reason the value was chosen. Most values came from no sweep: each
 measurement compared one change with the code before it, on one machine, within that
-machine's noise of about 10%. ``docs/auto-mode.md`` describes how auto mode uses them.
+machine's noise of about 10%. Since 2026-12-04 a change is first replayed on recorded
+traces against every measured machine's cost curve and a GPU-like one
+(``scripts/simulate-planner``, :mod:`specgguf.engine.simulate`), which is where
+``p_stop_cost``, ``p_stop_min`` and ``prior_floor`` come from. ``docs/auto-mode.md``
+describes how auto mode uses them.
 
 A planner takes one :class:`AutoTuning` (``AutoPlanner(tuning=...)``); tests and
 experiments pass another with :func:`dataclasses.replace`.
@@ -129,11 +133,30 @@ class AutoTuning:
     #: it, the confidence was the prior; measured nearby: the target agreed with 98-100% of
     #: such tokens on code and JSON, 84-89% on prose. Only value.
     model_prior: float = 0.95
+    #: The share of its weight the draft model's acceptance prior fades to as
+    #: verifications come in. Was 1 (a fixed weight), whose floor was an acceptance of
+    #: about 0.2 however often the drafts failed: on the GPU-like curve a draft model that
+    #: is always wrong ran at 0.91x of the target alone, 0.97x with 0.1; on the recorded
+    #: Spec-Bench trace +0.4% on the 2026-12-02 Xeon curve, the rest unchanged
+    #: (scripts/simulate-planner, 2026-12-04; docs/performance.md).
+    prior_floor: float = 0.1
     #: The draft model stops at a token it gives less than this probability (llama.cpp's
     #: --spec-draft-p-min): the target agreed with 35-50% of the tokens below 0.5 on prose
     #: (Qwen pair, greedy, 128 tokens per kind of text). Only value; no other threshold
     #: compared.
     p_stop: float = 0.5
+    #: ... unless this times what one more draft token costs relative to a target row
+    #: (its evaluation and its verification row) is lower (0: always ``p_stop``); see
+    #: ``ModelArm.p_stop_at``. Was 0 (always 0.5): on the two recorded Spec-Bench traces
+    #: (scripts/simulate-planner, 2026-12-04, docs/performance.md), 1.0 took the GPU-like
+    #: curve from 2.95x to 3.15x and from 2.80x to 2.90x of the target alone, and left the
+    #: CPU curves as they were (their draft tokens cost 0.4-0.6 of a row: the rule gives
+    #: more than 0.5); 0.5 lost 3% on the Xeon curves, 1.5 with a cap of 0.7 lost 2.5%.
+    p_stop_cost: float = 1.0
+    #: ... but never below this. On the GPU-like curve (where the rule gives 0.09), over
+    #: both recorded traces: 0.1 and 0.3 alike on the first (3.15x), 0.3 ahead on the
+    #: second (2.90x against 2.83x; 0.2 2.86x, 0.4 2.88x).
+    p_stop_min: float = 0.3
     #: Steps of a generation in which the draft model is judged at its estimates plus one
     #: standard error: one early rejection must not rule out a model that gains about 20%
     #: at best (test timings of the Qwen pair). Only value.

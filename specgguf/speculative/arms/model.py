@@ -60,7 +60,8 @@ class ModelArm:
     def _fresh(self, tuning: AutoTuning) -> None:
         t = self.tuning = tuning
         # how often a token that passed p_stop is accepted, and how often one passes
-        self.accepted = Acceptance.of(t, t.model_prior)
+        self.accepted = Acceptance.fading(t, t.model_prior)
+        self._p_stop = t.p_stop
         self.passed = Acceptance.of(t)
         self.steps = 0  # steps it drafted in this generation
         self.idle = 0  # steps since it last drafted
@@ -144,16 +145,35 @@ class ModelArm:
 
     @property
     def p_stop(self) -> float:
-        """The probability below which it stops drafting: ``p_min``, or the tuning's
-        ``p_stop`` if higher."""
-        return max(self.tuning.p_stop, self.p_min)
+        """The probability below which it stops drafting at the calibration's costs (see
+        :meth:`p_stop_at`); before any step, the tuning's ``p_stop``, or ``p_min`` if
+        higher."""
+        return max(self._p_stop, self.p_min)
+
+    def p_stop_at(self, timings: Timings) -> float:
+        """The probability below which it stops drafting on ``timings``: ``p_min``, or if
+        higher ``p_stop_cost`` times what one more draft token costs relative to a
+        target row (its evaluation, and the row it adds to a verification of
+        ``explore_k`` drafts), within [``p_stop_min``, ``p_stop``]. A token the draft is
+        that unsure of is accepted about that often, so drafting it no longer pays:
+        where draft tokens and batch rows are nearly free (a GPU) the draft goes on past
+        tokens a CPU stops at."""
+        t = self.tuning
+        if t.p_stop_cost <= 0.0:
+            return max(t.p_stop, self.p_min)
+        one = timings.verify_time(1)
+        k = max(1, t.explore_k)
+        row = max(0.0, timings.verify_time(1 + k) - one) / k
+        rule = t.p_stop_cost * (timings.draft + row) / one
+        return max(min(t.p_stop, max(t.p_stop_min, rule)), self.p_min)
 
     def draft(self, offer: Offer, step: Step) -> Draft:
         """The model's draft of ``offer.k`` tokens; one that stopped early (an unsure
         token) below ``k_min`` is too short to verify: what it taught about passing
         ``p_stop`` counts, and the step runs without drafts."""
+        self._p_stop = self.p_stop_at(step.timings)
         draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
-                                     p_min=self.p_stop)  # fmt: skip
+                                     p_min=self._p_stop)  # fmt: skip
         if len(draft.tokens) < step.k_min:
             self.passed.observe(len(draft.tokens), draft.stopped)
             return Draft([])

@@ -1,0 +1,395 @@
+"""The planner simulator: a recorded trace (:mod:`specgguf.engine.traces`) replayed against a
+machine's cost curve, with the real planner (the :class:`AutoPlanner` and arms ``run``
+builds, through :func:`specgguf.engine.drafter_map.make_planner`), the real n-gram and
+suffix drafters over the text, and a draft model answered from the trace's chains.
+
+Each step is the loop's (:mod:`specgguf.speculative.loop`) for greedy decoding: the
+planner plans, the draft is clipped as the loop clips it (``verifiable``), the target
+agrees with the longest prefix (or tree path) that its recorded output continues, and the
+step costs the machine's ``t_verify(rows)`` plus the draft model's evaluations (its
+catch-up as a batch on the same curve's shape, then one row per further draft token).
+The planner observes the step as it would a real one, so its learned corrections and
+acceptance estimates move as they would. Prompt processing is not counted (as in
+``bench``'s tokens/s); neither is Python's own time per step (``overhead`` adds a fixed
+cost per step where wanted).
+
+Reported per configuration: seconds and tokens per category, for auto mode, the target
+alone, every fixed drafter and draft length, and a per-step oracle that picks, knowing
+the output, the option with the most tokens per second at that step (a myopic oracle: an
+upper reference, not a bound).
+
+Curves: ``../shared/machines/curves.json``'s machines (batch cost per row count relative to
+one row, one row's milliseconds, a draft-model token relative to one target row), a
+calibration specgguf cached (:func:`timings_from_calibration`), and :data:`GPU_LIKE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specgguf.engine.config import default_draft_max, default_draft_tree
+from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
+from specgguf.engine.traces import Trace, TracedGeneration
+from specgguf.errors import UsageError
+from specgguf.speculative.costmodel import Timings
+from specgguf.speculative.draft import Draft
+from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
+from specgguf.speculative.verification import verifiable
+
+GREEDY = SamplerParams(temperature=0.0)
+
+#: A GPU-like machine: a memory-bound 7-8B target, a batch of 17 rows 1.1x one row, 65 rows
+#: 1.6x, a small draft's token 0.08 of a target row (the issue's figures).
+GPU_LIKE: dict[str, Any] = {
+    "one_row_ms": 15.0,
+    "rows": {"1": 1.0, "2": 1.01, "5": 1.03, "9": 1.05, "17": 1.1, "33": 1.3, "65": 1.6},
+    "draft_token": 0.08,
+    "source": "synthetic (issue 34): 17 rows 1.1x, 65 rows 1.6x, a draft token 0.08 of a row",
+}
+
+#: The fixed draft lengths the table compares.
+FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+#: Fixed drafters the table compares (the model only where the trace has chains).
+FIXED_DRAFTERS = ("ngram", "suffix", "model")
+
+
+def machine_timings(curve: dict[str, Any]) -> Timings:
+    """:class:`Timings` of a machine of ``curves.json`` (``one_row_ms``, ``rows``: row
+    count -> cost relative to one row, ``draft_token``: a draft token relative to one row).
+
+    Raises:
+        UsageError: a malformed curve.
+    """
+    try:
+        one = float(curve["one_row_ms"]) / 1000.0
+        verify = {int(n): one * float(r) for n, r in curve["rows"].items()}
+        draft = one * float(curve.get("draft_token", 0.0))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UsageError(f"a machine curve needs one_row_ms, rows and draft_token ({e})") from None
+    if 1 not in verify or any(v <= 0 for v in verify.values()):
+        raise UsageError("a machine curve needs a positive cost for 1 row and every size")
+    return Timings(verify, draft)
+
+
+def load_curves(path: Path | None) -> dict[str, Timings]:
+    """The machines of ``curves.json`` at ``path`` (None: none) and :data:`GPU_LIKE`, by
+    name.
+
+    Raises:
+        UsageError: the file cannot be read or holds a malformed curve.
+    """
+    out: dict[str, Timings] = {}
+    if path is not None:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{path}: {getattr(e, 'strerror', None) or e}") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"{path}: expected an object of machines")
+        for name, curve in data.items():
+            out[name] = machine_timings(curve)
+    out["gpu-like"] = machine_timings(GPU_LIKE)
+    return out
+
+
+def _copy(t: Timings) -> Timings:
+    return dataclasses.replace(t, verify=dict(t.verify))
+
+
+class TraceDraftModel(ModelDrafter):
+    """A draft model answered from a trace's chains, at the machine's cost: a catch-up of
+    b tokens costs ``draft * curve(b) / curve(1)``, each further draft token ``draft``.
+    The history must be the trace's (prompt + its output so far), as greedy decoding
+    keeps it."""
+
+    def __init__(self, truth: Timings) -> None:  # (no context: nothing is evaluated)
+        self.truth = truth
+        self.gen: TracedGeneration | None = None
+        self._held_sim: list[int] = []
+        self.seconds = 0.0
+        self.n_vocab = 1 << 30
+
+    def start(self, gen: TracedGeneration) -> None:
+        self.gen = gen
+
+    def reset(self) -> None:
+        pass
+
+    def prefill(self, history: Sequence[int]) -> None:
+        self._held_sim = list(history[:-1])  # the prompt is not timed
+
+    def cached_tokens(self, history: Sequence[int]) -> int:
+        n = 0
+        for a, b in zip(self._held_sim, history, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def propose(
+        self,
+        history: Sequence[int],
+        k: int,
+        sampler: SamplerParams,
+        rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
+    ) -> Draft:
+        gen = self.gen
+        assert gen is not None
+        i = len(history) - len(gen.prompt)
+        t = self.truth
+        per = t.draft
+        if k <= 0 or not gen.chains or i >= len(gen.chains):
+            return Draft([], token_seconds=per)
+        tokens: list[int] = []
+        stopped = False
+        for tok, p in zip(gen.chains[i][:k], gen.chain_probs[i][:k], strict=True):
+            if p_min > 0.0 and p < p_min:
+                stopped = True
+                break
+            tokens.append(tok)
+        behind = max(1, len(history) - self.cached_tokens(history))
+        self.seconds += per * t.curve(behind) / t.curve(1) + per * max(0, len(tokens) - 1)
+        self._held_sim = [*history, *tokens[:-1]]
+        return Draft(tokens, stopped=stopped, token_seconds=per)
+
+
+@dataclasses.dataclass
+class SimResult:
+    """Simulated seconds and tokens per category, and steps."""
+
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps: int = 0
+    by_drafter: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, category: str, seconds: float, tokens: int) -> None:
+        self.seconds[category] = self.seconds.get(category, 0.0) + seconds
+        self.tokens[category] = self.tokens.get(category, 0) + tokens
+
+    def rate(self, category: str | Sequence[str] | None = None) -> float:
+        """Tokens/s in ``category`` (several: pooled; None: all)."""
+        if category is None:
+            cats: Sequence[str] = list(self.tokens)
+        elif isinstance(category, str):
+            cats = [category]
+        else:
+            cats = category
+        tokens = sum(self.tokens[c] for c in cats)
+        return tokens / max(1e-12, sum(self.seconds[c] for c in cats))
+
+
+def _agreement(draft: Draft, output: Sequence[int], pos: int) -> int:
+    """How many draft tokens greedy verification accepts at output position ``pos``: the
+    longest chain prefix, or tree path, that the output continues."""
+    if draft.parents is None:
+        n = 0
+        for tok in draft.tokens:
+            if pos + n >= len(output) or tok != output[pos + n]:
+                break
+            n += 1
+        return n
+    node, n = -1, 0
+    while pos + n < len(output):
+        nxt = next((j for j, (tok, par) in enumerate(zip(draft.tokens, draft.parents,
+                                                          strict=True))
+                    if par == node and tok == output[pos + n]), None)  # fmt: skip
+        if nxt is None:
+            break
+        node, n = nxt, n + 1
+    return n
+
+
+def simulate(
+    trace: Trace,
+    truth: Timings,
+    kind: str,
+    draft_max: int | None = None,
+    *,
+    tuning: AutoTuning = AUTO_TUNING,
+    tree_branches: int | None = None,
+    overhead: float = 0.0,
+    n_batch: int = 512,
+) -> SimResult:
+    """Replay ``trace`` on a machine whose costs are ``truth`` with drafter ``kind``
+    ("auto", "none", "ngram", "suffix", "model") and draft length ``draft_max`` (None:
+    the default of ``run``), the planner given ``truth`` as its calibration (a copy it
+    refines); ``tree_branches`` (None: the drafter's default) as ``--draft-tree``;
+    ``overhead`` seconds added per step. The suffix drafter's memory runs across the
+    trace's generations, in order, as in one ``bench``.
+
+    Raises:
+        UsageError: the model drafter without chains in the trace.
+    """
+    model = TraceDraftModel(truth) if any(g.chains for g in trace.generations) else None
+    calibrated = _copy(truth)
+    drafting = Drafting(model, (2, 8), SuffixDrafter(), lambda det: calibrated, tuning)
+    if draft_max is not None:
+        k = draft_max
+    else:
+        k = tuning.draft_max_lookup if kind == "auto" else default_draft_max(kind)  # type: ignore[arg-type]
+    trees = default_draft_tree(kind) if tree_branches is None else tree_branches  # type: ignore[arg-type]
+    settings = DraftSettings(k, 0.0, False, 0, trees)
+    res = SimResult()
+    rng = np.random.default_rng(0)
+    for gen in trace.generations:
+        if model is not None:
+            model.start(gen)
+        planner = make_planner(kind, drafting, settings)
+        planner.reset()
+        history = list(gen.prompt)
+        for d in planner.drafters:
+            d.prefill(history)
+        out, pos, seconds = gen.output, 0, 0.0
+        k_cap = min(planner.draft_max, n_batch - 1)
+        while pos < len(out):
+            k_step = min(k_cap, len(out) - pos - 1)
+            before = model.seconds if model is not None else 0.0
+            plan = planner.plan(history, k_step, GREEDY, rng)
+            draft = verifiable(plan.draft, k_step, trees if trees >= 2 else 0)
+            acc = _agreement(draft, out, pos)
+            rows = len(draft.tokens) + 1
+            verify = truth.verify_time(rows, len(history) - 1)
+            drafted = (model.seconds - before) if model is not None else 0.0
+            planner.observe(plan, acc, verify, gen.confidence[pos + acc], rows=rows)
+            seconds += verify + drafted + overhead
+            name = plan.drafter.name if plan.drafter is not None and draft.tokens else "none"
+            res.by_drafter[name] = res.by_drafter.get(name, 0) + 1
+            res.steps += 1
+            history.extend(out[pos : pos + acc + 1])
+            pos += acc + 1
+        res.add(gen.category, seconds, len(out))
+    return res
+
+
+def oracle(trace: Trace, truth: Timings, *, overhead: float = 0.0, k_max: int = 64) -> SimResult:
+    """The per-step oracle: at each step, knowing the output, the option with the most
+    tokens per second among the target alone, and each drafter (n-gram, suffix, the
+    trace's draft model) at the draft length it would have accepted whole."""
+    res = SimResult()
+    ngram, suffix = NgramDrafter(2, 8), SuffixDrafter()
+    for gen in trace.generations:
+        ngram.reset()
+        suffix.reset()
+        history = list(gen.prompt)
+        out, pos, seconds = gen.output, 0, 0.0
+        rng = np.random.default_rng(0)
+        behind = 1
+        while pos < len(out):
+            best_rate, best_n, best_cost = 1.0 / truth.verify_time(1), 1, truth.verify_time(1)
+            room = len(out) - pos - 1
+            cands: list[tuple[int, float]] = []
+            for d in (ngram, suffix):
+                prop = d.propose(history, min(k_max, room), GREEDY, rng)
+                a = _agreement(prop, out, pos)
+                if a:
+                    cands.append((a, 0.0))
+            model_used = False
+            if gen.chains and room > 0:
+                chain = gen.chains[pos]
+                a = _agreement(Draft(chain[: min(16, room)]), out, pos)
+                if a:
+                    cost = truth.draft * (truth.curve(behind) / truth.curve(1) + a - 1)
+                    cands.append((a, cost))
+            for a, draft_cost in cands:
+                cost = truth.verify_time(a + 1, len(history) - 1) + draft_cost
+                if (a + 1) / cost > best_rate:
+                    best_rate, best_n, best_cost = (a + 1) / cost, a + 1, cost
+                    model_used = draft_cost > 0
+            behind = 1 if model_used else behind + best_n
+            seconds += best_cost + overhead
+            res.steps += 1
+            history.extend(out[pos : pos + best_n])
+            pos += best_n
+        res.add(gen.category, seconds, len(out))
+    return res
+
+
+@dataclasses.dataclass
+class Row:
+    """One category of the table on one machine: rates relative to the target alone."""
+
+    machine: str
+    category: str
+    auto: float
+    best_fixed: float
+    best_fixed_name: str
+    oracle: float
+    #: auto mode with another tuning (``table``'s ``variant``), when given
+    variant: float | None = None
+
+    @property
+    def goal(self) -> float:
+        """The issue's bar: the better of the best fixed choice and 0.85 of the oracle."""
+        return max(self.best_fixed, 0.85 * self.oracle)
+
+    @property
+    def ok(self) -> bool:
+        """Auto at least the target alone and within 5% of :attr:`goal`."""
+        return self.auto >= 1.0 and self.auto >= 0.95 * self.goal
+
+
+def table(
+    trace: Trace,
+    machines: dict[str, Timings],
+    *,
+    tuning: AutoTuning = AUTO_TUNING,
+    overhead: float = 0.0,
+    fixed_ks: Iterable[int] = FIXED_KS,
+    drafters: Sequence[str] = FIXED_DRAFTERS,
+    variant: AutoTuning | None = None,
+) -> list[Row]:
+    """Per machine, per category, Spec-Bench's columns pooled ("spec-bench", where bench's
+    categories ("bench/...") are there too) and overall ("all"): auto, the best fixed drafter and
+    length, and the oracle, each relative to the target alone (and auto with the
+    ``variant`` tuning, when given)."""
+    rows: list[Row] = []
+    has_model = any(g.chains for g in trace.generations)
+    kinds = [d for d in drafters if d != "model" or has_model]
+    for name, truth in machines.items():
+        alone = simulate(trace, truth, "none", 0, overhead=overhead)
+        auto = simulate(trace, truth, "auto", tuning=tuning, overhead=overhead)
+        orc = oracle(trace, truth, overhead=overhead)
+        var = (
+            None
+            if variant is None
+            else simulate(trace, truth, "auto", tuning=variant, overhead=overhead)
+        )
+        fixed = {f"{d} K={k}": simulate(trace, truth, d, k, overhead=overhead)
+                 for d in kinds for k in fixed_ks}  # fmt: skip
+        groups: list[tuple[str, str | list[str] | None]] = [(c, c) for c in trace.categories]
+        spec = [c for c in trace.categories if not c.startswith("bench/")]
+        if spec and len(spec) < len(trace.categories):
+            groups.append(("spec-bench", spec))
+        groups.append(("all", None))
+        for label, cat in groups:
+            base = alone.rate(cat)
+            best = max(fixed, key=lambda f: fixed[f].rate(cat))
+            rows.append(Row(name, label, auto.rate(cat) / base,
+                            fixed[best].rate(cat) / base, best, orc.rate(cat) / base,
+                            None if var is None else var.rate(cat) / base))  # fmt: skip
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The table as Markdown: one line per machine and category."""
+    var = any(r.variant is not None for r in rows)
+    lines = ["| machine | category | auto |" + (" variant |" if var else "")
+             + " best fixed | (which) | oracle | goal | ok |",
+             "|---|---|---|" + ("---|" if var else "") + "---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        v = f" {r.variant:.2f}x |" if r.variant is not None else (" - |" if var else "")
+        lines.append(f"| {r.machine} | {r.category} | {r.auto:.2f}x |{v} {r.best_fixed:.2f}x "
+                     f"| {r.best_fixed_name} | {r.oracle:.2f}x | {r.goal:.2f}x | "
+                     f"{'yes' if r.ok else 'NO'} |")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""The planner simulator and its traces (issue 34): costs computed by hand on small curves,
+the recorder against the tiny pair evaluated independently, the files, and auto mode on
+traces built to be hard for it."""
+
+from __future__ import annotations
+
+import gzip
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgguf.engine.simulate import (
+    GPU_LIKE,
+    _agreement,
+    load_curves,
+    machine_timings,
+    oracle,
+    simulate,
+    table,
+)
+from specgguf.engine.traces import (
+    Trace,
+    TracedGeneration,
+    load_trace,
+    record_trace,
+    save_trace,
+)
+from specgguf.errors import UsageError
+from specgguf.llama.backend import LlamaModel
+from specgguf.speculative.draft import Draft
+
+ROOT = Path(__file__).resolve().parent.parent
+CURVES = ROOT.parent / "shared" / "machines" / "curves.json"
+
+#: one row 10 ms, three rows 12 ms (two interpolated: 11), a draft token 1 ms
+SMALL = {"one_row_ms": 10.0, "rows": {"1": 1.0, "3": 1.2, "9": 3.0}, "draft_token": 0.1}
+
+
+def gen(prompt: list[int], output: list[int], *, right: bool = True, cat: str = "c",
+        p: float = 0.9) -> TracedGeneration:  # fmt: skip
+    """A generation whose draft chains continue the output (``right``) or never do."""
+    chains = [[t if right else 7 for t in (output[i:] + [0] * 16)[:16]]
+              for i in range(len(output))]  # fmt: skip
+    return TracedGeneration(cat, "q", prompt, output, [0.8] * len(output), chains,
+                            [[p] * 16 for _ in output])  # fmt: skip
+
+
+def test_the_target_alone_costs_one_row_a_token() -> None:
+    t = machine_timings(SMALL)
+    res = simulate(Trace({}, [gen([1, 2, 3], list(range(10, 20)))]), t, "none", 0)
+    assert res.tokens == {"c": 10} and res.steps == 10
+    assert res.seconds["c"] == pytest.approx(10 * 0.010)
+
+
+def test_a_draft_model_step_costs_its_catch_up_drafts_and_the_batch() -> None:
+    # K = 2, every draft right, 7 tokens:
+    #   pos 0: catch-up of 1 token (1 ms) + 1 more draft token (1 ms) + t(3) 12 ms = 14
+    #   pos 3: catch-up of 2 tokens (1 ms * t(2)/t(1) = 1.1) + 1 ms + 12 ms = 14.1
+    #   pos 6: one token left, no room for drafts: t(1) = 10
+    t = machine_timings(SMALL)
+    res = simulate(Trace({}, [gen([1, 2, 3], list(range(10, 17)))]), t, "model", 2)
+    assert res.steps == 3
+    assert res.seconds["c"] == pytest.approx(0.0381)
+
+
+def test_a_rejected_draft_costs_its_batch_and_gives_one_token() -> None:
+    t = machine_timings(SMALL)
+    res = simulate(Trace({}, [gen([1, 2, 3], list(range(10, 14)), right=False)]), t, "model", 2)
+    # pos 0, 1: 2 wrong drafts (a catch-up of 1 token, the draft's wrong first token being
+    # dropped, 1 ms + 1 ms; t(3) 12 ms) and one token each; pos 2: room for 1 draft
+    # (1 ms + t(2) 11 ms); pos 3: t(1)
+    assert res.steps == 4
+    assert res.seconds["c"] == pytest.approx(0.014 + 0.014 + 0.012 + 0.010)
+
+
+def test_agreement_of_chains_and_trees() -> None:
+    out = [6, 7, 9, 4]
+    assert _agreement(Draft([6, 7, 8]), out, 0) == 2
+    assert _agreement(Draft([5]), out, 0) == 0
+    assert _agreement(Draft([9, 4, 1]), out, 2) == 2  # the output ends there
+    # root -> 5, root -> 6 -> 7 -> 8: the second branch, two deep
+    tree = Draft([5, 6, 7, 8], parents=[-1, -1, 1, 2])
+    assert _agreement(tree, out, 0) == 2
+    assert _agreement(Draft([6, 9, 7, 4], parents=[-1, 0, 0, 2]), out, 0) == 2  # 6 -> 7
+
+
+def test_the_oracle_takes_the_best_option_at_each_step() -> None:
+    # Output = a copy of the prompt: the lookups draft it all. On SMALL, 3 rows cost 1.2x
+    # one and 9 rows 3x: accepting 2 (3 tokens for 12 ms) beats 8 (9 for 30 ms).
+    t = machine_timings(SMALL)
+    prompt = list(range(100, 140))
+    tr = Trace({}, [gen([*prompt, 1], prompt[:20], right=False)])
+    res = oracle(tr, t)
+    alone = simulate(tr, t, "none", 0)
+    assert res.rate() > 2.0 * alone.rate()
+    assert res.seconds["c"] <= simulate(tr, t, "suffix", 2).seconds["c"] + 1e-12
+
+
+def _copying(seed: int, n_gen: int = 4) -> Trace:
+    """Generations that copy spans of their prompt half the time, with drafts right 70%
+    of the time, in two categories."""
+    r = random.Random(seed)
+    gens = []
+    for q in range(n_gen):
+        prompt = [r.randrange(100, 1000) for _ in range(60)]
+        out: list[int] = []
+        while len(out) < 96:
+            if r.random() < 0.5:
+                s = r.randrange(0, 50)
+                out += prompt[s : s + r.randrange(3, 12)]
+            else:
+                out += [r.randrange(100, 1000) for _ in range(r.randrange(1, 6))]
+        out = out[:96]
+        g = gen(prompt, out, cat=f"c{q % 2}")
+        g.chains = [[t if r.random() < 0.7 else 5 for t in c] for c in g.chains]
+        gens.append(g)
+    return Trace({}, gens)
+
+
+def _hopeless(seed: int, p: float = 0.3) -> Trace:
+    """Nothing repeats, and every draft is wrong, the draft giving its tokens ``p``."""
+    r = random.Random(seed)
+    gens = [gen([r.randrange(100, 10**6) for _ in range(40)],
+                [r.randrange(100, 10**6) for _ in range(96)], right=False, p=p)
+            for _ in range(3)]  # fmt: skip
+    return Trace({}, gens)
+
+
+@pytest.fixture(scope="module")
+def machines() -> dict[str, object]:
+    if not CURVES.exists():
+        pytest.skip(f"{CURVES} is absent")
+    return load_curves(CURVES)  # type: ignore[return-value]
+
+
+def test_auto_mode_on_a_hopeless_trace_stays_near_the_target_alone(machines: dict) -> None:
+    # What auto mode pays to find out that nothing pays: a few probes per generation of 96
+    # tokens; issue 34's bar for a real column is 0.97x. (With a prior of fixed weight
+    # the GPU-like curve drafted at every step, at 0.91x: AutoTuning.prior_floor.)
+    tr = _hopeless(1)
+    for name, t in machines.items():
+        auto = simulate(tr, t, "auto").rate()
+        alone = simulate(tr, t, "none", 0).rate()
+        assert auto >= 0.97 * alone, name
+
+
+def test_auto_mode_gains_where_copies_pay(machines: dict) -> None:
+    rows = {(r.machine, r.category): r for r in table(_copying(2), machines,
+                                                       fixed_ks=(2, 4, 8))}  # fmt: skip
+    for name in machines:
+        r = rows[(name, "all")]
+        assert r.auto > 1.0, name
+        assert r.oracle >= r.best_fixed, name
+    assert rows[("gpu-like", "all")].auto > 1.5
+
+
+def test_a_gpu_like_curve_is_what_the_issue_says() -> None:
+    t = machine_timings(GPU_LIKE)
+    assert t.verify_time(17) / t.verify_time(1) == pytest.approx(1.1)
+    assert t.verify_time(65) / t.verify_time(1) == pytest.approx(1.6)
+    assert t.draft / t.verify_time(1) == pytest.approx(0.08)
+
+
+def test_bad_curves_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="one_row_ms"):
+        machine_timings({"rows": {"1": 1.0}})
+    with pytest.raises(UsageError, match="1 row"):
+        machine_timings({"one_row_ms": 5, "rows": {"2": 1.0}, "draft_token": 0.1})
+    bad = tmp_path / "c.json"
+    bad.write_text("[1]")
+    with pytest.raises(UsageError, match="object of machines"):
+        load_curves(bad)
+
+
+def test_traces_round_trip_and_bad_files_are_refused(tmp_path: Path) -> None:
+    tr = _copying(3, n_gen=2)
+    tr.meta = {"version": 1, "command": "x"}
+    path = tmp_path / "traces" / "t.json.gz"
+    save_trace(tr, path)
+    back = load_trace(path)
+    assert back.generations == tr.generations and back.meta["command"] == "x"
+    assert [p.name for p in path.parent.iterdir()] == ["t.json.gz"]  # no temporary left
+    (tmp_path / "junk").write_bytes(b"not gzip")
+    with pytest.raises(UsageError, match="not a trace"):
+        load_trace(tmp_path / "junk")
+    with gzip.open(tmp_path / "old", "wt") as f:
+        f.write('{"meta": {"version": 0}, "generations": []}')
+    with pytest.raises(UsageError, match="version 1"):
+        load_trace(tmp_path / "old")
+    with gzip.open(tmp_path / "short", "wt") as f:
+        f.write(
+            '{"meta": {"version": 1}, "generations": [{"category": "c", "question_id": '
+            '"1", "prompt": [1], "output": [2, 3], "confidence": [0.5], "chains": [], '
+            '"chain_probs": []}]}'
+        )
+    with pytest.raises(UsageError, match="lengths disagree"):
+        load_trace(tmp_path / "short")
+
+
+def test_the_simulator_script_says_what_is_wrong(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate-planner"),
+                        str(tmp_path / "none.json.gz")], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+# -- the recorder, on the tiny pair ----------------------------------------------------
+
+
+def _greedy(path: Path, ids: list[int], n: int, eog: frozenset[int]) -> list[int]:
+    """Greedy decoding one token at a time in a fresh context (the recorder's oracle)."""
+    out: list[int] = []
+    with LlamaModel(path) as model, model.new_context(n_ctx=512) as ctx:
+        logits = ctx.eval(ids, logits="last")
+        for _ in range(n):
+            tok = int(logits[-1].argmax())
+            if tok in eog:
+                break
+            out.append(tok)
+            logits = ctx.eval([tok], logits="last")
+    return out
+
+
+def test_the_recorder_records_the_targets_output_and_the_drafts_chains(
+    tiny_models: dict[str, Path],
+) -> None:
+    target, draft = tiny_models["target"], tiny_models["draft-partial"]
+    with LlamaModel(target) as tm, LlamaModel(draft) as dm, \
+            tm.new_context(n_ctx=512) as tc, dm.new_context(n_ctx=512) as dc:  # fmt: skip
+        prompts = [("a", "1", tm.tokenize("def is_palindrome(text):")),
+                   ("b", "2", tm.tokenize("The quick brown fox"))]  # fmt: skip
+        tr = record_trace(tc, dc, prompts, 40, tm.eog_ids, {"command": "test"}, depth=6)
+        eog = tm.eog_ids
+    assert tr.meta["version"] == 1 and tr.categories == ["a", "b"]
+    for g, (_, _, ids) in zip(tr.generations, prompts, strict=True):
+        assert g.output == _greedy(target, list(ids), 40, eog)
+        assert len(g.chains) == len(g.output) and all(len(c) == 6 for c in g.chains)
+        assert all(0.0 < p <= 1.0 for p in g.confidence)
+        # each chain is the draft's greedy continuation, decoded afresh
+        for i in (0, 7, len(g.output) - 1):
+            assert g.chains[i] == _greedy(draft, [*ids, *g.output[:i]], 6, frozenset()), i
+    # the partial draft agrees with the target sometimes, not always
+    firsts = [g.chains[i][0] == g.output[i] for g in tr.generations
+              for i in range(len(g.output))]  # fmt: skip
+    assert 0 < sum(firsts) < len(firsts)
+    assert np.isfinite([p for g in tr.generations for c in g.chain_probs for p in c]).all()
