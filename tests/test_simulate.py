@@ -15,6 +15,8 @@ import pytest
 
 from specgguf.engine.simulate import (
     GPU_LIKE,
+    GREEDY,
+    TraceDraftModel,
     _agreement,
     load_curves,
     machine_timings,
@@ -77,6 +79,28 @@ def test_a_rejected_draft_costs_its_batch_and_gives_one_token() -> None:
     assert res.seconds["c"] == pytest.approx(0.014 + 0.014 + 0.012 + 0.010)
 
 
+def test_a_draft_that_stops_at_an_unsure_token_has_evaluated_it() -> None:
+    # Chain [10, 11, 7 (p 0.2), ...] after the prompt, p_min 0.5: the draft stops before
+    # the 7, having evaluated 10 and 11 to find it (as ModelDrafter), which its cache then
+    # holds: a catch-up of the prompt's last token (1 ms) + 2 ms. A draft cut at K = 2
+    # evaluates only 10.
+    g = gen([1, 2, 3], [10, 11, 12, 13])
+    g.chains = [[10, 11, 7, 7], *g.chains[1:]]
+    g.chain_probs = [[0.9, 0.9, 0.2, 0.9], *g.chain_probs[1:]]
+    rng = np.random.default_rng(0)
+    for k, p_min, tokens, cost, cached in (
+        (4, 0.5, [10, 11], 0.003, 5),
+        (2, 0.0, [10, 11], 0.002, 4),
+    ):
+        model = TraceDraftModel(machine_timings(SMALL))
+        model.start(g)
+        model.prefill([1, 2, 3])
+        d = model.propose([1, 2, 3], k, GREEDY, rng, p_min=p_min)
+        assert d.tokens == tokens and d.stopped == (p_min > 0)
+        assert model.seconds == pytest.approx(cost)
+        assert model.cached_tokens([1, 2, 3, 10, 11, 12]) == cached
+
+
 def test_agreement_of_chains_and_trees() -> None:
     out = [6, 7, 9, 4]
     assert _agreement(Draft([6, 7, 8]), out, 0) == 2
@@ -121,7 +145,7 @@ def _copying(seed: int, n_gen: int = 4) -> Trace:
     return Trace({}, gens)
 
 
-def _hopeless(seed: int, p: float = 0.3) -> Trace:
+def _hopeless(seed: int, p: float = 0.35) -> Trace:
     """Nothing repeats, and every draft is wrong, the draft giving its tokens ``p``."""
     r = random.Random(seed)
     gens = [gen([r.randrange(100, 10**6) for _ in range(40)],
@@ -207,6 +231,19 @@ def test_the_simulator_script_says_what_is_wrong(tmp_path: Path) -> None:
                        timeout=120)  # fmt: skip
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    trace = tmp_path / "t.json.gz"
+    tr = _copying(4, n_gen=1)
+    tr.meta = {"version": 1}
+    save_trace(tr, trace)
+    for args, says in ((["--set", 'p_stop_cost="x"'], "p_stop_cost is a float"),
+                       (["--set", "nope=1"], "a field of AutoTuning"),
+                       (["--curves", str(tmp_path / "none.json")], "no such file"),
+                       (["--machine", "abacus"], "no machine abacus")):  # fmt: skip
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate-planner"),
+                            str(trace), *args], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, args
 
 
 # -- the recorder, on the tiny pair ----------------------------------------------------

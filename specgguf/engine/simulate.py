@@ -159,8 +159,11 @@ class TraceDraftModel(ModelDrafter):
                 break
             tokens.append(tok)
         behind = max(1, len(history) - self.cached_tokens(history))
-        self.seconds += per * t.curve(behind) / t.curve(1) + per * max(0, len(tokens) - 1)
-        self._held_sim = [*history, *tokens[:-1]]
+        # (as ModelDrafter: every drafted token but the last is evaluated, and the last too
+        # when drafting went on to a token it then stopped at)
+        evaluated = tokens if stopped else tokens[:-1]
+        self.seconds += per * t.curve(behind) / t.curve(1) + per * len(evaluated)
+        self._held_sim = [*history, *evaluated]
         return Draft(tokens, stopped=stopped, token_seconds=per)
 
 
@@ -232,6 +235,8 @@ def simulate(
         UsageError: the model drafter without chains in the trace.
     """
     model = TraceDraftModel(truth) if any(g.chains for g in trace.generations) else None
+    n_predict = trace.meta.get("n_predict")
+    n_predict = n_predict if isinstance(n_predict, int) else None
     calibrated = _copy(truth)
     drafting = Drafting(model, (2, 8), SuffixDrafter(), lambda det: calibrated, tuning)
     if draft_max is not None:
@@ -252,8 +257,11 @@ def simulate(
             d.prefill(history)
         out, pos, seconds = gen.output, 0, 0.0
         k_cap = min(planner.draft_max, n_batch - 1)
+        # An output that ended at an end-of-generation token had n_predict left to draft
+        # into, as the real loop does; one cut at n_predict had only its own length.
+        limit = max(n_predict or 0, len(out))
         while pos < len(out):
-            k_step = min(k_cap, len(out) - pos - 1)
+            k_step = min(k_cap, limit - pos - 1)
             before = model.seconds if model is not None else 0.0
             plan = planner.plan(history, k_step, GREEDY, rng)
             draft = verifiable(plan.draft, k_step, trees if trees >= 2 else 0)
@@ -261,7 +269,10 @@ def simulate(
             rows = len(draft.tokens) + 1
             verify = truth.verify_time(rows, len(history) - 1)
             drafted = (model.seconds - before) if model is not None else 0.0
-            planner.observe(plan, acc, verify, gen.confidence[pos + acc], rows=rows)
+            # (past the output: the row of its end of generation, whose confidence the
+            # trace does not hold)
+            conf = gen.confidence[pos + acc] if pos + acc < len(out) else None
+            planner.observe(plan, acc, verify, conf, rows=rows)
             seconds += verify + drafted + overhead
             name = plan.drafter.name if plan.drafter is not None and draft.tokens else "none"
             res.by_drafter[name] = res.by_drafter.get(name, 0) + 1
@@ -306,7 +317,8 @@ def oracle(trace: Trace, truth: Timings, *, overhead: float = 0.0, k_max: int = 
                 if (a + 1) / cost > best_rate:
                     best_rate, best_n, best_cost = (a + 1) / cost, a + 1, cost
                     model_used = draft_cost > 0
-            behind = 1 if model_used else behind + best_n
+            # (after a model step the draft has not read its last token nor the target's)
+            behind = 2 if model_used else behind + best_n
             seconds += best_cost + overhead
             res.steps += 1
             history.extend(out[pos : pos + best_n])

@@ -7,8 +7,8 @@ reads from a verification row), and the draft model's greedy chain after each ou
 position with the draft's probability of each chain token. Lookups (n-gram, suffix) are not
 stored: they are functions of the text, and the simulator runs the real drafters over it.
 Whether the target agrees with a proposal follows from the output (greedy decoding), so no
-logits are stored: a generation of 128 tokens with chains of 16 is about 30 KB of JSON,
-gzipped to a third of that.
+logits are stored: a generation of 128 tokens with chains of 16 is about 26 KB of JSON,
+about 5 KB gzipped.
 
 Recording runs the real pair once, token by token: the target's output one row at a time,
 and each chain in the draft model's KV cache, reusing the previous position's chain when the
@@ -204,6 +204,7 @@ def save_trace(trace: Trace, path: Path) -> None:
     try:
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb") as f:
             f.write(json.dumps(data, separators=(",", ":")).encode())
+        os.chmod(tmp, 0o644)  # (mkstemp's 0600: a cache file, not a secret)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -221,16 +222,31 @@ def load_trace(path: Path) -> Trace:
             data = json.loads(f.read())
     except (OSError, EOFError, ValueError) as e:
         raise UsageError(f"{path}: not a trace ({getattr(e, 'strerror', None) or e})") from None
-    if not isinstance(data, dict) or data.get("meta", {}).get("version") != TRACE_VERSION:
+    meta = data.get("meta") if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or meta.get("version") != TRACE_VERSION:
         raise UsageError(f"{path}: not a trace of version {TRACE_VERSION}")
     try:
         gens = [TracedGeneration(**g) for g in data["generations"]]
-    except (TypeError, KeyError) as e:
+        for g in gens:
+            _check(g)
+    except (TypeError, KeyError, ValueError) as e:
         raise UsageError(f"{path}: a malformed trace ({e})") from None
-    for g in gens:
-        n = len(g.output)
-        if len(g.confidence) != n or (g.chains and len(g.chains) != n):
-            raise UsageError(f"{path}: generation {g.question_id}: lengths disagree")
-        if any(not 0.0 <= p <= 1.0 or math.isnan(p) for p in g.confidence):
-            raise UsageError(f"{path}: generation {g.question_id}: a confidence outside [0, 1]")
-    return Trace(data["meta"], gens)
+    return Trace(meta, gens)
+
+
+def _check(g: TracedGeneration) -> None:
+    """Raise ValueError (or TypeError) where ``g``'s fields do not fit together."""
+    n = len(g.output)
+    if len(g.confidence) != n or (g.chains and len(g.chains) != n):
+        raise ValueError(f"generation {g.question_id}: lengths disagree")
+    if len(g.chain_probs) != len(g.chains) or any(
+        len(c) != len(p) for c, p in zip(g.chains, g.chain_probs, strict=True)
+    ):
+        raise ValueError(f"generation {g.question_id}: chains and their probabilities disagree")
+    numbers = [*g.confidence, *(p for ps in g.chain_probs for p in ps)]
+    if any(not isinstance(p, int | float) or math.isnan(p) or not 0.0 <= p <= 1.0
+           for p in numbers):  # fmt: skip
+        raise ValueError(f"generation {g.question_id}: a probability outside [0, 1]")
+    ids = [*g.prompt, *g.output, *(t for c in g.chains for t in c)]
+    if any(not isinstance(t, int) for t in ids):
+        raise ValueError(f"generation {g.question_id}: a token id that is not an integer")

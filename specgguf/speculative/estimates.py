@@ -30,13 +30,14 @@ class Acceptance:
     #: prior was wrong, the estimate can fall below the floor a fixed-weight prior sets
     #: (about ``prior * weight / (weight + 1 / (1 - decay))``)
     prior_floor: float = 1.0
-    _faded: float = 1.0
+    _faded: float = dataclasses.field(default=1.0, init=False, repr=False)
 
     def rate_with(self, prior: float | None = None, weight: float | None = None) -> float:
         """The counts blended with ``prior`` (default: :attr:`prior`) worth ``weight``
-        trials (default: :attr:`weight`)."""
+        trials (default: :attr:`weight`, faded as :attr:`prior_floor` says; a weight
+        given is used as it is)."""
         p = self.prior if prior is None else prior
-        w = (self.weight if weight is None else weight) * self._faded
+        w = self.weight * self._faded if weight is None else weight
         return (self.successes + p * w) / (self.trials + w)
 
     @classmethod

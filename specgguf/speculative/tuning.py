@@ -136,9 +136,9 @@ class AutoTuning:
     #: The share of its weight the draft model's acceptance prior fades to as
     #: verifications come in. Was 1 (a fixed weight), whose floor was an acceptance of
     #: about 0.2 however often the drafts failed: on the GPU-like curve a draft model that
-    #: is always wrong ran at 0.91x of the target alone, 0.97x with 0.1; on the recorded
-    #: Spec-Bench trace +0.4% on the 2026-12-02 Xeon curve, the rest unchanged
-    #: (scripts/simulate-planner, 2026-12-04; docs/performance.md).
+    #: is always wrong ran at 0.91x of the target alone, 0.97x with 0.1; on the two
+    #: recorded Spec-Bench traces within 0.6% either way (scripts/simulate-planner,
+    #: 2026-12-04; docs/performance.md).
     prior_floor: float = 0.1
     #: The draft model stops at a token it gives less than this probability (llama.cpp's
     #: --spec-draft-p-min): the target agreed with 35-50% of the tokens below 0.5 on prose
@@ -148,14 +148,16 @@ class AutoTuning:
     #: ... unless this times what one more draft token costs relative to a target row
     #: (its evaluation and its verification row) is lower (0: always ``p_stop``); see
     #: ``ModelArm.p_stop_at``. Was 0 (always 0.5): on the two recorded Spec-Bench traces
-    #: (scripts/simulate-planner, 2026-12-04, docs/performance.md), 1.0 took the GPU-like
-    #: curve from 2.95x to 3.15x and from 2.80x to 2.90x of the target alone, and left the
-    #: CPU curves as they were (their draft tokens cost 0.4-0.6 of a row: the rule gives
-    #: more than 0.5); 0.5 lost 3% on the Xeon curves, 1.5 with a cap of 0.7 lost 2.5%.
+    #: (scripts/simulate-planner, 2026-12-04, docs/performance.md), this with
+    #: ``p_stop_min`` and ``prior_floor`` took the GPU-like curve from 2.84x to 3.03x and
+    #: from 2.71x to 2.83x of the target alone, and left the CPU curves as they were
+    #: overall (their draft tokens cost 0.4-0.6 of a row: the rule gives more than 0.5);
+    #: 0.5 lost 3% on the Xeon curves, 1.5 with a cap of 0.7 lost 2.5%.
     p_stop_cost: float = 1.0
-    #: ... but never below this. On the GPU-like curve (where the rule gives 0.09), over
-    #: both recorded traces: 0.1 and 0.3 alike on the first (3.15x), 0.3 ahead on the
-    #: second (2.90x against 2.83x; 0.2 2.86x, 0.4 2.88x).
+    #: ... but never below this. On the GPU-like curve (where the rule gives 0.09) 0.1, 0.2
+    #: and 0.3 are within 0.4% of each other over the two recorded traces (0.1 ahead on
+    #: the first by 1.4%, 0.3 on the second by 1.7%), 0.4 2-3% behind: 0.3, the nearest
+    #: to what a CPU does.
     p_stop_min: float = 0.3
     #: Steps of a generation in which the draft model is judged at its estimates plus one
     #: standard error: one early rejection must not rule out a model that gains about 20%

@@ -145,26 +145,28 @@ class ModelArm:
 
     @property
     def p_stop(self) -> float:
-        """The probability below which it stops drafting at the calibration's costs (see
-        :meth:`p_stop_at`); before any step, the tuning's ``p_stop``, or ``p_min`` if
-        higher."""
+        """The probability below which it stopped at its latest draft (see
+        :meth:`p_stop_at`); before any, the tuning's ``p_stop``, or ``p_min`` if higher."""
         return max(self._p_stop, self.p_min)
 
     def p_stop_at(self, timings: Timings) -> float:
         """The probability below which it stops drafting on ``timings``: ``p_min``, or if
         higher ``p_stop_cost`` times what one more draft token costs relative to a
         target row (its evaluation, and the row it adds to a verification of
-        ``explore_k`` drafts), within [``p_stop_min``, ``p_stop``]. A token the draft is
-        that unsure of is accepted about that often, so drafting it no longer pays:
-        where draft tokens and batch rows are nearly free (a GPU) the draft goes on past
-        tokens a CPU stops at."""
+        ``explore_k`` drafts, from the calibrated curve), within [``p_stop_min``,
+        ``p_stop``]. A token the draft is that unsure of is accepted about that often, so
+        drafting it no longer pays: where draft tokens and batch rows are nearly free (a
+        GPU) the draft goes on past tokens a CPU stops at. The same rule serves the MTP
+        layers' arm (not simulated: no trace records MTP drafts)."""
         t = self.tuning
         if t.p_stop_cost <= 0.0:
             return max(t.p_stop, self.p_min)
-        one = timings.verify_time(1)
+        # (the calibrated curve's shape, one correction for both: the learned single and
+        # batch corrections differ by Python's share of a step, not by what a row adds)
+        one = timings.curve(1)
         k = max(1, t.explore_k)
-        row = max(0.0, timings.verify_time(1 + k) - one) / k
-        rule = t.p_stop_cost * (timings.draft + row) / one
+        row = max(0.0, timings.curve(1 + k) - one) / k
+        rule = t.p_stop_cost * (timings.draft / timings.scale_single + row) / one
         return max(min(t.p_stop, max(t.p_stop_min, rule)), self.p_min)
 
     def draft(self, offer: Offer, step: Step) -> Draft:
