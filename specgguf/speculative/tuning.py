@@ -154,10 +154,10 @@ class AutoTuning:
     #: overall (their draft tokens cost 0.4-0.6 of a row: the rule gives more than 0.5);
     #: 0.5 lost 3% on the Xeon curves, 1.5 with a cap of 0.7 lost 2.5%.
     p_stop_cost: float = 1.0
-    #: ... but never below this. On the GPU-like curve (where the rule gives 0.09) 0.1, 0.2
-    #: and 0.3 are within 0.4% of each other over the two recorded traces (0.1 ahead on
-    #: the first by 1.4%, 0.3 on the second by 1.7%), 0.4 2-3% behind: 0.3, the nearest
-    #: to what a CPU does.
+    #: ... but never below this. Simulated on the GPU-like curve (where the rule gives
+    #: 0.09): 0.1, 0.2 and 0.3 within 0.4% of each other over the two recorded traces (0.1
+    #: ahead on the first by 1.4%, 0.3 on the second by 1.7%), 0.4 2-3% behind: 0.3, the
+    #: nearest to what a CPU does. Only value since.
     p_stop_min: float = 0.3
     #: Steps of a generation in which the draft model is judged at its estimates plus one
     #: standard error: one early rejection must not rule out a model that gains about 20%
