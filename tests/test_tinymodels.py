@@ -359,7 +359,32 @@ def test_rollback_limits(tiny_models: dict[str, Path]) -> None:
         assert lc.llama_memory_seq_pos_max(lc.llama_get_memory(ctx), 0) == 27
 
 
+def raw_mtp_decode(ctx: Any, model: Any, token: int, pos: int, h: np.ndarray) -> np.ndarray:
+    """Decode one row of an MTP context: ``token`` at ``pos`` with the trunk's hidden state
+    ``h`` (float32[n_embd_out]) in the batch's embd, as llama.cpp's draft-mtp does. A row
+    without it would read an input tensor nothing wrote (llm_graph_input_embd_h)."""
+    import ctypes
+
+    lc = llama()
+    batch = lc.llama_batch_init(1, h.shape[0], 1)
+    tokens = (ctypes.c_int32 * 1)(token)
+    batch.token = tokens
+    try:
+        np.ctypeslib.as_array(batch.embd, shape=h.shape)[:] = h
+        batch.pos[0], batch.n_seq_id[0], batch.logits[0] = pos, 1, 1
+        batch.seq_id[0][0] = 0
+        batch.n_tokens = 1
+        assert lc.llama_decode(ctx, batch) == 0
+    finally:
+        batch.token = ctypes.POINTER(ctypes.c_int32)()
+        lc.llama_batch_free(batch)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+
+
 def test_mtp_fixture_loads_with_and_without_its_mtp_block(tiny_models: dict[str, Path]) -> None:
+    from llama_cpp import llama_cpp_ext
+
     lc = llama()
     with raw_model(tiny_models["mtp"]) as model, raw_context(model) as ctx:
         prompt = raw_prompt(model)
@@ -369,12 +394,26 @@ def test_mtp_fixture_loads_with_and_without_its_mtp_block(tiny_models: dict[str,
             assert lc.llama_model_n_layer(model) == 4
             assert lc.llama_model_n_layer_nextn(model) == 1
             with raw_context(model) as ctx:
+                llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)
                 # The trunk's logits do not depend on the MTP block being loaded.
                 np.testing.assert_array_equal(raw_decode(ctx, model, prompt, 0), hybrid)
-                if load_mtp:
+                if not load_mtp:
+                    continue
+                n_embd = lc.llama_model_n_embd_out(model)
+                rows = np.ctypeslib.as_array(
+                    llama_cpp_ext.llama_get_embeddings_nextn(ctx), shape=(len(prompt), n_embd)
+                )
+                h = rows[-1].copy()
+                assert np.isfinite(h).all() and h.std() > 0
+                token = int(hybrid.argmax())
+                # The MTP block runs on its own KV cache: a token decodes, its logits read
+                # the hidden state given (another one changes them) and nothing else.
+                heads = []
+                for hidden in (h, h, -h):
                     with raw_context(
                         model, ctx_type=lc.LLAMA_CONTEXT_TYPE_MTP, ctx_other=ctx, n_rs_seq=0
                     ) as mtp:
-                        # The MTP block runs on its own KV cache: a token decodes.
-                        logits = raw_decode(mtp, model, [int(hybrid.argmax())], len(prompt))
-                        assert np.isfinite(logits).all() and logits.std() > 0.1
+                        heads.append(raw_mtp_decode(mtp, model, token, len(prompt), hidden))
+                assert all(np.isfinite(x).all() and x.std() > 0.1 for x in heads)
+                np.testing.assert_array_equal(heads[0], heads[1])
+                assert np.abs(heads[0] - heads[2]).max() > 0.1
