@@ -534,3 +534,5 @@ def test_a_draft_models_acceptance_falls_below_what_a_fixed_prior_allows() -> No
     assert fading.rate == pytest.approx(0.95 * 0.2 / (0.2 + 1 / (1 - 0.97 * 0.9)), rel=1e-3)
     # before any verification, both are the prior
     assert Acceptance.fading(AUTO_TUNING, 0.95).rate == pytest.approx(0.95)
+    # and a standard error counts the weight the prior has now
+    assert (fixed.prior_weight, fading.prior_weight) == (2.0, pytest.approx(0.2))

@@ -133,6 +133,35 @@ def test_a_recurrent_draft_model_never_goes_back_past_its_snapshots() -> None:
     assert dctx.rereads == 0 and dctx.n_past == len(prompt)
 
 
+def test_a_recurrent_draft_model_counts_as_cached_only_what_it_can_keep() -> None:
+    # The planner charges a catch-up by what cached_tokens says: where the cache holds an
+    # earlier text further on than its snapshots reach back, the window is read again
+    # whole (ModelDrafter._rewind), and none of it counts as cached.
+    dctx = FakeRecurrentContext(one_hot_rule(walk, V), V, n_rs_seq=2)
+    drafter = ModelDrafter(dctx, V)  # type: ignore[arg-type]
+    prompt, rng = [1, 2, 3, 4], np.random.default_rng(0)
+    drafter.prefill(prompt)
+    assert drafter.cached_tokens(prompt) == 3  # the prompt but its last token
+    text = [*prompt, 5, 6, 7, 8, 9]
+    assert drafter.propose(text, 1, G, rng).tokens == [10]
+    # 1-9 held, the latest decode 4-9: its snapshots reach back 2 positions.
+    assert dctx.n_past == 9 and dctx.rollback_room == 2
+    assert drafter.cached_tokens(text) == 9
+    drafter.reset()  # another generation: a prompt that shares a prefix with the text
+    assert drafter.cached_tokens([*prompt, 5, 6, 7, 8, 20]) == 8  # 1 dropped
+    assert drafter.cached_tokens([*prompt, 5, 6, 7, 20]) == 7  # 2 dropped
+    assert drafter.cached_tokens([*prompt, 5, 6, 20]) == 0  # 3: past the snapshots
+    assert drafter.cached_tokens([*prompt, 20]) == 0
+    assert drafter.propose([*prompt, 20], 1, G, rng).tokens == [21]
+    assert dctx.rereads == 0 and dctx.n_past == 5
+    # An attention cache keeps any prefix.
+    drafter = ModelDrafter(FakeContext(one_hot_rule(walk, V), V), V)  # type: ignore[arg-type]
+    drafter.prefill(prompt)
+    drafter.propose(text, 1, G, rng)
+    drafter.reset()
+    assert drafter.cached_tokens([*prompt, 20]) == 4
+
+
 # -- the tiny models -------------------------------------------------------------------
 
 

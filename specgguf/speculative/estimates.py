@@ -37,8 +37,14 @@ class Acceptance:
         trials (default: :attr:`weight`, faded as :attr:`prior_floor` says; a weight
         given is used as it is)."""
         p = self.prior if prior is None else prior
-        w = self.weight * self._faded if weight is None else weight
+        w = self.prior_weight if weight is None else weight
         return (self.successes + p * w) / (self.trials + w)
+
+    @property
+    def prior_weight(self) -> float:
+        """The prior's weight now, in trials: :attr:`weight`, faded as
+        :attr:`prior_floor` says (what a standard error of :attr:`rate` counts)."""
+        return self.weight * self._faded
 
     @classmethod
     def of(cls, tuning: AutoTuning, prior: float | None = None) -> Acceptance:

@@ -83,8 +83,8 @@ class ModelArm:
         if near and self.steps < t.explore_steps:
             # Little evidence yet: judged by an upper bound, so that one early rejection,
             # or a misleading confidence, does not rule out a draft model that pays.
-            a_acc = upper(a_acc, self.accepted.trials, t.prior_trials)
-            a_pass = upper(a_pass, self.passed.trials, t.prior_trials)
+            a_acc = upper(a_acc, self.accepted.trials, self.accepted.prior_weight)
+            a_pass = upper(a_pass, self.passed.trials, self.passed.prior_weight)
             k_top = min(k_top, max(t.explore_k, step.k_min))
         k, rate = self._best(a_acc, a_pass, k_top, step)
         self.idle += 1

@@ -121,8 +121,15 @@ class ModelDrafter(Drafter):
 
     def cached_tokens(self, history: Sequence[int]) -> int:
         """How many leading tokens of ``history`` need no evaluation by the draft: those
-        before its window and those its cache holds (its accepted drafts included)."""
-        return self.offset + self._common_prefix(history)
+        before its window and those its cache holds (its accepted drafts included), none
+        of the window's where a recurrent state could not go back to them (``_rewind``)."""
+        common = self._common_prefix(history)
+        room = self.ctx.rollback_room
+        if room is not None:
+            keep = min(common, len(history) - 1 - self.offset)
+            if self.ctx.n_past - keep > room:
+                return self.offset
+        return self.offset + common
 
     def propose(
         self,
