@@ -136,6 +136,13 @@ class FakeRecurrentContext(FakeContext):
         self.rollback_room = min(self.rollback_max, len(tokens) - 1) if tokens else 0
         return out
 
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        # As LlamaContext.scratch: the snapshots were the scratch sequence's, none is left.
+        with super().scratch():
+            yield
+        self.rollback_room = 0
+
     def rollback(self, n_keep: int) -> None:
         depth = len(self.kv) - n_keep
         assert self.rollback_room is not None

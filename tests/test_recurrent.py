@@ -143,17 +143,23 @@ def test_a_recurrent_draft_model_counts_as_cached_only_what_it_can_keep() -> Non
     drafter.prefill(prompt)
     assert drafter.cached_tokens(prompt) == 3  # the prompt but its last token
     text = [*prompt, 5, 6, 7, 8, 9]
-    assert drafter.propose(text, 1, G, rng).tokens == [10]
-    # 1-9 held, the latest decode 4-9: its snapshots reach back 2 positions.
-    assert dctx.n_past == 9 and dctx.rollback_room == 2
-    assert drafter.cached_tokens(text) == 9
+    drafter.prefill(text)
+    # 1-8 held, the latest decode 4-8: its snapshots reach back 2 positions.
+    assert dctx.n_past == 8 and dctx.rollback_room == 2
     drafter.reset()  # another generation: a prompt that shares a prefix with the text
-    assert drafter.cached_tokens([*prompt, 5, 6, 7, 8, 20]) == 8  # 1 dropped
-    assert drafter.cached_tokens([*prompt, 5, 6, 7, 20]) == 7  # 2 dropped
-    assert drafter.cached_tokens([*prompt, 5, 6, 20]) == 0  # 3: past the snapshots
+    assert drafter.cached_tokens([*prompt, 5, 6, 7, 20]) == 7  # 1 dropped
+    assert drafter.cached_tokens([*prompt, 5, 6, 20]) == 6  # 2 dropped
+    assert drafter.cached_tokens([*prompt, 5, 20]) == 0  # 3: past the snapshots
     assert drafter.cached_tokens([*prompt, 20]) == 0
     assert drafter.propose([*prompt, 20], 1, G, rng).tokens == [21]
     assert dctx.rereads == 0 and dctx.n_past == 5
+    # Drafting leaves no snapshots behind (it drafts in a scratch copy): anything held
+    # past the prompt is then read again from the start.
+    drafter.prefill(text)
+    drafter.propose(text, 2, G, rng)
+    assert dctx.rollback_room == 0
+    drafter.reset()
+    assert drafter.cached_tokens([*prompt, 5, 6, 7, 8, 20]) == 0
     # An attention cache keeps any prefix.
     drafter = ModelDrafter(FakeContext(one_hot_rule(walk, V), V), V)  # type: ignore[arg-type]
     drafter.prefill(prompt)
