@@ -112,8 +112,7 @@ class ModelDrafter(Drafter):
         snapshots (a prompt that repeats an earlier text's prefix, after a step that
         dropped none): it is then read from the start of the window, in one pass, rather
         than read again up to ``keep`` and then on."""
-        room = self.ctx.rollback_room
-        if room is not None and self.ctx.n_past - keep > room:
+        if not self._within_room(keep):
             keep = 0
         self.ctx.rollback(keep)
         del self._held[keep:]
@@ -124,12 +123,14 @@ class ModelDrafter(Drafter):
         before its window and those its cache holds (its accepted drafts included), none
         of the window's where a recurrent state could not go back to them (``_rewind``)."""
         common = self._common_prefix(history)
+        keep = min(common, len(history) - 1 - self.offset)
+        return self.offset + (common if self._within_room(keep) else 0)
+
+    def _within_room(self, keep: int) -> bool:
+        """Whether the cache can be cut to its first ``keep`` tokens without reading any
+        again: always for a KV cache, within the snapshots for a recurrent state."""
         room = self.ctx.rollback_room
-        if room is not None:
-            keep = min(common, len(history) - 1 - self.offset)
-            if self.ctx.n_past - keep > room:
-                return self.offset
-        return self.offset + common
+        return room is None or self.ctx.n_past - keep <= room
 
     def propose(
         self,
