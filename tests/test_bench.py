@@ -207,6 +207,75 @@ def test_suffix_configurations_never_see_the_same_question_answered_before(
         assert second.accepted > a["suffix"][2] / 2  # two rounds pooled in a
 
 
+def test_parallel_bench_gives_each_pass_a_suffix_corpus_of_its_own(
+    tiny_models: dict[str, Path],
+) -> None:
+    # bench --parallel kept the sequences' corpora across its passes: the pass of all
+    # prompts at once copied the answers the one-at-a-time pass had just given (83 of 96
+    # tokens accepted on a question that accepts none afresh). With a corpus per
+    # configuration, width and round, one question drafts and accepts alike in all.
+    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.engine.bench import BenchPrompt, generate_together, run_parallel_bench
+    from specgguf.speculative.loop import GenerationParams
+    from specgguf.speculative.sampling import SamplerParams
+
+    question = "Count from one to ten."  # 48 tokens from the tiny target, none repeated
+    config = EngineConfig(
+        ModelConfig(tiny_models["target"], n_ctx=1024),
+        None,
+        SpeculativeConfig(drafter="none", draft_max=16),
+        n_parallel=2,
+    )
+    with Engine(config) as engine:
+        configs = [("suffix-a", "suffix", 4), ("suffix-b", "suffix", 4)]
+        report = run_parallel_bench(engine, [BenchPrompt("chat", (question,), "q1")],
+                                    configs, n=48, rounds=2)  # fmt: skip
+        counts = {(r["accepted_1"], r["steps_1"], r["accepted_parallel"], r["steps_parallel"])
+                  for r in report["results"]}  # fmt: skip
+        assert len(counts) == 1, counts
+        ((accepted, steps, _, _),) = counts
+        # Control: a corpus kept across generations copies the second answer.
+        params = GenerationParams(n_predict=48, sampler=SamplerParams(temperature=0),
+                                  drafter="suffix", draft_max=4)  # fmt: skip
+        msgs = [{"role": "user", "content": question}]
+        with engine.fresh_suffix():
+            (first,), _ = generate_together(engine, [msgs], params)
+            (second,), _ = generate_together(engine, [msgs], params)
+        assert len(first.tokens) == len(second.tokens) == 48
+        assert (2 * first.stats.accepted, 2 * first.stats.steps) == (accepted, steps)
+        assert second.stats.accepted > first.stats.accepted + 24
+
+
+def test_parallel_sequences_draft_from_what_the_others_generated(
+    tiny_models: dict[str, Path],
+) -> None:
+    # Each sequence of --parallel had a suffix corpus of its own: a question answered on
+    # one sequence taught nothing to the next request on another, where one at a time the
+    # answer is copied. The corpus is one: the second asking, on the other sequence,
+    # copies the first's answer.
+    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.engine.bench import generate_together
+    from specgguf.speculative.loop import GenerationParams
+    from specgguf.speculative.sampling import SamplerParams
+
+    config = EngineConfig(
+        ModelConfig(tiny_models["target"], n_ctx=1024),
+        None,
+        SpeculativeConfig(drafter="none", draft_max=16),
+        n_parallel=2,
+    )
+    params = GenerationParams(n_predict=48, sampler=SamplerParams(temperature=0),
+                              drafter="suffix", draft_max=4)  # fmt: skip
+    count = [{"role": "user", "content": "Count from one to ten."}]
+    other = [{"role": "user", "content": "hello world"}]  # a one-token answer
+    with Engine(config) as engine, engine.fresh_suffix():
+        # sequences 0 and 1 at once, then the other way round
+        (first, _), _ = generate_together(engine, [count, other], params)
+        (_, again), _ = generate_together(engine, [other, count], params)
+    assert again.tokens == first.tokens and len(first.tokens) == 48
+    assert again.stats.accepted >= 36 > first.stats.accepted + 24
+
+
 def test_a_cells_mean_depth_is_its_generations_prompts_and_half_their_output() -> None:
     from specgguf.engine.bench import Cell
     from specgguf.speculative.loop import GenerationStats

@@ -81,6 +81,51 @@ def test_earlier_generations_are_remembered_but_not_crossed() -> None:
     assert draft(d2, [8, 9, 6, 7]) == [8, 9, 6, 7][:0] or draft(d2, [8, 9, 6, 7]) != [8]
 
 
+def test_a_finished_generation_is_remembered_whole() -> None:
+    # The corpus took in a generation only up to the history of its latest draft: the
+    # tokens after it, or a whole generation where the suffix drafter never drafted
+    # (auto mode chose another), were forgotten. finish() takes in all of it.
+    text = list(range(100, 130))
+    d = SuffixDrafter()
+    draft(d, text[:10])
+    d.finish(text)
+    assert draft(d, [7, *text[18:21]]) == text[21:25]
+    never = SuffixDrafter()
+    never.finish(text)  # never drafted in that generation
+    assert draft(never, [7, *text[3:6]]) == text[6:10]
+
+
+def test_a_group_shares_finished_generations_from_each_ones_next_generation_on() -> None:
+    # serve --parallel: a drafter per sequence, one corpus. What one sequence finished is
+    # drafted from by another's next generation, not in the middle of its current one.
+    a, b = SuffixDrafter.group(2)
+    answer = list(range(200, 220))
+    assert draft(b, [1, 2, 3]) == []  # b is mid-generation
+    a.finish([5, 6, *answer])
+    assert draft(b, [1, 2, 3, *answer[:3]]) == []  # not yet: b's generation goes on
+    b.finish([1, 2, 3, *answer[:3]])
+    assert draft(b, [9, *answer[4:7]]) == answer[7:11]  # b's next generation
+    # and back: b's generations reach a when its next one starts (the loop resets)
+    assert draft(a, [8, 1, 2]) == []
+    a.reset()
+    assert draft(a, [8, 1, 2]) == [3, 200, 201, 202]
+    # A drafter of no group keeps its own.
+    solo, alone = SuffixDrafter(), list(range(300, 310))
+    solo.finish(alone)
+    a.reset()
+    assert draft(a, [0, 300, 301]) == [] and draft(solo, [0, 300, 301]) == [302, 303, 304, 305]
+
+
+def test_a_groups_waiting_generations_are_bounded_by_the_capacity() -> None:
+    a, b = SuffixDrafter.group(2, capacity=256)
+    for i in range(50):  # b never starts another generation meanwhile
+        a.finish([i, *range(1000 + 20 * i, 1020 + 20 * i)])
+    assert sum(len(t) for t in b._inbox) < 256 + 21
+    b.reset()
+    assert len(b._corpus) <= 256 + 21  # the newest kept, the corpus trimmed to capacity
+    assert draft(b, [7, 1980, 1981]) == [1982, 1983, 1984, 1985]  # the latest one
+
+
 def test_memory_is_bounded() -> None:
     d = SuffixDrafter(capacity=4096)
     rng = np.random.default_rng(1)

@@ -225,11 +225,14 @@ def _print_parallel(report: dict[str, Any], *, stderr: bool) -> None:
     title = (f"{report['prompts']} prompts, n={report['n_predict']}, greedy: one at a time "
              f"against {n} at once")  # fmt: skip
     t = Table(title=title, title_justify="left", box=None, header_style="bold")
-    for col in ("config", "tokens/s (1)", f"tokens/s ({n})", "ratio"):
+    cols = ("config", "tokens/s (1)", f"tokens/s ({n})", "ratio", "accepted/step (1)",
+            f"accepted/step ({n})")  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="left" if col == "config" else "right")
     for r in report["results"]:
         t.add_row(r["config"], f"{r['tokens_per_s_1']:.2f}", f"{r['tokens_per_s_parallel']:.2f}",
-                  f"{r['ratio']:.2f}x")  # fmt: skip
+                  f"{r['ratio']:.2f}x", f"{r['accepted_1'] / max(1, r['steps_1']):.2f}",
+                  f"{r['accepted_parallel'] / max(1, r['steps_parallel']):.2f}")  # fmt: skip
     con.print(t)
     con.print(f"the batch curve allows {report['batch_allows']:.2f}x for {n} sequences "
               f"({n} x t(1) / t({n}))", highlight=False)  # fmt: skip

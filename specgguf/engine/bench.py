@@ -579,8 +579,12 @@ def run_parallel_bench(
     another (one sequence at a time, each alone in the batcher) and all through the engine's N
     sequences at once (:func:`generate_together`), alternating which goes first from
     round to round; aggregate tokens/s (all tokens over all wall time) of both, their
-    ratio, and what the calibrated batch curve allows for it: N rows in one batch against
-    N single rows, t(1) N / t(N). ``calibration`` in the report, ``progress`` and
+    ratio, the draft tokens accepted and the target steps of both (``accepted_1``,
+    ``steps_1``, ``accepted_parallel``, ``steps_parallel``), and what the calibrated batch
+    curve allows for it: N rows in one batch against N single rows, t(1) N / t(N). The
+    suffix drafter's corpus is fresh for each configuration, width and round (the earlier
+    questions of that pass only, as in :func:`run_bench`). ``calibration`` in the report,
+    ``progress`` and
     ``recalibrate``: as in :func:`run_bench` (a line per question one at a time, and one
     per batch of all at once).
 
@@ -613,21 +617,26 @@ def run_parallel_bench(
                                       drafter=kind, draft_max=k)  # fmt: skip
             firsts = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
             for width in (1, n_par) if r % 2 == 0 else (n_par, 1):
-                if width == 1:  # through the batcher too, on its first sequence
-                    res, seconds = [], 0.0
-                    for q, m in enumerate(firsts, 1):
-                        step(f"{name}, one at a time, question {q}/{len(firsts)}, "
+                # A corpus of its own (as in run_bench): greedy answers repeat, and one
+                # remembered from an earlier pass is copied whole (83 of 96 tokens).
+                with engine.fresh_suffix():
+                    if width == 1:  # through the batcher too, on its first sequence
+                        res, seconds = [], 0.0
+                        for q, m in enumerate(firsts, 1):
+                            step(f"{name}, one at a time, question {q}/{len(firsts)}, "
+                                 f"round {r + 1}/{rounds}")  # fmt: skip
+                            alone, s = generate_together(engine, [m], params)
+                            res += alone
+                            seconds += s
+                    else:
+                        step(f"{name}, {len(firsts)} questions, {width} at once, "
                              f"round {r + 1}/{rounds}")  # fmt: skip
-                        alone, s = generate_together(engine, [m], params)
-                        res += alone
-                        seconds += s
-                else:
-                    step(f"{name}, {len(firsts)} questions, {width} at once, "
-                         f"round {r + 1}/{rounds}")  # fmt: skip
-                    res, seconds = generate_together(engine, firsts, params)
-                acc = totals.setdefault((name, width), [0.0, 0.0])
+                        res, seconds = generate_together(engine, firsts, params)
+                acc = totals.setdefault((name, width), [0.0, 0.0, 0.0, 0.0])
                 acc[0] += sum(len(x.tokens) for x in res)
                 acc[1] += seconds
+                acc[2] += sum(x.stats.accepted for x in res)
+                acc[3] += sum(x.stats.steps for x in res)
     allowed = n_par * timings.verify_time(1) / timings.verify_time(n_par)
     results = []
     for name, _, _ in configs:
@@ -635,7 +644,9 @@ def run_parallel_bench(
         rate1, rate_n = single[0] / single[1], many[0] / many[1]
         results.append({"config": name, "tokens_per_s_1": round(rate1, 3),
                         "tokens_per_s_parallel": round(rate_n, 3),
-                        "ratio": round(rate_n / rate1, 3)})  # fmt: skip
+                        "ratio": round(rate_n / rate1, 3),
+                        "accepted_1": int(single[2]), "accepted_parallel": int(many[2]),
+                        "steps_1": int(single[3]), "steps_parallel": int(many[3])})  # fmt: skip
     return {"parallel": n_par, "n_predict": n, "rounds": rounds, "prompts": len(prompts),
             "batch_allows": round(allowed, 3), "calibration": calibration,
             "results": results}  # fmt: skip

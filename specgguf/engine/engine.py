@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,15 +213,18 @@ class Engine:
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
                     "" if attention else " and the recurrent state's snapshots", capacity,
                 )  # fmt: skip
+            # one corpus of everything seen, a copy per sequence (SuffixDrafter.group)
+            suffixes = SuffixDrafter.group(1 + (n_par if n_par > 1 else 0))
             self.drafting = Drafting(
-                model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings,
+                model_drafter, (spec.ngram_min, spec.ngram_max), suffixes[0], self.timings,
                 mtp=mtp_drafter,
             )  # fmt: skip
             if n_par > 1 and spec.draft_tree >= 2:
                 log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
                          n_par)  # fmt: skip
             #: the sequences of ``serve --parallel`` (none when one at a time)
-            self.slots: list[Slot] = [self._slot(i) for i in range(n_par)] if n_par > 1 else []
+            self.slots: list[Slot] = [self._slot(i, suffixes[1 + i]) for i in range(n_par)
+                                      if n_par > 1]  # fmt: skip
             self.batcher: Batcher | None = None
             trained = self.preflight.target.context_length
             if trained and self.n_ctx > trained:
@@ -263,10 +266,10 @@ class Engine:
                  "lone rows never padded" if lone == NO_LIMIT
                  else f"lone rows padded past {lone} cached positions")  # fmt: skip
 
-    def _slot(self, i: int) -> Slot:
+    def _slot(self, i: int, suffix: SuffixDrafter) -> Slot:
         """Sequence ``i`` of ``--parallel``: the loop and the drafters over its sequences
         of the target's and the draft's contexts, evaluating through :attr:`batcher`;
-        drafters of its own (the suffix drafter remembers what this sequence generated),
+        drafters of its own (``suffix``: its copy of the corpus every sequence adds to),
         and timings of its own, which the batcher tells how many rows the other sequences
         bring to a step (:attr:`Timings.others`)."""
         target = BatchedSequence(self.target_ctx.sequence(i), lambda: self.batcher)
@@ -283,9 +286,28 @@ class Engine:
 
         spec = self.config.speculative
         # (timings are refined only while this sequence runs alone: Timings.solo)
-        slot.drafting = Drafting(model, (spec.ngram_min, spec.ngram_max), SuffixDrafter(),
+        slot.drafting = Drafting(model, (spec.ngram_min, spec.ngram_max), suffix,
                                  timings)  # fmt: skip
         return slot
+
+    @contextlib.contextmanager
+    def fresh_suffix(self) -> Iterator[None]:
+        """Generations inside start from an empty suffix corpus (every sequence's, with
+        the same settings), and the engine's own is back afterwards: a benchmark's
+        configurations must not copy an answer another one gave to the same question."""
+        old = [self.drafting.suffix, *(s.drafting.suffix for s in self.slots)]
+        like = old[0]
+        fresh = SuffixDrafter.group(len(old), capacity=like.capacity,
+                                    max_occurrences=like.max_occurrences,
+                                    min_share=like.min_share)  # fmt: skip
+        holders = [self.drafting, *(s.drafting for s in self.slots)]
+        for holder, suffix in zip(holders, fresh, strict=True):
+            holder.suffix = suffix
+        try:
+            yield
+        finally:
+            for holder, suffix in zip(holders, old, strict=True):
+                holder.suffix = suffix
 
     def start_batching(self) -> Batcher:
         """The :class:`~specgguf.engine.batching.Batcher` of ``--parallel`` generations

@@ -279,6 +279,8 @@ def simulate(
             res.steps += 1
             history.extend(out[pos : pos + acc + 1])
             pos += acc + 1
+        for d in planner.drafters:  # as the loop ends a generation
+            d.finish(history)
         res.add(gen.category, seconds, len(out))
     return res
 
@@ -323,6 +325,7 @@ def oracle(trace: Trace, truth: Timings, *, overhead: float = 0.0, k_max: int = 
             res.steps += 1
             history.extend(out[pos : pos + best_n])
             pos += best_n
+        suffix.finish(history)
         res.add(gen.category, seconds, len(out))
     return res
 

@@ -160,7 +160,8 @@ class Drafter(Protocol):
     A new kind of drafter is one class implementing this protocol and one entry in the
     engine's name -> factory map (:data:`specgguf.engine.drafter_map.DRAFTERS`), which also
     gives auto mode its arm (:mod:`specgguf.speculative.arms`). A class that subclasses
-    this protocol inherits :meth:`reset` and :meth:`prefill`, which do nothing.
+    this protocol inherits :meth:`reset`, :meth:`prefill` and :meth:`finish`, which do
+    nothing.
     """
 
     name: str
@@ -168,6 +169,11 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """A new generation starts: the next history need not extend the previous one."""
+        return None
+
+    def finish(self, history: Sequence[int]) -> None:
+        """The generation ended with ``history`` (prompt + output, whatever was drafted);
+        a drafter that learns from what it has seen takes it in whole."""
         return None
 
     def prefill(self, history: Sequence[int]) -> None:

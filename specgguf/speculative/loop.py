@@ -288,6 +288,8 @@ class SpeculativeDecoder:
             if piece:
                 yield piece
         tail = gen.stream.finish()
+        for drafter in gen.planner.drafters:
+            drafter.finish(run.history)
         self._clock(gen, run)
         gen.result = GenerationResult(gen.stream.text, list(gen.tokens), finish, gen.stats)
         if tail:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,11 @@ class SuffixDrafter(Drafter):
     token, each with at most ``max_occurrences`` positions: at the default 32,768 tokens at
     most about 22 MB (every n-gram distinct; 4 MB on source code), measured in
     tests/test_suffix.py. Older generations are forgotten first.
+
+    Several sequences (``serve --parallel``) share what they have seen through a group
+    (:meth:`group`): a drafter each, and a generation that ends (:meth:`finish`) is taken
+    into the others' corpora when they start their next one (:meth:`reset`), never in the
+    middle of one. Each holds its own copy (up to ``capacity`` tokens each).
     """
 
     name = "suffix"
@@ -52,13 +58,52 @@ class SuffixDrafter(Drafter):
         self._indexed = 0  # n-grams ending before this corpus position are indexed
         self._start = 0  # where the current generation starts in the corpus
         self._synced = 0  # history tokens appended to the corpus
+        self._peers: list[SuffixDrafter] = [self]  # the group, this one included
+        self._inbox: list[list[int]] = []  # the others' generations, not yet taken in
+
+    @classmethod
+    def group(cls, n: int, **settings: Any) -> list[SuffixDrafter]:
+        """``n`` drafters (``settings``: the constructor's) that share every generation
+        any of them has seen: one per sequence of a parallel context."""
+        drafters = [cls(**settings) for _ in range(n)]
+        for d in drafters:
+            d._peers = drafters
+        return drafters
 
     def reset(self) -> None:
-        """A new generation: the text so far stays in the corpus, behind a separator."""
+        """A new generation: the text so far stays in the corpus, behind a separator, and
+        goes to the group's other drafters; what they finished since is taken in."""
         if len(self._corpus) > self._start:
+            done = self._corpus[self._start :]
             self._corpus.append(self.SEPARATOR)
+            for peer in self._peers:
+                if peer is not self:
+                    peer._receive(done)
+        for text in self._inbox:
+            self._corpus += text
+            self._corpus.append(self.SEPARATOR)
+        self._inbox.clear()
         self._start = len(self._corpus)
         self._synced = 0
+        if len(self._corpus) > self.capacity:
+            self._forget(len(self._corpus) - self.capacity // 2)
+
+    def finish(self, history: Sequence[int]) -> None:
+        """The generation ended with ``history``: all of it in the corpus (also what came
+        after the last draft, or all of it where this drafter never drafted), and to the
+        group's other drafters."""
+        t0 = time.perf_counter()
+        self._sync(history)
+        self.reset()
+        self.seconds += time.perf_counter() - t0
+
+    def _receive(self, text: list[int]) -> None:
+        """Another drafter's finished generation, taken in at this one's next reset (the
+        newest ``capacity`` tokens of them kept)."""
+        self._inbox.append(text)
+        held = sum(len(t) for t in self._inbox)
+        while len(self._inbox) > 1 and held - len(self._inbox[0]) >= self.capacity:
+            held -= len(self._inbox.pop(0))
 
     def _sync(self, history: Sequence[int]) -> None:
         if len(history) < self._synced or (
