@@ -74,7 +74,7 @@ def bench(
             "--parallel",
             min=1,
             help="N prompts at once through the engine's N sequences, against one at a "
-            "time (aggregate tokens/s).",
+            "time (aggregate tokens/s, draft tokens accepted per step).",
         ),
     ] = 1,
     recalibrate: Annotated[

@@ -582,8 +582,10 @@ def run_parallel_bench(
     ratio, the draft tokens accepted and the target steps of both (``accepted_1``,
     ``steps_1``, ``accepted_parallel``, ``steps_parallel``), and what the calibrated batch
     curve allows for it: N rows in one batch against N single rows, t(1) N / t(N). The
-    suffix drafter's corpus is fresh for each configuration, width and round (the earlier
-    questions of that pass only, as in :func:`run_bench`). ``calibration`` in the report,
+    suffix drafter's corpus is empty at the start of each configuration, width and round,
+    as in :func:`run_bench`: one at a time, a question drafts from the earlier questions'
+    answers; all at once, only from those of questions that ended before it started
+    (none while there are no more questions than sequences). ``calibration`` in the report,
     ``progress`` and
     ``recalibrate``: as in :func:`run_bench` (a line per question one at a time, and one
     per batch of all at once).

@@ -213,17 +213,17 @@ class Engine:
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
                     "" if attention else " and the recurrent state's snapshots", capacity,
                 )  # fmt: skip
-            # one corpus of everything seen, a copy per sequence (SuffixDrafter.group)
-            suffixes = SuffixDrafter.group(1 + (n_par if n_par > 1 else 0))
             self.drafting = Drafting(
-                model_drafter, (spec.ngram_min, spec.ngram_max), suffixes[0], self.timings,
+                model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings,
                 mtp=mtp_drafter,
             )  # fmt: skip
+            # one corpus of everything the sequences saw, a copy each (SuffixDrafter.group)
+            suffixes = SuffixDrafter.group(n_par)
             if n_par > 1 and spec.draft_tree >= 2:
                 log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
                          n_par)  # fmt: skip
             #: the sequences of ``serve --parallel`` (none when one at a time)
-            self.slots: list[Slot] = [self._slot(i, suffixes[1 + i]) for i in range(n_par)
+            self.slots: list[Slot] = [self._slot(i, suffixes[i]) for i in range(n_par)
                                       if n_par > 1]  # fmt: skip
             self.batcher: Batcher | None = None
             trained = self.preflight.target.context_length
@@ -295,12 +295,15 @@ class Engine:
         """Generations inside start from an empty suffix corpus (every sequence's, with
         the same settings), and the engine's own is back afterwards: a benchmark's
         configurations must not copy an answer another one gave to the same question."""
-        old = [self.drafting.suffix, *(s.drafting.suffix for s in self.slots)]
-        like = old[0]
-        fresh = SuffixDrafter.group(len(old), capacity=like.capacity,
-                                    max_occurrences=like.max_occurrences,
-                                    min_share=like.min_share)  # fmt: skip
         holders = [self.drafting, *(s.drafting for s in self.slots)]
+        old = [h.suffix for h in holders]
+        like = old[0]
+        settings: dict[str, Any] = {
+            "capacity": like.capacity,
+            "max_occurrences": like.max_occurrences,
+            "min_share": like.min_share,
+        }
+        fresh = [SuffixDrafter(**settings), *SuffixDrafter.group(len(self.slots), **settings)]
         for holder, suffix in zip(holders, fresh, strict=True):
             holder.suffix = suffix
         try:

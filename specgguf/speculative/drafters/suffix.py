@@ -37,7 +37,10 @@ class SuffixDrafter(Drafter):
     Several sequences (``serve --parallel``) share what they have seen through a group
     (:meth:`group`): a drafter each, and a generation that ends (:meth:`finish`) is taken
     into the others' corpora when they start their next one (:meth:`reset`), never in the
-    middle of one. Each holds its own copy (up to ``capacity`` tokens each).
+    middle of one, after the drafter's own latest (so a sequence forgets its own newest
+    generation before the others' that ended while it ran). Each holds its own copy and
+    index (up to ``capacity`` tokens each), and indexes what it takes in at its next draft
+    (about 6 us a token).
     """
 
     name = "suffix"
@@ -74,11 +77,12 @@ class SuffixDrafter(Drafter):
         """A new generation: the text so far stays in the corpus, behind a separator, and
         goes to the group's other drafters; what they finished since is taken in."""
         if len(self._corpus) > self._start:
-            done = self._corpus[self._start :]
+            if len(self._peers) > 1:
+                done = self._corpus[self._start :]
+                for peer in self._peers:
+                    if peer is not self:
+                        peer._receive(done)
             self._corpus.append(self.SEPARATOR)
-            for peer in self._peers:
-                if peer is not self:
-                    peer._receive(done)
         for text in self._inbox:
             self._corpus += text
             self._corpus.append(self.SEPARATOR)
