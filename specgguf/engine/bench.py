@@ -317,9 +317,7 @@ def _share(part: float, whole: float) -> float:
 
 def _fresh_suffix(like: SuffixDrafter) -> SuffixDrafter:
     """An empty suffix corpus with ``like``'s settings."""
-    return SuffixDrafter(
-        capacity=like.capacity, max_occurrences=like.max_occurrences, min_share=like.min_share
-    )
+    return SuffixDrafter(**like.settings)
 
 
 def run_bench(

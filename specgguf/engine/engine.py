@@ -218,13 +218,12 @@ class Engine:
                 mtp=mtp_drafter,
             )  # fmt: skip
             # one corpus of everything the sequences saw, a copy each (SuffixDrafter.group)
-            suffixes = SuffixDrafter.group(n_par)
+            suffixes = SuffixDrafter.group(n_par) if n_par > 1 else []
             if n_par > 1 and spec.draft_tree >= 2:
                 log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
                          n_par)  # fmt: skip
             #: the sequences of ``serve --parallel`` (none when one at a time)
-            self.slots: list[Slot] = [self._slot(i, suffixes[i]) for i in range(n_par)
-                                      if n_par > 1]  # fmt: skip
+            self.slots: list[Slot] = [self._slot(i, d) for i, d in enumerate(suffixes)]
             self.batcher: Batcher | None = None
             trained = self.preflight.target.context_length
             if trained and self.n_ctx > trained:
@@ -297,12 +296,7 @@ class Engine:
         configurations must not copy an answer another one gave to the same question."""
         holders = [self.drafting, *(s.drafting for s in self.slots)]
         old = [h.suffix for h in holders]
-        like = old[0]
-        settings: dict[str, Any] = {
-            "capacity": like.capacity,
-            "max_occurrences": like.max_occurrences,
-            "min_share": like.min_share,
-        }
+        settings = old[0].settings
         fresh = [SuffixDrafter(**settings), *SuffixDrafter.group(len(self.slots), **settings)]
         for holder, suffix in zip(holders, fresh, strict=True):
             holder.suffix = suffix

@@ -64,6 +64,13 @@ class SuffixDrafter(Drafter):
         self._peers: list[SuffixDrafter] = [self]  # the group, this one included
         self._inbox: list[list[int]] = []  # the others' generations, not yet taken in
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The constructor's arguments this drafter was made with (for an empty one like
+        it: ``SuffixDrafter(**d.settings)``)."""
+        return {"capacity": self.capacity, "max_occurrences": self.max_occurrences,
+                "min_share": self.min_share}  # fmt: skip
+
     @classmethod
     def group(cls, n: int, **settings: Any) -> list[SuffixDrafter]:
         """``n`` drafters (``settings``: the constructor's) that share every generation
