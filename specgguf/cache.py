@@ -26,11 +26,22 @@ def read_json_cache(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def update_json_cache(path: Path, key: str, value: Any) -> None:
+#: The most entries a JSON cache keeps: the newest written. Keys name files by path, size
+#: and modification time, so every new version of a model file (or of a test's fixture)
+#: adds one; without a bound a cache, read and written whole, grows with every run.
+CACHE_ENTRIES = 256
+
+
+def update_json_cache(path: Path, key: str, value: Any, *, keep: int = CACHE_ENTRIES) -> None:
     """Set ``key`` in the JSON object cached in ``path``, written atomically (a temporary
-    file, then a rename); a cache that cannot be written is silently skipped."""
+    file, then a rename); a cache that cannot be written is silently skipped. The object
+    keeps its newest ``keep`` entries: ``key`` becomes the newest, and the oldest written
+    go."""
     data = read_json_cache(path)
+    data.pop(key, None)
     data[key] = value
+    if len(data) > keep:
+        data = dict(list(data.items())[-keep:])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
