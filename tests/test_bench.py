@@ -427,3 +427,23 @@ def test_a_large_target_loading_without_a_terminal_reports_every_ten_seconds(
         "specgguf: loading big.gguf (40.00 GiB): 60%, 23 s",
         "specgguf: loaded big.gguf (40.00 GiB) in 26.00 s",
     ]
+
+
+def test_a_categorys_sample_is_the_same_whichever_categories_are_asked_for() -> None:
+    # `bench --categories summarization --per-category 10 --seed 2` measured other
+    # questions than the summarization column of `--per-category 10 --seed 2`: it sampled
+    # after filtering, and the sample draws every category from one generator in turn.
+    from specgguf.engine.bench import BenchPrompt, sample_per_category, select_prompts
+
+    cats3 = ("writing", "translation", "summarization")
+    prompts = [BenchPrompt(c, (f"{c} {i}",), f"{c}-{i}") for c in cats3 for i in range(8)]
+    for seed in range(20):
+        whole = sample_per_category(prompts, 3, seed)
+        assert [p.category for p in whole].count("summarization") == 3
+        for cats in (["summarization"], ["translation", "summarization"]):
+            alone = select_prompts(prompts, cats, 3, seed)
+            assert alone == [p for p in whole if p.category in cats], (seed, cats)
+    assert select_prompts(prompts, None, None, 0) == prompts
+    assert select_prompts(prompts, ["writing"], None, 0) == prompts[:8]
+    with pytest.raises(errors.UsageError, match=r"unknown categories \['poetry'\]"):
+        select_prompts(prompts, ["poetry", "writing"], 3, 0)

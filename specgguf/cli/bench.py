@@ -95,7 +95,7 @@ def bench(
         load_prompts,
         run_bench,
         run_parallel_bench,
-        sample_per_category,
+        select_prompts,
     )
     from specgguf.errors import UsageError
     from specgguf.speculative.tuning import AUTO_TUNING
@@ -109,16 +109,10 @@ def bench(
         raise UsageError(f"--draft takes draft lengths of 1 or more, not {draft!r}")
     if plot is not None:
         _check_plot_path(plot)  # before the run, not after it
-    chosen = load_prompts(prompts) if prompts else builtin_prompts()
-    if categories:
-        wanted = set(categories.split(","))
-        known = list(dict.fromkeys(p.category for p in chosen))
-        unknown = wanted - set(known)
-        if unknown:
-            raise UsageError(f"unknown categories {sorted(unknown)}; known: {known}")
-        chosen = [p for p in chosen if p.category in wanted]
-    if per_category is not None:
-        chosen = sample_per_category(chosen, per_category, seed)
+    chosen = select_prompts(
+        load_prompts(prompts) if prompts else builtin_prompts(),
+        categories.split(",") if categories else None, per_category, seed,
+    )  # fmt: skip
     draft_max = max(AUTO_TUNING.draft_max_lookup, *ks)
     drafting = dataclasses.replace(drafting, drafter="auto", draft=draft_max)
     config = dataclasses.replace(o.engine_config(load, drafting, say=say), n_parallel=parallel)

@@ -208,6 +208,35 @@ def sample_per_category(prompts: Sequence[BenchPrompt], n: int, seed: int) -> li
     return [p for i, p in enumerate(prompts) if i in keep]
 
 
+def select_prompts(
+    prompts: Sequence[BenchPrompt],
+    categories: Sequence[str] | None,
+    per_category: int | None,
+    seed: int,
+) -> list[BenchPrompt]:
+    """``prompts`` sampled (:func:`sample_per_category`, where ``per_category`` is given),
+    then kept in ``categories`` (None: all). Sampling comes first so that a category's
+    questions are the same whichever categories are asked for: the sample draws the
+    categories in the file's order from one generator.
+
+    Raises:
+        UsageError: a category ``prompts`` does not have.
+    """
+    from specgguf.errors import UsageError
+
+    if categories is not None:
+        known = list(dict.fromkeys(p.category for p in prompts))
+        unknown = set(categories) - set(known)
+        if unknown:
+            raise UsageError(f"unknown categories {sorted(unknown)}; known: {known}")
+    chosen = list(prompts)
+    if per_category is not None:
+        chosen = sample_per_category(chosen, per_category, seed)
+    if categories is not None:
+        chosen = [p for p in chosen if p.category in set(categories)]
+    return chosen
+
+
 def run_one(
     engine: Engine, ids: Sequence[int], kind: str, k: int, n: int, *, deterministic: bool = False
 ) -> GenerationStats:
