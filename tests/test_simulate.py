@@ -82,6 +82,39 @@ def test_a_draft_model_step_costs_its_catch_up_drafts_and_the_batch() -> None:
     assert res.seconds["c"] == pytest.approx(0.0381)
 
 
+def test_what_depth_adds_is_charged_at_each_steps_cached_positions() -> None:
+    # 50 us a cached position for a lone row, 100 us for each row of a batch, from 0.
+    deep = {**SMALL, "position_row_us": 100.0, "position_single_us": 50.0}
+    t = machine_timings(deep)
+    # The target alone after a 40-token prompt: the step at output position i has 39 + i
+    # positions cached: 10 ms + (39 + i) * 0.05 ms, for i = 0, 1, 2: 30 + 6 = 36 ms.
+    tr = Trace({}, [gen(list(range(40)), [50, 51, 52])])
+    assert simulate(tr, t, "none", 0).seconds["c"] == pytest.approx(0.036)
+    # The draft model at K = 2, both right: catch-up 1 ms, one more draft token 1 ms, and
+    # t(3) at 39 cached positions, 12 ms + 3 rows * 39 * 0.1 ms = 23.7 ms: 25.7 ms.
+    res = simulate(tr, t, "model", 2)
+    assert res.steps == 1 and res.seconds["c"] == pytest.approx(0.0257)
+    # Measured deeper than 0: only the positions past the curve's depth add.
+    t30 = machine_timings({**deep, "depth": 30})
+    assert t30.verify_time(3, 39) == pytest.approx(0.012 + 3 * 9 * 0.0001)
+    # Without them, as before: the same at every depth.
+    assert machine_timings(SMALL).verify_time(3, 1000) == pytest.approx(0.012)
+
+
+def test_position_costs_go_to_the_curves_that_lack_their_own(tmp_path: Path) -> None:
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps({"plain": SMALL,
+                                "own": {**SMALL, "position_row_us": 7.0}}))  # fmt: skip
+    out = load_curves(path, (20.0, 5.0))
+    assert (out["plain"].position_row, out["plain"].position_single) == pytest.approx((2e-5, 5e-6))
+    assert (out["own"].position_row, out["own"].position_single) == pytest.approx((7e-6, 7e-6))
+    assert out["gpu-like"].position_row == out["gpu-like"].position_single == 0.0
+    with pytest.raises(UsageError, match="finite"):
+        machine_timings({**SMALL, "position_row_us": -1})
+    with pytest.raises(UsageError, match="one_row_ms"):
+        machine_timings({**SMALL, "position_row_us": "fast"})
+
+
 def test_a_rejected_draft_costs_its_batch_and_gives_one_token() -> None:
     t = machine_timings(SMALL)
     res = simulate(Trace({}, [gen([1, 2, 3], list(range(10, 14)), right=False)]), t, "model", 2)
@@ -253,7 +286,11 @@ def test_the_simulator_script_says_what_is_wrong(tmp_path: Path) -> None:
     for args, says in ((["--set", 'p_stop_cost="x"'], "p_stop_cost is a float"),
                        (["--set", "nope=1"], "a field of AutoTuning"),
                        (["--curves", str(tmp_path / "none.json")], "no such file"),
-                       (["--machine", "abacus"], "no machine abacus")):  # fmt: skip
+                       (["--machine", "abacus"], "no machine abacus"),
+                       (["--position-us", "-1"], "--position-us '-1'"),
+                       (["--position-us", "1,2,3"], "ROW or ROW,LONE"),
+                       (["--position-us", "inf"], "microseconds of at least 0"),
+                       (["--position-us", "fast"], "ROW or ROW,LONE")):  # fmt: skip
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate-planner"),
                             str(trace), *args], capture_output=True, text=True,
                            timeout=120)  # fmt: skip

@@ -19,14 +19,17 @@ the output, the option with the most tokens per second at that step (a myopic or
 upper reference, not a bound).
 
 Curves: ``../shared/machines/curves.json``'s machines (batch cost per row count relative to
-one row, one row's milliseconds, a draft-model token relative to one target row), a
-calibration specgguf cached (:func:`timings_from_calibration`), and :data:`GPU_LIKE`.
+one row, one row's milliseconds, a draft-model token relative to one target row, and
+optionally what each cached position adds to a row: :func:`machine_timings`), a
+calibration specgguf cached (``scripts/simulate-planner --calibration``: with what depth
+costs), and :data:`GPU_LIKE`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,9 +65,15 @@ FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 FIXED_DRAFTERS = ("ngram", "suffix", "model")
 
 
-def machine_timings(curve: dict[str, Any]) -> Timings:
+def machine_timings(
+    curve: dict[str, Any], position_us: tuple[float, float] | None = None
+) -> Timings:
     """:class:`Timings` of a machine of ``curves.json`` (``one_row_ms``, ``rows``: row
-    count -> cost relative to one row, ``draft_token``: a draft token relative to one row).
+    count -> cost relative to one row, ``draft_token``: a draft token relative to one row),
+    and what attention to the cached positions adds: ``position_row_us`` microseconds per
+    row of a batch and cached position, ``position_single_us`` for a lone row (default:
+    the batch row's), both measured at ``depth`` positions (default 0). A curve without
+    them takes ``position_us`` (row, lone row), or costs the same at every depth.
 
     Raises:
         UsageError: a malformed curve.
@@ -73,16 +82,29 @@ def machine_timings(curve: dict[str, Any]) -> Timings:
         one = float(curve["one_row_ms"]) / 1000.0
         verify = {int(n): one * float(r) for n, r in curve["rows"].items()}
         draft = one * float(curve.get("draft_token", 0.0))
+        if "position_row_us" in curve:
+            row = float(curve["position_row_us"])
+            single = float(curve.get("position_single_us", row))
+        else:
+            row, single = position_us or (0.0, 0.0)
+        depth = int(curve.get("depth", 0))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UsageError(f"a machine curve needs one_row_ms, rows and draft_token ({e})") from None
     if 1 not in verify or any(v <= 0 for v in verify.values()):
         raise UsageError("a machine curve needs a positive cost for 1 row and every size")
-    return Timings(verify, draft)
+    if not all(math.isfinite(v) and v >= 0 for v in (row, single)) or depth < 0:
+        raise UsageError("a machine curve's depth and position costs must be finite and >= 0")
+    return Timings(verify, draft, depth=depth, position_row=row * 1e-6,
+                   position_single=single * 1e-6)  # fmt: skip
 
 
-def load_curves(path: Path | None) -> dict[str, Timings]:
-    """The machines of ``curves.json`` at ``path`` (None: none) and :data:`GPU_LIKE`, by
-    name.
+def load_curves(
+    path: Path | None, position_us: tuple[float, float] | None = None
+) -> dict[str, Timings]:
+    """The machines of ``curves.json`` at ``path`` (None: none), those without their own
+    position costs given ``position_us`` (:func:`machine_timings`), and :data:`GPU_LIKE`
+    (none: on a GPU attention reads the cache about once per batch, whatever its rows),
+    by name.
 
     Raises:
         UsageError: the file cannot be read or holds a malformed curve.
@@ -96,7 +118,7 @@ def load_curves(path: Path | None) -> dict[str, Timings]:
         if not isinstance(data, dict):
             raise UsageError(f"{path}: expected an object of machines")
         for name, curve in data.items():
-            out[name] = machine_timings(curve)
+            out[name] = machine_timings(curve, position_us)
     out["gpu-like"] = machine_timings(GPU_LIKE)
     return out
 
