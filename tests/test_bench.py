@@ -37,12 +37,13 @@ def test_bench_json_has_every_configuration_and_same_run_speedups(
             assert r["speedup"] == 1.0 and r["acceptance_rate"] == 0.0
         assert {"tokens_per_s", "speedup", "acceptance_rate", "mean_accepted"} <= set(r)
     # Speedup is tokens/s over the target alone's in the same category (each rounded to
-    # 3 decimals in the report: the ratio of the rounded rates carries their rounding).
+    # 3 decimals in the report: the ratio of the rounded rates carries their rounding, and
+    # the speedup its own, up to 5e-4).
     alone = {r["category"]: r["tokens_per_s"] for r in data["results"] if r["config"] == "target"}
     for r in data["results"]:
         tps, base = r["tokens_per_s"], alone[r["category"]]
         slack = 5e-4 / tps + 5e-4 / base + 5e-4 / max(r["speedup"], 1e-3)
-        assert r["speedup"] == pytest.approx(tps / base, rel=slack), (r, base)
+        assert r["speedup"] == pytest.approx(tps / base, rel=slack, abs=5e-4), (r, base)
     # Per-token acceptance (the cost model's a) counts each step's first rejection: it
     # lies between accepted / drafted and 1, and is below 1 where a draft was rejected.
     for r in data["results"]:

@@ -99,6 +99,9 @@ def test_what_depth_adds_is_charged_at_each_steps_cached_positions() -> None:
     assert t30.verify_time(3, 39) == pytest.approx(0.012 + 3 * 9 * 0.0001)
     # Without them, as before: the same at every depth.
     assert machine_timings(SMALL).verify_time(3, 1000) == pytest.approx(0.012)
+    # The oracle's lone steps pay the same depth (nothing here is worth drafting).
+    wrong = Trace({}, [gen(list(range(40)), [50, 51, 52], right=False)])
+    assert oracle(wrong, t).seconds["c"] == pytest.approx(0.036)
 
 
 def test_position_costs_go_to_the_curves_that_lack_their_own(tmp_path: Path) -> None:
@@ -109,10 +112,16 @@ def test_position_costs_go_to_the_curves_that_lack_their_own(tmp_path: Path) -> 
     assert (out["plain"].position_row, out["plain"].position_single) == pytest.approx((2e-5, 5e-6))
     assert (out["own"].position_row, out["own"].position_single) == pytest.approx((7e-6, 7e-6))
     assert out["gpu-like"].position_row == out["gpu-like"].position_single == 0.0
-    with pytest.raises(UsageError, match="finite"):
-        machine_timings({**SMALL, "position_row_us": -1})
-    with pytest.raises(UsageError, match="one_row_ms"):
-        machine_timings({**SMALL, "position_row_us": "fast"})
+    for bad in ({"position_row_us": -1}, {"position_row_us": "fast"},
+                {"position_row_us": float("nan")},
+                {"position_row_us": 5, "position_single_us": 20}):  # fmt: skip
+        with pytest.raises(UsageError, match="microseconds, at least 0"):
+            machine_timings({**SMALL, **bad})
+    with pytest.raises(UsageError, match="needs position_row_us"):
+        machine_timings({**SMALL, "position_single_us": 5})
+    for depth in (-1, 1.5, 1e400, True, "64"):
+        with pytest.raises(UsageError, match="depth is a number of positions"):
+            machine_timings({**SMALL, "depth": depth})
 
 
 def test_a_rejected_draft_costs_its_batch_and_gives_one_token() -> None:
@@ -290,12 +299,33 @@ def test_the_simulator_script_says_what_is_wrong(tmp_path: Path) -> None:
                        (["--position-us", "-1"], "--position-us '-1'"),
                        (["--position-us", "1,2,3"], "ROW or ROW,LONE"),
                        (["--position-us", "inf"], "microseconds of at least 0"),
+                       (["--position-us", "5,20"], "LONE at most ROW"),
                        (["--position-us", "fast"], "ROW or ROW,LONE")):  # fmt: skip
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate-planner"),
                             str(trace), *args], capture_output=True, text=True,
                            timeout=120)  # fmt: skip
         assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, args
+
+
+def test_the_simulator_scripts_position_costs_reach_the_curves(tmp_path: Path) -> None:
+    # A trace whose drafts are all accepted, 40-token prompts: with 200 us a cached
+    # position for each row (and 50 for a lone row) a draft of several rows costs more
+    # against a lone row than without, so auto mode's and the oracle's rates fall.
+    trace, curves = tmp_path / "t.json.gz", tmp_path / "curves.json"
+    save_trace(Trace({"version": 1}, [gen(list(range(40)), list(range(100, 160)))]), trace)
+    curves.write_text(json.dumps({"m": SMALL}))
+    out = {}
+    for extra in ([], ["--position-us", "200,50"]):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate-planner"), str(trace),
+                            "--curves", str(curves), "--machine", "m", "--json",
+                            str(tmp_path / "rows.json"), *extra],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode in (0, 1), r.stderr
+        rows = json.loads((tmp_path / "rows.json").read_text())
+        out[bool(extra)] = {row["category"]: row for row in rows}["all"]
+    assert out[True]["oracle"] < out[False]["oracle"]
+    assert out[True]["auto"] < out[False]["auto"]
 
 
 # -- the recorder, on the tiny pair ----------------------------------------------------

@@ -70,10 +70,12 @@ def machine_timings(
 ) -> Timings:
     """:class:`Timings` of a machine of ``curves.json`` (``one_row_ms``, ``rows``: row
     count -> cost relative to one row, ``draft_token``: a draft token relative to one row),
-    and what attention to the cached positions adds: ``position_row_us`` microseconds per
-    row of a batch and cached position, ``position_single_us`` for a lone row (default:
-    the batch row's), both measured at ``depth`` positions (default 0). A curve without
-    them takes ``position_us`` (row, lone row), or costs the same at every depth.
+    measured at ``depth`` cached positions (an integer, default 0), and what each cached
+    position past it adds: ``position_row_us`` microseconds to each row of a batch, and
+    ``position_single_us`` to a lone row (default: the batch row's; at most it, as
+    :meth:`Timings.verify_time` reads it). A curve without them takes ``position_us`` (row,
+    lone row), or costs the same at every depth. The draft model's token costs the same
+    at every depth.
 
     Raises:
         UsageError: a malformed curve.
@@ -82,18 +84,31 @@ def machine_timings(
         one = float(curve["one_row_ms"]) / 1000.0
         verify = {int(n): one * float(r) for n, r in curve["rows"].items()}
         draft = one * float(curve.get("draft_token", 0.0))
-        if "position_row_us" in curve:
-            row = float(curve["position_row_us"])
-            single = float(curve.get("position_single_us", row))
-        else:
-            row, single = position_us or (0.0, 0.0)
-        depth = int(curve.get("depth", 0))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UsageError(f"a machine curve needs one_row_ms, rows and draft_token ({e})") from None
     if 1 not in verify or any(v <= 0 for v in verify.values()):
         raise UsageError("a machine curve needs a positive cost for 1 row and every size")
-    if not all(math.isfinite(v) and v >= 0 for v in (row, single)) or depth < 0:
-        raise UsageError("a machine curve's depth and position costs must be finite and >= 0")
+    depth = curve.get("depth", 0)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+        raise UsageError(f"a machine curve's depth is a number of positions, not {depth!r}")
+    if "position_single_us" in curve and "position_row_us" not in curve:
+        raise UsageError("a machine curve with position_single_us needs position_row_us")
+    if "position_row_us" in curve:
+        given = (
+            curve["position_row_us"],
+            curve.get("position_single_us", curve["position_row_us"]),
+        )
+    else:
+        given = position_us or (0.0, 0.0)
+    try:
+        row, single = (float(v) for v in given)
+    except (TypeError, ValueError):
+        row = single = math.nan
+    if not all(math.isfinite(v) and v >= 0 for v in (row, single)) or single > row:
+        raise UsageError(
+            "a machine curve's position_row_us and position_single_us are microseconds, "
+            "at least 0, the lone row's at most the batch row's"
+        )
     return Timings(verify, draft, depth=depth, position_row=row * 1e-6,
                    position_single=single * 1e-6)  # fmt: skip
 
@@ -321,7 +336,8 @@ def oracle(trace: Trace, truth: Timings, *, overhead: float = 0.0, k_max: int = 
         rng = np.random.default_rng(0)
         behind = 1
         while pos < len(out):
-            best_rate, best_n, best_cost = 1.0 / truth.verify_time(1), 1, truth.verify_time(1)
+            alone = truth.verify_time(1, len(history) - 1)
+            best_rate, best_n, best_cost = 1.0 / alone, 1, alone
             room = len(out) - pos - 1
             cands: list[tuple[int, float]] = []
             for d in (ngram, suffix):
