@@ -448,3 +448,30 @@ def test_a_categorys_sample_is_the_same_whichever_categories_are_asked_for() -> 
     assert select_prompts(prompts, ["writing"], None, 0) == prompts[:8]
     with pytest.raises(errors.UsageError, match=r"unknown categories \['poetry'\]"):
         select_prompts(prompts, ["poetry", "writing"], 3, 0)
+
+
+def test_a_configuration_given_a_tuning_runs_auto_mode_with_it(
+    tiny_models: dict[str, Path],
+) -> None:
+    # scripts/bench-tuning measures a tuning change beside the current tuning: the
+    # configuration named in `tunings` must plan with that tuning, the others with the
+    # engine's, which is the engine's again afterwards. A margin no draft can meet turns
+    # auto mode's drafting off: the control drafts on the same question.
+    import dataclasses
+
+    from specgguf.engine.bench import BenchPrompt, run_bench
+    from specgguf.speculative.tuning import AUTO_TUNING
+
+    from .helpers import load_engine
+
+    prompt = BenchPrompt("chat", ("Repeat this line five times: the sea and the sky.",), "q1")
+    never = dataclasses.replace(AUTO_TUNING, margin=1000.0)
+    with load_engine(tiny_models["target"], drafter="none", n_ctx=1024) as engine:
+        own = engine.drafting.tuning
+        configs = [("auto", "auto", 8), ("auto-never", "auto", 8)]
+        report = run_bench(engine, [prompt], configs, n=48, rounds=1,
+                           tunings={"auto-never": never})  # fmt: skip
+        assert engine.drafting.tuning is own
+    rows = {r["config"]: r for r in report["results"] if r["category"] == "chat"}
+    drafted = {name: sum(v[1] for v in row["by_drafter"].values()) for name, row in rows.items()}
+    assert drafted["auto"] > 0 and drafted["auto-never"] == 0, drafted

@@ -19,6 +19,7 @@ from specgguf.engine.simulate import (
     GREEDY,
     TraceDraftModel,
     _agreement,
+    changed_tuning,
     load_curves,
     machine_timings,
     oracle,
@@ -35,6 +36,7 @@ from specgguf.engine.traces import (
 from specgguf.errors import UsageError
 from specgguf.llama.backend import LlamaModel
 from specgguf.speculative.draft import Draft
+from specgguf.speculative.tuning import AUTO_TUNING
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -368,3 +370,40 @@ def test_the_recorder_records_the_targets_output_and_the_drafts_chains(
               for i in range(len(g.output))]  # fmt: skip
     assert 0 < sum(firsts) < len(firsts)
     assert np.isfinite([p for g in tr.generations for c in g.chain_probs for p in c]).all()
+
+
+def test_a_changed_tuning_keeps_the_fields_types_and_the_rest() -> None:
+    t = changed_tuning(["margin=1", "lookup_z=0.25", "shadow_len=8"])
+    assert (t.margin, type(t.margin), t.lookup_z, t.shadow_len) == (1.0, float, 0.25, 8)
+    assert t.p_stop == AUTO_TUNING.p_stop and t.lookup_priors == AUTO_TUNING.lookup_priors
+    for bad in ("margin", "margin=", "shadow_len=2.5", "lookup_z=[1]", "nope=1"):
+        with pytest.raises(UsageError):
+            changed_tuning([bad])
+
+
+def test_the_tuning_benchmark_runs_both_tunings_and_says_what_is_wrong(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    script = [sys.executable, str(ROOT / "scripts" / "bench-tuning")]
+    pair = ["-m", str(tiny_models["target"]), "-d", str(tiny_models["draft-identical"])]
+    cases = (([], "--set FIELD=VALUE is needed"),
+             (["--set", "nope=1"], "a field of AutoTuning"),
+             (["--set", "margin=1000", "--rounds", "0"], "--rounds must be 1"),
+             (["--set", "margin=1000", "--categories", "nope"], "unknown categor"))  # fmt: skip
+    for args, says in cases:
+        r = subprocess.run([*script, *pair, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    out, prompts = tmp_path / "t.json", tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"category": "chat", "prompt": "Repeat this line five times: "
+                                    "the sea and the sky."}]))  # fmt: skip
+    r = subprocess.run([*script, *pair, "--set", "margin=1000", "--prompts", str(prompts),
+                        "-n", "48", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = {(x["category"], x["config"]): x for x in json.loads(out.read_text())["results"]}
+    assert {c for _, c in rows} == {"target", "auto", "auto-set"}
+    # a margin no draft meets: auto-set drafts nothing where auto drafts
+    drafted = {c: sum(v[1] for v in rows[("chat", c)]["by_drafter"].values())
+               for c in ("auto", "auto-set")}  # fmt: skip
+    assert drafted["auto"] > 0 and drafted["auto-set"] == 0, drafted
+    assert "| chat |" in r.stdout and "| overall |" in r.stdout and "auto-set / auto" in r.stdout

@@ -28,7 +28,7 @@ import random
 import resource
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from specgguf.speculative.costmodel import Timings, best_k
 from specgguf.speculative.drafters import SuffixDrafter
 from specgguf.speculative.loop import GenerationParams, GenerationResult, GenerationStats
 from specgguf.speculative.sampling import SamplerParams
-from specgguf.speculative.tuning import AUTO_TUNING
+from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
 #: The row that pools every category.
 OVERALL = "overall"
@@ -358,6 +358,7 @@ def run_bench(
     rounds: int,
     progress: Callable[[str], None] = lambda msg: None,
     recalibrate: bool = False,
+    tunings: Mapping[str, AutoTuning] | None = None,
 ) -> dict[str, Any]:
     """Run every (prompt, configuration) ``rounds`` times, interleaved; returns the report
     (``machine``, ``results`` with one entry per category and configuration and an
@@ -370,7 +371,9 @@ def run_bench(
     ``progress`` gets a line before and after the calibration and one before each
     (round, question, configuration), numbered (``[3/24] model-K4, question 2/6
     (code-editing), round 1/2, 41 s``); ``recalibrate`` measures the timings again
-    rather than reuse the pair's cached calibration."""
+    rather than reuse the pair's cached calibration. A configuration named in ``tunings``
+    runs auto mode with that tuning (``scripts/bench-tuning``: a tuning change measured
+    beside the current one); the others with the engine's."""
     from specgguf.llama.memory import kv_cache_bytes
     from specgguf.llama.runtime import build_info, platform_summary
 
@@ -382,6 +385,8 @@ def run_bench(
     calibration = calibrate_pair(engine, deterministic=has_det, recalibrate=recalibrate,
                                  progress=progress)  # fmt: skip
     shared_suffix = engine.drafting.suffix
+    own_tuning = engine.drafting.tuning
+    tunings = tunings or {}
     total = rounds * len(prompts) * len(configs)
     done = 0
     for r in range(rounds):
@@ -397,10 +402,12 @@ def run_bench(
                          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
                 det = name.startswith("det-")
                 engine.drafting.suffix = corpus[name]
+                engine.drafting.tuning = tunings.get(name, own_tuning)
                 try:
                     s = run_conversation(engine, p, kind, k, n, deterministic=det)
                 finally:
                     engine.drafting.suffix = shared_suffix
+                    engine.drafting.tuning = own_tuning
                 cells.setdefault((p.category, name), Cell(p.category, name)).add(s, len(p.turns))
                 cells.setdefault((OVERALL, name), Cell(OVERALL, name)).add(s, len(p.turns))
     wall = time.perf_counter() - t0

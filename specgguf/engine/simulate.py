@@ -27,6 +27,7 @@ costs), and :data:`GPU_LIKE`.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -136,6 +137,34 @@ def load_curves(
             out[name] = machine_timings(curve, position_us)
     out["gpu-like"] = machine_timings(GPU_LIKE)
     return out
+
+
+def changed_tuning(items: Sequence[str], base: AutoTuning = AUTO_TUNING) -> AutoTuning:
+    """``base`` with the fields of ``items`` ("FIELD=VALUE", VALUE a Python literal of the
+    field's type; an int where a float is wanted) changed: what ``scripts/simulate-planner``
+    and ``scripts/bench-tuning`` are given to try.
+
+    Raises:
+        UsageError: not FIELD=VALUE, no such field of :class:`AutoTuning`, not a literal,
+            or a value of another type.
+    """
+    changes: dict[str, Any] = {}
+    fields = {f.name for f in dataclasses.fields(AutoTuning)}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise UsageError(f"{item!r}: expected FIELD=VALUE with a field of AutoTuning")
+        try:
+            v = ast.literal_eval(value)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise UsageError(f"{item!r}: not a Python literal") from None
+        old = getattr(base, name)
+        if isinstance(old, float) and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if type(v) is not type(old):
+            raise UsageError(f"{item!r}: {name} is a {type(old).__name__} (now {old!r})")
+        changes[name] = v
+    return dataclasses.replace(base, **changes)
 
 
 def _copy(t: Timings) -> Timings:
