@@ -414,7 +414,7 @@ def test_a_lookup_arm_passes_the_step_s_sampling_and_weighs_lazy_verification() 
     assert greedy is not None and plain is not None and (greedy.k, plain.k) == (8, 8)
     # the same estimate a (no match: bucket 1), verified in calls of 2 rows greedily (each
     # call after the one before was accepted whole) or in one batch
-    a = arm.estimate(1, 0.9, long_copy=False)
+    a = arm.estimate(1, 0.9, long_copy=False, z=arm.z(lookup_step([1, 2], chunked)))
     expected = 0.010 * sum(a ** (2 * j) for j in range(5))
     assert plain.rate / greedy.rate == pytest.approx(expected / 0.010)
 

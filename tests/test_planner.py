@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from specgguf.speculative.arms import StepPlan
+from specgguf.speculative.arms import Step, StepPlan
 from specgguf.speculative.costmodel import Timings, best_k
 from specgguf.speculative.draft import Draft
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
@@ -51,6 +51,15 @@ def mean_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
     costs below are written for the estimate; the lower bound has tests of its own
     (test_short_lookup_matches_draft_on_their_acceptance_less_one_standard_error)."""
     monkeypatch.setattr(fakes, "TUNING", tuned(lookup_z=0.0))
+
+
+@pytest.fixture
+def constant_z(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short lookup matches judged at their acceptance less ``lookup_z`` standard errors
+    whatever a draft row costs (``lookup_z_row`` 0): the hand computations of the bound;
+    how it follows the cost of a row has a test of its own
+    (test_the_lookup_bound_follows_what_a_draft_row_costs)."""
+    monkeypatch.setattr(fakes, "TUNING", tuned(lookup_z_row=0.0))
 
 
 def e(a: float, k: int) -> float:
@@ -119,6 +128,7 @@ def lower(a: float, trials: float) -> float:
     return a - math.sqrt(a * (1 - a) / (trials + 2))
 
 
+@pytest.mark.usefixtures("constant_z")
 def test_short_lookup_matches_draft_on_their_acceptance_less_one_standard_error() -> None:
     history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]  # a 4-token match: 5, 6, 7, ...
     # No evidence yet: a = 0.9 (the prior), less sqrt(0.9 x 0.1 / 2) = 0.21213: 0.68787.
@@ -142,6 +152,41 @@ def test_short_lookup_matches_draft_on_their_acceptance_less_one_standard_error(
     assert p.arm("ngram").shadow.tokens == [5, 6, 7, 8] and p.arm("ngram").shadow.bucket == 4
 
 
+#: the 2-core Xeon of ../shared/machines (2026-12-02), a lone row of 10 ms: 5 rows cost 1.82
+XEON = {1: 0.010, 2: 0.0134, 3: 0.0171, 5: 0.0182, 9: 0.0301}
+
+
+def test_the_lookup_bound_follows_what_a_draft_row_costs() -> None:
+    # The bound is lookup_z (1) standard errors where each of explore_k (4) draft rows adds
+    # lookup_z_row (0.8) of a lone row or more, in proportion below. Rows' shares:
+    # ROWS_COST (0.0366 - 0.010) / 0.040 = 0.665, z = 0.83125; XEON (0.0182 - 0.010) /
+    # 0.040 = 0.205, z = 0.25625; FLAT 0, z = 0; a curve where 5 rows cost 5 lone rows, 1.
+    history = [7, 1, 2, 5, 6, 3, 4, 1, 2]  # a 2-token match: 5, 6, 3, ...
+    cases = ((ROWS_COST, 0.83125), (XEON, 0.25625), (FLAT, 0.0),
+             ({1: 0.010, 5: 0.050}, 1.0))  # fmt: skip
+    for timings, z in cases:
+        p = ngram_planner(timings)
+        arm = p.arm("ngram")
+        step = Step(history, 1, 16, GREEDY, RNG, p.timings, len(history) - 1, 0.9,
+                    1.0 / p.timings.verify_time(1), AUTO_TUNING)  # fmt: skip
+        assert arm.z(step) == pytest.approx(z)
+    # On XEON at confidence 0.9 the 2-token match's prior is 0.7 x 0.9 = 0.63, its standard
+    # error with no evidence sqrt(0.63 x 0.37 / 2) = 0.34140. Less 0.25625 of it: 0.54252;
+    # K=1: 1.54252 / 0.0134 = 115.11 > 105 (K=2: 1.83685 / 0.0171 = 107.42; K=4: 2.08316 /
+    # 0.0182 = 114.46): one token drafted. Less the whole of it (0.28860), no K pays
+    # (K=1: 1.28860 / 0.0134 = 96.16): the target alone, as before the bound followed rows.
+    a = 0.63 - 0.25625 * math.sqrt(0.63 * 0.37 / 2)
+    assert a == pytest.approx(0.54252, abs=1e-5)
+    p = ngram_planner(XEON)
+    p.confidence = 0.9
+    plan = p.plan(history, 16, GREEDY, RNG)
+    assert plan.draft.tokens == [5] and plan.expected_rate == pytest.approx((1 + a) / 0.0134)
+    p = ngram_planner(XEON, tuning=tuned(lookup_z_row=0.0))
+    p.confidence = 0.9
+    assert p.plan(history, 16, GREEDY, RNG).drafter is None
+
+
+@pytest.mark.usefixtures("constant_z")
 def test_a_shadow_draft_teaches_its_bucket_token_by_token() -> None:
     """Evidence from tokens the target produced as a lookup proposed, without verifying
     them: each counts as an accepted draft token, the first that differs as a

@@ -104,9 +104,23 @@ class AutoTuning:
     #: median 30.91 -> 32.95 tokens/s).
     long_copy_weight: float = 1 / (1 - 0.98)
     #: Below ``copy_match``, a lookup is judged at its acceptance less this many standard
-    #: errors (shadow drafts bring evidence free). Tried against 0 (no bound, no shadows),
+    #: errors (shadow drafts bring evidence free), where a draft row costs
+    #: ``lookup_z_row`` of a lone row or more. Tried against 0 (no bound, no shadows),
     #: measured on EPYC: 1.065x and 0.954x on code generation, 8 and 5 rounds: within noise.
+    #: Simulated (2026-12-04, traces C and D): 0 gains 1.5-4% on the Xeon curves and loses
+    #: 0.3-0.8% on the EPYC's with what depth costs, with twice the columns below 1.0x on
+    #: D; 0.5 lies between. So the bound now follows the cost of a row (below).
     lookup_z: float = 1.0
+    #: ... and ``lookup_z`` times (a row's share / this) where a draft row costs less
+    #: (``LookupArm.z``; 0: always ``lookup_z``, the rule before it): a draft judged too
+    #: hopefully costs its rows. Tried against 0, simulated on traces C and D
+    #: (scripts/simulate-planner, 2026-12-04, docs/performance.md): 0.8 gains 1.1-3.4% on
+    #: the Xeon curves, 0.5-0.9% on the GPU-like one, and is within 0.2% on the EPYC's with
+    #: depth; 0.65 and 1.0 within 0.5% of it; 0.5 and 1.2 each met the bar of issue 34 in
+    #: fewer columns on one trace, and ``lookup_z`` 1.5 with 1.0 came out about the same.
+    #: Measured on the EPYC against 0 (scripts/bench-tuning): 0.989x, within noise, where
+    #: the two rules are nearly one (its rows cost 0.69 of a lone row).
+    lookup_z_row: float = 0.8
     #: A lookup proposal not drafted is checked against the target's tokens up to this many
     #: (a shadow draft): evidence against bookkeeping. No measurement recorded; only value.
     shadow_len: int = 4

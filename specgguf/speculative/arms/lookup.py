@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from specgguf.speculative.arms.base import Offer, Step, StepPlan
-from specgguf.speculative.costmodel import Timings, best_k, best_tree
+from specgguf.speculative.costmodel import Timings, best_k, best_tree, row_share
 from specgguf.speculative.draft import Draft, Drafter, TreeDrafter
 from specgguf.speculative.drafters.ngram import LONG_MATCH
 from specgguf.speculative.estimates import Acceptance, lower
@@ -38,7 +38,8 @@ class LookupArm:
     or one that resumes a copy after an edit); where ``copies`` (n-gram lookup in the text
     itself) and decoding is greedy, a match of ``LONG_MATCH`` tokens is a long copy, with
     its own prior ``long_copy_prior`` worth ``long_copy_weight`` trials. Below a copy, a
-    bucket is judged at its estimate less ``lookup_z`` standard errors. A draft is at most
+    bucket is judged at its estimate less ``lookup_z`` standard errors, fewer where draft
+    rows are cheap (:meth:`z`). A draft is at most
     ``cap_slope`` times its bucket's mean accepted length plus ``cap_base`` long (starting
     at ``first_length``, or the copy caps), so that it grows while drafts are accepted
     whole and shrinks when they break early; within that, its length is the cost model's
@@ -93,23 +94,41 @@ class LookupArm:
         if len(cand.tokens) < step.k_min:
             return None
         bucket = t.bucket(max(cand.match, t.copy_match) if cand.resumed else cand.match)
-        a = self.estimate(bucket, step.confidence, long_copy=self.copies and step.sampler.greedy)
+        long_copy = self.copies and step.sampler.greedy
+        a = self.estimate(bucket, step.confidence, long_copy=long_copy, z=self.z(step))
         cap = min(len(cand.tokens), max(step.k_min, t.cap(self.lengths[bucket])))
         self._proposal = (cand.tokens[: min(cap, t.shadow_len)], bucket)
         k, rate = best_k(a, step.timings, cap, cached=step.cached, draft_cost=0.0,
                          k_min=step.k_min, greedy=step.sampler.greedy)  # fmt: skip
         return Offer(self, k, rate, cand.head(k), bucket)
 
-    def estimate(self, bucket: int, confidence: float, *, long_copy: bool) -> float:
+    def z(self, step: Step) -> float:
+        """How many standard errors short of its estimate a bucket below a copy is judged
+        at this step: ``lookup_z`` where a draft row costs ``lookup_z_row`` of a lone row
+        or more (:func:`~specgguf.speculative.costmodel.row_share` of ``explore_k`` rows,
+        at the step's depth), in proportion where rows cost less. A draft judged too
+        hopefully costs its rows: nearly a step per token deep in a context on a CPU whose
+        batches cost their rows, next to nothing where a batch costs what a lone row does,
+        and there a pessimistic estimate only forgoes drafts that pay."""
+        t = self.tuning
+        if t.lookup_z_row <= 0.0:
+            return t.lookup_z
+        share = row_share(step.timings, t.explore_k, step.cached)
+        return t.lookup_z * min(1.0, share / t.lookup_z_row)
+
+    def estimate(
+        self, bucket: int, confidence: float, *, long_copy: bool, z: float | None = None
+    ) -> float:
         """The per-token acceptance a draft from ``bucket`` is judged at (see the class;
-        ``long_copy``: a long match is a long copy)."""
+        ``long_copy``: a long match is a long copy; ``z``: the standard errors below a copy,
+        default ``lookup_z``)."""
         t = self.tuning
         acc = self.rates[bucket]
         long = long_copy and bucket >= LONG_MATCH
         a = acc.rate_with(self.prior(bucket, confidence, long_copy=long_copy),
                           t.long_copy_weight if long else None)  # fmt: skip
         if bucket < t.copy_match:
-            a = lower(a, acc.trials, t.lookup_z, t.prior_trials)
+            a = lower(a, acc.trials, t.lookup_z if z is None else z, t.prior_trials)
         return a
 
     def prior(self, bucket: int, confidence: float, *, long_copy: bool) -> float:
@@ -210,7 +229,7 @@ class SuffixArm(LookupArm):
         if len(tree.tokens) < step.k_min or tree.parents is None or not tree.probs:
             return None
         bucket = t.bucket(tree.match)
-        a = self.estimate(bucket, step.confidence, long_copy=False)
+        a = self.estimate(bucket, step.confidence, long_copy=False, z=self.z(step))
         cap = max(step.k_min, t.cap(self.lengths[bucket]))
         est = [p * a**d for p, d in zip(tree.probs, depths(tree.parents), strict=True)]
         m, rate = best_tree(est[: min(step.k_max, cap)], step.timings, cached=step.cached,
