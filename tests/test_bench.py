@@ -472,6 +472,11 @@ def test_a_configuration_given_a_tuning_runs_auto_mode_with_it(
         report = run_bench(engine, [prompt], configs, n=48, rounds=1,
                            tunings={"auto-never": never})  # fmt: skip
         assert engine.drafting.tuning is own
+        # a tuning for no configuration, or for one that is not auto mode, is refused
+        for name in ("auto-nevr", "target"):
+            with pytest.raises(errors.UsageError, match="not an auto-mode configuration"):
+                run_bench(engine, [prompt], [*configs, ("target", "none", 0)], n=48,
+                          rounds=1, tunings={name: never})  # fmt: skip
     rows = {r["config"]: r for r in report["results"] if r["category"] == "chat"}
     drafted = {name: sum(v[1] for v in row["by_drafter"].values()) for name, row in rows.items()}
     assert drafted["auto"] > 0 and drafted["auto-never"] == 0, drafted

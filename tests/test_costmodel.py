@@ -16,7 +16,13 @@ from specgguf.engine.calibration import (
     measured_draft_cost,
     save_calibration,
 )
-from specgguf.speculative.costmodel import Timings, best_k, expected_tokens, verify_time_at
+from specgguf.speculative.costmodel import (
+    Timings,
+    best_k,
+    expected_tokens,
+    row_share,
+    verify_time_at,
+)
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
 from specgguf.speculative.estimates import Acceptance
 from specgguf.speculative.loop import DrafterStats, GenerationParams, SpeculativeDecoder
@@ -725,3 +731,24 @@ def test_the_curve_between_and_at_its_measured_sizes() -> None:
     flat = Timings({1: 0.05, 2: 0.04, 3: 0.03})
     assert flat.curve(5) == pytest.approx(0.03)
     assert expected_tokens(0.5, 0) == 1.0
+
+
+def test_a_draft_rows_share_is_read_on_the_calibrated_curve_at_depth() -> None:
+    # An EPYC-like curve: a lone row 40 ms, 5 rows 112.4 ms at depth 0; each cached
+    # position adds 6 us to a lone row and 16 us to each row of a batch. At 0 positions
+    # each of 4 draft rows adds (112.4 - 40) / (4 x 40) = 0.4525 of a lone row; at 700,
+    # (112.4 + 56 - 44.2) / (4 x 44.2) = 0.70249.
+    t = Timings({1: 0.040, 5: 0.1124}, position_single=6e-6, position_row=16e-6)
+    assert row_share(t, 4) == pytest.approx(0.4525)
+    assert row_share(t, 4, 700) == pytest.approx(0.70249, abs=1e-5)
+    # The curve's shape: not the learnt corrections, deterministic mode's padded lone row
+    # or other sequences' rows, which would each move it without a row costing more.
+    for other in (dict(scale_single=1.3, scale_batch=0.9), dict(lone_max=256),
+                  dict(others=8, sharing=3, solo=False)):  # fmt: skip
+        moved = dataclasses.replace(t, verify=dict(t.verify), **other)  # type: ignore[arg-type]
+        assert moved.verify_time(5, 700) / moved.verify_time(1, 700) != pytest.approx(
+            t.verify_time(5, 700) / t.verify_time(1, 700)
+        )
+        assert row_share(moved, 4, 700) == pytest.approx(0.70249, abs=1e-5)
+    # A curve measured flatter at 5 rows than at 1 (noise): no row costs less than nothing.
+    assert row_share(Timings({1: 0.010, 5: 0.009}), 4) == 0.0

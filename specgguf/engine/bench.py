@@ -373,10 +373,21 @@ def run_bench(
     (code-editing), round 1/2, 41 s``); ``recalibrate`` measures the timings again
     rather than reuse the pair's cached calibration. A configuration named in ``tunings``
     runs auto mode with that tuning (``scripts/bench-tuning``: a tuning change measured
-    beside the current one); the others with the engine's."""
+    beside the current one); the others with the engine's.
+
+    Raises:
+        UsageError: a name in ``tunings`` that is not an auto-mode configuration (checked
+            before anything runs).
+    """
+    from specgguf.errors import UsageError
     from specgguf.llama.memory import kv_cache_bytes
     from specgguf.llama.runtime import build_info, platform_summary
 
+    tunings = tunings or {}
+    kinds = {name: kind for name, kind, _ in configs}
+    for name in tunings:
+        if kinds.get(name) != "auto":
+            raise UsageError(f"a tuning for {name!r}, which is not an auto-mode configuration")
     cells: dict[tuple[str, str], Cell] = {}
     t0 = time.perf_counter()
     # The timings of auto mode and of the cost-model limit: the pair's cached calibration
@@ -386,7 +397,6 @@ def run_bench(
                                  progress=progress)  # fmt: skip
     shared_suffix = engine.drafting.suffix
     own_tuning = engine.drafting.tuning
-    tunings = tunings or {}
     total = rounds * len(prompts) * len(configs)
     done = 0
     for r in range(rounds):

@@ -263,13 +263,22 @@ def best_tree(
 
 def row_share(timings: Timings, k: int, cached: int = 0) -> float:
     """What each of ``k`` draft rows adds to a verification after ``cached`` positions,
-    relative to a lone row: (t_verify(k + 1) - t_verify(1)) / (k t_verify(1)), at least 0
-    (a ratio of seconds). From the measured curves at k = 4: 0.2 on a 2-core Xeon, 0.45 on a
-    2-core AMD EPYC near the start of a context and 0.7-0.8 at 700 positions, under 0.01 on
-    the GPU-like curve of issue 34."""
-    one = timings.verify_time(1, cached)
+    relative to a lone row, on the calibrated curve with what depth adds:
+    (t(k + 1) - t(1)) / (k t(1)), at least 0 (a ratio of seconds). The curve's shape, as
+    :meth:`ModelArm.p_stop_at <specgguf.speculative.arms.model.ModelArm.p_stop_at>` reads
+    it: without the learnt corrections (lone rows and batches differ there by Python's
+    share of a step, not by what a row adds), deterministic mode's padded lone row, or
+    other sequences' rows in the batch. From the measured curves at k = 4: 0.2 on a 2-core
+    Xeon; on a 2-core AMD EPYC 0.45 near the start of a context and 0.7-0.8 at 700
+    positions (by the fitted 16 and 6 us a position, and as measured); under 0.01 on the
+    GPU-like curve of issue 34.
+
+    Raises:
+        ZeroDivisionError: a lone row that costs nothing.
+    """
+    one = timings._at_depth(1, cached)
     k = max(1, k)
-    return max(0.0, timings.verify_time(k + 1, cached) - one) / (k * one)
+    return max(0.0, timings._at_depth(k + 1, cached) - one) / (k * one)
 
 
 def verify_time_at(timings: Timings, n: float, cached: int = 0) -> float:

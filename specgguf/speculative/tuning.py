@@ -116,7 +116,7 @@ class AutoTuning:
     #: hopefully costs its rows. Tried against 0, simulated on traces C and D
     #: (scripts/simulate-planner, 2026-12-04, docs/performance.md): 0.8 gains 1.1-3.4% on
     #: the Xeon curves, 0.5-0.9% on the GPU-like one, and is within 0.2% on the EPYC's with
-    #: depth; 0.65 and 1.0 within 0.5% of it; 0.5 and 1.2 each met the bar of issue 34 in
+    #: depth; 0.65 within 0.5% of it; 0.5, 1.0 and 1.2 each met the bar of issue 34 in
     #: fewer columns on one trace, and ``lookup_z`` 1.5 with 1.0 came out about the same.
     #: Measured on the EPYC against 0 (scripts/bench-tuning): 0.989x, within noise, where
     #: the two rules are nearly one (its rows cost 0.69 of a lone row).
@@ -178,7 +178,8 @@ class AutoTuning:
     #: at best (test timings of the Qwen pair). Only value.
     explore_steps: int = 4
     #: The longest draft of those optimistic steps and of a probe: a wrong guess stays
-    #: cheap. No measurement recorded; only value.
+    #: cheap. Also the draft whose rows ``ModelArm.p_stop_at`` and ``LookupArm.z`` weigh
+    #: (what one more draft row costs). No measurement recorded; only value.
     explore_k: int = 4
     #: A draft model at most this many tokens behind the text counts as in step (no long
     #: catch-up to try it). No measurement recorded; only value.
