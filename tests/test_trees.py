@@ -5,6 +5,7 @@ trees; on real llama.cpp, trees through the tiny fixtures and the real Qwen pair
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -278,6 +279,27 @@ def test_auto_planner_trees_only_when_greedy_and_enabled() -> None:
     # the budget of nodes is the loop's K: a 2-node prefix when K = 2 (2/1.70 = 1.176)
     plan = auto(XEON).plan([1, 2, 3], 2, GREEDY, rng)
     assert plan.draft.tokens == [10, 20] and plan.expected_rate == pytest.approx(2.0 / 1.70)
+
+
+def test_a_suffix_trees_nodes_are_judged_at_the_bound_that_follows_a_rows_cost() -> None:
+    # Confidence 0.9: the 8-token match's prior is 0.9, its standard error with no evidence
+    # sqrt(0.9 x 0.1 / 2) = 0.21213. On XEON each of 4 draft rows adds (1.72 - 1) / 4 = 0.18
+    # of a lone row, so the bound is 0.18 / 0.8 = 0.225 standard errors: a = 0.85227, and
+    # the nodes 0.5a, 0.5a, 0.45a^2, 0.45a^2 = 0.42614, 0.42614, 0.32687, 0.32687. All four
+    # nodes: 2.50601 / 1.72 = 1.45698. With the whole standard error (a = 0.68787), the
+    # same tree at 2.11373 / 1.72 = 1.22891.
+    rng = np.random.default_rng(0)
+    a = 0.9 - 0.225 * math.sqrt(0.9 * 0.1 / 2)
+    assert a == pytest.approx(0.85227, abs=1e-5)
+    cases = ((tuned(lookup_prior_max=1.0), 2.50601 / 1.72),
+             (tuned(lookup_prior_max=1.0, lookup_z_row=0.0), 2.11373 / 1.72))  # fmt: skip
+    for tuning, want in cases:
+        p = auto_planner(Timings(dict(XEON)), suffix=FixedTreeSuffix(TWO_BRANCHES),
+                         tree_branches=4, tuning=tuning)  # fmt: skip
+        p.confidence = 0.9
+        plan = p.plan([1, 2, 3], 8, GREEDY, rng)
+        assert plan.draft.parents == [-1, -1, 0, 1]
+        assert plan.expected_rate == pytest.approx(want, abs=1e-4)
 
 
 def test_a_suffix_tree_is_cut_to_the_cap_of_suffix_chains() -> None:
