@@ -224,16 +224,17 @@ def select_prompts(
     """
     from specgguf.errors import UsageError
 
-    if categories is not None:
+    wanted = None if categories is None else set(categories)
+    if wanted is not None:
         known = list(dict.fromkeys(p.category for p in prompts))
-        unknown = set(categories) - set(known)
+        unknown = wanted - set(known)
         if unknown:
             raise UsageError(f"unknown categories {sorted(unknown)}; known: {known}")
     chosen = list(prompts)
     if per_category is not None:
         chosen = sample_per_category(chosen, per_category, seed)
-    if categories is not None:
-        chosen = [p for p in chosen if p.category in set(categories)]
+    if wanted is not None:
+        chosen = [p for p in chosen if p.category in wanted]
     return chosen
 
 
