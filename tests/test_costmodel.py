@@ -20,6 +20,7 @@ from specgguf.speculative.costmodel import (
     Timings,
     best_k,
     expected_tokens,
+    micro_batches,
     row_share,
     verify_time_at,
 )
@@ -744,7 +745,7 @@ def test_a_draft_rows_share_is_read_on_the_calibrated_curve_at_depth() -> None:
     # The curve's shape: not the learnt corrections, deterministic mode's padded lone row
     # or other sequences' rows, which would each move it without a row costing more.
     for other in (dict(scale_single=1.3, scale_batch=0.9), dict(lone_max=256),
-                  dict(others=8, sharing=3, solo=False)):  # fmt: skip
+                  dict(others=((1, 4), (2, 4)), solo=False)):  # fmt: skip
         moved = dataclasses.replace(t, verify=dict(t.verify), **other)  # type: ignore[arg-type]
         assert moved.verify_time(5, 700) / moved.verify_time(1, 700) != pytest.approx(
             t.verify_time(5, 700) / t.verify_time(1, 700)
@@ -752,3 +753,28 @@ def test_a_draft_rows_share_is_read_on_the_calibrated_curve_at_depth() -> None:
         assert row_share(moved, 4, 700) == pytest.approx(0.70249, abs=1e-5)
     # A curve measured flatter at 5 rows than at 1 (noise): no row costs less than nothing.
     assert row_share(Timings({1: 0.010, 5: 0.009}), 4) == 0.0
+
+
+# Read from llama.cpp's llama_batch_allocr::split_equal (src/llama-batch.cpp); the same
+# shapes are checked against llama.cpp itself in tests/test_parallel_server.py.
+MICRO_BATCH_CASES = [
+    ([], []),
+    ([(0, 1)], [1]),
+    ([(0, 5)], [5]),
+    ([(0, 1), (1, 1), (2, 1), (3, 1)], [4]),  # one row each: one micro-batch
+    ([(0, 5), (1, 5)], [10]),  # as many rows each
+    ([(0, 5), (1, 1), (2, 1), (3, 1)], [4, 4]),  # one row of each, then sequence 0's 4
+    ([(0, 2), (1, 1)], [2, 1]),
+    ([(0, 3), (1, 3), (2, 2)], [6, 2]),  # 2 of each, then 1 of 0 and 1
+    ([(0, 1), (2, 1), (3, 1)], [1, 2]),  # a gap in the ids: 0, then 2 and 3
+    ([(1, 1), (0, 1)], [1, 1]),  # ids must rise one by one in the batch's order
+    ([(0, 0), (1, 1), (2, 1)], [2]),  # a sequence without rows is not in the batch
+    ([(0, 100), (1, 100)], [128, 72]),  # at most n_ubatch // 2 = 64 rows of each
+]
+
+
+@pytest.mark.parametrize(("rows", "expected"), MICRO_BATCH_CASES)
+def test_micro_batches_as_llama_cpp_splits_a_batch(
+    rows: list[tuple[int, int]], expected: list[int]
+) -> None:
+    assert micro_batches(rows, 128) == expected

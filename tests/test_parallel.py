@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from specgguf.engine.batching import BatchedSequence, Batcher, Task
-from specgguf.speculative.costmodel import Timings, best_k, expected_tokens
+from specgguf.speculative.costmodel import Timings, best_k, expected_tokens, micro_batches
 from specgguf.speculative.draft import Drafter
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
 from specgguf.speculative.loop import (
@@ -201,6 +201,28 @@ def test_a_long_prompt_is_read_in_chunks_beside_the_running_steps() -> None:
     assert h.results[1].tokens == h.alone(long_prompt, ("none", 0), params(10)).tokens
 
 
+def test_a_batch_holds_its_parts_in_sequence_order_whatever_took_its_rows_first() -> None:
+    """A prompt read on sequence 2 beside the verifications of sequences 0, 1 and 3:
+    the verifications take their rows first, and the batch still holds the sequences in
+    order, as llama.cpp's micro-batches want (costmodel.micro_batches): in the order the
+    rows were taken, 0, 1, 3, 2, the batch is three micro-batches (0, 1 and 2 one row
+    each; 3; the rest of 2), in sequence order two (a row of each; the rest of 2)."""
+    h = Harness(4, n_batch=32)
+    for i in (0, 1, 3):
+        h.start(i, PROMPTS[i], ("oracle", 3), params(80))
+    h.run(steps=6)
+    long_prompt = [(i % 29) + 1 for i in range(61)]
+    h.start(2, long_prompt, ("none", 0), params(10))
+    h.run()
+    chunks = [b for b in h.target.batches if any(i == 2 and w == "none" for i, _, w in b)]
+    assert chunks
+    assert all([i for i, _, _ in b] == [0, 1, 2, 3] for b in chunks)
+    assert all(len(micro_batches([(i, len(t)) for i, t, _ in b], 128)) == 2 for b in chunks)
+    for i in (0, 1, 3):
+        assert h.results[i].tokens == h.alone(PROMPTS[i], ("oracle", 3), params(80)).tokens
+    assert h.results[2].tokens == h.alone(long_prompt, ("none", 0), params(10)).tokens
+
+
 def test_a_deterministic_sequence_is_decoded_alone() -> None:
     h = Harness(2)
     h.views[0].set_rows_per_decode(2)  # deterministic mode's batch shapes
@@ -213,31 +235,36 @@ def test_a_deterministic_sequence_is_decoded_alone() -> None:
     assert h.results[0].tokens == h.alone(PROMPTS[0], ("oracle", 4), det).tokens
 
 
+Others = tuple[tuple[int, int], ...]
+
+
 def test_each_step_is_planned_with_the_rows_the_others_bring() -> None:
     h = Harness(3)
-    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    seen: dict[int, list[Others]] = {0: [], 1: [], 2: []}
     for i, k in enumerate((4, 2, 0)):
         task = h.start(i, PROMPTS[i], ("oracle", k) if k else ("none", 0), params(12))
-        task.on_resume = lambda others, sharing, _, i=i: seen[i].append((others, sharing))
+        task.on_resume = lambda others, _, i=i: seen[i].append(others)
     h.run()
-    # Once every sequence has verified a step, the others' rows are their K + 1:
-    # sequence 0 sees 3 + 1, sequence 1 sees 5 + 1, sequence 2 sees 5 + 3, all three
-    # sharing the batch.
-    assert (4, 3) in seen[0] and (6, 3) in seen[1] and (8, 3) in seen[2]
+    # Once every sequence has verified a step, the others' rows are their K + 1, by
+    # sequence id: sequence 0 sees 3 and 1 rows, sequence 1 sees 5 and 1, sequence 2 sees
+    # 5 and 3.
+    assert ((1, 3), (2, 1)) in seen[0]
+    assert ((0, 5), (2, 1)) in seen[1]
+    assert ((0, 5), (1, 3)) in seen[2]
 
 
 def test_a_sequence_decoded_alone_is_neither_costed_shared_nor_counted_by_the_others() -> None:
     h = Harness(3)
     h.views[2].set_rows_per_decode(2)  # deterministic: decoded alone
-    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    seen: dict[int, list[Others]] = {0: [], 1: [], 2: []}
     det = GenerationParams(n_predict=12, sampler=GREEDY, deterministic=True)
     for i, k in enumerate((4, 2, 4)):
         task = h.start(i, PROMPTS[i], ("oracle", k), det if i == 2 else params(12))
-        task.on_resume = lambda others, sharing, _, i=i: seen[i].append((others, sharing))
+        task.on_resume = lambda others, _, i=i: seen[i].append(others)
     h.run()
-    assert (3, 2) in seen[0] and (5, 2) in seen[1]  # sequence 2's 5 rows not among them
-    assert (3 + 5, 3) not in seen[0] and (5 + 5, 3) not in seen[1]
-    assert set(seen[2][2:]) == {(0, 1)}  # alone once its prompt was decoded alone
+    assert ((1, 3),) in seen[0] and ((0, 5),) in seen[1]  # sequence 2's rows not among them
+    assert all((2, 5) not in o for o in seen[0] + seen[1])  # its verifications'
+    assert set(seen[2][2:]) == {()}  # alone once its prompt was decoded alone
 
 
 # -- auto mode's cost of a step in a shared batch (hand-computed) ---------------------------
@@ -248,31 +275,55 @@ CPU = {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5, 16: 8.5}
 GPU = {1: 1.0, 17: 1.1, 65: 1.6}
 
 
+#: three other sequences (ids 1-3) of 4 rows each: with 4 rows of its own, sequence 0
+#: makes one micro-batch of 16 rows with them
+FOUR_EACH = ((1, 4), (2, 4), (3, 4))
+
+
 def test_a_step_in_a_shared_batch_costs_its_share_and_its_rows() -> None:
     t = Timings(dict(CPU))
     assert t.verify_time(3) == pytest.approx(2.0)  # alone: the curve
-    t.others, t.sharing = 12, 4
-    # F / 4 + t(12 + n) - t(12): 0.125 + 0.5 n
-    assert t.verify_time(1) == pytest.approx(0.625)
-    assert t.verify_time(3) == pytest.approx(1.625)
-    g = Timings(dict(GPU), others=12, sharing=4)
+    t.others = FOUR_EACH
+    assert t.sharing == 4
+    # As many rows as the others (one micro-batch): F / 4 + t(12 + 4) - t(12) = 0.125 + 2.0
+    assert t.verify_time(4) == pytest.approx(2.125)
+    # Fewer: llama.cpp splits the batch into 1 row of each (4 rows), then 3 of each other
+    # (9 rows): T(n) = t(4) + t(9) = 2.5 + 5.0 against T(0) = t(12) = 6.5 without it
+    assert t.verify_time(1) == pytest.approx(0.125 + 7.5 - 6.5)
+    g = Timings(dict(GPU), others=FOUR_EACH)
     # F = 2 - t(2) = 2 - 1.00625 = 0.99375; each row 0.1 / 16 = 0.00625 s
-    assert g.verify_time(1) == pytest.approx(0.99375 / 4 + 0.00625)
-    assert g.verify_time(5) == pytest.approx(0.99375 / 4 + 5 * 0.00625)
+    assert g.verify_time(4) == pytest.approx(0.99375 / 4 + 4 * 0.00625)
+    # 1 row: t(4) + t(9) - t(12) = (1 + 3 * 0.00625) + (1 + 8 * 0.00625) - (1 + 11 * 0.00625)
+    assert g.verify_time(1) == pytest.approx(0.99375 / 4 + 1.0)
+
+
+#: three other sequences (ids 1-3) of one row each: no drafts
+ONE_EACH = ((1, 1), (2, 1), (3, 1))
 
 
 def test_drafts_pay_less_in_a_compute_bound_batch_and_as_much_on_a_gpu() -> None:
     alone = Timings(dict(CPU))
     # a = 0.7: alone K = 1 (1.7 / 1.5 = 1.133 tokens/s against 1.0; K = 2: 2.19 / 2.0)
     assert best_k(0.7, alone, 8) == (1, pytest.approx(1.7 / 1.5))
-    # beside 12 rows of 3 other sequences: alone 1 / 0.625 = 1.6 tokens/s, K = 1:
-    # 1.7 / 1.125 = 1.51: no drafts
-    shared = Timings(dict(CPU), others=12, sharing=4)
+    # beside 3 other sequences of 1 row: alone F / 4 + t(4) - t(3) = 0.125 + 0.5, 1.6
+    # tokens/s; K = 1 adds a micro-batch of its second row: 0.125 + t(4) + t(1) - t(3) =
+    # 1.625, 1.7 / 1.625 = 1.05: no drafts
+    shared = Timings(dict(CPU), others=ONE_EACH)
     assert best_k(0.7, shared, 8) == (0, pytest.approx(1.6))
-    # GPU-like, a = 0.6: rate(K) = E(K) / (0.2484375 + 0.00625 (K + 1)) up to 17 rows
-    # (K = 4: 8.24 tokens/s against 3.93 alone); past 17 a row costs 0.5 / 48 s, and
-    # K = 5 (18 rows) gives E(5) / (0.2484375 + 0.0625 - 0.00625 + 0.5 / 48) = 8.22
-    gpu = Timings(dict(GPU), others=12, sharing=4)
+    # GPU-like, a = 0.6, beside 3 sequences of 5 rows: K = 4 joins their micro-batch,
+    # F / 4 + t(20) - t(15) = 0.2484375 + (1.1 + 3 * 0.5 / 48) - (1 + 14 * 0.00625) =
+    # 0.2921875 s, 7.89 tokens/s; any other K adds a micro-batch of at least t(1)
+    gpu = Timings(dict(GPU), others=((1, 5), (2, 5), (3, 5)))
     k, rate = best_k(0.6, gpu, 8)
     assert k == 4
-    assert rate == pytest.approx(expected_tokens(0.6, 4) / (0.99375 / 4 + 5 * 0.00625))
+    assert rate == pytest.approx(expected_tokens(0.6, 4) / 0.2921875)
+
+
+def test_on_a_gpu_a_draft_that_makes_the_batch_uneven_does_not_pay() -> None:
+    """Beside 3 sequences of 1 row, K = 4 puts 4 rows of its own in a second micro-batch
+    that reads every weight again: F / 4 + 2 t(4) - t(3) = 0.2484375 + 1.025 against
+    F / 4 + t(4) - t(3) = 0.2546875 for no draft; E(4) = 2.3056 at a = 0.6, 1.81 tokens/s
+    against 3.93 (counted as one batch of 8 rows, K = 4 would give 8.24)."""
+    gpu = Timings(dict(GPU), others=ONE_EACH)
+    assert gpu.verify_time(5) == pytest.approx(0.2484375 + 2 * 1.01875 - 1.0125)
+    assert best_k(0.6, gpu, 8) == (0, pytest.approx(1 / 0.2546875))

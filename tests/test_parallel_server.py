@@ -61,23 +61,83 @@ def test_sequences_generated_together_equal_each_alone(
         assert [r.stats.drafted for r in together] == [r.stats.drafted for r in alone]
 
 
+def test_llama_cpp_splits_a_batch_of_sequences_as_the_cost_model_says(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp as the oracle of :func:`micro_batches`: its graph-evaluation callback
+    (``cb_eval``) is asked once per node of every micro-batch's graph, so a decode's
+    calls divided by those of a one-row decode count its micro-batches."""
+    import llama_cpp
+
+    from specgguf.llama.backend import LlamaContext, LlamaModel
+    from specgguf.speculative.costmodel import micro_batches
+
+    from .test_costmodel import MICRO_BATCH_CASES
+
+    asked = [0]
+
+    @llama_cpp.ggml_backend_sched_eval_callback  # type: ignore[misc]
+    def count(tensor: Any, ask: bool, user_data: Any) -> bool:
+        asked[0] += int(ask)
+        return False  # (nothing observed: the graph runs as without a callback)
+
+    model = LlamaModel(tiny_models["target"])
+    try:
+        lc = model._lc
+        default = lc.llama_context_default_params
+
+        def with_callback() -> Any:
+            params = default()
+            params.cb_eval = count
+            return params
+
+        monkeypatch.setattr(lc, "llama_context_default_params", with_callback)
+        ctx = LlamaContext(model, n_ctx=256, n_batch=256, n_ubatch=128, n_outputs_max=256,
+                           n_parallel=4)  # fmt: skip
+        monkeypatch.setattr(lc, "llama_context_default_params", default)
+        seqs = [ctx.sequence(i) for i in range(4)]
+        for s in seqs:
+            s.eval([5 + s._home, 6, 7], logits="none")
+
+        def graphs_asked(rows: list[tuple[int, int]]) -> int:
+            asked[0] = 0
+            ctx.decode_many([(seqs[i], [9 + j for j in range(n)], "all") for i, n in rows if n])
+            for i, _ in rows:
+                seqs[i].rollback(3)
+            return asked[0]
+
+        per_graph = graphs_asked([(0, 1)])
+        assert per_graph > 0
+        for rows, expected in MICRO_BATCH_CASES:
+            if not rows:
+                continue
+            got = graphs_asked(rows)
+            assert got % per_graph == 0, (rows, got, per_graph)
+            assert got // per_graph == len(micro_batches(rows, 128)) == len(expected), rows
+    finally:
+        model.close()
+
+
 def test_auto_mode_plans_each_step_with_the_rows_of_the_others(
     tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from specgguf.speculative.costmodel import Timings
 
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, tuple[int, ...], int]] = set()
     verify_time = Timings.verify_time
 
     def spy(self: Timings, n: int, cached: int = 0) -> float:
-        seen.add((self.others, self.sharing))
+        seen.add((self.seq, tuple(s for s, _ in self.others), self.n_ubatch))
         return verify_time(self, n, cached)
 
     monkeypatch.setattr(Timings, "verify_time", spy)
     with engine(tiny_models, 3, "auto") as three:
         batched(three, PROMPTS[:3], GREEDY)
-    # every sequence planned beside the two others' rows at some step
-    assert any(sharing == 3 and others >= 2 for others, sharing in seen), seen
+        n_ubatch = three.target_ctx.n_ubatch
+    # every sequence planned beside the two others (by their sequence ids) at some step,
+    # with the context's micro-batch size
+    for seq, others in ((0, (1, 2)), (1, (0, 2)), (2, (0, 1))):
+        assert (seq, others, n_ubatch) in seen, seen
 
 
 def test_deterministic_sequences_together_equal_each_alone(tiny_models: dict[str, Path]) -> None:

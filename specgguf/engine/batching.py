@@ -18,7 +18,8 @@ piece of what the draft model has to read of new prompts (so that neither stalls
 other). A batch takes verifications whole (all their logits in one
 decode), then fills the rows left (``n_batch``) with pieces of prompts, so that a new
 request's prompt is read in chunks beside the running sequences' steps instead of
-stalling them.
+stalling them; what it takes goes into the batch in sequence order, as llama.cpp's
+micro-batches want it (:func:`specgguf.speculative.costmodel.micro_batches`).
 
 Decoded alone, in a ``llama_decode`` of their own: evaluations of a context whose memory
 holds a recurrent state (a multi-sequence batch would be split by llama.cpp's equal-length
@@ -76,10 +77,9 @@ class Task:
         self.rows = 1
         #: whether its latest target evaluation was decoded alone (not in a shared batch)
         self.alone = False
-        #: called with the rows the other tasks bring to a target batch, the tasks sharing
-        #: it and the active tasks, before every resumption (auto mode plans each step
-        #: with them)
-        self.on_resume: Callable[[int, int, int], None] | None = None
+        #: called with the (slot, rows) the other tasks bring to a target batch and the
+        #: active tasks, before every resumption (auto mode plans each step with them)
+        self.on_resume: Callable[[tuple[tuple[int, int], ...], int], None] | None = None
         self._g = greenlet.greenlet(run, parent=batcher.hub)
 
     @property
@@ -127,13 +127,14 @@ class Batcher:
                 task.rows = len(tokens)
         return self.hub.switch(_Request(task, ctx, list(tokens), want))
 
-    def others(self, task: Task) -> tuple[int, int]:
-        """Rows the other active tasks brought to their latest target batch, and the tasks
-        sharing it, ``task`` included; (0, 1) for a task decoded alone (the module)."""
+    def others(self, task: Task) -> tuple[tuple[int, int], ...]:
+        """The slot (sequence id) and rows of each other active task in its latest target
+        batch, by slot, as the batch orders them; none for a task decoded alone (the
+        module)."""
         if task.alone:
-            return 0, 1
-        shared = [t for t in self.active if t is not task and not t.done and not t.alone]
-        return sum(t.rows for t in shared), 1 + len(shared)
+            return ()
+        return tuple((t.slot, t.rows) for t in self.active
+                     if t is not task and not t.done and not t.alone)  # fmt: skip
 
     def _alone(self, ctx: LlamaContext) -> bool:
         """Whether evaluations of ``ctx`` are decoded alone (the module's rule)."""
@@ -162,7 +163,7 @@ class Batcher:
 
     def _resume(self, task: Task, value: Any, failed: bool) -> None:
         if task.on_resume is not None:
-            task.on_resume(*self.others(task), sum(not t.done for t in self.active))
+            task.on_resume(self.others(task), sum(not t.done for t in self.active))
         if not task._g:  # not started: a greenlet's first switch passes its arguments
             out = task._g.switch()
         else:
@@ -210,6 +211,12 @@ class Batcher:
         if not parts:
             self._pending.extend(r for r in batched)
             return
+        # In sequence order, whatever the priority that chose them: llama.cpp's micro-batch
+        # takes only sequences whose ids follow one another in the batch's order
+        # (specgguf.speculative.costmodel.micro_batches), so a prompt's piece after the
+        # others' verifications could cost one more.
+        by_seq = sorted(range(len(parts)), key=lambda j: taken[j][0].task.slot)
+        parts, taken = [parts[j] for j in by_seq], [taken[j] for j in by_seq]
         try:
             results = base.decode_many(parts)
         except Exception as e:  # every task of the batch learns of it

@@ -598,7 +598,10 @@ def generate_together(
             try:
                 out[i] = engine.generate(prompt, params, slot=slot).run()
             finally:
+                # (the lowest free sequence next, as the server takes them: running
+                # sequences' ids without a gap cost llama.cpp fewer micro-batches)
                 free.append(slot)
+                free.sort()
 
         batcher.add(slot, run).on_resume = engine.slots[slot].batch_rows
 

@@ -81,16 +81,16 @@ class Slot:
     timings: dict[bool, Timings]
     drafting: Drafting = dataclasses.field(init=False)
 
-    def batch_rows(self, others: int, sharing: int, active: int = 1) -> None:
-        """The rows the other sequences bring to the next target batch and the sequences
-        sharing it, for auto mode's costs (:class:`Timings`, ``others``); a deterministic
+    def batch_rows(self, others: tuple[tuple[int, int], ...], active: int = 1) -> None:
+        """The (sequence id, rows) each other sequence brings to the next target batch,
+        for auto mode's costs (:class:`Timings`, ``others``); a deterministic
         generation's batches are its own, as a recurrent target's (the batcher decodes
-        each of their evaluations alone: ``others`` 0). With no other sequence ``active``,
+        each of their evaluations alone: no ``others``). With no other sequence ``active``,
         its steps' times are its own, and auto mode learns from them (``Timings.solo``)."""
         for det, t in self.timings.items():
             t.solo = active <= 1
             if not det:
-                t.others, t.sharing = others, sharing
+                t.others = others
 
 
 #: Any valid text for timing calibration (the timing, not the text, matters).
@@ -269,8 +269,8 @@ class Engine:
         """Sequence ``i`` of ``--parallel``: the loop and the drafters over its sequences
         of the target's and the draft's contexts, evaluating through :attr:`batcher`;
         drafters of its own (``suffix``: its copy of the corpus every sequence adds to),
-        and timings of its own, which the batcher tells how many rows the other sequences
-        bring to a step (:attr:`Timings.others`)."""
+        and timings of its own, which the batcher tells the rows each other sequence
+        brings to a step (:attr:`Timings.others`)."""
         target = BatchedSequence(self.target_ctx.sequence(i), lambda: self.batcher)
         model = None
         if self.draft_ctx is not None:
@@ -280,7 +280,9 @@ class Engine:
 
         def timings(det: bool) -> Timings:
             if det not in slot.timings:
-                slot.timings[det] = dataclasses.replace(self.timings(det))
+                slot.timings[det] = dataclasses.replace(
+                    self.timings(det), seq=i, n_ubatch=self.target_ctx.n_ubatch
+                )
             return slot.timings[det]
 
         spec = self.config.speculative

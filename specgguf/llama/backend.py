@@ -530,7 +530,8 @@ class LlamaContext(_Native):
     batch whose sequences bring different numbers of rows into micro-batches of equal rows
     per sequence (``split_equal``), each reading the weights again; measured on a 2-core
     AMD EPYC with the 1.5B/0.5B pair, 4 sequences in auto mode, 2-3% of aggregate
-    tokens/s. ``kv_unified`` shares one cache of ``n_parallel * n_ctx`` cells instead, as
+    tokens/s; more where a batch's rows cost little (a GPU), which auto mode weighs
+    (:func:`specgguf.speculative.costmodel.micro_batches`). ``kv_unified`` shares one cache of ``n_parallel * n_ctx`` cells instead, as
     llama-server's slots do. This context is
     sequence 0; :meth:`sequence` gives the others, each with its own ``n_past``,
     rollback and timing, and :meth:`decode_many` decodes several sequences' tokens in one
@@ -616,6 +617,8 @@ class LlamaContext(_Native):
         self._rows_per_decode: int | None = None
         self._lone_rows_max = 0
         self.n_batch: int = lc.llama_n_batch(ctx)
+        #: rows per llama.cpp graph evaluation (a batch's micro-batches)
+        self.n_ubatch: int = lc.llama_n_ubatch(ctx)
         self.n_outputs_max = min(n_outputs_max, self.n_batch)
         self.n_vocab: int = model.n_vocab
         self.n_past = 0

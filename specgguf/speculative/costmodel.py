@@ -19,6 +19,7 @@ corrected online from every verification (:meth:`Timings.observe_verify`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from specgguf.speculative.tuning import AUTO_TUNING
@@ -40,6 +41,43 @@ def call_sizes(n: int, rows_per_call: int) -> list[int]:
     :meth:`specgguf.llama.backend.LlamaContext.eval`)."""
     calls = -(-n // rows_per_call)
     return [n // calls + (i < n % calls) for i in range(calls)]
+
+
+def micro_batches(rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
+    """The rows of each micro-batch (``ubatch``: one evaluation of the graph, which reads
+    every weight) that llama.cpp splits one batch into when each sequence has a KV stream
+    of its own (``kv_unified`` off, several sequences: ``serve --parallel``).
+
+    ``rows``: each sequence's id and rows, in the batch's order (a sequence's rows
+    together); ``n_ubatch``: the context's micro-batch size. As llama.cpp's
+    ``llama_batch_allocr::split_equal`` with ``sequential`` (src/llama-batch.cpp, called
+    by ``llama_kv_cache::init_batch``): a micro-batch takes the first sequence with rows
+    left, in batch order, and after it each sequence whose id is one more than the last
+    taken; then as many rows of each as the fewest any of them has left (at most
+    ``n_ubatch`` divided among them, at least one each). So sequences that bring
+    different numbers of rows, or ids with a gap, cost more than one micro-batch.
+
+    Returns:
+        rows per micro-batch, in order; ``[]`` for no rows.
+    """
+    return list(_micro_batches(tuple(rows), n_ubatch))
+
+
+@functools.lru_cache(maxsize=4096)
+def _micro_batches(rows: tuple[tuple[int, int], ...], n_ubatch: int) -> tuple[int, ...]:
+    left = [[seq, n] for seq, n in rows if n > 0]
+    out: list[int] = []
+    while left:
+        taken = [left[0]]
+        for item in left[1:]:
+            if item[0] == taken[-1][0] + 1:
+                taken.append(item)
+        each = min(min(n for _, n in taken), max(1, n_ubatch // len(taken)))
+        for item in taken:
+            item[1] -= each
+        out.append(each * len(taken))
+        left = [item for item in left if item[1] > 0]
+    return tuple(out)
 
 
 @dataclasses.dataclass(slots=True)
@@ -69,18 +107,24 @@ class Timings:
     none. Its greedy verification runs in calls of at most ``chunk_rows`` rows and stops
     after the first call that shows a rejection (:meth:`expected_verify_time`).
 
-    ``others``: rows that other sequences bring to the same target batch, and
-    ``sharing`` the sequences in it, this one included (``serve --parallel``,
-    :mod:`specgguf.engine.batching`). A step's cost is then this sequence's share of what
-    the batch costs whatever its rows, plus what its own rows add::
+    ``others``: the other sequences' ids and rows in the same target batch (``serve
+    --parallel``, :mod:`specgguf.engine.batching`), ``seq`` this sequence's id and
+    ``n_ubatch`` the context's micro-batch size; ``sharing`` is the sequences in the batch,
+    this one included. llama.cpp evaluates such a batch in micro-batches
+    (:func:`micro_batches`), each reading the weights again, so the batch costs
+    T = sum of t(m) over its micro-batches m, and a step's cost is this sequence's share
+    of what the batch costs whatever its rows, plus what its own rows add::
 
-        t_verify(n) = F / sharing + t(others + n) - t(others),   F = 2 t(1) - t(2)
+        t_verify(n) = F / sharing + T(n) - T(0),   F = 2 t(1) - t(2)
 
-    F is the part of a lone row's time that does not grow with rows (reading the weights,
-    once per batch). With one sequence this is t(n), as before. Where a batch is
-    compute-bound (a CPU: F small against a row's cost) a draft row costs about what a
+    T(n): the batch with this sequence's n rows, T(0) without it. F is the part of a lone
+    row's time that does not grow with rows (reading the weights, once per micro-batch).
+    With one sequence this is t(n), as before; where every sequence brings as many rows
+    (in one micro-batch) T(n) - T(0) = t(R + n) - t(R), R the others' rows. Where a batch
+    is compute-bound (a CPU: F small against a row's cost) a draft row costs about what a
     sequence's whole step does and drafts pay less the more sequences share the batch;
-    where rows are nearly free (a GPU) drafts pay as much as alone.
+    where rows are nearly free (a GPU) a draft as long as the others' costs little, and
+    one that makes the batch uneven costs a whole micro-batch.
     """
 
     verify: dict[int, float]
@@ -97,12 +141,19 @@ class Timings:
     #: a batch
     position_single: float = 0.0
     position_row: float = 0.0
-    #: rows of other sequences in the same target batch, and the sequences sharing it
-    others: int = 0
-    sharing: int = 1
+    #: the other sequences' (id, rows) in the same target batch, by id; this sequence's
+    #: id; llama.cpp's micro-batch size (see the class)
+    others: tuple[tuple[int, int], ...] = ()
+    seq: int = 0
+    n_ubatch: int = 512
     #: whether no other sequence runs beside this one (a step's time is then its own, and
     #: auto mode refines the timings from it)
     solo: bool = True
+
+    @property
+    def sharing(self) -> int:
+        """The sequences in the target batch, this one included."""
+        return 1 + len(self.others)
 
     def padded(self, cached: int) -> bool:
         """Whether a lone row is decoded with a throw-away row after ``cached`` positions."""
@@ -148,17 +199,22 @@ class Timings:
         per = single if n == 1 else n * self.position_row
         return self.curve(n) + deeper * per
 
+    def _batch_at_depth(self, n: int, cached: int) -> float:
+        """T(n): the target batch of :attr:`others` and this sequence's ``n`` rows, summed
+        over its micro-batches (every row at this sequence's depth)."""
+        rows = sorted((*self.others, (self.seq, n)))
+        return sum(self._at_depth(m, cached) for m in _micro_batches(tuple(rows), self.n_ubatch))
+
     def verify_time(self, n: int, cached: int = 0) -> float:
         """t_verify(n) in seconds after ``cached`` positions: the calibrated curve, with
         what depth adds, times the learned correction; a lone row that is padded
         (:meth:`padded`) costs two rows. With :attr:`others`, this sequence's share of a
         batch (see the class; at least a thousandth of a lone row: a flat stretch of the
         measured curve is noise, not free rows)."""
-        if self.others > 0:
-            r = self.others
+        if self.others:
             fixed = max(0.0, 2.0 * self.curve(1) - self.curve(2))
-            added = max(0.0, self._at_depth(r + n, cached) - self._at_depth(r, cached))
-            share = fixed / max(1, self.sharing) + added
+            added = max(0.0, self._batch_at_depth(n, cached) - self._batch_at_depth(0, cached))
+            share = fixed / self.sharing + added
             return max(share, 0.001 * self.curve(1)) * self.scale_batch
         if n == 1 and self.padded(cached):
             n = 2
