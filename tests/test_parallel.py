@@ -299,6 +299,8 @@ def test_a_step_in_a_shared_batch_costs_its_share_and_its_rows() -> None:
 
 #: three other sequences (ids 1-3) of one row each: no drafts
 ONE_EACH = ((1, 1), (2, 1), (3, 1))
+#: the same beside sequence 1
+ONE_EACH_BUT_1 = ((0, 1), (2, 1), (3, 1))
 
 
 def test_drafts_pay_less_in_a_compute_bound_batch_and_as_much_on_a_gpu() -> None:
@@ -317,6 +319,22 @@ def test_drafts_pay_less_in_a_compute_bound_batch_and_as_much_on_a_gpu() -> None
     k, rate = best_k(0.6, gpu, 8)
     assert k == 4
     assert rate == pytest.approx(expected_tokens(0.6, 4) / 0.2921875)
+
+
+def test_a_sequence_that_fills_a_gap_counts_its_drafts_from_its_last_token() -> None:
+    """Sequence 1 beside sequences 0, 2 and 3 of one row (GPU-like curve): without it the
+    ids have a gap, two micro-batches, T(0) = t(1) + t(2) = 2.00625; with its last token
+    one, T(1) = t(4) = 1.01875; with a draft token two again, T(2) = t(4) + t(1). The
+    step alone costs F / 4 (its token saves more than it adds), and the draft token a
+    whole micro-batch more: T(2) - T(1) = 1.0 (counted from T(0), 0.0125)."""
+    gpu = Timings(dict(GPU), others=ONE_EACH_BUT_1, seq=1)
+    assert gpu.verify_time(1) == pytest.approx(0.99375 / 4)
+    assert gpu.verify_time(2) == pytest.approx(0.99375 / 4 + 1.0)
+    # a = 0.6: no draft (E(8) = 2.47 tokens for 0.248 + 1.04375 s, 1.91 tokens/s, against
+    # 4.02); a = 0.9: K = 8 pays that micro-batch (E(8) = 6.13, 4.74 tokens/s)
+    assert best_k(0.6, gpu, 8) == (0, pytest.approx(4 / 0.99375))
+    k, rate = best_k(0.9, gpu, 8)
+    assert k == 8 and rate == pytest.approx(expected_tokens(0.9, 8) / (0.99375 / 4 + 1.04375))
 
 
 def test_on_a_gpu_a_draft_that_makes_the_batch_uneven_does_not_pay() -> None:

@@ -23,7 +23,9 @@ from specgguf.engine.simulate import (
     load_curves,
     machine_timings,
     oracle,
+    parallel_table,
     simulate,
+    simulate_parallel,
     table,
 )
 from specgguf.engine.traces import (
@@ -156,6 +158,52 @@ def test_a_draft_that_stops_at_an_unsure_token_has_evaluated_it() -> None:
         assert d.tokens == tokens and d.stopped == (p_min > 0)
         assert model.seconds == pytest.approx(cost)
         assert model.cached_tokens([1, 2, 3, 10, 11, 12]) == cached
+
+
+def test_sequences_at_once_share_each_step_and_a_finished_ones_sequence_takes_the_next() -> None:
+    # The target alone, 2 sequences, on SMALL (t(1) 10 ms, t(2) 11 ms): A (3 tokens) and B
+    # (1) together, 11 ms; C takes B's sequence, 11 ms; A alone, 10 ms.
+    t = machine_timings(SMALL)
+    tr = Trace({}, [gen([1, 2], [10, 11, 12]), gen([3], [20]), gen([4], [30])])
+    res = simulate_parallel(tr, t, "none", 2)
+    assert res.tokens == {"all": 5} and res.steps == 5
+    assert res.seconds["all"] == pytest.approx(0.032)
+    # one at a time: a row per token
+    assert simulate_parallel(tr, t, "none", 1).seconds["all"] == pytest.approx(0.050)
+
+
+def test_sequences_drafting_as_many_tokens_are_one_micro_batch_and_uneven_ones_two() -> None:
+    t = machine_timings(SMALL)
+    # Both draft 2 tokens with the model (every one right; 3 tokens each): the catch-ups
+    # (1 row each) in one draft batch, 1 ms * t(2) / t(1) = 1.1 ms, and the second draft
+    # token's evaluation, 1.1 ms; the target's 6 rows in one micro-batch, t(6) = 21 ms.
+    even = Trace({}, [gen([1, 2], [10, 11, 12]), gen([3], [20, 21, 22])])
+    res = simulate_parallel(even, t, "model", 2, 2)
+    assert res.steps == 2 and res.seconds["all"] == pytest.approx(0.0232)
+    # B has room for no draft (1 token): rows (3, 1), which llama.cpp splits into a row of
+    # each, then A's other 2: t(2) + t(2) = 22 ms, not t(4) = 15 ms; A's drafts 1 + 1 ms.
+    uneven = Trace({}, [gen([1, 2], [10, 11, 12]), gen([3], [20])])
+    res = simulate_parallel(uneven, t, "model", 2, 2)
+    assert res.steps == 2 and res.seconds["all"] == pytest.approx(0.024)
+
+
+def test_auto_mode_with_sequences_at_once_is_not_slower_than_the_target_alone() -> None:
+    """On every measured curve and the GPU-like one, 4 sequences at once: auto mode plans
+    with the micro-batches (counted from each step's last token, fed the others' rows);
+    before, a sequence between two others' ids saw its drafts as free (0.84x the target
+    alone on the GPU-like curve with the recorded trace D)."""
+    rng = random.Random(5)
+    gens = []
+    for i in range(12):
+        out = [rng.randrange(100, 400) for _ in range(40)]
+        right = i % 3 != 0
+        gens.append(gen([i + 1, i + 2], out, right=right, cat="c", p=0.9 if right else 0.6))
+    tr = Trace({}, gens)
+    machines = {**{k: machine_timings(v) for k, v in MACHINES.items()},
+                "gpu-like": machine_timings(GPU_LIKE)}  # fmt: skip
+    for row in parallel_table(tr, machines, 4):
+        assert row.auto >= 0.99 * row.target, row
+        assert row.target > 1.0, row
 
 
 def test_agreement_of_chains_and_trees() -> None:
@@ -302,12 +350,29 @@ def test_the_simulator_script_says_what_is_wrong(tmp_path: Path) -> None:
                        (["--position-us", "1,2,3"], "ROW or ROW,LONE"),
                        (["--position-us", "inf"], "microseconds of at least 0"),
                        (["--position-us", "5,20"], "LONE at most ROW"),
-                       (["--position-us", "fast"], "ROW or ROW,LONE")):  # fmt: skip
+                       (["--position-us", "fast"], "ROW or ROW,LONE"),
+                       (["--parallel", "1"], "--parallel 1: expected 2 to 64")):  # fmt: skip
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate-planner"),
                             str(trace), *args], capture_output=True, text=True,
                            timeout=120)  # fmt: skip
         assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, args
+
+
+def test_the_simulator_script_replays_sequences_at_once(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json.gz"
+    tr = _copying(4, n_gen=3)
+    tr.meta = {"version": 1}
+    save_trace(tr, trace)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate-planner"), str(trace),
+                        "--machine", "gpu-like", "--parallel", "2"], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode in (0, 1), r.stderr
+    assert "2 sequences at once (serve --parallel 2)" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| gpu-like | ") and
+               line.count("|") == 7)  # fmt: skip
+    # the curve allows 2 t(1) / t(2) = 2 / 1.01 = 1.98x
+    assert row.endswith("| 1.98x |"), row
 
 
 def test_the_simulator_scripts_position_costs_reach_the_curves(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ import ast
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from specgguf.engine.config import default_draft_max, default_draft_tree
 from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
 from specgguf.engine.traces import Trace, TracedGeneration
 from specgguf.errors import UsageError
-from specgguf.speculative.costmodel import Timings
+from specgguf.speculative.costmodel import Timings, micro_batches
 from specgguf.speculative.draft import Draft
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
 from specgguf.speculative.sampling import SamplerParams
@@ -182,6 +182,8 @@ class TraceDraftModel(ModelDrafter):
         self.gen: TracedGeneration | None = None
         self._held_sim: list[int] = []
         self.seconds = 0.0
+        #: each draft's evaluations: its catch-up rows, then how many one-row evaluations
+        self.evaluations: list[tuple[int, int]] = []
         self.n_vocab = 1 << 30
 
     def start(self, gen: TracedGeneration) -> None:
@@ -229,6 +231,7 @@ class TraceDraftModel(ModelDrafter):
         # when drafting went on to a token it then stopped at)
         evaluated = tokens if stopped else tokens[:-1]
         self.seconds += per * t.curve(behind) / t.curve(1) + per * len(evaluated)
+        self.evaluations.append((behind, len(evaluated)))
         self._held_sim = [*history, *evaluated]
         return Draft(tokens, stopped=stopped, token_seconds=per)
 
@@ -397,6 +400,134 @@ def oracle(trace: Trace, truth: Timings, *, overhead: float = 0.0, k_max: int = 
     return res
 
 
+@dataclasses.dataclass(eq=False)
+class _Running:
+    """One generation on a sequence of :func:`simulate_parallel`."""
+
+    gen: TracedGeneration
+    planner: Any
+    history: list[int]
+    limit: int
+    pos: int = 0
+    rows: int = 1
+
+
+def simulate_parallel(
+    trace: Trace,
+    truth: Timings,
+    kind: str,
+    n_parallel: int,
+    draft_max: int | None = None,
+    *,
+    tuning: AutoTuning = AUTO_TUNING,
+    n_ubatch: int = 128,
+    overhead: float = 0.0,
+    n_batch: int = 512,
+) -> SimResult:
+    """Replay ``trace``'s generations ``n_parallel`` at a time, as ``serve --parallel`` runs
+    them (:mod:`specgguf.engine.batching`) with every request already waiting: each
+    sequence has its own planner (drafter ``kind``, draft length ``draft_max``; None:
+    ``run``'s) and timings
+    told the rows the others brought to their latest step (:attr:`Timings.others`); the
+    suffix corpus is shared; a finished generation's sequence takes the next one, lowest
+    free sequence first. A step is one target batch of every running sequence's rows,
+    costing the sum of ``truth``'s curve over llama.cpp's micro-batches of it
+    (:func:`~specgguf.speculative.costmodel.micro_batches`, at the deepest sequence's
+    depth), after the draft model's batches (the catch-ups, then one row per sequence
+    still drafting, per draft position, each split the same way, at ``truth.draft`` a
+    row on the curve's shape), plus ``overhead``. Greedy, chains only (no token trees
+    with several sequences), prompts not counted.
+
+    Returns:
+        a result whose category ``"all"`` holds every generation's tokens and the wall
+        seconds of the whole replay.
+
+    Raises:
+        UsageError: the model drafter without chains in the trace.
+    """
+    chains = any(g.chains for g in trace.generations)
+    suffixes = SuffixDrafter.group(n_parallel)
+    seqs: list[tuple[TraceDraftModel | None, Timings, Drafting]] = []
+
+    def fixed(t: Timings) -> Callable[[bool], Timings]:
+        return lambda det: t
+
+    for i in range(n_parallel):
+        model = TraceDraftModel(truth) if chains else None
+        own = dataclasses.replace(_copy(truth), seq=i, n_ubatch=n_ubatch)
+        seqs.append((model, own, Drafting(model, (2, 8), suffixes[i], fixed(own), tuning)))
+    if draft_max is not None:
+        k = draft_max
+    else:
+        k = tuning.draft_max_lookup if kind == "auto" else default_draft_max(kind)  # type: ignore[arg-type]
+    settings = DraftSettings(k, 0.0, False, 0, 0)
+    n_predict = trace.meta.get("n_predict")
+    n_predict = n_predict if isinstance(n_predict, int) else None
+    queue = list(trace.generations)
+    running: dict[int, _Running] = {}
+    res = SimResult()
+    rng = np.random.default_rng(0)
+    clock, tokens = 0.0, 0
+
+    def cost(rows: list[tuple[int, int]], per_row: float, cached: int) -> float:
+        return sum(truth._at_depth(m, cached) for m in micro_batches(rows, n_ubatch)) * per_row
+
+    while queue or running:
+        for i in range(n_parallel):
+            if i not in running and queue:
+                gen = queue.pop(0)
+                model, _, drafting = seqs[i]
+                if model is not None:
+                    model.start(gen)
+                planner = make_planner(kind, drafting, settings)
+                planner.reset()
+                history = list(gen.prompt)
+                for d in planner.drafters:
+                    d.prefill(history)
+                running[i] = _Running(gen, planner, history, max(n_predict or 0, len(gen.output)))
+        steps = []
+        for i, run in sorted(running.items()):
+            model, own, _ = seqs[i]
+            own.others = tuple((j, r.rows) for j, r in sorted(running.items()) if j != i)
+            own.solo = len(running) == 1
+            if model is not None:
+                model.evaluations.clear()
+            k_step = min(run.planner.draft_max, n_batch - 1, run.limit - run.pos - 1)
+            plan = run.planner.plan(run.history, k_step, GREEDY, rng)
+            draft = verifiable(plan.draft, k_step, 0)
+            acc = _agreement(draft, run.gen.output, run.pos)
+            evals = list(model.evaluations) if model is not None else []
+            steps.append((i, run, plan, draft, acc, evals))
+        cached = max(len(run.history) - 1 for run in running.values())
+        seconds = overhead
+        drafted = [(i, ev[-1]) for i, _, _, _, _, ev in steps if ev]
+        if drafted:  # catch-ups, then one row each per further draft position
+            seconds += cost([(i, b) for i, (b, _) in drafted], truth.draft / truth.curve(1), 0)
+            for j in range(1, max(n for _, (_, n) in drafted) + 1):
+                rows = [(i, 1) for i, (_, n) in drafted if n >= j]
+                seconds += cost(rows, truth.draft / truth.curve(1), 0)
+        verify = cost([(i, len(d.tokens) + 1) for i, _, _, d, _, _ in steps], 1.0, cached)
+        seconds += verify
+        clock += seconds
+        for i, run, plan, draft, acc, _ in steps:
+            out = run.gen.output
+            conf = run.gen.confidence[run.pos + acc] if run.pos + acc < len(out) else None
+            run.planner.observe(plan, acc, verify, conf, rows=len(draft.tokens) + 1)
+            name = plan.drafter.name if plan.drafter is not None and draft.tokens else "none"
+            res.by_drafter[name] = res.by_drafter.get(name, 0) + 1
+            res.steps += 1
+            run.history.extend(out[run.pos : run.pos + acc + 1])
+            run.pos += acc + 1
+            run.rows = len(draft.tokens) + 1
+            if run.pos >= len(out):
+                for d in run.planner.drafters:
+                    d.finish(run.history)
+                tokens += len(out)
+                del running[i]
+    res.add("all", clock, tokens)
+    return res
+
+
 @dataclasses.dataclass
 class Row:
     """One category of the table on one machine: rates relative to the target alone."""
@@ -461,6 +592,60 @@ def table(
                             fixed[best].rate(cat) / base, best, orc.rate(cat) / base,
                             None if var is None else var.rate(cat) / base))  # fmt: skip
     return rows
+
+
+@dataclasses.dataclass
+class ParallelRow:
+    """One machine's ``--parallel`` replay (:func:`simulate_parallel`): tokens/s of the
+    target alone with N sequences, auto mode with 1 and with N, each relative to the
+    target alone with 1; and what the curve allows N sequences over one,
+    N t(1) / t(N)."""
+
+    machine: str
+    n_parallel: int
+    target: float
+    auto_one: float
+    auto: float
+    allows: float
+
+
+def parallel_table(
+    trace: Trace,
+    machines: dict[str, Timings],
+    n_parallel: int,
+    *,
+    tuning: AutoTuning = AUTO_TUNING,
+    overhead: float = 0.0,
+) -> list[ParallelRow]:
+    """Per machine, :class:`ParallelRow` (micro-batches of 512 rows on the GPU-like
+    curve, as on builds that offload; else 128, as on CPU builds)."""
+    rows = []
+    for name, truth in machines.items():
+        ub = 512 if name == "gpu-like" else 128
+
+        def rate(kind: str, n: int, ub: int = ub, truth: Timings = truth) -> float:
+            res = simulate_parallel(trace, truth, kind, n, tuning=tuning, n_ubatch=ub,
+                                    overhead=overhead)  # fmt: skip
+            return res.rate()
+
+        base = rate("none", 1)
+        rows.append(ParallelRow(name, n_parallel, rate("none", n_parallel) / base,
+                                rate("auto", 1) / base, rate("auto", n_parallel) / base,
+                                n_parallel * truth.curve(1) / truth.curve(n_parallel)))  # fmt: skip
+    return rows
+
+
+def format_parallel_table(rows: Sequence[ParallelRow]) -> str:
+    """A markdown table of :class:`ParallelRow`."""
+    if not rows:
+        return ""
+    n = rows[0].n_parallel
+    out = [f"| machine | target -np {n} | auto -np 1 | auto -np {n} | auto / target at -np {n} "
+           f"| the curve allows |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r.machine} | {r.target:.2f}x | {r.auto_one:.2f}x | {r.auto:.2f}x "
+                   f"| {r.auto / r.target:.3f}x | {r.allows:.2f}x |")  # fmt: skip
+    return "\n".join(out)
 
 
 def format_table(rows: Sequence[Row]) -> str:

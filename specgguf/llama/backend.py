@@ -531,9 +531,9 @@ class LlamaContext(_Native):
     per sequence (``split_equal``), each reading the weights again; measured on a 2-core
     AMD EPYC with the 1.5B/0.5B pair, 4 sequences in auto mode, 2-3% of aggregate
     tokens/s; more where a batch's rows cost little (a GPU), which auto mode weighs
-    (:func:`specgguf.speculative.costmodel.micro_batches`). ``kv_unified`` shares one cache of ``n_parallel * n_ctx`` cells instead, as
-    llama-server's slots do. This context is
-    sequence 0; :meth:`sequence` gives the others, each with its own ``n_past``,
+    (:func:`specgguf.speculative.costmodel.micro_batches`). ``kv_unified`` shares one
+    cache of ``n_parallel * n_ctx`` cells instead, as llama-server's slots do. This
+    context is sequence 0; :meth:`sequence` gives the others, each with its own ``n_past``,
     rollback and timing, and :meth:`decode_many` decodes several sequences' tokens in one
     ``llama_decode``. Such a context has no trees, scratch sequence or hidden states.
 

@@ -115,12 +115,15 @@ class Timings:
     T = sum of t(m) over its micro-batches m, and a step's cost is this sequence's share
     of what the batch costs whatever its rows, plus what its own rows add::
 
-        t_verify(n) = F / sharing + T(n) - T(0),   F = 2 t(1) - t(2)
+        t_verify(n) = F / sharing + max(0, T(1) - T(0)) + T(n) - T(1),   F = 2 t(1) - t(2)
 
     T(n): the batch with this sequence's n rows, T(0) without it. F is the part of a lone
     row's time that does not grow with rows (reading the weights, once per micro-batch).
-    With one sequence this is t(n), as before; where every sequence brings as many rows
-    (in one micro-batch) T(n) - T(0) = t(R + n) - t(R), R the others' rows. Where a batch
+    What a step's rows add is counted from its last token's (T(1)), whatever that costs:
+    where this sequence fills a gap in the others' ids, T(1) is less than T(0), and
+    counted from T(0) every draft of up to the rows that saving pays would look free.
+    With one sequence this is t(n), as before; where the batch is one micro-batch,
+    t(R + n) - t(R), R the others' rows. Where a batch
     is compute-bound (a CPU: F small against a row's cost) a draft row costs about what a
     sequence's whole step does and drafts pay less the more sequences share the batch;
     where rows are nearly free (a GPU) a draft as long as the others' costs little, and
@@ -213,8 +216,9 @@ class Timings:
         measured curve is noise, not free rows)."""
         if self.others:
             fixed = max(0.0, 2.0 * self.curve(1) - self.curve(2))
-            added = max(0.0, self._batch_at_depth(n, cached) - self._batch_at_depth(0, cached))
-            share = fixed / self.sharing + added
+            one = self._batch_at_depth(1, cached)
+            added = max(0.0, one - self._batch_at_depth(0, cached))
+            share = fixed / self.sharing + added + self._batch_at_depth(n, cached) - one
             return max(share, 0.001 * self.curve(1)) * self.scale_batch
         if n == 1 and self.padded(cached):
             n = 2
