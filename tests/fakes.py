@@ -323,6 +323,7 @@ class FakeParallelContext:
         n_outputs_max: int | None = None,
     ) -> None:  # fmt: skip
         self.n_batch = n_batch
+        self.n_ubatch = n_batch
         self.n_outputs_max = n_outputs_max or n_batch
         self.n_parallel = n_parallel
         self.n_vocab = n_vocab

@@ -61,12 +61,15 @@ Spec = tuple[str, int]
 class Harness:
     """``n`` sequences of a fake parallel target (and draft model), run by a batcher."""
 
-    def __init__(self, n: int, *, n_batch: int = 64, n_ctx: int = 256) -> None:
+    def __init__(
+        self, n: int, *, n_batch: int = 64, n_ctx: int = 256,
+        cost: Callable[[int], float] | None = None,
+    ) -> None:  # fmt: skip
         self.target = FakeParallelContext(one_hot_rule(target_next, V), V, n, n_ctx=n_ctx,
                                           n_batch=n_batch)  # fmt: skip
         self.draft = FakeParallelContext(one_hot_rule(draft_next, V), V, n, n_ctx=n_ctx,
                                          n_batch=n_batch)  # fmt: skip
-        self.batcher = Batcher(self.target, self.draft)  # type: ignore[arg-type]
+        self.batcher = Batcher(self.target, self.draft, cost)  # type: ignore[arg-type]
         self.vocab = FakeVocab(V, eog_ids=[EOS])
         self.n_batch, self.n_ctx = n_batch, n_ctx
         self.results: dict[int, GenerationResult] = {}
@@ -223,6 +226,35 @@ def test_a_batch_holds_its_parts_in_sequence_order_whatever_took_its_rows_first(
     assert h.results[2].tokens == h.alone(long_prompt, ("none", 0), params(10)).tokens
 
 
+def test_where_rows_cost_little_verifications_are_padded_to_even_rows_the_pads_dropped() -> None:
+    """A GPU-like cost (a micro-batch 1.0 s and 0.001 s a row): sequences verifying 5, 3
+    and 1 rows are padded to 5 each (one micro-batch of 15 rows, 1.015 s, against 5, 4
+    and 2 rows in three, 3.011 s), with each one's last token repeated; the pads leave
+    the cache before the next step, and every output is what it is alone."""
+    specs: list[Spec] = [("oracle", 4), ("oracle", 2), ("none", 0)]
+    h = Harness(3, cost=lambda n: 1.0 + 0.001 * n)
+    for i, spec in enumerate(specs):
+        h.start(i, PROMPTS[i], spec, params(30))
+    h.run()
+    steps = [b for b in h.target.batches if all(w == "all" for _, _, w in b) and len(b) == 3]
+    assert steps and all(len({len(t) for _, t, _ in b}) == 1 for b in steps)
+    assert any([len(t) for _, t, _ in b] == [5, 5, 5] for b in steps)
+    padded = next(b for b in steps if [len(t) for _, t, _ in b] == [5, 5, 5])
+    assert padded[2][1] == [padded[2][1][0]] * 5  # sequence 2's token and 4 copies of it
+    for i, spec in enumerate(specs):
+        alone = h.alone(PROMPTS[i], spec, params(30))
+        assert h.results[i].tokens == alone.tokens
+        assert h.target.seqs[i].kv == PROMPTS[i] + alone.tokens[:-1]  # no pad left
+
+
+def test_where_rows_cost_what_micro_batches_do_nothing_is_padded() -> None:
+    h = Harness(3, cost=lambda n: 0.1 + 1.0 * n)  # a row costs ten passes over the weights
+    for i, spec in enumerate([("oracle", 4), ("oracle", 2), ("none", 0)]):
+        h.start(i, PROMPTS[i], spec, params(30))
+    h.run()
+    assert any(len({len(t) for _, t, _ in b}) > 1 for b in h.target.batches)
+
+
 def test_a_deterministic_sequence_is_decoded_alone() -> None:
     h = Harness(2)
     h.views[0].set_rows_per_decode(2)  # deterministic mode's batch shapes
@@ -293,8 +325,9 @@ def test_a_step_in_a_shared_batch_costs_its_share_and_its_rows() -> None:
     g = Timings(dict(GPU), others=FOUR_EACH)
     # F = 2 - t(2) = 2 - 1.00625 = 0.99375; each row 0.1 / 16 = 0.00625 s
     assert g.verify_time(4) == pytest.approx(0.99375 / 4 + 4 * 0.00625)
-    # 1 row: t(4) + t(9) - t(12) = (1 + 3 * 0.00625) + (1 + 8 * 0.00625) - (1 + 11 * 0.00625)
-    assert g.verify_time(1) == pytest.approx(0.99375 / 4 + 1.0)
+    # 1 row: split, t(4) + t(9) = 2.06875 s; padded to 4 rows, t(16) = 1.09375 s: padded,
+    # and the step costs what 4 rows do
+    assert g.verify_time(1) == pytest.approx(0.99375 / 4 + 4 * 0.00625)
 
 
 #: three other sequences (ids 1-3) of one row each: no drafts
@@ -321,27 +354,32 @@ def test_drafts_pay_less_in_a_compute_bound_batch_and_as_much_on_a_gpu() -> None
     assert rate == pytest.approx(expected_tokens(0.6, 4) / 0.2921875)
 
 
+#: the 2-core Xeon's curve of 2026-12-02 (../shared/machines/curves.json), to 9 rows
+XEON = {1: 1.0, 2: 1.34, 3: 1.71, 5: 1.82, 9: 3.01}
+
+
 def test_a_sequence_that_fills_a_gap_counts_its_drafts_from_its_last_token() -> None:
-    """Sequence 1 beside sequences 0, 2 and 3 of one row (GPU-like curve): without it the
-    ids have a gap, two micro-batches, T(0) = t(1) + t(2) = 2.00625; with its last token
-    one, T(1) = t(4) = 1.01875; with a draft token two again, T(2) = t(4) + t(1). The
-    step alone costs F / 4 (its token saves more than it adds), and the draft token a
-    whole micro-batch more: T(2) - T(1) = 1.0 (counted from T(0), 0.0125)."""
-    gpu = Timings(dict(GPU), others=ONE_EACH_BUT_1, seq=1)
-    assert gpu.verify_time(1) == pytest.approx(0.99375 / 4)
-    assert gpu.verify_time(2) == pytest.approx(0.99375 / 4 + 1.0)
-    # a = 0.6: no draft (E(8) = 2.47 tokens for 0.248 + 1.04375 s, 1.91 tokens/s, against
-    # 4.02); a = 0.9: K = 8 pays that micro-batch (E(8) = 6.13, 4.74 tokens/s)
-    assert best_k(0.6, gpu, 8) == (0, pytest.approx(4 / 0.99375))
-    k, rate = best_k(0.9, gpu, 8)
-    assert k == 8 and rate == pytest.approx(expected_tokens(0.9, 8) / (0.99375 / 4 + 1.04375))
+    """Sequence 1 beside sequences 0, 2 and 3 of one row (Xeon curve, F = 2 - 1.34 =
+    0.66): without it the ids have a gap, two micro-batches, T(0) = t(1) + t(2) = 2.34;
+    with its last token one, T(1) = t(4) = 1.765; with a draft token two again (4 rows,
+    then 1: 2.765) or padded, t(8) = 2.7125, the cheaper. The step alone costs F / 4 (its
+    token saves more than it adds), and the draft token T(2) - T(1) = 0.9475 more (counted
+    from T(0), 0.3725)."""
+    xeon = Timings(dict(XEON), others=ONE_EACH_BUT_1, seq=1)
+    assert xeon.verify_time(1) == pytest.approx(0.165)
+    assert xeon.verify_time(2) == pytest.approx(0.165 + 0.9475)
+    # a = 0.9: K = 1 gives 1.9 / 1.1125 = 1.71 tokens/s against 6.06 alone
+    assert best_k(0.9, xeon, 8) == (0, pytest.approx(1 / 0.165))
 
 
-def test_on_a_gpu_a_draft_that_makes_the_batch_uneven_does_not_pay() -> None:
-    """Beside 3 sequences of 1 row, K = 4 puts 4 rows of its own in a second micro-batch
-    that reads every weight again: F / 4 + 2 t(4) - t(3) = 0.2484375 + 1.025 against
-    F / 4 + t(4) - t(3) = 0.2546875 for no draft; E(4) = 2.3056 at a = 0.6, 1.81 tokens/s
-    against 3.93 (counted as one batch of 8 rows, K = 4 would give 8.24)."""
+def test_on_a_gpu_a_draft_beside_sequences_that_draft_none_pads_them() -> None:
+    """Beside 3 sequences of 1 row, K draft tokens would make a second micro-batch of K
+    rows, a second pass over every weight (2 t(4) = 2.0375 s for K = 4); padded to K + 1
+    rows each it is one, t(4 (K + 1)): K = 4 then costs F / 4 + t(20) - t(3) = 0.2484375 +
+    1.13125 - 1.0125, and at a = 0.6 K = 3 pays most, E(3) / (F / 4 + t(16) - t(3)) =
+    6.60 tokens/s against 3.93 alone (counted as two micro-batches it would not pay)."""
     gpu = Timings(dict(GPU), others=ONE_EACH)
-    assert gpu.verify_time(5) == pytest.approx(0.2484375 + 2 * 1.01875 - 1.0125)
-    assert best_k(0.6, gpu, 8) == (0, pytest.approx(1 / 0.2546875))
+    assert gpu.verify_time(5) == pytest.approx(0.2484375 + 1.13125 - 1.0125)
+    k, rate = best_k(0.6, gpu, 8)
+    assert k == 3
+    assert rate == pytest.approx(expected_tokens(0.6, 3) / (0.2484375 + 1.09375 - 1.0125))

@@ -61,6 +61,42 @@ def test_sequences_generated_together_equal_each_alone(
         assert [r.stats.drafted for r in together] == [r.stats.drafted for r in alone]
 
 
+def test_verifications_padded_to_even_rows_leave_every_output_as_alone(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a cost where rows are nearly free (a GPU's), the batcher pads the target's
+    batches of verifications with throw-away rows, which llama.cpp writes and the batcher
+    then drops: each request's text is still what it is alone."""
+    from specgguf.llama.backend import LlamaContext
+
+    with engine(tiny_models, 1, "model") as one:
+        alone = [one.generate(p, GREEDY).run() for p in PROMPTS[:3]]
+    shapes: list[list[int]] = []
+    decode_many = LlamaContext.decode_many
+
+    def spy(self: LlamaContext, parts: Any) -> Any:
+        if all(w == "all" for _, _, w in parts):
+            shapes.append([len(t) for _, t, _ in parts])
+        return decode_many(self, parts)
+
+    monkeypatch.setattr(LlamaContext, "decode_many", spy)
+    several: dict[str, list[list[int]]] = {}
+    for name, cost in (("rows cost little", lambda n: 1.0 + 0.001 * n),
+                       ("rows cost much", lambda n: 0.1 + 1.0 * n)):  # fmt: skip
+        shapes.clear()
+        with engine(tiny_models, 3, "model") as three:
+            three.start_batching().cost = cost
+            together = batched(three, PROMPTS[:3], GREEDY)
+        assert [r.tokens for r in together] == [r.tokens for r in alone], name
+        assert [r.stats.drafted for r in together] == [r.stats.drafted for r in alone], name
+        several[name] = [sh for sh in shapes if len(sh) > 1]
+    # Batches of several verifications: uneven where rows cost much, and every one even
+    # (padded) where they cost little.
+    assert any(len(set(sh)) > 1 for sh in several["rows cost much"])
+    assert several["rows cost little"]
+    assert all(len(set(sh)) == 1 for sh in several["rows cost little"])
+
+
 def test_llama_cpp_splits_a_batch_of_sequences_as_the_cost_model_says(
     tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

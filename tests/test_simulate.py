@@ -172,7 +172,7 @@ def test_sequences_at_once_share_each_step_and_a_finished_ones_sequence_takes_th
     assert simulate_parallel(tr, t, "none", 1).seconds["all"] == pytest.approx(0.050)
 
 
-def test_sequences_drafting_as_many_tokens_are_one_micro_batch_and_uneven_ones_two() -> None:
+def test_sequences_drafting_as_many_tokens_are_one_micro_batch_and_uneven_ones_cost_more() -> None:
     t = machine_timings(SMALL)
     # Both draft 2 tokens with the model (every one right; 3 tokens each): the catch-ups
     # (1 row each) in one draft batch, 1 ms * t(2) / t(1) = 1.1 ms, and the second draft
@@ -181,10 +181,15 @@ def test_sequences_drafting_as_many_tokens_are_one_micro_batch_and_uneven_ones_t
     res = simulate_parallel(even, t, "model", 2, 2)
     assert res.steps == 2 and res.seconds["all"] == pytest.approx(0.0232)
     # B has room for no draft (1 token): rows (3, 1), which llama.cpp splits into a row of
-    # each, then A's other 2: t(2) + t(2) = 22 ms, not t(4) = 15 ms; A's drafts 1 + 1 ms.
+    # each, then A's other 2: t(2) + t(2) = 22 ms, not t(4) = 15 ms; padded to 3 rows
+    # each, t(6) = 21 ms, the cheaper; and A's drafts, 1 + 1 ms.
     uneven = Trace({}, [gen([1, 2], [10, 11, 12]), gen([3], [20])])
     res = simulate_parallel(uneven, t, "model", 2, 2)
-    assert res.steps == 2 and res.seconds["all"] == pytest.approx(0.024)
+    assert res.steps == 2 and res.seconds["all"] == pytest.approx(0.023)
+    # Where 6 rows cost 36 ms, split: 22 + 2 ms.
+    steep = machine_timings({**SMALL, "rows": {"1": 1.0, "3": 1.2, "9": 6.0}})
+    res = simulate_parallel(uneven, steep, "model", 2, 2)
+    assert res.seconds["all"] == pytest.approx(0.024)
 
 
 def test_auto_mode_with_sequences_at_once_is_not_slower_than_the_target_alone() -> None:

@@ -19,7 +19,10 @@ other). A batch takes verifications whole (all their logits in one
 decode), then fills the rows left (``n_batch``) with pieces of prompts, so that a new
 request's prompt is read in chunks beside the running sequences' steps instead of
 stalling them; what it takes goes into the batch in sequence order, as llama.cpp's
-micro-batches want it (:func:`specgguf.speculative.costmodel.micro_batches`).
+micro-batches want it (:func:`specgguf.speculative.costmodel.micro_batches`). A target
+batch of verifications alone is padded with throw-away rows to as many rows for each
+sequence where the calibrated curve says one micro-batch of them costs less than the
+several llama.cpp would make (a GPU's); the pads leave the cache right after the decode.
 
 Decoded alone, in a ``llama_decode`` of their own: evaluations of a context whose memory
 holds a recurrent state (a multi-sequence batch would be split by llama.cpp's equal-length
@@ -46,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.llama.backend import LlamaContext
+from specgguf.speculative.costmodel import cheapest_micro_batches
 
 log = logging.getLogger("specgguf")
 
@@ -95,11 +99,20 @@ class Batcher:
     Args:
         target: the target's parallel context (``n_parallel`` sequences).
         draft: the draft model's, when one is loaded.
+        cost: seconds of a target micro-batch of n rows (the calibrated curve): where it
+            says so, a target batch of verifications is padded to even rows
+            (:func:`~specgguf.speculative.costmodel.cheapest_micro_batches`); None: never.
     """
 
-    def __init__(self, target: LlamaContext, draft: LlamaContext | None = None) -> None:
+    def __init__(
+        self,
+        target: LlamaContext,
+        draft: LlamaContext | None = None,
+        cost: Callable[[int], float] | None = None,
+    ) -> None:
         self.target = target
         self.draft = draft
+        self.cost = cost
         self.hub = greenlet.getcurrent()
         self.active: list[Task] = []
         self._ready: deque[tuple[Task, Any, bool]] = deque()
@@ -217,6 +230,9 @@ class Batcher:
         # others' verifications could cost one more.
         by_seq = sorted(range(len(parts)), key=lambda j: taken[j][0].task.slot)
         parts, taken = [parts[j] for j in by_seq], [taken[j] for j in by_seq]
+        pads = self._padding(base, parts, [r.task.slot for r, _ in taken])
+        if any(pads):
+            parts = [(c, [*t, *[t[-1]] * p], w) for (c, t, w), p in zip(parts, pads, strict=True)]
         try:
             results = base.decode_many(parts)
         except Exception as e:  # every task of the batch learns of it
@@ -225,12 +241,39 @@ class Batcher:
             self._pending.extend(r for r in batched if all(r is not t for t, _ in taken))
             return
         served = set()
-        for (r, n), logits in zip(taken, results, strict=True):
+        for (r, n), logits, pad in zip(taken, results, pads, strict=True):
+            if pad:  # the throw-away rows leave the cache before the task sees its logits
+                r.ctx.rollback(r.ctx.n_past - pad)
+                logits = logits[: len(logits) - pad]
             r.done += n
             if r.done == len(r.tokens):
                 self._ready.append((r.task, logits, False))
                 served.add(id(r))
         self._pending.extend(r for r in batched if id(r) not in served)
+
+    def _padding(
+        self, base: LlamaContext, parts: Sequence[tuple[LlamaContext, Sequence[int], Want]],
+        seqs: Sequence[int],
+    ) -> list[int]:  # fmt: skip
+        """Throw-away rows to append to each part: on the target's batch of verifications
+        alone (2 or more, every row's logits wanted), each brought to the most rows any
+        brings where :attr:`cost` says that costs less than llama.cpp's micro-batches of
+        it, and the padded batch fits the context's rows, outputs and every sequence's
+        room; else none. Their last token repeated: after a sequence's own rows they
+        change none of its logits (each row attends to the positions before it)."""
+        none = [0] * len(parts)
+        if self.cost is None or base is not self.target or len(parts) < 2:
+            return none
+        if any(w != "all" for _, _, w in parts):
+            return none
+        rows = [(seq, len(t)) for seq, (_, t, _) in zip(seqs, parts, strict=True)]
+        _, padded = cheapest_micro_batches(rows, base.n_ubatch, self.cost)
+        most = max(n for _, n in rows)
+        if not padded or most * len(parts) > min(base.n_batch, base.n_outputs_max):
+            return none
+        if any(c.n_past + most > c.n_ctx for c, _, _ in parts):
+            return none
+        return [most - n for _, n in rows]
 
     def _serve(self, r: _Request) -> None:
         """Decode ``r`` alone (its sequence's own ``eval``); its logits copied, as the

@@ -323,7 +323,7 @@ class Engine:
         self.timings(False)
         if self.deterministic_rows:
             self.timings(True)
-        self.batcher = Batcher(self.target_ctx, self.draft_ctx)
+        self.batcher = Batcher(self.target_ctx, self.draft_ctx, self.timings(False).curve)
         return self.batcher
 
     @classmethod

@@ -41,7 +41,7 @@ from specgguf.engine.config import default_draft_max, default_draft_tree
 from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
 from specgguf.engine.traces import Trace, TracedGeneration
 from specgguf.errors import UsageError
-from specgguf.speculative.costmodel import Timings, micro_batches
+from specgguf.speculative.costmodel import Timings, cheapest_micro_batches, micro_batches
 from specgguf.speculative.draft import Draft
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
 from specgguf.speculative.sampling import SamplerParams
@@ -431,12 +431,13 @@ def simulate_parallel(
     told the rows the others brought to their latest step (:attr:`Timings.others`); the
     suffix corpus is shared; a finished generation's sequence takes the next one, lowest
     free sequence first. A step is one target batch of every running sequence's rows,
-    costing the sum of ``truth``'s curve over llama.cpp's micro-batches of it
-    (:func:`~specgguf.speculative.costmodel.micro_batches`, at the deepest sequence's
-    depth), after the draft model's batches (the catch-ups, then one row per sequence
-    still drafting, per draft position, each split the same way, at ``truth.draft`` a
-    row on the curve's shape), plus ``overhead``. Greedy, chains only (no token trees
-    with several sequences), prompts not counted.
+    costing the sum of ``truth``'s curve over llama.cpp's micro-batches of it, padded
+    where that costs less, as the batcher pads it
+    (:func:`~specgguf.speculative.costmodel.cheapest_micro_batches`, at the deepest
+    sequence's depth), after the draft model's batches (the catch-ups, then one row per
+    sequence still drafting, per draft position, each split into micro-batches and never
+    padded, at ``truth.draft`` a row on the curve's shape), plus ``overhead``. Greedy,
+    chains only (no token trees with several sequences), prompts not counted.
 
     Returns:
         a result whose category ``"all"`` holds every generation's tokens and the wall
@@ -472,6 +473,12 @@ def simulate_parallel(
     def cost(rows: list[tuple[int, int]], per_row: float, cached: int) -> float:
         return sum(truth._at_depth(m, cached) for m in micro_batches(rows, n_ubatch)) * per_row
 
+    def verify_cost(rows: list[tuple[int, int]], cached: int) -> float:
+        def at(m: int) -> float:
+            return truth._at_depth(m, cached)
+
+        return sum(at(m) for m in cheapest_micro_batches(rows, n_ubatch, at)[0])
+
     while queue or running:
         for i in range(n_parallel):
             if i not in running and queue:
@@ -506,7 +513,7 @@ def simulate_parallel(
             for j in range(1, max(n for _, (_, n) in drafted) + 1):
                 rows = [(i, 1) for i, (_, n) in drafted if n >= j]
                 seconds += cost(rows, truth.draft / truth.curve(1), 0)
-        verify = cost([(i, len(d.tokens) + 1) for i, _, _, d, _, _ in steps], 1.0, cached)
+        verify = verify_cost([(i, len(d.tokens) + 1) for i, _, _, d, _, _ in steps], cached)
         seconds += verify
         clock += seconds
         for i, run, plan, draft, acc, _ in steps:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specgguf.speculative.tuning import AUTO_TUNING
 
@@ -61,6 +61,28 @@ def micro_batches(rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
         rows per micro-batch, in order; ``[]`` for no rows.
     """
     return list(_micro_batches(tuple(rows), n_ubatch))
+
+
+def cheapest_micro_batches(
+    rows: Sequence[tuple[int, int]], n_ubatch: int, cost: Callable[[int], float]
+) -> tuple[list[int], bool]:
+    """The micro-batches of ``rows`` (:func:`micro_batches`), or those of the same
+    sequences each padded with throw-away rows to the most rows any brings, where those
+    cost less by ``cost`` (seconds of a micro-batch of n rows); and whether padded. Where
+    a batch's rows cost little (a GPU), padding sequences of 5, 1 and 1 rows to 5 each is
+    one micro-batch of 15 rows instead of two (3 rows, then 4), which costs nearly a
+    second pass over the weights; on a CPU the padding's rows usually cost more.
+    :class:`specgguf.engine.batching.Batcher` pads a target batch of verifications by this
+    rule, and :class:`Timings` costs a step by it."""
+    split = micro_batches(rows, n_ubatch)
+    live = [(seq, n) for seq, n in rows if n > 0]
+    most = max((n for _, n in live), default=0)
+    if len(live) < 2 or all(n == most for _, n in live):
+        return split, False
+    padded = micro_batches([(seq, most) for seq, _ in live], n_ubatch)
+    if sum(cost(m) for m in padded) < sum(cost(m) for m in split):
+        return padded, True
+    return split, False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,8 +148,8 @@ class Timings:
     t(R + n) - t(R), R the others' rows. Where a batch
     is compute-bound (a CPU: F small against a row's cost) a draft row costs about what a
     sequence's whole step does and drafts pay less the more sequences share the batch;
-    where rows are nearly free (a GPU) a draft as long as the others' costs little, and
-    one that makes the batch uneven costs a whole micro-batch.
+    where rows are nearly free (a GPU) the batch is padded to even rows
+    (:func:`cheapest_micro_batches`) and a draft costs little more than its rows.
     """
 
     verify: dict[int, float]
@@ -204,9 +226,14 @@ class Timings:
 
     def _batch_at_depth(self, n: int, cached: int) -> float:
         """T(n): the target batch of :attr:`others` and this sequence's ``n`` rows, summed
-        over its micro-batches (every row at this sequence's depth)."""
+        over its micro-batches, padded where that costs less
+        (:func:`cheapest_micro_batches`; every row at this sequence's depth)."""
         rows = sorted((*self.others, (self.seq, n)))
-        return sum(self._at_depth(m, cached) for m in _micro_batches(tuple(rows), self.n_ubatch))
+
+        def cost(m: int) -> float:
+            return self._at_depth(m, cached)
+
+        return sum(cost(m) for m in cheapest_micro_batches(rows, self.n_ubatch, cost)[0])
 
     def verify_time(self, n: int, cached: int = 0) -> float:
         """t_verify(n) in seconds after ``cached`` positions: the calibrated curve, with
