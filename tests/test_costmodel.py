@@ -19,6 +19,7 @@ from specgguf.engine.calibration import (
 from specgguf.speculative.costmodel import (
     Timings,
     best_k,
+    cheapest_micro_batches,
     expected_tokens,
     micro_batches,
     row_share,
@@ -745,7 +746,7 @@ def test_a_draft_rows_share_is_read_on_the_calibrated_curve_at_depth() -> None:
     # The curve's shape: not the learnt corrections, deterministic mode's padded lone row
     # or other sequences' rows, which would each move it without a row costing more.
     for other in (dict(scale_single=1.3, scale_batch=0.9), dict(lone_max=256),
-                  dict(others=((1, 4), (2, 4)), solo=False)):  # fmt: skip
+                  dict(others=(1, 2), solo=False)):  # fmt: skip
         moved = dataclasses.replace(t, verify=dict(t.verify), **other)  # type: ignore[arg-type]
         assert moved.verify_time(5, 700) / moved.verify_time(1, 700) != pytest.approx(
             t.verify_time(5, 700) / t.verify_time(1, 700)
@@ -778,3 +779,27 @@ def test_micro_batches_as_llama_cpp_splits_a_batch(
     rows: list[tuple[int, int]], expected: list[int]
 ) -> None:
     assert micro_batches(rows, 128) == expected
+
+
+def test_micro_batches_hold_at_most_n_ubatch_plus_one_sequences() -> None:
+    # split_equal stops taking sequences once it holds more than n_ubatch of them, and
+    # then a row of each
+    assert micro_batches([(0, 1), (1, 1), (2, 1), (3, 1)], 2) == [3, 1]
+
+
+def test_the_cheaper_of_split_and_padded_for_each_run_of_consecutive_ids() -> None:
+    def gpu(m: int) -> float:  # a pass over the weights 1.0 s, a row 0.001 s
+        return 1.0 + 0.001 * m
+
+    def cpu(m: int) -> float:  # a row costs ten passes
+        return 0.1 + 1.0 * m
+
+    # 5, 1, 1 rows: split a row of each, then 4 of sequence 0 (2.007 s); padded to 5
+    # each, one micro-batch of 15 (1.015 s)
+    assert cheapest_micro_batches([(0, 5), (1, 1), (2, 1)], 128, gpu) == ([15], [0, 4, 4])
+    assert cheapest_micro_batches([(0, 5), (1, 1), (2, 1)], 128, cpu) == ([3, 4], [0, 0, 0])
+    # ids 0 | 2, 3: two runs, never in one micro-batch; only the second is padded
+    assert cheapest_micro_batches([(0, 1), (2, 2), (3, 1)], 128, gpu) == ([1, 4], [0, 0, 1])
+    # even rows, or one sequence: nothing to pad
+    assert cheapest_micro_batches([(0, 2), (1, 2)], 128, gpu) == ([4], [0, 0])
+    assert cheapest_micro_batches([(0, 3)], 128, gpu) == ([3], [0])

@@ -81,8 +81,8 @@ def test_verifications_padded_to_even_rows_leave_every_output_as_alone(
 
     monkeypatch.setattr(LlamaContext, "decode_many", spy)
     several: dict[str, list[list[int]]] = {}
-    for name, cost in (("rows cost little", lambda n: 1.0 + 0.001 * n),
-                       ("rows cost much", lambda n: 0.1 + 1.0 * n)):  # fmt: skip
+    for name, cost in (("rows cost little", lambda n, cached: 1.0 + 0.001 * n),
+                       ("rows cost much", lambda n, cached: 0.1 + 1.0 * n)):  # fmt: skip
         shapes.clear()
         with engine(tiny_models, 3, "model") as three:
             three.start_batching().cost = cost
@@ -163,7 +163,7 @@ def test_auto_mode_plans_each_step_with_the_rows_of_the_others(
     verify_time = Timings.verify_time
 
     def spy(self: Timings, n: int, cached: int = 0) -> float:
-        seen.add((self.seq, tuple(s for s, _ in self.others), self.n_ubatch))
+        seen.add((self.seq, tuple(self.others), self.n_ubatch))
         return verify_time(self, n, cached)
 
     monkeypatch.setattr(Timings, "verify_time", spy)

@@ -21,8 +21,9 @@ request's prompt is read in chunks beside the running sequences' steps instead o
 stalling them; what it takes goes into the batch in sequence order, as llama.cpp's
 micro-batches want it (:func:`specgguf.speculative.costmodel.micro_batches`). A target
 batch of verifications alone is padded with throw-away rows to as many rows for each
-sequence where the calibrated curve says one micro-batch of them costs less than the
-several llama.cpp would make (a GPU's); the pads leave the cache right after the decode.
+sequence (of a run of consecutive ids) where the calibrated curve says one micro-batch of
+them costs less than the several llama.cpp would make (a GPU's); the pads leave the cache
+right after the decode.
 
 Decoded alone, in a ``llama_decode`` of their own: evaluations of a context whose memory
 holds a recurrent state (a multi-sequence batch would be split by llama.cpp's equal-length
@@ -73,17 +74,16 @@ class _Request:
 
 
 class Task:
-    """One generation's greenlet, with the rows it brought to the latest target batch
-    (:attr:`rows`), which the others' planning counts (:meth:`Batcher.others`)."""
+    """One generation's greenlet on sequence ``slot``, which the others' planning counts
+    (:meth:`Batcher.others`)."""
 
     def __init__(self, batcher: Batcher, slot: int, run: Callable[[], None]) -> None:
         self.slot = slot
-        self.rows = 1
         #: whether its latest target evaluation was decoded alone (not in a shared batch)
         self.alone = False
-        #: called with the (slot, rows) the other tasks bring to a target batch and the
-        #: active tasks, before every resumption (auto mode plans each step with them)
-        self.on_resume: Callable[[tuple[tuple[int, int], ...], int], None] | None = None
+        #: called with the other tasks' slots in a target batch and the active tasks,
+        #: before every resumption (auto mode plans each step with them)
+        self.on_resume: Callable[[tuple[int, ...], int], None] | None = None
         self._g = greenlet.greenlet(run, parent=batcher.hub)
 
     @property
@@ -99,8 +99,9 @@ class Batcher:
     Args:
         target: the target's parallel context (``n_parallel`` sequences).
         draft: the draft model's, when one is loaded.
-        cost: seconds of a target micro-batch of n rows (the calibrated curve): where it
-            says so, a target batch of verifications is padded to even rows
+        cost: seconds of a target micro-batch of n rows after so many cached positions
+            (:meth:`~specgguf.speculative.costmodel.Timings.batch_time`): where it says
+            so, a target batch of verifications is padded to even rows
             (:func:`~specgguf.speculative.costmodel.cheapest_micro_batches`); None: never.
     """
 
@@ -108,7 +109,7 @@ class Batcher:
         self,
         target: LlamaContext,
         draft: LlamaContext | None = None,
-        cost: Callable[[int], float] | None = None,
+        cost: Callable[[int, int], float] | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -136,18 +137,14 @@ class Batcher:
             return ctx.eval(tokens, logits=want)
         if self._base(ctx) is self.target:
             task.alone = self._alone(ctx)
-            if want == "all":
-                task.rows = len(tokens)
         return self.hub.switch(_Request(task, ctx, list(tokens), want))
 
-    def others(self, task: Task) -> tuple[tuple[int, int], ...]:
-        """The slot (sequence id) and rows of each other active task in its latest target
-        batch, by slot, as the batch orders them; none for a task decoded alone (the
-        module)."""
+    def others(self, task: Task) -> tuple[int, ...]:
+        """The slots (sequence ids) of the other active tasks that share the target's
+        batches, rising; none for a task decoded alone (the module)."""
         if task.alone:
             return ()
-        return tuple((t.slot, t.rows) for t in self.active
-                     if t is not task and not t.done and not t.alone)  # fmt: skip
+        return tuple(t.slot for t in self.active if t is not task and not t.done and not t.alone)
 
     def _alone(self, ctx: LlamaContext) -> bool:
         """Whether evaluations of ``ctx`` are decoded alone (the module's rule)."""
@@ -256,24 +253,30 @@ class Batcher:
         seqs: Sequence[int],
     ) -> list[int]:  # fmt: skip
         """Throw-away rows to append to each part: on the target's batch of verifications
-        alone (2 or more, every row's logits wanted), each brought to the most rows any
-        brings where :attr:`cost` says that costs less than llama.cpp's micro-batches of
-        it, and the padded batch fits the context's rows, outputs and every sequence's
-        room; else none. Their last token repeated: after a sequence's own rows they
-        change none of its logits (each row attends to the positions before it)."""
+        alone (2 or more, every row's logits wanted), each run of consecutive sequence ids
+        brought to the most rows any of its sequences brings where :attr:`cost` says that
+        costs less than llama.cpp's micro-batches of it (at the deepest sequence's depth),
+        and the padded batch fits the context's rows, outputs and every sequence's room;
+        else none. Their last token repeated: after a sequence's own rows they change none
+        of its logits (each row attends to the positions before it)."""
         none = [0] * len(parts)
         if self.cost is None or base is not self.target or len(parts) < 2:
             return none
-        if any(w != "all" for _, _, w in parts):
+        if any(w != "all" or not t for _, t, w in parts):
             return none
         rows = [(seq, len(t)) for seq, (_, t, _) in zip(seqs, parts, strict=True)]
-        _, padded = cheapest_micro_batches(rows, base.n_ubatch, self.cost)
-        most = max(n for _, n in rows)
-        if not padded or most * len(parts) > min(base.n_batch, base.n_outputs_max):
+        deepest = max(c.n_past for c, _, _ in parts)
+        cost = self.cost
+
+        def at(m: int) -> float:
+            return cost(m, deepest)
+
+        _, pads = cheapest_micro_batches(rows, base.n_ubatch, at)
+        if sum(n for _, n in rows) + sum(pads) > min(base.n_batch, base.n_outputs_max):
             return none
-        if any(c.n_past + most > c.n_ctx for c, _, _ in parts):
+        if any(c.n_past + len(t) + p > c.n_ctx for (c, t, _), p in zip(parts, pads, strict=True)):
             return none
-        return [most - n for _, n in rows]
+        return pads
 
     def _serve(self, r: _Request) -> None:
         """Decode ``r`` alone (its sequence's own ``eval``); its logits copied, as the

@@ -81,9 +81,9 @@ class Slot:
     timings: dict[bool, Timings]
     drafting: Drafting = dataclasses.field(init=False)
 
-    def batch_rows(self, others: tuple[tuple[int, int], ...], active: int = 1) -> None:
-        """The (sequence id, rows) each other sequence brings to the next target batch,
-        for auto mode's costs (:class:`Timings`, ``others``); a deterministic
+    def batch_others(self, others: tuple[int, ...], active: int = 1) -> None:
+        """The ids of the other sequences in the next target batch, for auto mode's costs
+        (:class:`Timings`, ``others``); a deterministic
         generation's batches are its own, as a recurrent target's (the batcher decodes
         each of their evaluations alone: no ``others``). With no other sequence ``active``,
         its steps' times are its own, and auto mode learns from them (``Timings.solo``)."""
@@ -269,8 +269,8 @@ class Engine:
         """Sequence ``i`` of ``--parallel``: the loop and the drafters over its sequences
         of the target's and the draft's contexts, evaluating through :attr:`batcher`;
         drafters of its own (``suffix``: its copy of the corpus every sequence adds to),
-        and timings of its own, which the batcher tells the rows each other sequence
-        brings to a step (:attr:`Timings.others`)."""
+        and timings of its own, which the batcher tells which other sequences share a
+        step (:attr:`Timings.others`)."""
         target = BatchedSequence(self.target_ctx.sequence(i), lambda: self.batcher)
         model = None
         if self.draft_ctx is not None:
@@ -323,7 +323,7 @@ class Engine:
         self.timings(False)
         if self.deterministic_rows:
             self.timings(True)
-        self.batcher = Batcher(self.target_ctx, self.draft_ctx, self.timings(False).curve)
+        self.batcher = Batcher(self.target_ctx, self.draft_ctx, self.timings(False).batch_time)
         return self.batcher
 
     @classmethod

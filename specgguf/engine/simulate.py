@@ -409,7 +409,6 @@ class _Running:
     history: list[int]
     limit: int
     pos: int = 0
-    rows: int = 1
 
 
 def simulate_parallel(
@@ -428,16 +427,18 @@ def simulate_parallel(
     them (:mod:`specgguf.engine.batching`) with every request already waiting: each
     sequence has its own planner (drafter ``kind``, draft length ``draft_max``; None:
     ``run``'s) and timings
-    told the rows the others brought to their latest step (:attr:`Timings.others`); the
+    told which other sequences share the step (:attr:`Timings.others`); the
     suffix corpus is shared; a finished generation's sequence takes the next one, lowest
     free sequence first. A step is one target batch of every running sequence's rows,
     costing the sum of ``truth``'s curve over llama.cpp's micro-batches of it, padded
-    where that costs less, as the batcher pads it
+    where that costs less, as the batcher pads a batch of verifications
     (:func:`~specgguf.speculative.costmodel.cheapest_micro_batches`, at the deepest
-    sequence's depth), after the draft model's batches (the catch-ups, then one row per
-    sequence still drafting, per draft position, each split into micro-batches and never
-    padded, at ``truth.draft`` a row on the curve's shape), plus ``overhead``. Greedy,
-    chains only (no token trees with several sequences), prompts not counted.
+    sequence's depth; the batcher does not pad a batch that also reads a new prompt, which
+    this replay, counting no prompts, never has), after the draft model's batches (the
+    catch-ups, then one row per sequence still drafting, per draft position, each split
+    into micro-batches and never padded, at ``truth.draft`` a row on the curve's shape),
+    plus ``overhead``. Greedy, chains only (no token trees with several sequences),
+    prompts not counted.
 
     Returns:
         a result whose category ``"all"`` holds every generation's tokens and the wall
@@ -495,7 +496,7 @@ def simulate_parallel(
         steps = []
         for i, run in sorted(running.items()):
             model, own, _ = seqs[i]
-            own.others = tuple((j, r.rows) for j, r in sorted(running.items()) if j != i)
+            own.others = tuple(j for j in sorted(running) if j != i)
             own.solo = len(running) == 1
             if model is not None:
                 model.evaluations.clear()
@@ -525,7 +526,6 @@ def simulate_parallel(
             res.steps += 1
             run.history.extend(out[run.pos : run.pos + acc + 1])
             run.pos += acc + 1
-            run.rows = len(draft.tokens) + 1
             if run.pos >= len(out):
                 for d in run.planner.drafters:
                     d.finish(run.history)

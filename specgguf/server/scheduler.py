@@ -300,7 +300,7 @@ class Scheduler:
                         continue
                     self._running[slot] = job
                     task = batcher.add(slot, functools.partial(self._run_safely, job, slot, free))
-                    task.on_resume = self.engine.slots[slot].batch_rows
+                    task.on_resume = self.engine.slots[slot].batch_others
             if batcher is None:
                 continue
             try:

@@ -53,9 +53,10 @@ def micro_batches(rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
     ``llama_batch_allocr::split_equal`` with ``sequential`` (src/llama-batch.cpp, called
     by ``llama_kv_cache::init_batch``): a micro-batch takes the first sequence with rows
     left, in batch order, and after it each sequence whose id is one more than the last
-    taken; then as many rows of each as the fewest any of them has left (at most
-    ``n_ubatch`` divided among them, at least one each). So sequences that bring
-    different numbers of rows, or ids with a gap, cost more than one micro-batch.
+    taken (at most ``n_ubatch + 1`` sequences); then as many rows of each as the fewest
+    any of them has left (at most ``n_ubatch`` divided among them, at least one each). So
+    sequences that bring different numbers of rows, or ids with a gap, cost more than one
+    micro-batch.
 
     Returns:
         rows per micro-batch, in order; ``[]`` for no rows.
@@ -65,24 +66,39 @@ def micro_batches(rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[int]:
 
 def cheapest_micro_batches(
     rows: Sequence[tuple[int, int]], n_ubatch: int, cost: Callable[[int], float]
-) -> tuple[list[int], bool]:
-    """The micro-batches of ``rows`` (:func:`micro_batches`), or those of the same
-    sequences each padded with throw-away rows to the most rows any brings, where those
-    cost less by ``cost`` (seconds of a micro-batch of n rows); and whether padded. Where
-    a batch's rows cost little (a GPU), padding sequences of 5, 1 and 1 rows to 5 each is
-    one micro-batch of 15 rows instead of two (3 rows, then 4), which costs nearly a
-    second pass over the weights; on a CPU the padding's rows usually cost more.
+) -> tuple[list[int], list[int]]:
+    """The micro-batches of ``rows`` (ids rising, as the batcher orders a batch) where each
+    run of consecutive ids, which llama.cpp never puts in one micro-batch with another
+    run, is either left as it is (:func:`micro_batches`) or padded with throw-away rows to
+    the most rows any of its sequences brings, whichever costs less by ``cost`` (seconds
+    of a micro-batch of n rows); and the rows each sequence is padded with. Where rows
+    cost little (a GPU), padding sequences 0-2 of 5, 1 and 1 rows to 5 each is one
+    micro-batch of 15 rows instead of two (3 rows, then 4), which costs nearly a second
+    pass over the weights; on a CPU the padding's rows usually cost more.
     :class:`specgguf.engine.batching.Batcher` pads a target batch of verifications by this
-    rule, and :class:`Timings` costs a step by it."""
-    split = micro_batches(rows, n_ubatch)
-    live = [(seq, n) for seq, n in rows if n > 0]
-    most = max((n for _, n in live), default=0)
-    if len(live) < 2 or all(n == most for _, n in live):
-        return split, False
-    padded = micro_batches([(seq, most) for seq, _ in live], n_ubatch)
-    if sum(cost(m) for m in padded) < sum(cost(m) for m in split):
-        return padded, True
-    return split, False
+    rule, and :class:`Timings` costs a step by it.
+
+    Returns:
+        (rows per micro-batch, pad rows per entry of ``rows``)
+    """
+    out: list[int] = []
+    pads = [0] * len(rows)
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and rows[end][0] == rows[end - 1][0] + 1:
+            end += 1
+        run = rows[start:end]
+        split = micro_batches(run, n_ubatch)
+        most = max(n for _, n in run)
+        if len(run) > 1 and any(n != most for _, n in run) and all(n > 0 for _, n in run):
+            padded = micro_batches([(seq, most) for seq, _ in run], n_ubatch)
+            if sum(cost(m) for m in padded) < sum(cost(m) for m in split):
+                split = padded
+                pads[start:end] = [most - n for _, n in run]
+        out += split
+        start = end
+    return out, pads
 
 
 @functools.lru_cache(maxsize=4096)
@@ -92,6 +108,8 @@ def _micro_batches(rows: tuple[tuple[int, int], ...], n_ubatch: int) -> tuple[in
     while left:
         taken = [left[0]]
         for item in left[1:]:
+            if len(taken) > n_ubatch:
+                break
             if item[0] == taken[-1][0] + 1:
                 taken.append(item)
         each = min(min(n for _, n in taken), max(1, n_ubatch // len(taken)))
@@ -129,27 +147,30 @@ class Timings:
     none. Its greedy verification runs in calls of at most ``chunk_rows`` rows and stops
     after the first call that shows a rejection (:meth:`expected_verify_time`).
 
-    ``others``: the other sequences' ids and rows in the same target batch (``serve
-    --parallel``, :mod:`specgguf.engine.batching`), ``seq`` this sequence's id and
-    ``n_ubatch`` the context's micro-batch size; ``sharing`` is the sequences in the batch,
-    this one included. llama.cpp evaluates such a batch in micro-batches
-    (:func:`micro_batches`), each reading the weights again, so the batch costs
-    T = sum of t(m) over its micro-batches m, and a step's cost is this sequence's share
-    of what the batch costs whatever its rows, plus what its own rows add::
+    ``others``: the other sequences' ids in the same target batch (``serve --parallel``,
+    :mod:`specgguf.engine.batching`), ``seq`` this sequence's id and ``n_ubatch`` the
+    context's micro-batch size; ``sharing`` is the sequences in the batch, this one
+    included. llama.cpp evaluates such a batch in micro-batches (:func:`micro_batches`),
+    each reading the weights again, and the batcher pads it to even rows where that costs
+    less (:func:`cheapest_micro_batches`), so the batch costs T = the sum of t(m) over its
+    micro-batches m. A step's cost is this sequence's share of what the batch costs
+    whatever its rows, plus what its own rows add::
 
         t_verify(n) = F / sharing + max(0, T(1) - T(0)) + T(n) - T(1),   F = 2 t(1) - t(2)
 
-    T(n): the batch with this sequence's n rows, T(0) without it. F is the part of a lone
-    row's time that does not grow with rows (reading the weights, once per micro-batch).
-    What a step's rows add is counted from its last token's (T(1)), whatever that costs:
-    where this sequence fills a gap in the others' ids, T(1) is less than T(0), and
-    counted from T(0) every draft of up to the rows that saving pays would look free.
-    With one sequence this is t(n), as before; where the batch is one micro-batch,
-    t(R + n) - t(R), R the others' rows. Where a batch
-    is compute-bound (a CPU: F small against a row's cost) a draft row costs about what a
-    sequence's whole step does and drafts pay less the more sequences share the batch;
-    where rows are nearly free (a GPU) the batch is padded to even rows
-    (:func:`cheapest_micro_batches`) and a draft costs little more than its rows.
+    T(n): the batch with this sequence's n rows and each other sequence's one, T(0)
+    without this sequence. F is the part of a lone row's time that does not grow with
+    rows (reading the weights). The others count one row each, as if they drafted
+    nothing: beside their latest drafts, a draft up to the longest of theirs would look
+    free wherever the batch is padded, and every sequence would keep drafting however
+    little of it were accepted. What a step's rows add is counted from its last token's
+    (T(1)): where this sequence fills a gap in the others' ids, T(1) is less than T(0),
+    and counted from T(0) a draft of up to the rows that saving pays would look free. With
+    one sequence this is t(n), as before; where the batch is one micro-batch, F / sharing
+    + t(R + n) - t(R), R the others' rows. Where a batch is compute-bound (a CPU: F small
+    against a row's cost) a draft row costs about what a sequence's whole step does and
+    drafts pay less the more sequences share the batch; where rows are nearly free (a GPU)
+    the batch is padded and a draft costs little more than its rows.
     """
 
     verify: dict[int, float]
@@ -166,9 +187,9 @@ class Timings:
     #: a batch
     position_single: float = 0.0
     position_row: float = 0.0
-    #: the other sequences' (id, rows) in the same target batch, by id; this sequence's
-    #: id; llama.cpp's micro-batch size (see the class)
-    others: tuple[tuple[int, int], ...] = ()
+    #: the other sequences' ids in the same target batch; this sequence's id;
+    #: llama.cpp's micro-batch size (see the class)
+    others: tuple[int, ...] = ()
     seq: int = 0
     n_ubatch: int = 512
     #: whether no other sequence runs beside this one (a step's time is then its own, and
@@ -228,12 +249,21 @@ class Timings:
         """T(n): the target batch of :attr:`others` and this sequence's ``n`` rows, summed
         over its micro-batches, padded where that costs less
         (:func:`cheapest_micro_batches`; every row at this sequence's depth)."""
-        rows = sorted((*self.others, (self.seq, n)))
+        # The others at one row each: what this step's rows cost were they to draft
+        # nothing. Counted beside their latest drafts, a draft up to the longest of theirs
+        # would look free wherever the batch is padded, and every sequence would keep
+        # drafting however little of it is accepted.
+        rows = sorted((*((seq, 1) for seq in self.others), (self.seq, n)))
 
         def cost(m: int) -> float:
             return self._at_depth(m, cached)
 
         return sum(cost(m) for m in cheapest_micro_batches(rows, self.n_ubatch, cost)[0])
+
+    def batch_time(self, n: int, cached: int = 0) -> float:
+        """The calibrated seconds of one micro-batch of ``n`` rows after ``cached``
+        positions, without the learnt corrections (what the batcher weighs padding by)."""
+        return self._at_depth(n, cached)
 
     def verify_time(self, n: int, cached: int = 0) -> float:
         """t_verify(n) in seconds after ``cached`` positions: the calibrated curve, with
