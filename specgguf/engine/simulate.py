@@ -44,6 +44,7 @@ from specgguf.errors import UsageError
 from specgguf.speculative.costmodel import Timings, cheapest_micro_batches, micro_batches
 from specgguf.speculative.draft import Draft
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.planner import Planner
 from specgguf.speculative.sampling import SamplerParams
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 from specgguf.speculative.verification import verifiable
@@ -282,6 +283,25 @@ def _agreement(draft: Draft, output: Sequence[int], pos: int) -> int:
     return n
 
 
+def _start(
+    gen: TracedGeneration,
+    model: TraceDraftModel | None,
+    drafting: Drafting,
+    kind: str,
+    settings: DraftSettings,
+) -> tuple[Planner, list[int]]:
+    """A generation's planner, reset, with its drafters having read the prompt; and its
+    history (the prompt)."""
+    if model is not None:
+        model.start(gen)
+    planner = make_planner(kind, drafting, settings)
+    planner.reset()
+    history = list(gen.prompt)
+    for d in planner.drafters:
+        d.prefill(history)
+    return planner, history
+
+
 def simulate(
     trace: Trace,
     truth: Timings,
@@ -317,13 +337,7 @@ def simulate(
     res = SimResult()
     rng = np.random.default_rng(0)
     for gen in trace.generations:
-        if model is not None:
-            model.start(gen)
-        planner = make_planner(kind, drafting, settings)
-        planner.reset()
-        history = list(gen.prompt)
-        for d in planner.drafters:
-            d.prefill(history)
+        planner, history = _start(gen, model, drafting, kind, settings)
         out, pos, seconds = gen.output, 0, 0.0
         k_cap = min(planner.draft_max, n_batch - 1)
         # An output that ended at an end-of-generation token had n_predict left to draft
@@ -405,7 +419,7 @@ class _Running:
     """One generation on a sequence of :func:`simulate_parallel`."""
 
     gen: TracedGeneration
-    planner: Any
+    planner: Planner
     history: list[int]
     limit: int
     pos: int = 0
@@ -485,13 +499,7 @@ def simulate_parallel(
             if i not in running and queue:
                 gen = queue.pop(0)
                 model, _, drafting = seqs[i]
-                if model is not None:
-                    model.start(gen)
-                planner = make_planner(kind, drafting, settings)
-                planner.reset()
-                history = list(gen.prompt)
-                for d in planner.drafters:
-                    d.prefill(history)
+                planner, history = _start(gen, model, drafting, kind, settings)
                 running[i] = _Running(gen, planner, history, max(n_predict or 0, len(gen.output)))
         steps = []
         for i, run in sorted(running.items()):
