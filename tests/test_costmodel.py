@@ -803,3 +803,32 @@ def test_the_cheaper_of_split_and_padded_for_each_run_of_consecutive_ids() -> No
     # even rows, or one sequence: nothing to pad
     assert cheapest_micro_batches([(0, 2), (1, 2)], 128, gpu) == ([4], [0, 0])
     assert cheapest_micro_batches([(0, 3)], 128, gpu) == ([3], [0])
+
+
+def test_a_shared_steps_costs_follow_what_changes_between_steps() -> None:
+    # Timings keeps T(n) for the step it was last asked about (best_k asks for every K of
+    # every arm); each thing a step's cost depends on, changed on the same object, must
+    # give what a fresh object gives.
+    gpu = {1: 0.010, 2: 0.0101, 5: 0.0104, 17: 0.011, 65: 0.016}
+    cpu = {1: 0.040, 2: 0.054, 5: 0.1124, 17: 0.30}
+    t = Timings(gpu, others=(1, 2, 3), solo=False)
+    asked = [t.verify_time(n, 100) for n in (1, 5, 9)]
+    for change in (dict(others=(1,)), dict(others=(2, 3)), dict(seq=1),
+                   dict(seq=2, others=(0, 1, 3)), dict(n_ubatch=2), dict(position_row=4e-6),
+                   dict(depth=50), dict(position_single=5e-7),
+                   dict(position_single=1e-6, position_row=1e-6),
+                   dict(verify=cpu)):  # fmt: skip
+        for name, value in change.items():
+            setattr(t, name, value)
+        for cached in (100, 300, 100):  # the step asked last first, as before the change
+            for n in (1, 5, 9):
+                fresh = dataclasses.replace(t)  # asked nothing yet
+                assert t.verify_time(n, cached) == fresh.verify_time(n, cached), (change, n)
+    # and, asked again, the step it started from
+    t2 = Timings(gpu, others=(1, 2, 3), solo=False)
+    assert [t2.verify_time(n, 100) for n in (1, 5, 9)] == asked
+    # between measured sizes, the curve of the dict now in place
+    t3 = Timings({1: 1.0, 3: 3.0})
+    assert t3.curve(2) == 2.0
+    t3.verify = {1: 1.0, 3: 5.0}
+    assert t3.curve(2) == 3.0

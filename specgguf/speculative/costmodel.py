@@ -82,23 +82,38 @@ def cheapest_micro_batches(
         (rows per micro-batch, pad rows per entry of ``rows``)
     """
     out: list[int] = []
-    pads = [0] * len(rows)
+    pads: list[int] = []
+    for split, padded, run_pads in _run_options(tuple(rows), n_ubatch):
+        if padded and sum(cost(m) for m in padded) < sum(cost(m) for m in split):
+            out += padded
+            pads += run_pads
+        else:
+            out += split
+            pads += [0] * len(run_pads)
+    return out, pads
+
+
+@functools.lru_cache(maxsize=4096)
+def _run_options(
+    rows: tuple[tuple[int, int], ...], n_ubatch: int
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
+    """Per run of consecutive ids in ``rows``: its micro-batches as they are, padded (``()``
+    where padding changes nothing), and the pad rows of each of its entries."""
+    options = []
     start = 0
     while start < len(rows):
         end = start + 1
         while end < len(rows) and rows[end][0] == rows[end - 1][0] + 1:
             end += 1
         run = rows[start:end]
-        split = micro_batches(run, n_ubatch)
         most = max(n for _, n in run)
+        padded: tuple[int, ...] = ()
         if len(run) > 1 and any(n != most for _, n in run) and all(n > 0 for _, n in run):
-            padded = micro_batches([(seq, most) for seq, _ in run], n_ubatch)
-            if sum(cost(m) for m in padded) < sum(cost(m) for m in split):
-                split = padded
-                pads[start:end] = [most - n for _, n in run]
-        out += split
+            padded = _micro_batches(tuple((seq, most) for seq, _ in run), n_ubatch)
+        options.append((_micro_batches(run, n_ubatch), padded,
+                        tuple(most - n for _, n in run)))  # fmt: skip
         start = end
-    return out, pads
+    return tuple(options)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -195,6 +210,22 @@ class Timings:
     #: whether no other sequence runs beside this one (a step's time is then its own, and
     #: auto mode refines the timings from it)
     solo: bool = True
+    #: T(n) by n, and F / S + max(0, T(1) - T(0)) (key -1), for the step
+    #: of ``_shared_key`` (others, depth, ...): best_k asks for every K of every arm
+    _shared_key: tuple[object, ...] = dataclasses.field(
+        default=(), init=False, repr=False, compare=False
+    )
+    _shared: dict[int, float] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    #: :meth:`curve` at sizes between (and past) the measured ones, for the ``verify``
+    #: that is ``_curve_of`` (a curve is replaced, never changed in place)
+    _curve_of: dict[int, float] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
+    _curve: dict[int, float] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def sharing(self) -> int:
@@ -211,6 +242,14 @@ class Timings:
         past the largest."""
         if n in self.verify:
             return self.verify[n]
+        if self.verify is not self._curve_of:
+            self._curve_of = self.verify
+            self._curve = {}
+        if n not in self._curve:
+            self._curve[n] = self._interpolate(n)
+        return self._curve[n]
+
+    def _interpolate(self, n: int) -> float:
         xs = sorted(self.verify)
         if n <= xs[0]:
             return self.verify[xs[0]]
@@ -260,6 +299,22 @@ class Timings:
 
         return sum(cost(m) for m in cheapest_micro_batches(rows, self.n_ubatch, cost)[0])
 
+    def _share(self, n: int, cached: int) -> float:
+        """F / S + max(0, T(1) - T(0)) + T(n) - T(1) (see the class), uncorrected; each T
+        computed once per step."""
+        key = (self.others, self.seq, self.n_ubatch, cached, self.depth,
+               self.position_single, self.position_row, self.verify)  # fmt: skip
+        memo = self._shared
+        if key != self._shared_key:
+            self._shared_key = key
+            memo.clear()
+            fixed = max(0.0, 2.0 * self.curve(1) - self.curve(2))
+            one = memo[1] = self._batch_at_depth(1, cached)
+            memo[-1] = fixed / self.sharing + max(0.0, one - self._batch_at_depth(0, cached))
+        if n not in memo:
+            memo[n] = self._batch_at_depth(n, cached)
+        return memo[-1] + memo[n] - memo[1]
+
     def batch_time(self, n: int, cached: int = 0) -> float:
         """The calibrated seconds of one micro-batch of ``n`` rows after ``cached``
         positions, without the learnt corrections (what the batcher weighs padding by)."""
@@ -272,11 +327,7 @@ class Timings:
         batch (see the class; at least a thousandth of a lone row: a flat stretch of the
         measured curve is noise, not free rows)."""
         if self.others:
-            fixed = max(0.0, 2.0 * self.curve(1) - self.curve(2))
-            one = self._batch_at_depth(1, cached)
-            added = max(0.0, one - self._batch_at_depth(0, cached))
-            share = fixed / self.sharing + added + self._batch_at_depth(n, cached) - one
-            return max(share, 0.001 * self.curve(1)) * self.scale_batch
+            return max(self._share(n, cached), 0.001 * self.curve(1)) * self.scale_batch
         if n == 1 and self.padded(cached):
             n = 2
         return self._at_depth(n, cached) * (self.scale_single if n == 1 else self.scale_batch)
