@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any, Literal
 from specgguf.cache import cache_dir, read_json_cache, update_json_cache
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import Evaluator
+
+log = logging.getLogger("specgguf")
 
 #: Verification batch sizes measured by calibration (others are interpolated): every size
 #: a draft length up to 48 needs, denser where drafts are usually short. Unchanged since
@@ -43,9 +46,12 @@ DEPTH_SPAN_MIN = 128
 #: share of its one (it was measured while the machine was busy).
 FRESH_STEP_MIN = 0.5
 
-#: A batch size that took this many times longer than the larger sizes after it was a
-#: hiccup of the machine, not of the kernel: it is interpolated from its neighbours.
+#: A batch size that took this many times longer than a larger size was a hiccup of the
+#: machine, not of the kernel (a batch reads every weight a smaller one does, and other
+#: work only ever adds time): it is measured again, at most :data:`HICCUP_TRIES` times,
+#: and if it stays slow, interpolated from its neighbours and not cached.
 OUTLIER_RATIO = 1.5
+HICCUP_TRIES = 2
 
 
 def calibration_sizes(
@@ -76,9 +82,26 @@ def calibrate(
     and the batches' pooled over their rows; the lone row's at most the batches'). Both
     caches are left empty.
 
+    A batch size slower than :data:`OUTLIER_RATIO` times a larger one is measured again
+    (:func:`hiccups`); one that stays so is interpolated (:func:`_drop_outliers`).
+
     Raises:
         BackendError: an evaluation failed.
     """
+    return _calibrate(target, draft, tokens, sizes=sizes, repeats=repeats, deep=deep)[0]
+
+
+def _calibrate(
+    target: Evaluator,
+    draft: Evaluator | None,
+    tokens: Sequence[int],
+    *,
+    sizes: Sequence[int],
+    repeats: int,
+    deep: int,
+) -> tuple[Timings, list[int]]:
+    """:func:`calibrate`, and the batch sizes that stayed slower than a larger one after
+    :data:`HICCUP_TRIES` more measurements (interpolated: the machine was busy)."""
     toks = list(tokens) or [0]
     room = min(ctx.n_ctx for ctx in (target, draft) if ctx is not None)
     sizes = calibration_sizes(target, draft, sizes)
@@ -110,8 +133,16 @@ def calibrate(
 
     def curve(at: int, ns: Sequence[int]) -> dict[int, float]:
         # The minimum of the repeats: other work on the machine only ever adds time.
-        return {n: min(timed(target, body[:n], "all", draft, at) for _ in range(repeats))
-                for n in ns}  # fmt: skip
+        out = {n: min(timed(target, body[:n], "all", draft, at) for _ in range(repeats))
+               for n in ns}  # fmt: skip
+        for _ in range(HICCUP_TRIES):
+            slow = hiccups(out)
+            if not slow:
+                break
+            for n in slow:
+                out[n] = min(out[n], *(timed(target, body[:n], "all", draft, at)
+                                       for _ in range(repeats)))  # fmt: skip
+        return out
 
     for ctx in (target, draft):
         if ctx is not None:
@@ -123,17 +154,20 @@ def calibrate(
     td = 0.0
     if draft is not None:
         td = min(timed(draft, body[:1], "last", target, n_prefix) for _ in range(repeats + 2))
+    left = hiccups(verify)
     timings = Timings(_drop_outliers(verify), td, depth=n_prefix)
     deep_sizes = [n for n in DEPTH_SIZES if n in verify]
     at = min(deep, target.n_ctx - max(deep_sizes, default=1) - 1)
     if deep and at - n_prefix >= DEPTH_SPAN_MIN and 1 in verify:
         target.rollback(n_prefix)
         target.eval(ids(n_prefix, at - n_prefix), logits="none")
-        _add_depth(timings, curve(at, deep_sizes), at - n_prefix)
+        deeper = curve(at, deep_sizes)
+        left += [n for n in hiccups(deeper) if n not in left]
+        _add_depth(timings, _drop_outliers(deeper), at - n_prefix)
     for ctx in (target, draft):
         if ctx is not None:
             ctx.rollback(0)
-    return timings
+    return timings, sorted(left)
 
 
 def _rewind(ctx: Evaluator, at: int, n: int) -> None:
@@ -161,15 +195,34 @@ def _add_depth(timings: Timings, deeper: dict[int, float], span: int) -> None:
     timings.position_single = min(single, timings.position_row)
 
 
+def hiccups(verify: dict[int, float]) -> list[int]:
+    """The batch sizes of a measured curve (rows: seconds) that took more than
+    :data:`OUTLIER_RATIO` times what some larger size took: hiccups of the machine, not
+    of the kernel (a batch reads every weight a smaller one does, and other work only ever
+    adds time to a measurement). Rising."""
+    out: list[int] = []
+    least = float("inf")
+    for n in sorted(verify, reverse=True):
+        if verify[n] > OUTLIER_RATIO * least:
+            out.append(n)
+        least = min(least, verify[n])
+    return out[::-1]
+
+
 def _drop_outliers(verify: dict[int, float]) -> dict[int, float]:
-    """Replace a batch size that took far longer than the larger ones (a hiccup of the
-    machine, not of the kernel) by the interpolation of its neighbours."""
-    xs = sorted(verify)
+    """Replace each of :func:`hiccups` by the interpolation of the nearest sizes below
+    and above it that are not; one below every such size, by the next larger one's time in
+    proportion to the rows (what it would cost were rows no cheaper in a batch: a lone
+    row's time too low makes drafts look dear, never free)."""
+    slow = set(hiccups(verify))
+    kept = [n for n in sorted(verify) if n not in slow]
     out = dict(verify)
-    for i, n in enumerate(xs[:-1]):
-        larger = [verify[m] for m in xs[i + 1 : i + 3]]
-        if verify[n] > OUTLIER_RATIO * max(larger) and i > 0:
-            lo, hi = xs[i - 1], xs[i + 1]
+    for n in slow:
+        lo = max((m for m in kept if m < n), default=None)
+        hi = min(m for m in kept if m > n)  # the largest size is never a hiccup
+        if lo is None:
+            out[n] = verify[hi] * n / hi
+        else:
             out[n] = verify[lo] + (n - lo) / (hi - lo) * (verify[hi] - verify[lo])
     return out
 
@@ -339,13 +392,15 @@ def pair_timings(
     recalibrate: bool = False,
 ) -> Timings:
     """The timings of ``key``: from the cache when it measured the largest batch the
-    target's outputs allow now (a context set up for longer drafts measures again) and
-    one fresh decode step is not more than twice as fast as the cached one (that one was
+    target's outputs allow now (a context set up for longer drafts measures again), no
+    batch size in it took more than :data:`OUTLIER_RATIO` times a larger one, and one
+    fresh decode step is not more than twice as fast as the cached one (both: it was
     measured while the machine was busy), else (or with ``recalibrate``) measured now and
-    cached. A fresh step slower than the cached one keeps the cache: the machine is busy
-    now, and what it measured now would mislead every run after it (other work only ever
-    adds time; the runs' own steps correct the costs, :class:`Timings`). Both KV caches
-    end empty. Where the timings came from: :func:`calibration_source`.
+    cached, unless a batch size stayed slower than a larger one (:func:`calibrate`). A
+    fresh step slower than the cached one keeps the cache: the machine is busy now, and
+    what it measured now would mislead every run after it (other work only ever adds time;
+    the runs' own steps correct the costs, :class:`Timings`). Both KV caches end empty.
+    Where the timings came from: :func:`calibration_source`.
 
     Raises:
         BackendError: an evaluation failed.
@@ -356,9 +411,16 @@ def pair_timings(
     if entry is not None:
         cached, measured_at = entry
         need = max(calibration_sizes(target, draft))
+        slow = hiccups(cached.verify)
         if max(cached.verify) < need:
             why = (f"the cached one measured batches of up to {max(cached.verify)} rows, "
                    f"this context verifies {need}")  # fmt: skip
+        elif slow:
+            n = slow[0]
+            m = min((m for m in cached.verify if m > n), key=cached.verify.__getitem__)
+            why = (f"in the cached one a batch of {n} row(s) took "
+                   f"{cached.verify[n] / cached.verify[m]:.3g}x as long as one of {m}: it was "
+                   "measured while the machine was busy")  # fmt: skip
         else:
             now = calibrate(target, None, sample_ids, sizes=(1,), repeats=3)
             ratio = now.verify[1] / cached.verify[1]
@@ -370,9 +432,14 @@ def pair_timings(
                 return cached
             why = (f"a fresh decode step was {1 / ratio:.3g}x as fast as the cached one: that "
                    "one was measured while the machine was busy")  # fmt: skip
-    timings = calibrate(target, draft, sample_ids, deep=DEPTH_PROBE)
+    timings, left = _calibrate(target, draft, sample_ids, sizes=CALIBRATION_SIZES, repeats=3,
+                               deep=DEPTH_PROBE)  # fmt: skip
     measured_at = time.time()
-    saved = save_calibration(key, timings, measured_at)
+    saved = not left and save_calibration(key, timings, measured_at)
+    if left:
+        log.warning("calibration: batches of %s row(s) stayed slower than larger ones after %d "
+                    "more tries (a busy machine): interpolated, and not cached",
+                    ", ".join(map(str, left)), HICCUP_TRIES)  # fmt: skip
     _SOURCES[key] = CalibrationSource(
         key, _cache_file(), False, measured_at, time.perf_counter() - t0, saved, why
     )
