@@ -271,9 +271,10 @@ def _cache_file() -> Path:
 
 def load_calibration(key: str) -> Timings | None:
     """The cached timings for ``key``; None when absent or unreadable (or cached before
-    calibrations measured what depth costs)."""
+    calibrations measured what depth costs), or with a batch size slower than a larger
+    one (:func:`hiccups`: measured while the machine was busy)."""
     entry = _load_entry(key)
-    return entry[0] if entry is not None else None
+    return entry[0] if entry is not None and not hiccups(entry[0].verify) else None
 
 
 def _load_entry(key: str) -> tuple[Timings, float] | None:
@@ -318,9 +319,10 @@ def measured_draft_cost(target: Path, draft: Path) -> float | None:
     :data:`specgguf.hub.draft_search.MeasuredCost`.
 
     Not found: entries cached before calibrations recorded their files (their key is a hash
-    of them, which cannot be read back), entries of a file changed since, and deterministic
-    mode's (a lone row may carry a throw-away second row there, so its t_verify(1) is not
-    one row's). An unreadable cache or file gives None; nothing is raised.
+    of them, which cannot be read back), entries of a file changed since, entries measured
+    on a busy machine (:func:`hiccups`), and deterministic mode's (a lone row may carry a
+    throw-away second row there, so its t_verify(1) is not one row's). An unreadable cache
+    or file gives None; nothing is raised.
     """
     try:
         t_file, d_file = _file_key(Path(target)), _file_key(Path(draft))
@@ -335,7 +337,10 @@ def measured_draft_cost(target: Path, draft: Path) -> float | None:
         try:
             one_row, t_draft = float(entry["verify"]["1"]), float(entry["draft"])
             when = float(entry.get("time", 0.0))
-        except (KeyError, TypeError, ValueError):
+            busy = hiccups({int(k): float(v) for k, v in entry["verify"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if busy:  # a lone row measured on a busy machine makes the draft look cheap
             continue
         if one_row > 0 and t_draft > 0 and (best is None or when > best[0]):
             best = (when, t_draft / one_row)
