@@ -315,17 +315,16 @@ def test_a_step_in_a_shared_batch_costs_its_share_and_its_rows() -> None:
     assert t.verify_time(3) == pytest.approx(2.0)  # alone: the curve
     t.others = OTHERS
     assert t.sharing == 4
-    # The others at a row each: T(0) = t(3) = 2.0, T(1) = t(4) = 2.5; the step alone
-    # F / 4 + T(1) - T(0) = 0.125 + 0.5
+    # The others at a row each: T(1) = t(4) = 2.5; the step alone T(1) / 4
     assert t.verify_time(1) == pytest.approx(0.625)
     # 3 rows: llama.cpp splits the batch into a row of each (4 rows), then its other 2:
     # T(3) = t(4) + t(2) = 4.0 (padded to 3 rows each, t(12) = 6.5, costs more)
     assert t.verify_time(3) == pytest.approx(0.625 + 1.5)
     g = Timings(dict(GPU), others=OTHERS)
-    # F = 2 - t(2) = 2 - 1.00625 = 0.99375; each row 0.1 / 16 = 0.00625 s
-    assert g.verify_time(1) == pytest.approx(0.99375 / 4 + 0.00625)
+    # each row 0.1 / 16 = 0.00625 s: T(1) = t(4) = 1.01875
+    assert g.verify_time(1) == pytest.approx(1.01875 / 4)
     # 4 rows: padded to 4 each, t(16) = 1.09375, against t(4) + t(3) = 2.03125 split
-    assert g.verify_time(4) == pytest.approx(0.99375 / 4 + 0.00625 + 12 * 0.00625)
+    assert g.verify_time(4) == pytest.approx(1.01875 / 4 + 12 * 0.00625)
 
 
 def test_drafts_pay_less_in_a_compute_bound_batch_and_as_much_on_a_gpu() -> None:
@@ -353,14 +352,32 @@ XEON = {1: 1.0, 2: 1.34, 3: 1.71, 5: 1.82, 9: 3.01}
 
 
 def test_a_sequence_that_fills_a_gap_counts_its_drafts_from_its_last_token() -> None:
-    """Sequence 1 beside sequences 0, 2 and 3 of one row (Xeon curve, F = 2 - 1.34 =
-    0.66): without it the ids have a gap, two micro-batches, T(0) = t(1) + t(2) = 2.34;
-    with its last token one, T(1) = t(4) = 1.765; with a draft token two again (4 rows,
-    then 1: 2.765) or padded, t(8) = 2.7125, the cheaper. The step alone costs F / 4 (its
-    token saves more than it adds), and the draft token T(2) - T(1) = 0.9475 more (counted
-    from T(0), 0.3725)."""
+    """Sequence 1 beside sequences 0, 2 and 3 of one row (Xeon curve): without it the ids
+    have a gap, two micro-batches, t(1) + t(2) = 2.34; with its last token one, T(1) =
+    t(4) = 1.765; with a draft token two again (4 rows, then 1: 2.765) or padded, t(8) =
+    2.7125, the cheaper. The step alone costs T(1) / 4 = 0.44125, and the draft token
+    T(2) - T(1) = 0.9475 more (counted from the batch without it, 0.3725)."""
     xeon = Timings(dict(XEON), others=OTHERS_BUT_1, seq=1)
-    assert xeon.verify_time(1) == pytest.approx(0.165)
-    assert xeon.verify_time(2) == pytest.approx(0.165 + 0.9475)
-    # a = 0.9: K = 1 gives 1.9 / 1.1125 = 1.71 tokens/s against 6.06 alone
-    assert best_k(0.9, xeon, 8) == (0, pytest.approx(1 / 0.165))
+    assert xeon.verify_time(1) == pytest.approx(0.44125)
+    assert xeon.verify_time(2) == pytest.approx(0.44125 + 0.9475)
+    # a = 0.9: K = 1 gives 1.9 / 1.38875 = 1.37 tokens/s against 2.27 alone
+    assert best_k(0.9, xeon, 8) == (0, pytest.approx(1 / 0.44125))
+
+
+def test_a_draft_pays_beside_others_when_the_batch_yields_more_with_it() -> None:
+    """Sequence 0 beside sequences 1-3 of one row, Xeon curve: the batch yields 4 tokens
+    in T(1) = t(4) = 1.765, 2.266 tokens per lone row's time. A copy accepted at 0.98,
+    K = 8: 9 rows of sequence 0 split into a row of each, then its other 8: t(4) + t(8) =
+    1.765 + 2.7125 (padded, 36 rows, far more); E(8) = (1 - 0.98^9) / 0.02 = 8.3125
+    tokens, and the batch yields 3 + 8.3125 tokens in 4.4775, 2.527: more. Its share:
+    8.3125 / (0.44125 + 2.7125) = 2.636 tokens/s against 1 / 0.44125 = 2.266. Counted at
+    the marginal cost of its last token (F / 4 + t(4) - t(3) = 0.165 + 0.055), the step
+    alone would be 4.55 tokens/s and the copy (2.83) would not be drafted. At a = 0.9 the
+    batch would yield less (3 + 5.13 in 4.4775: 1.82) and K = 0."""
+    xeon = Timings(dict(XEON), others=OTHERS)
+    k, rate = best_k(0.98, xeon, 8)
+    assert k == 8 and rate == pytest.approx(8.3125 / (0.44125 + 2.7125), rel=1e-4)
+    assert (3 + 8.3125) / (1.765 + 2.7125) > 4 / 1.765
+    assert best_k(0.9, xeon, 8)[0] == 0
+
+

@@ -168,22 +168,26 @@ class Timings:
     included. llama.cpp evaluates such a batch in micro-batches (:func:`micro_batches`),
     each reading the weights again, and the batcher pads it to even rows where that costs
     less (:func:`cheapest_micro_batches`), so the batch costs T = the sum of t(m) over its
-    micro-batches m. A step's cost is this sequence's share of what the batch costs
-    whatever its rows, plus what its own rows add::
+    micro-batches m. A step's cost is this sequence's share of what the batch costs with
+    one row of each sequence, plus what its own rows add::
 
-        t_verify(n) = F / sharing + max(0, T(1) - T(0)) + T(n) - T(1),   F = 2 t(1) - t(2)
+        t_verify(n) = T(1) / sharing + T(n) - T(1)
 
-    T(n): the batch with this sequence's n rows and each other sequence's one, T(0)
-    without this sequence. F is the part of a lone row's time that does not grow with
-    rows (reading the weights). The others count one row each, as if they drafted
-    nothing: beside their latest drafts, a draft up to the longest of theirs would look
-    free wherever the batch is padded, and every sequence would keep drafting however
-    little of it were accepted. What a step's rows add is counted from its last token's
-    (T(1)): where this sequence fills a gap in the others' ids, T(1) is less than T(0),
-    and counted from T(0) a draft of up to the rows that saving pays would look free. With
-    one sequence this is t(n), as before; where the batch is one micro-batch, F / sharing
-    + t(R + n) - t(R), R the others' rows. Where a batch is compute-bound (a CPU: F small
-    against a row's cost) a draft row costs about what a sequence's whole step does and
+    T(n): the batch with this sequence's n rows and each other sequence's one. So a draft
+    pays when the tokens it is expected to add over the rows' time, (E(K) - 1) / (T(K + 1) -
+    T(1)), beat the batch's own rate, sharing / T(1): exactly when the batch as a whole
+    yields more tokens per second with the draft than without it (Leviathan et al. 2023,
+    section 3.1, for the batch rather than one sequence). Were the step costed at what its
+    last token adds to the batch (a row's marginal cost, on a CPU about half the batch's
+    cost per row), a draft would have to beat twice the batch's rate, and a copy accepted at
+    0.98 would not pay beside three other sequences. The others count one row each, as if
+    they drafted nothing: beside their latest drafts, a draft up to the longest of theirs
+    would look free wherever the batch is padded, and every sequence would keep drafting
+    however little of it were accepted. What a step's rows add is counted from its last
+    token's (T(1)): where this sequence fills a gap in the others' ids, T(1) is less than
+    the batch without it, and counted from there a draft of up to the rows that saving pays
+    would look free. With one sequence this is t(n), as before. Where a batch is
+    compute-bound (a CPU) a draft row costs about what a sequence's whole step does and
     drafts pay less the more sequences share the batch; where rows are nearly free (a GPU)
     the batch is padded and a draft costs little more than its rows.
     """
@@ -210,7 +214,7 @@ class Timings:
     #: whether no other sequence runs beside this one (a step's time is then its own, and
     #: auto mode refines the timings from it)
     solo: bool = True
-    #: T(n) by n, and F / S + max(0, T(1) - T(0)) (key -1), for the step
+    #: T(n) by n, and T(1) / S (key -1), for the step
     #: of ``_shared_key`` (others, depth, ...): best_k asks for every K of every arm
     _shared_key: tuple[object, ...] = dataclasses.field(
         default=(), init=False, repr=False, compare=False
@@ -300,17 +304,16 @@ class Timings:
         return sum(cost(m) for m in cheapest_micro_batches(rows, self.n_ubatch, cost)[0])
 
     def _share(self, n: int, cached: int) -> float:
-        """F / S + max(0, T(1) - T(0)) + T(n) - T(1) (see the class), uncorrected; each T
-        computed once per step."""
+        """T(1) / S + T(n) - T(1) (see the class), uncorrected; each T computed once per
+        step."""
         key = (self.others, self.seq, self.n_ubatch, cached, self.depth,
                self.position_single, self.position_row, self.verify)  # fmt: skip
         memo = self._shared
         if key != self._shared_key:
             self._shared_key = key
             memo.clear()
-            fixed = max(0.0, 2.0 * self.curve(1) - self.curve(2))
             one = memo[1] = self._batch_at_depth(1, cached)
-            memo[-1] = fixed / self.sharing + max(0.0, one - self._batch_at_depth(0, cached))
+            memo[-1] = one / self.sharing
         if n not in memo:
             memo[n] = self._batch_at_depth(n, cached)
         return memo[-1] + memo[n] - memo[1]
