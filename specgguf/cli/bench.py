@@ -205,8 +205,8 @@ def _print_calibration(con: Any, entries: list[dict[str, Any]]) -> None:
                     f"{busier_note(c['fresh_step_ratio'])}; --recalibrate measures it "
                     "again")  # fmt: skip
         else:
-            saved = "saved to" if c["saved"] else "not saved: cannot write"
-            line = f"{label}: measured in this run ({c['why']}), {saved} {c['file']}"
+            saved = f"saved to {c['file']}" if c["saved"] else f"not saved: {c['unsaved']}"
+            line = f"{label}: measured in this run ({c['why']}), {saved}"
         con.print(line, highlight=False, soft_wrap=True)
 
 

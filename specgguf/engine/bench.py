@@ -548,6 +548,7 @@ def calibrate_pair(
         out.append({
             "mode": mode, "reused": src.reused, "file": str(src.file), "key": src.key,
             "measured_at": when, "seconds": round(src.seconds, 2), "saved": src.saved,
+            "unsaved": src.unsaved or None,
             "why": None if src.reused else src.why,
             "fresh_step_ratio": None if src.fresh_step_ratio is None
             else round(src.fresh_step_ratio, 3),
@@ -556,9 +557,8 @@ def calibrate_pair(
             progress(f"{label} reused from {src.file} (measured {when}), checked in "
                      f"{src.seconds:.1f} s{busier_note(src.fresh_step_ratio)}")  # fmt: skip
         else:
-            saved = "saved to" if src.saved else "not saved: cannot write"
-            progress(f"{label} measured in {src.seconds:.1f} s ({src.why}), {saved} "
-                     f"{src.file}")  # fmt: skip
+            saved = f"saved to {src.file}" if src.saved else f"not saved: {src.unsaved}"
+            progress(f"{label} measured in {src.seconds:.1f} s ({src.why}), {saved}")
     return out
 
 

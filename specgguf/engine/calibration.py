@@ -46,12 +46,15 @@ DEPTH_SPAN_MIN = 128
 #: share of its one (it was measured while the machine was busy).
 FRESH_STEP_MIN = 0.5
 
-#: A batch size that took this many times longer than a larger size was a hiccup of the
-#: machine, not of the kernel (a batch reads every weight a smaller one does, and other
-#: work only ever adds time): it is measured again, at most :data:`HICCUP_TRIES` times,
-#: and if it stays slow, interpolated from its neighbours and not cached.
+#: A batch size that took this many times longer than a larger size is measured again,
+#: :data:`HICCUP_TRIES` times at most. A batch reads every weight a smaller one does and
+#: other work only ever adds time, so it was a hiccup of the machine, unless the
+#: measurements agree within :data:`REPRODUCED` (then a kernel of llama.cpp's is slower
+#: at that size, and the size is kept as measured). One that stays slow and does not
+#: repeat is interpolated from its neighbours, and the calibration is not cached.
 OUTLIER_RATIO = 1.5
 HICCUP_TRIES = 2
+REPRODUCED = 1.1
 
 
 def calibration_sizes(
@@ -83,7 +86,8 @@ def calibrate(
     caches are left empty.
 
     A batch size slower than :data:`OUTLIER_RATIO` times a larger one is measured again
-    (:func:`hiccups`); one that stays so is interpolated (:func:`_drop_outliers`).
+    (:func:`hiccups`); one that stays so and did not measure alike each time is
+    interpolated (:func:`_drop_outliers`).
 
     Raises:
         BackendError: an evaluation failed.
@@ -99,9 +103,10 @@ def _calibrate(
     sizes: Sequence[int],
     repeats: int,
     deep: int,
-) -> tuple[Timings, list[int]]:
-    """:func:`calibrate`, and the batch sizes that stayed slower than a larger one after
-    :data:`HICCUP_TRIES` more measurements (interpolated: the machine was busy)."""
+) -> tuple[Timings, list[int], list[int]]:
+    """:func:`calibrate`; the batch sizes that stayed slower than a larger one after
+    :data:`HICCUP_TRIES` more measurements, differently each time (interpolated: the
+    machine was busy); and those that stayed so alike each time (kept: the kernel's)."""
     toks = list(tokens) or [0]
     room = min(ctx.n_ctx for ctx in (target, draft) if ctx is not None)
     sizes = calibration_sizes(target, draft, sizes)
@@ -131,18 +136,24 @@ def _calibrate(
         ctx.eval(batch, logits=logits)
         return time.perf_counter() - t0
 
-    def curve(at: int, ns: Sequence[int]) -> dict[int, float]:
+    def measure(at: int, n: int) -> float:
         # The minimum of the repeats: other work on the machine only ever adds time.
-        out = {n: min(timed(target, body[:n], "all", draft, at) for _ in range(repeats))
-               for n in ns}  # fmt: skip
+        return min(timed(target, body[:n], "all", draft, at) for _ in range(repeats))
+
+    def curve(at: int, ns: Sequence[int]) -> tuple[dict[int, float], list[int], list[int]]:
+        """The curve, its sizes slower than a larger one that measured differently each
+        time, and those that measured alike."""
+        tries = {n: [measure(at, n)] for n in ns}
         for _ in range(HICCUP_TRIES):
-            slow = hiccups(out)
+            slow = hiccups({n: min(m) for n, m in tries.items()})
             if not slow:
                 break
             for n in slow:
-                out[n] = min(out[n], *(timed(target, body[:n], "all", draft, at)
-                                       for _ in range(repeats)))  # fmt: skip
-        return out
+                tries[n].append(measure(at, n))
+        out = {n: min(m) for n, m in tries.items()}
+        slow = hiccups(out)
+        kept = [n for n in slow if max(tries[n]) <= REPRODUCED * min(tries[n])]
+        return out, [n for n in slow if n not in kept], kept
 
     for ctx in (target, draft):
         if ctx is not None:
@@ -150,24 +161,23 @@ def _calibrate(
             if prefix:
                 ctx.eval(prefix, logits="none")
     timed(target, body[:1], "all", draft, n_prefix)  # warm-up
-    verify = curve(n_prefix, sizes)
+    verify, left, kept = curve(n_prefix, sizes)
     td = 0.0
     if draft is not None:
         td = min(timed(draft, body[:1], "last", target, n_prefix) for _ in range(repeats + 2))
-    left = hiccups(verify)
-    timings = Timings(_drop_outliers(verify), td, depth=n_prefix)
+    timings = Timings(_drop_outliers(verify, kept), td, depth=n_prefix)
     deep_sizes = [n for n in DEPTH_SIZES if n in verify]
     at = min(deep, target.n_ctx - max(deep_sizes, default=1) - 1)
     if deep and at - n_prefix >= DEPTH_SPAN_MIN and 1 in verify:
         target.rollback(n_prefix)
         target.eval(ids(n_prefix, at - n_prefix), logits="none")
-        deeper = curve(at, deep_sizes)
-        left += [n for n in hiccups(deeper) if n not in left]
-        _add_depth(timings, _drop_outliers(deeper), at - n_prefix)
+        deeper, busy, alike = curve(at, deep_sizes)
+        left += [n for n in busy if n not in left]
+        _add_depth(timings, _drop_outliers(deeper, alike), at - n_prefix)
     for ctx in (target, draft):
         if ctx is not None:
             ctx.rollback(0)
-    return timings, sorted(left)
+    return timings, sorted(left), kept
 
 
 def _rewind(ctx: Evaluator, at: int, n: int) -> None:
@@ -209,17 +219,17 @@ def hiccups(verify: dict[int, float]) -> list[int]:
     return out[::-1]
 
 
-def _drop_outliers(verify: dict[int, float]) -> dict[int, float]:
-    """Replace each of :func:`hiccups` by the interpolation of the nearest sizes below
-    and above it that are not; one below every such size, by the next larger one's time in
-    proportion to the rows (what it would cost were rows no cheaper in a batch: a lone
-    row's time too low makes drafts look dear, never free)."""
-    slow = set(hiccups(verify))
-    kept = [n for n in sorted(verify) if n not in slow]
+def _drop_outliers(verify: dict[int, float], kept: Sequence[int] = ()) -> dict[int, float]:
+    """Replace each of :func:`hiccups` but ``kept`` by the interpolation of the nearest
+    sizes below and above it that are not; one below every such size, by the next larger
+    one's time in proportion to the rows (what it would cost were rows no cheaper in a
+    batch: a lone row's time too low makes drafts look dear, never free)."""
+    slow = set(hiccups(verify)) - set(kept)
+    good = [n for n in sorted(verify) if n not in slow]
     out = dict(verify)
     for n in slow:
-        lo = max((m for m in kept if m < n), default=None)
-        hi = min(m for m in kept if m > n)  # the largest size is never a hiccup
+        lo = max((m for m in good if m < n), default=None)
+        hi = min(m for m in good if m > n)  # the largest size is never a hiccup
         if lo is None:
             out[n] = verify[hi] * n / hi
         else:
@@ -271,15 +281,23 @@ def _cache_file() -> Path:
 
 def load_calibration(key: str) -> Timings | None:
     """The cached timings for ``key``; None when absent or unreadable (or cached before
-    calibrations measured what depth costs), or with a batch size slower than a larger
-    one (:func:`hiccups`: measured while the machine was busy)."""
+    calibrations measured what depth costs), or measured while the machine was busy
+    (:func:`busy_sizes`)."""
     entry = _load_entry(key)
-    return entry[0] if entry is not None and not hiccups(entry[0].verify) else None
+    return entry[0] if entry is not None and not busy_sizes(entry[0].verify, entry[2]) else None
 
 
-def _load_entry(key: str) -> tuple[Timings, float] | None:
-    """The cached timings for ``key`` and when they were measured (Unix time; 0 when the
-    entry does not say)."""
+def busy_sizes(verify: dict[int, float], kept: Sequence[int] = ()) -> list[int]:
+    """The batch sizes of a curve slower than a larger one (:func:`hiccups`) but those
+    ``kept`` (measured alike each time: the kernel's), rising: a curve with any was
+    measured while the machine was busy."""
+    return [n for n in hiccups(verify) if n not in kept]
+
+
+def _load_entry(key: str) -> tuple[Timings, float, tuple[int, ...]] | None:
+    """The cached timings for ``key``, when they were measured (Unix time; 0 when the
+    entry does not say), and the sizes slower than a larger one that its calibration
+    measured alike each time (kept)."""
     try:
         data = read_json_cache(_cache_file())[key]
         timings = Timings(
@@ -287,22 +305,27 @@ def _load_entry(key: str) -> tuple[Timings, float] | None:
             depth=int(data["depth"]), position_single=float(data["position_single"]),
             position_row=float(data["position_row"]),
         )  # fmt: skip
-        return timings, float(data.get("time", 0.0))
+        kept = tuple(int(n) for n in data.get("slower_kept", ()))
+        return timings, float(data.get("time", 0.0)), kept
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def save_calibration(key: str, timings: Timings, measured_at: float | None = None) -> bool:
+def save_calibration(
+    key: str, timings: Timings, measured_at: float | None = None, kept: Sequence[int] = ()
+) -> bool:
     """Cache ``timings`` under ``key``, measured at ``measured_at`` (Unix time; default
     now), with the identities of the pair's files (path, size, modification time) when
-    :func:`calibration_key` made ``key`` in this process, for :func:`measured_draft_cost`.
+    :func:`calibration_key` made ``key`` in this process, for :func:`measured_draft_cost`,
+    and ``kept``, the sizes slower than a larger one that measured alike each time.
     Returns whether the cache file holds them now (a cache that cannot be written is
     skipped)."""
     when = time.time() if measured_at is None else measured_at
     value = {
         "verify": timings.verify, "draft": timings.draft, "depth": timings.depth,
         "position_single": timings.position_single, "position_row": timings.position_row,
-        "time": when, **_KEY_FILES.get(key, {}),
+        "time": when, **({"slower_kept": list(kept)} if kept else {}),
+        **_KEY_FILES.get(key, {}),
     }  # fmt: skip
     update_json_cache(_cache_file(), key, value)
     entry = _load_entry(key)
@@ -320,7 +343,7 @@ def measured_draft_cost(target: Path, draft: Path) -> float | None:
 
     Not found: entries cached before calibrations recorded their files (their key is a hash
     of them, which cannot be read back), entries of a file changed since, entries measured
-    on a busy machine (:func:`hiccups`), and deterministic mode's (a lone row may carry a
+    on a busy machine (:func:`busy_sizes`), and deterministic mode's (a lone row may carry a
     throw-away second row there, so its t_verify(1) is not one row's). An unreadable cache
     or file gives None; nothing is raised.
     """
@@ -337,7 +360,8 @@ def measured_draft_cost(target: Path, draft: Path) -> float | None:
         try:
             one_row, t_draft = float(entry["verify"]["1"]), float(entry["draft"])
             when = float(entry.get("time", 0.0))
-            busy = hiccups({int(k): float(v) for k, v in entry["verify"].items()})
+            busy = busy_sizes({int(k): float(v) for k, v in entry["verify"].items()},
+                              [int(n) for n in entry.get("slower_kept", ())])  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError):
             continue
         if busy:  # a lone row measured on a busy machine makes the draft look cheap
@@ -361,8 +385,10 @@ class CalibrationSource:
         measured_at: when they were measured (Unix time, seconds).
         seconds: how long :func:`pair_timings` took this time (seconds): the check of a
             cached calibration, or the whole measurement.
-        saved: whether ``file`` holds them (a cache that cannot be written is skipped).
+        saved: whether ``file`` holds them.
         why: why they were measured ("" when reused).
+        unsaved: why they were not cached ("" when saved or reused): the file cannot be
+            written, or they were measured while the machine was busy.
         fresh_step_ratio: a fresh decode step's time over the cached one's, when the
             cache was checked and reused (above 1: the machine is busier now than when
             they were measured); None otherwise.
@@ -376,6 +402,7 @@ class CalibrationSource:
     saved: bool
     why: str = ""
     fresh_step_ratio: float | None = None
+    unsaved: str = ""
 
 
 #: The last :class:`CalibrationSource` of each key in this process.
@@ -397,11 +424,11 @@ def pair_timings(
     recalibrate: bool = False,
 ) -> Timings:
     """The timings of ``key``: from the cache when it measured the largest batch the
-    target's outputs allow now (a context set up for longer drafts measures again), no
-    batch size in it took more than :data:`OUTLIER_RATIO` times a larger one, and one
-    fresh decode step is not more than twice as fast as the cached one (both: it was
-    measured while the machine was busy), else (or with ``recalibrate``) measured now and
-    cached, unless a batch size stayed slower than a larger one (:func:`calibrate`). A
+    target's outputs allow now (a context set up for longer drafts measures again), it has
+    no :func:`busy_sizes`, and one fresh decode step is not more than twice as fast as the
+    cached one (both: it was measured while the machine was busy), else (or with
+    ``recalibrate``) measured now and cached, unless a batch size stayed slower than a
+    larger one and measured differently each time (:func:`calibrate`). A
     fresh step slower than the cached one keeps the cache: the machine is busy now, and
     what it measured now would mislead every run after it (other work only ever adds time;
     the runs' own steps correct the costs, :class:`Timings`). Both KV caches end empty.
@@ -414,9 +441,9 @@ def pair_timings(
     entry = None if recalibrate else _load_entry(key)
     why = "recalibration asked for" if recalibrate else "none cached for this pair"
     if entry is not None:
-        cached, measured_at = entry
+        cached, measured_at, slower_kept = entry
         need = max(calibration_sizes(target, draft))
-        slow = hiccups(cached.verify)
+        slow = busy_sizes(cached.verify, slower_kept)
         if max(cached.verify) < need:
             why = (f"the cached one measured batches of up to {max(cached.verify)} rows, "
                    f"this context verifies {need}")  # fmt: skip
@@ -424,7 +451,7 @@ def pair_timings(
             n = slow[0]
             m = min((m for m in cached.verify if m > n), key=cached.verify.__getitem__)
             why = (f"in the cached one a batch of {n} row(s) took "
-                   f"{cached.verify[n] / cached.verify[m]:.3g}x as long as one of {m}: it was "
+                   f"{cached.verify[n] / cached.verify[m]:.1f}x as long as one of {m}: it was "
                    "measured while the machine was busy")  # fmt: skip
         else:
             now = calibrate(target, None, sample_ids, sizes=(1,), repeats=3)
@@ -437,15 +464,19 @@ def pair_timings(
                 return cached
             why = (f"a fresh decode step was {1 / ratio:.3g}x as fast as the cached one: that "
                    "one was measured while the machine was busy")  # fmt: skip
-    timings, left = _calibrate(target, draft, sample_ids, sizes=CALIBRATION_SIZES, repeats=3,
-                               deep=DEPTH_PROBE)  # fmt: skip
+    timings, left, kept = _calibrate(target, draft, sample_ids, sizes=CALIBRATION_SIZES,
+                                     repeats=3, deep=DEPTH_PROBE)  # fmt: skip
     measured_at = time.time()
-    saved = not left and save_calibration(key, timings, measured_at)
+    unsaved = ""
     if left:
-        log.warning("calibration: batches of %s row(s) stayed slower than larger ones after %d "
-                    "more tries (a busy machine): interpolated, and not cached",
-                    ", ".join(map(str, left)), HICCUP_TRIES)  # fmt: skip
+        unsaved = (f"batches of {', '.join(map(str, left))} row(s) stayed slower than larger "
+                   f"ones, differently each of {HICCUP_TRIES + 1} times (a busy machine): "
+                   "interpolated for this run")  # fmt: skip
+        log.warning("calibration not cached: %s", unsaved)
+    elif not save_calibration(key, timings, measured_at, kept):
+        unsaved = f"cannot write {_cache_file()}"
     _SOURCES[key] = CalibrationSource(
-        key, _cache_file(), False, measured_at, time.perf_counter() - t0, saved, why
-    )
+        key, _cache_file(), False, measured_at, time.perf_counter() - t0, not unsaved, why,
+        unsaved=unsaved,
+    )  # fmt: skip
     return timings

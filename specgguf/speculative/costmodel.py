@@ -175,21 +175,23 @@ class Timings:
 
     T(n): the batch with this sequence's n rows and each other sequence's one. So a draft
     pays when the tokens it is expected to add over the rows' time, (E(K) - 1) / (T(K + 1) -
-    T(1)), beat the batch's own rate, sharing / T(1): exactly when the batch as a whole
-    yields more tokens per second with the draft than without it (Leviathan et al. 2023,
-    section 3.1, for the batch rather than one sequence). Were the step costed at what its
-    last token adds to the batch (a row's marginal cost, on a CPU about half the batch's
-    cost per row), a draft would have to beat twice the batch's rate, and a copy accepted at
-    0.98 would not pay beside three other sequences. The others count one row each, as if
-    they drafted nothing: beside their latest drafts, a draft up to the longest of theirs
-    would look free wherever the batch is padded, and every sequence would keep drafting
-    however little of it were accepted. What a step's rows add is counted from its last
-    token's (T(1)): where this sequence fills a gap in the others' ids, T(1) is less than
-    the batch without it, and counted from there a draft of up to the rows that saving pays
-    would look free. With one sequence this is t(n), as before. Where a batch is
-    compute-bound (a CPU) a draft row costs about what a sequence's whole step does and
-    drafts pay less the more sequences share the batch; where rows are nearly free (a GPU)
-    the batch is padded and a draft costs little more than its rows.
+    T(1)), beat the batch's own rate, sharing / T(1) (by the margin; a draft model's K
+    t_draft counts with the rows): exactly when the batch as a whole yields more tokens per
+    second with the draft than without it (Leviathan et al. 2023, section 3.1, for the batch
+    rather than one sequence). The length chosen is the best for this sequence's rate, which
+    can be shorter than the best for the batch's. Were the step costed at what its last
+    token adds to the batch (a row's marginal cost, on a CPU about half the batch's cost per
+    row), a draft would have to beat twice the batch's rate, and a copy accepted at 0.98
+    would not pay beside three other sequences. The others count one row each, as if they
+    drafted nothing: beside their latest drafts, a draft up to the longest of theirs would
+    look free wherever the batch is padded, and every sequence would keep drafting however
+    little of it were accepted. What a step's rows add is counted from its last token's
+    (T(1)): where this sequence fills a gap in the others' ids, T(1) is less than the batch
+    without it, and counted from there a draft of up to the rows that saving pays would look
+    free. With one sequence this is t(n), as before. Where a batch is compute-bound (a CPU)
+    a draft row costs about what a sequence's whole step does and drafts pay less the more
+    sequences share the batch; where rows are nearly free (a GPU) the batch is padded and a
+    draft costs little more than its rows.
     """
 
     verify: dict[int, float]
