@@ -590,6 +590,37 @@ def test_calibrate_measures_what_each_cached_position_adds(monkeypatch: pytest.M
     assert {e[1] for e in small.log if e[0] == "eval" and e[3] == "all"} == {64, 294}
 
 
+class DeepBusyContext(DeepClockedContext):
+    """A :class:`DeepClockedContext` whose lone rows deep in the context (past 256 cached
+    positions) are slow by different amounts each time (a machine busy only then)."""
+
+    def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+        if logits == "all" and len(tokens) == 1 and self.n_past > 256:
+            self.clock.now += 0.05 * (1 + len(self.log) % 7)
+        return super().eval(tokens, logits=logits)
+
+
+def test_the_deep_curves_hiccups_are_measured_again_and_keep_it_from_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from specgguf.engine import calibration as module
+    from specgguf.engine.calibration import _calibrate
+
+    clock = Clock()
+    monkeypatch.setattr(module.time, "perf_counter", clock)
+    target = DeepBusyContext(clock, 1e-6, 4e-6, n_ctx=1024, n_batch=64)
+    t, left, kept = _calibrate(target, None, [5, 6, 7], sizes=(1, 2, 3, 5, 9, 17), repeats=2,
+                               deep=512)  # fmt: skip
+    assert (left, kept) == ([1], [])
+    # the deep lone row tried 1 + 2 times (of 2 repeats), then interpolated: 5 rows' time
+    # in proportion, below the shallow row's, so no lone-row slope; the rows' slope holds
+    deep_lone = [e for e in target.log if e[0] == "eval" and e[3] == "all" and e[1] == 512
+                 and len(e[2]) == 1]  # fmt: skip
+    assert len(deep_lone) == 3 * 2
+    assert t.position_single == 0.0 and t.position_row == pytest.approx(4e-6)
+    assert t.verify[1] == pytest.approx(0.011 + 64 * 1e-6)  # the shallow curve is right
+
+
 def test_model_drafter_times_its_tokens_and_keeps_to_half_its_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
