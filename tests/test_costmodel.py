@@ -888,10 +888,10 @@ def test_a_draft_rows_share_is_read_on_the_calibrated_curve_at_depth() -> None:
     t = Timings({1: 0.040, 5: 0.1124}, position_single=6e-6, position_row=16e-6)
     assert row_share(t, 4) == pytest.approx(0.4525)
     assert row_share(t, 4, 700) == pytest.approx(0.70249, abs=1e-5)
-    # The curve's shape: not the learnt corrections, deterministic mode's padded lone row
-    # or other sequences' rows, which would each move it without a row costing more.
-    for other in (dict(scale_single=1.3, scale_batch=0.9), dict(lone_max=256),
-                  dict(others=(1, 2), solo=False)):  # fmt: skip
+    # The curve's shape: not the learnt corrections or deterministic mode's padded lone
+    # row, which would each move it without a row costing more (other sequences' rows:
+    # tests/test_parallel.py).
+    for other in (dict(scale_single=1.3, scale_batch=0.9), dict(lone_max=256)):
         moved = dataclasses.replace(t, verify=dict(t.verify), **other)  # type: ignore[arg-type]
         assert moved.verify_time(5, 700) / moved.verify_time(1, 700) != pytest.approx(
             t.verify_time(5, 700) / t.verify_time(1, 700)

@@ -8,7 +8,13 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from specgguf.engine.batching import BatchedSequence, Batcher, Task
-from specgguf.speculative.costmodel import Timings, best_k, expected_tokens, micro_batches
+from specgguf.speculative.costmodel import (
+    Timings,
+    best_k,
+    expected_tokens,
+    micro_batches,
+    row_share,
+)
 from specgguf.speculative.draft import Drafter
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
 from specgguf.speculative.loop import (
@@ -381,3 +387,12 @@ def test_a_draft_pays_beside_others_when_the_batch_yields_more_with_it() -> None
     k, rate = best_k(0.98, xeon, 8)
     assert k == 8 and rate == pytest.approx(8.3125 / (0.44125 + 2.7125), rel=1e-4)
     assert best_k(0.9, xeon, 8)[0] == 0
+
+
+def test_a_draft_rows_share_beside_others_is_of_this_sequences_share() -> None:
+    """Xeon curve, 4 draft rows: alone (t(5) - t(1)) / (4 t(1)) = 0.82 / 4 = 0.205. Beside
+    sequences 1-3 of one row: T(1) / 4 = 0.44125; 5 rows split into a row of each, then
+    its other 4, t(4) + t(4) = 3.53 (padded, 20 rows, 6.28); (3.53 - 1.765) / (4 x
+    0.44125) = 1.0."""
+    assert row_share(Timings(dict(XEON)), 4) == pytest.approx(0.205)
+    assert row_share(Timings(dict(XEON), others=OTHERS), 4) == pytest.approx(1.0)

@@ -440,17 +440,25 @@ def row_share(timings: Timings, k: int, cached: int = 0) -> float:
     (t(k + 1) - t(1)) / (k t(1)), at least 0 (a ratio of seconds). The curve's shape, as
     :meth:`ModelArm.p_stop_at <specgguf.speculative.arms.model.ModelArm.p_stop_at>` reads
     it: without the learnt corrections (lone rows and batches differ there by Python's
-    share of a step, not by what a row adds), deterministic mode's padded lone row, or
-    other sequences' rows in the batch. From the measured curves at k = 4: 0.2 on a 2-core
-    Xeon; on a 2-core AMD EPYC 0.45 near the start of a context and 0.7-0.8 at 700
-    positions (by the fitted 16 and 6 us a position, and as measured); under 0.01 on the
-    GPU-like curve of issue 34.
+    share of a step, not by what a row adds) or deterministic mode's padded lone row. From
+    the measured curves at k = 4: 0.2 on a 2-core Xeon; on a 2-core AMD EPYC 0.45 near the
+    start of a context and 0.7-0.8 at 700 positions (by the fitted 16 and 6 us a position,
+    and as measured); under 0.01 on the GPU-like curve of issue 34. Beside other
+    sequences (:attr:`Timings.others`), relative to this sequence's share of the batch
+    instead, the rows as they add to it (see :class:`Timings`): on the Xeon's curve beside
+    three others, 1.0 (each draft row costs a sequence's share), where the solo curve says
+    0.2 and n-gram lookups were judged four times too hopefully. (The draft model's
+    stopping rule keeps the solo curve: read this way it stopped a GPU's drafts too early;
+    docs/performance.md.)
 
     Raises:
         ZeroDivisionError: a lone row that costs nothing.
     """
-    one = timings._at_depth(1, cached)
     k = max(1, k)
+    if timings.others:
+        one = timings._share(1, cached)
+        return max(0.0, timings._share(k + 1, cached) - one) / (k * one)
+    one = timings._at_depth(1, cached)
     return max(0.0, timings._at_depth(k + 1, cached) - one) / (k * one)
 
 
