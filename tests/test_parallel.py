@@ -390,9 +390,9 @@ def test_a_draft_pays_beside_others_when_the_batch_yields_more_with_it() -> None
 
 
 def test_a_draft_rows_share_beside_others_is_of_this_sequences_share() -> None:
-    """Xeon curve, 4 draft rows: alone (t(5) - t(1)) / (4 t(1)) = 0.82 / 4 = 0.205. Beside
-    sequences 1-3 of one row: T(1) / 4 = 0.44125; 5 rows split into a row of each, then
-    its other 4, t(4) + t(4) = 3.53 (padded, 20 rows, 6.28); (3.53 - 1.765) / (4 x
-    0.44125) = 1.0."""
-    assert row_share(Timings(dict(XEON)), 4) == pytest.approx(0.205)
-    assert row_share(Timings(dict(XEON), others=OTHERS), 4) == pytest.approx(1.0)
+    """Xeon curve, 2 draft rows: alone (t(3) - t(1)) / (2 t(1)) = 0.71 / 2 = 0.355.
+    Beside sequences 1-3 of one row: T(1) / 4 = 0.44125; 3 rows split into a row of each,
+    then its other 2, t(4) + t(2) = 3.105 (padded, 12 rows, 3.9025); (3.105 - 1.765) /
+    (2 x 0.44125) = 1.51841."""
+    assert row_share(Timings(dict(XEON)), 2) == pytest.approx(0.355)
+    assert row_share(Timings(dict(XEON), others=OTHERS), 2) == pytest.approx(1.51841, abs=1e-5)

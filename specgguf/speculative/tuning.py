@@ -104,12 +104,13 @@ class AutoTuning:
     #: median 30.91 -> 32.95 tokens/s).
     long_copy_weight: float = 1 / (1 - 0.98)
     #: Below ``copy_match``, a lookup is judged at its acceptance less this many standard
-    #: errors (shadow drafts bring evidence free), where a draft row costs
-    #: ``lookup_z_row`` of a lone row or more. Tried against 0 (no bound, no shadows),
-    #: measured on EPYC: 1.065x and 0.954x on code generation, 8 and 5 rounds: within noise.
-    #: Simulated (2026-12-04, traces C and D): 0 gains 1.5-4% on the Xeon curves and loses
-    #: 0.3-0.8% on the EPYC's with what depth costs, with twice the columns below 1.0x on
-    #: D; 0.5 lies between. So the bound now follows the cost of a row (below).
+    #: errors (shadow drafts bring evidence free), where a draft row costs ``lookup_z_row``
+    #: of a lone row (of a sequence's share, beside others) or more. Tried against 0 (no
+    #: bound, no shadows), measured on EPYC: 1.065x and 0.954x on code generation, 8 and 5
+    #: rounds: within noise. Simulated (2026-12-04, traces C and D): 0 gains 1.5-4% on the
+    #: Xeon curves and loses 0.3-0.8% on the EPYC's with what depth costs, with twice the
+    #: columns below 1.0x on D; 0.5 lies between. So the bound now follows the cost of a row
+    #: (below).
     lookup_z: float = 1.0
     #: ... and ``lookup_z`` times (a row's share / this) where a draft row costs less
     #: (``LookupArm.z``; 0: always ``lookup_z``, the rule before it): a draft judged too

@@ -105,8 +105,9 @@ class LookupArm:
     def z(self, step: Step) -> float:
         """How many standard errors short of its estimate a bucket below a copy is judged
         at this step: ``lookup_z`` where a draft row costs ``lookup_z_row`` of a lone row
-        or more (:func:`~specgguf.speculative.costmodel.row_share` of ``explore_k`` rows,
-        at the step's depth), in proportion where rows cost less. A draft judged too
+        (beside other sequences: of this sequence's share of the batch) or more
+        (:func:`~specgguf.speculative.costmodel.row_share` of ``explore_k`` rows, at the
+        step's depth), in proportion where rows cost less. A draft judged too
         hopefully costs its rows: nearly a step per token deep in a context on a CPU whose
         batches cost their rows, next to nothing where a batch costs what a lone row does,
         and there a pessimistic estimate only forgoes drafts that pay."""
