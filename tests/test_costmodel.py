@@ -846,6 +846,58 @@ def test_a_busy_machines_calibration_is_measured_again_and_never_cached(
                                  "long as one of 4")  # fmt: skip
 
 
+def test_bench_reports_a_busy_calibration_as_not_saved_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `bench`'s calibration entry (its --json) and the lines it prints: a calibration from a
+    # busy machine is "not saved", with the reason calibration gave, and a calm one is
+    # "saved to" the cache file
+    import io
+
+    from rich.console import Console
+
+    from specgguf.cli.bench import _print_calibration
+    from specgguf.engine import calibration as module
+    from specgguf.engine.bench import calibrate_pair
+    from specgguf.engine.calibration import pair_timings
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    clock = Clock()
+    monkeypatch.setattr(module.time, "perf_counter", clock)
+
+    class Engine:  # what calibrate_pair reads of an engine
+        deterministic_rows = 0
+
+        def __init__(self, key: str, ctx: BusyContext) -> None:
+            self.key, self.ctx = key, ctx
+
+        def calibration_key(self, det: bool) -> str:
+            return self.key
+
+        def timings(self, det: bool, *, recalibrate: bool) -> Timings:
+            return pair_timings(self.key, self.ctx, None, [1, 2], recalibrate=recalibrate)
+
+    def busy(slow: set[int], busy_for: int | None) -> BusyContext:
+        return BusyContext(clock, slow, 0.2, busy_for, True, n_ctx=40, n_batch=16)
+
+    said: list[str] = []
+    [entry] = calibrate_pair(Engine("busy", busy({1, 2, 3}, None)), progress=said.append)  # type: ignore[arg-type]
+    assert (entry["saved"], entry["reused"]) == (False, False)
+    why = ("batches of 1, 2, 3 row(s) stayed slower than larger ones, differently each of "
+           "3 times")  # fmt: skip
+    assert entry["unsaved"].startswith(why)
+    assert f"not saved: {why}" in said[-1]
+    [calm] = calibrate_pair(Engine("calm", busy({1, 2, 3}, 4)), progress=said.append)  # type: ignore[arg-type]
+    assert (calm["saved"], calm["unsaved"]) == (True, None)
+    out = io.StringIO()
+    _print_calibration(Console(file=out, width=300), [entry, calm])
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("calibration: measured in this run (")
+    assert f"), not saved: {why}" in lines[0]
+    assert lines[1].endswith(f"), saved to {calm['file']}")
+    assert calm["file"] == str(tmp_path / "specgguf" / "calibration.json")
+
+
 def test_acceptance_observed_in_parts_and_a_lone_accepted_token() -> None:
     # One accepted token, no rejection: a success in a trial (nothing is skipped but an
     # empty verification).

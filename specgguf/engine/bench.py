@@ -523,7 +523,9 @@ def calibrate_pair(
     ("normal" or "deterministic"), ``reused`` (True: read from ``file``; False: measured
     in this run), ``file`` (the cache file), ``key`` (its entry), ``measured_at`` (ISO
     8601, UTC), ``seconds`` (the check or the measurement, in this run), ``saved``
-    (whether ``file`` holds them), ``why`` (why they were measured; None when reused) and
+    (whether ``file`` holds them), ``unsaved`` (why not, when measured and not saved:
+    the file cannot be written, or the machine was busy; else None), ``why`` (why they
+    were measured; None when reused) and
     ``fresh_step_ratio`` (when reused: a fresh decode step's time over the cached one's;
     above 1 the machine is busier now than when they were measured).
 
