@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -896,6 +897,8 @@ def test_bench_reports_a_busy_calibration_as_not_saved_and_why(
     assert f"), not saved: {why}" in lines[0]
     assert lines[1].endswith(f"), saved to {calm['file']}")
     assert calm["file"] == str(tmp_path / "specgguf" / "calibration.json")
+    cached = json.loads(Path(calm["file"]).read_text())
+    assert "calm" in cached and "busy" not in cached
 
 
 def test_acceptance_observed_in_parts_and_a_lone_accepted_token() -> None:
