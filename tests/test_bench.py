@@ -346,6 +346,19 @@ def test_bench_parallel_reports_each_question_and_batch(tiny_models: dict[str, P
     assert b"calibration: " in res.stdout and b"bench:" not in res.stdout
 
 
+def test_bench_parallel_refuses_fewer_prompts_than_sequences_before_loading(
+    tiny_models: dict[str, Path],
+) -> None:
+    # One built-in chat prompt and -np 2: "2 at once" would run one sequence and still
+    # print a ratio. Refused with the count, before the model loads.
+    res = run_cli("bench", "-m", str(tiny_models["target"]), "--categories", "chat",
+                  "-np", "2", "-n", "4")  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2, err
+    assert "--parallel 2 needs at least 2 prompts; the selection has 1" in err
+    assert "Traceback" not in err and "llama" not in err.lower()
+
+
 def _cached(file: Path, key: str) -> dict[str, Any]:
     entry: dict[str, Any] = json.loads(file.read_text())[key]
     return entry

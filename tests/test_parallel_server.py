@@ -447,4 +447,6 @@ def test_a_parallel_that_does_not_fit_is_refused_before_loading(
                   "--port", "0")  # fmt: skip
     err = res.stderr.decode()
     assert res.returncode == 5, err
-    assert "KV cache" in err and "-np/--parallel" in err and "Traceback" not in err
+    assert "KV cache" in err and "Traceback" not in err
+    # the hint names -np as a second way out, not as another name for -c
+    assert "a smaller -np/--parallel too: the KV cache holds -np x -c positions" in err

@@ -171,7 +171,10 @@ def hint(err: SpecggufError) -> str | None:
                     "anyway")  # fmt: skip
         if err.gpu:
             return "lower -ngl/-ngld; --force loads anyway"
-        return "--force loads anyway; a smaller -c/--ctx-size (serving: -np/--parallel) helps"
+        return (
+            "--force loads anyway; a smaller -c/--ctx-size helps (serving, a smaller "
+            "-np/--parallel too: the KV cache holds -np x -c positions)"
+        )
     if isinstance(err, RpcServerError):
         return ("start it on that machine with `specgguf rpc-server` (see the README, "
                 "\"Targets bigger than one machine\"), or leave it out of --rpc")  # fmt: skip

@@ -113,6 +113,10 @@ def bench(
         load_prompts(prompts) if prompts else builtin_prompts(),
         categories.split(",") if categories else None, per_category, seed,
     )  # fmt: skip
+    if parallel > len(chosen):  # before loading: fewer would never run N at once
+        raise UsageError(f"--parallel {parallel} needs at least {parallel} prompts; the "
+                         f"selection has {len(chosen)} (more --categories, a larger "
+                         "--per-category, or --prompts FILE)")  # fmt: skip
     draft_max = max(AUTO_TUNING.draft_max_lookup, *ks)
     drafting = dataclasses.replace(drafting, drafter="auto", draft=draft_max)
     config = dataclasses.replace(o.engine_config(load, drafting, say=say), n_parallel=parallel)
@@ -228,8 +232,9 @@ def _print_parallel(report: dict[str, Any], *, stderr: bool) -> None:
                   f"{r['ratio']:.2f}x", f"{r['accepted_1'] / max(1, r['steps_1']):.2f}",
                   f"{r['accepted_parallel'] / max(1, r['steps_parallel']):.2f}")  # fmt: skip
     con.print(t)
-    con.print(f"the batch curve allows {report['batch_allows']:.2f}x for {n} sequences "
-              f"({n} x t(1) / t({n}))", highlight=False)  # fmt: skip
+    con.print(f"ratio: tokens/s ({n}) over tokens/s (1); for the target alone the batch "
+              f"curve allows {report['batch_allows']:.2f}x with {n} sequences ({n} x t(1) / "
+              f"t({n})), drafts and copies between answers aside", highlight=False)  # fmt: skip
     _print_calibration(con, report["calibration"])
 
 

@@ -638,7 +638,8 @@ def run_parallel_bench(
     (none while there are no more questions than sequences). ``calibration`` in the report,
     ``progress`` and
     ``recalibrate``: as in :func:`run_bench` (a line per question one at a time, and one
-    per batch of all at once).
+    per batch of all at once). With fewer prompts than sequences, "all at once" never
+    fills them: the face refuses that (``bench --parallel``); a test may want it.
 
     Raises:
         UsageError: the engine was loaded for one sequence.
