@@ -510,14 +510,38 @@ def test_the_draft_model_stops_where_its_next_token_costs_more_than_it_is_likely
     # one row 10 ms; 5 rows (explore_k = 4 drafts) 10.4 ms: a row 0.1 ms
     gpu = Timings({1: 0.010, 5: 0.0104}, 0.003)
     assert arm.p_stop_at(gpu) == pytest.approx((3.0 + 0.1) / 10.0)
-    assert arm.p_stop_at(Timings({1: 0.010, 5: 0.0104}, 0.0002)) == pytest.approx(0.3)  # floor
+    assert arm.p_stop_at(Timings({1: 0.010, 5: 0.0104}, 0.0002)) == pytest.approx(0.1)  # floor
     # a CPU: a draft token 4.1 ms, 5 rows 18.2 ms (a row 2.05 ms): 0.615, capped at 0.5
     assert arm.p_stop_at(Timings({1: 0.010, 5: 0.0182}, 0.0041)) == 0.5
     arm.reset(gpu, tuned(p_stop_cost=0.0))
     assert arm.p_stop_at(gpu) == 0.5  # the rule off
+    # --spec-draft-p-min stays a per-token stop beside the path's
     asking = ModelArm(Idle(), draft_max=16, p_min=0.7)  # type: ignore[arg-type]
     asking.reset(gpu, AUTO_TUNING)
-    assert asking.p_stop_at(gpu) == 0.7  # --spec-draft-p-min wins when higher
+    assert asking.p_stop_at(gpu) == pytest.approx(0.31) and asking.p_min == 0.7
+
+
+def test_the_draft_model_arm_drafts_with_the_users_p_min_and_its_own_path_stop() -> None:
+    from specgguf.speculative.arms import ModelArm
+
+    seen: list[tuple[float, float]] = []
+
+    class Asked:
+        name = "model"
+
+        def reset(self) -> None:
+            pass
+
+        def propose(self, history, k, sampler, rng, *, p_min=0.0, p_path_min=0.0):  # type: ignore[no-untyped-def]
+            seen.append((p_min, p_path_min))
+            return Draft([1] * k)
+
+    gpu = Timings({1: 0.010, 5: 0.0104}, 0.003)
+    arm = ModelArm(Asked(), draft_max=16, p_min=0.7)  # type: ignore[arg-type]
+    arm.reset(gpu, AUTO_TUNING)
+    step = Step([1, 2], 1, 8, GREEDY, RNG, gpu, 1, 0.9, 100.0, AUTO_TUNING)
+    assert arm.draft(Offer(arm, 4, 1.0), step).tokens == [1] * 4  # type: ignore[arg-type]
+    assert seen == [(0.7, pytest.approx(0.31))] and arm.p_stop == pytest.approx(0.31)
 
 
 def test_a_draft_models_acceptance_falls_below_what_a_fixed_prior_allows() -> None:

@@ -178,6 +178,19 @@ def test_p_min_stops_at_the_first_token_below_it() -> None:
         assert (draft.tokens, draft.stopped) == (tokens, stopped), p_min
 
 
+def test_p_path_min_stops_where_the_product_of_the_drafts_probabilities_falls_below_it() -> None:
+    # 10 (probability 1), then 20 at 1/2 (path 1/2), 20 again (path 1/4): 0.3 lets two
+    # tokens through, 0.25 all three, 0.6 only the first; the sampled draft ignores it.
+    for p_path_min, tokens, stopped in [(0.3, [10, 20], True), (0.25, [10, 20, 20], False),
+                                        (0.6, [10], True)]:  # fmt: skip
+        d = ModelDrafter(FakeContext(two_way, V), V)  # type: ignore[arg-type]
+        draft = d.propose([1], 3, GREEDY, RNG, p_path_min=p_path_min)
+        assert (draft.tokens, draft.stopped) == (tokens, stopped), p_path_min
+    d = ModelDrafter(FakeContext(two_way, V), V)  # type: ignore[arg-type]
+    sampled = d.propose([1], 3, SamplerParams(temperature=1.0), RNG, p_path_min=0.9)
+    assert len(sampled.tokens) == 3 and not sampled.stopped
+
+
 def test_seconds_add_up_over_prefills_and_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     times = iter([10.0, 10.5, 20.0, 20.25, 30.0, 30.0625, 30.125])
     monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: next(times))

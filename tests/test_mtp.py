@@ -125,6 +125,10 @@ def test_greedy_mtp_drafting_stops_below_p_min() -> None:
     draft = drafter.propose([1, 2, 3], 4, G, np.random.default_rng(0), p_min=0.2)
     assert draft.tokens == [] and draft.stopped
     assert drafter.propose([1, 2, 3], 4, G, np.random.default_rng(0), p_min=0.1).tokens
+    # the path: 1/8, then 1/64 (below 0.1 and 0.02, not 0.01)
+    for p_path_min, n in ((0.1, 1), (0.02, 1), (0.01, 2)):
+        draft = drafter.propose([1, 2, 3], 4, G, np.random.default_rng(0), p_path_min=p_path_min)
+        assert (len(draft.tokens), draft.stopped) == (n, True), p_path_min
 
 
 def test_sampled_mtp_drafts_keep_the_exact_joint_of_two_tokens() -> None:

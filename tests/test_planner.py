@@ -732,7 +732,7 @@ def test_reset_starts_from_the_priors() -> None:
     assert p.arm("ngram").shadow is None
     assert p.draft_min == 1 and arm.p_stop == 0.5 and p.drafters == [ngram, arm.drafter]
     q = auto_planner(Timings(dict(HAND)), model=model_drafter(), p_min=0.7, draft_min=3)
-    assert q.arm("model").p_stop == 0.7 and q.draft_min == 3
+    assert q.arm("model").p_min == 0.7 and q.arm("model").p_stop == 0.5 and q.draft_min == 3
 
 
 def test_fixed_planner_limits() -> None:

@@ -267,7 +267,7 @@ class DraftOptions:
     )  # fmt: skip
     draft_p_min: float = option(
         SpeculativeConfig.p_min, "--draft-p-min", "--spec-draft-p-min", min=0.0, max=1.0,
-        panel=SPEC, help="Stop drafting below this probability (auto mode: at least 0.5).",
+        panel=SPEC, help="Stop drafting at a token below this probability (per token).",
         to="speculative.p_min",
     )  # fmt: skip
     drafter: str | None = option(

@@ -161,9 +161,9 @@ class SpeculativeConfig:
             It also sizes the target's logits buffer (K + 1 rows), so it is the largest K
             any generation on the engine can use.
         p_min: a draft model stops drafting at a token it gives less than this probability
-            (auto mode stops at least where a token is less likely than what drafting it
-            costs relative to a target row, between ``AutoTuning.p_stop_min`` and
-            ``AutoTuning.p_stop``: ``ModelArm.p_stop_at``).
+            (auto mode also stops where the draft's path probability falls below what
+            drafting a token costs relative to a target row, between
+            ``AutoTuning.p_stop_min`` and ``AutoTuning.p_stop``: ``ModelArm.p_stop_at``).
         ngram_min, ngram_max: the n-gram lengths the lookup drafter tries, longest first.
         draft_min: the shortest draft that is verified (llama.cpp's n_min): a step with
             room for fewer drafts, or whose drafter proposes fewer, runs without drafts;

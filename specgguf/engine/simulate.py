@@ -212,6 +212,7 @@ class TraceDraftModel(ModelDrafter):
         rng: np.random.Generator,
         *,
         p_min: float = 0.0,
+        p_path_min: float = 0.0,
     ) -> Draft:
         gen = self.gen
         assert gen is not None
@@ -222,8 +223,10 @@ class TraceDraftModel(ModelDrafter):
             return Draft([], token_seconds=per)
         tokens: list[int] = []
         stopped = False
+        path = 1.0
         for tok, p in zip(gen.chains[i][:k], gen.chain_probs[i][:k], strict=True):
-            if p_min > 0.0 and p < p_min:
+            path *= p
+            if p < p_min or path < p_path_min:
                 stopped = True
                 break
             tokens.append(tok)

@@ -155,7 +155,9 @@ class Drafter(Protocol):
     ``history`` only ever grows by appending between calls, until :meth:`reset`.
     ``seconds`` is the wall time spent drafting, in seconds. ``p_min``: a drafter with
     probabilities stops at a token it gives less than this (llama.cpp's
-    ``--spec-draft-p-min``); lookup drafters ignore it.
+    ``--spec-draft-p-min``); ``p_path_min``: ... or at which the product of its
+    probabilities of the tokens drafted so far, that token's included, falls below this
+    (auto mode's stop, ``ModelArm.p_stop_at``); lookup drafters ignore both.
 
     A new kind of drafter is one class implementing this protocol and one entry in the
     engine's name -> factory map (:data:`specgguf.engine.drafter_map.DRAFTERS`), which also
@@ -189,6 +191,7 @@ class Drafter(Protocol):
         rng: np.random.Generator,
         *,
         p_min: float = 0.0,
+        p_path_min: float = 0.0,
     ) -> Draft: ...
 
 

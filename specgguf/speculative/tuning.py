@@ -155,10 +155,14 @@ class AutoTuning:
     #: recorded Spec-Bench traces within 0.6% either way (scripts/simulate-planner,
     #: 2026-12-04; docs/performance.md).
     prior_floor: float = 0.1
-    #: The draft model stops at a token it gives less than this probability (llama.cpp's
-    #: --spec-draft-p-min): the target agreed with 35-50% of the tokens below 0.5 on prose
-    #: (Qwen pair, greedy, 128 tokens per kind of text). Only value; no other threshold
-    #: compared.
+    #: The draft model stops where its path probability (the product of its probabilities
+    #: of the tokens drafted so far, the next one's included) falls below this at most
+    #: (per token it was, as llama.cpp's --spec-draft-p-min: the target agreed with 35-50%
+    #: of the tokens below 0.5 on prose, Qwen pair, greedy, 128 tokens per kind of text).
+    #: The path since 2026-12-05: on the recorded traces C, D and E (scripts/simulate-planner,
+    #: docs/performance.md), with ``p_stop_min`` 0.1, 1.2-1.9% more on the GPU-like curve,
+    #: the Xeon curves within 0.8% and the EPYC's unchanged (its draft model does not pay);
+    #: 0.7 within 0.8% of 0.5 on every curve.
     p_stop: float = 0.5
     #: ... unless this times what one more draft token costs relative to a target row
     #: (its evaluation and its verification row) is lower (0: always ``p_stop``); see
@@ -167,16 +171,22 @@ class AutoTuning:
     #: ``p_stop_min`` and ``prior_floor`` took the GPU-like curve from 2.84x to 3.03x and
     #: from 2.71x to 2.83x of the target alone, and left the CPU curves as they were
     #: overall (their draft tokens cost 0.4-0.6 of a row: the rule gives more than 0.5);
-    #: 0.5 lost 3% on the Xeon curves, 1.5 with a cap of 0.7 lost 2.5%.
+    #: 0.5 lost 3% on the Xeon curves, 1.5 with a cap of 0.7 lost 2.5%. With the path
+    #: (2026-12-05): 0.7 and 1.5 within 0.5% of 1.0 on every curve.
     p_stop_cost: float = 1.0
-    #: ... but never below this. Simulated on the GPU-like curve (where the rule gives
-    #: 0.09): 0.1, 0.2 and 0.3 within 0.4% of each other over the two recorded traces (0.1
-    #: ahead on the first by 1.4%, 0.3 on the second by 1.7%), 0.4 2-3% behind: 0.3, the
-    #: nearest to what a CPU does. Only value since.
-    p_stop_min: float = 0.3
+    #: ... but never below this. Simulated per token, it was 0.3 (0.1-0.3 within 0.4% of
+    #: each other on the GPU-like curve, where the rule gives 0.09); simulated on the path
+    #: (2026-12-05, traces C, D and E) 0.3 loses 4-6% there against 0.1, and 0.05 is
+    #: within 0.4% of 0.1, the CPU curves alike.
+    p_stop_min: float = 0.1
     #: Steps of a generation in which the draft model is judged at its estimates plus one
     #: standard error: one early rejection must not rule out a model that gains about 20%
-    #: at best (test timings of the Qwen pair). Only value.
+    #: at best (test timings of the Qwen pair). Only value. Simulated on traces C, D and E
+    #: with the path stop (2026-12-05): 0 gains up to 3% on the Xeon curves and the GPU-like
+    #: one overall, but loses ``bench``'s structured output and code generation on the Xeon
+    #: curves (1.38x -> 1.19x, 1.32x -> 1.12x: the draft model left after one draft half
+    #: rejected, and not brought back) and keeps out a draft model wrong at its first step
+    #: only (tests/test_costmodel.py); 2 loses the latter too; 3 within 1% of 4 everywhere.
     explore_steps: int = 4
     #: The longest draft of those optimistic steps and of a probe: a wrong guess stays
     #: cheap. Also the draft whose rows ``ModelArm.p_stop_at`` and ``LookupArm.z`` weigh

@@ -16,9 +16,10 @@ class ModelArm:
     """A draft model, or the target's MTP layers, as auto mode weighs it: both cost an
     evaluation per draft token (``Timings.draft``) and stop at an unsure token.
 
-    The draft model drafts greedily until it gives a token less than ``p_stop`` (as
-    llama.cpp's ``--spec-draft-p-min``), so two rates describe it: how often a token passes
-    ``p_stop`` (prior: the target's confidence) and how often a token that passed is
+    The draft model drafts greedily until its path probability falls below ``p_stop``
+    (:meth:`p_stop_at`) or it gives a token less than ``p_min`` (llama.cpp's
+    ``--spec-draft-p-min``), so two rates describe it: how often drafting goes on past a
+    token (prior: the target's confidence) and how often a token it went on past is
     accepted (prior: ``model_prior``); E(K) uses their product, and the cost of a step the
     expected number of draft evaluations and verified tokens.
 
@@ -35,7 +36,8 @@ class ModelArm:
     Args:
         drafter: the draft model's drafter, or the MTP layers'.
         draft_max: its longest draft.
-        p_min: it stops at a token it gives less than this, or ``p_stop`` if higher.
+        p_min: it stops at a token it gives less than this (per token, beside the path's
+            ``p_stop``).
     """
 
     def __init__(self, drafter: ModelDrafter | MtpDrafter, *, draft_max: int, p_min: float) -> None:
@@ -145,37 +147,42 @@ class ModelArm:
 
     @property
     def p_stop(self) -> float:
-        """The probability below which it stopped at its latest draft (see
-        :meth:`p_stop_at`); before any, the tuning's ``p_stop``, or ``p_min`` if higher."""
-        return max(self._p_stop, self.p_min)
+        """The path probability below which it stopped at its latest draft (see
+        :meth:`p_stop_at`); before any, the tuning's ``p_stop``."""
+        return self._p_stop
 
     def p_stop_at(self, timings: Timings) -> float:
-        """The probability below which it stops drafting on ``timings``: ``p_min``, or if
-        higher ``p_stop_cost`` times what one more draft token costs relative to a
+        """The path probability (the product of the draft's probabilities of the tokens
+        drafted so far, the next one's included) below which it stops drafting on
+        ``timings``: ``p_stop_cost`` times what one more draft token costs relative to a
         target row (its evaluation, and the row it adds to a verification of
         ``explore_k`` drafts, from the calibrated curve), within [``p_stop_min``,
-        ``p_stop``]. A token the draft is that unsure of is accepted about that often, so
-        drafting it no longer pays: where draft tokens and batch rows are nearly free (a
-        GPU) the draft goes on past tokens a CPU stops at. The same rule serves the MTP
-        layers' arm (not simulated: no trace records MTP drafts)."""
+        ``p_stop``]. The whole draft up to a token is accepted about as often as that
+        product, so drafting it no longer pays once the product falls below what the
+        token costs: where draft tokens and batch rows are nearly free (a GPU) the draft
+        goes on to paths a CPU stops before (the cumulative confidence of EAGLE-2, Li et
+        al. 2024, section 4.1, on a chain; llama.cpp's ``--spec-draft-p-min`` is per
+        token, and stays ``p_min``). The same rule serves the MTP layers' arm (not
+        simulated: no trace records MTP drafts)."""
         t = self.tuning
         if t.p_stop_cost <= 0.0:
-            return max(t.p_stop, self.p_min)
+            return t.p_stop
         # (the calibrated curve's shape, one correction for both: the learned single and
         # batch corrections differ by Python's share of a step, not by what a row adds)
         one = timings.curve(1)
         k = max(1, t.explore_k)
         row = max(0.0, timings.curve(1 + k) - one) / k
         rule = t.p_stop_cost * (timings.draft / timings.scale_single + row) / one
-        return max(min(t.p_stop, max(t.p_stop_min, rule)), self.p_min)
+        return min(t.p_stop, max(t.p_stop_min, rule))
 
     def draft(self, offer: Offer, step: Step) -> Draft:
-        """The model's draft of ``offer.k`` tokens; one that stopped early (an unsure
-        token) below ``k_min`` is too short to verify: what it taught about passing
-        ``p_stop`` counts, and the step runs without drafts."""
+        """The model's draft of ``offer.k`` tokens, stopped at a token below ``p_min`` or
+        a path below :meth:`p_stop_at`; one that stopped early below ``k_min`` is too
+        short to verify: what it taught about going on counts, and the step runs without
+        drafts."""
         self._p_stop = self.p_stop_at(step.timings)
         draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
-                                     p_min=self._p_stop)  # fmt: skip
+                                     p_min=self.p_min, p_path_min=self._p_stop)  # fmt: skip
         if len(draft.tokens) < step.k_min:
             self.passed.observe(len(draft.tokens), draft.stopped)
             return Draft([])

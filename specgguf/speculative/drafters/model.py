@@ -24,19 +24,27 @@ def pick_token(
     rng: np.random.Generator,
     p_min: float,
     dists: list[Distribution] | None,
-) -> int | None:
-    """A drafter's next token from its logits ``row`` (float32[n_vocab]): greedy (its
-    argmax; None when its probability is below ``p_min``, and drafting stops) when
-    ``dists`` is None, else drawn from the sampler's distribution q, which is appended to
-    ``dists`` for the acceptance rule (Leviathan et al. 2023, section 2.3)."""
+    *,
+    path: float = 1.0,
+    p_path_min: float = 0.0,
+) -> tuple[int | None, float]:
+    """A drafter's next token from its logits ``row`` (float32[n_vocab]), and the draft's
+    path probability with it. Greedy when ``dists`` is None: the argmax, or None (drafting
+    stops) when its probability is below ``p_min``, or when ``path`` (the product of the
+    probabilities of the tokens drafted before it) times it is below ``p_path_min``. Else
+    drawn from the sampler's distribution q, which is appended to ``dists`` for the
+    acceptance rule (Leviathan et al. 2023, section 2.3); no threshold applies."""
     if dists is None:
         tok = int(row.argmax())
-        if p_min > 0.0 and 1.0 / float(np.exp(row - row[tok]).sum()) < p_min:
-            return None
-        return tok
+        if p_min > 0.0 or p_path_min > 0.0:
+            p = 1.0 / float(np.exp(row - row[tok]).sum())
+            path *= p
+            if p < p_min or path < p_path_min:
+                return None, path
+        return tok, path
     q = distribution(row, sampler)
     dists.append(q)
-    return sample(q, rng)
+    return sample(q, rng), path
 
 
 class ModelDrafter(Drafter):
@@ -140,12 +148,14 @@ class ModelDrafter(Drafter):
         rng: np.random.Generator,
         *,
         p_min: float = 0.0,
+        p_path_min: float = 0.0,
     ) -> Draft:
         """Up to ``k`` draft tokens after ``history``; greedy drafting stops early at a
-        token whose probability under the draft is below ``p_min`` (0: never), and the
-        draft's ``stopped`` says whether it did. Its ``token_seconds`` is the latest
-        measured time per drafted token (a proposal of one token after a catch-up measures
-        none, and repeats the one before)."""
+        token whose probability under the draft is below ``p_min``, or at which the
+        product of the draft's probabilities along the draft falls below ``p_path_min``
+        (0: never), and the draft's ``stopped`` says whether it did. Its ``token_seconds``
+        is the latest measured time per drafted token (a proposal of one token after a
+        catch-up measures none, and repeats the one before)."""
         # A draft of k tokens evaluates k - 1 of them: never more than half the context.
         k = min(k, max(1, self.ctx.n_ctx // 2))
         if k <= 0 or not history:
@@ -163,12 +173,14 @@ class ModelDrafter(Drafter):
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []
         stopped = False
+        path = 1.0
         # A recurrent draft cannot drop its own draft tokens again: it drafts in a copy
         # of its sequence, and reads the accepted ones with the next step's catch-up.
         forked = self.ctx.rollback_room is not None
         with self.ctx.scratch() if forked else nullcontext():
             for i in range(k):
-                tok = pick_token(logits[-1, : self.n_vocab], sampler, rng, p_min, dists)
+                tok, path = pick_token(logits[-1, : self.n_vocab], sampler, rng, p_min, dists,
+                                       path=path, p_path_min=p_path_min)  # fmt: skip
                 if tok is None:
                     stopped = True
                     break

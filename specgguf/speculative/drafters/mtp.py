@@ -131,11 +131,13 @@ class MtpDrafter(Drafter):
         rng: np.random.Generator,
         *,
         p_min: float = 0.0,
+        p_path_min: float = 0.0,
     ) -> Draft:
         """Up to ``k`` draft tokens after ``history`` (whose all but last token the target
         has evaluated); greedy drafting stops early at a token whose probability under the
-        head is below ``p_min``, and the draft's ``stopped`` says so. ``token_seconds`` is
-        the latest measured time per drafted token after the first."""
+        head is below ``p_min``, or at which the product of the head's probabilities along
+        the draft falls below ``p_path_min``, and the draft's ``stopped`` says so.
+        ``token_seconds`` is the latest measured time per drafted token after the first."""
         k = min(k, self.head.n_ctx - len(history))
         if k <= 0 or not history:
             return Draft([], token_seconds=self._token_seconds)
@@ -148,8 +150,10 @@ class MtpDrafter(Drafter):
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []
         stopped = False
+        path = 1.0
         for i in range(k):
-            tok = pick_token(logits[: self.n_vocab], sampler, rng, p_min, dists)
+            tok, path = pick_token(logits[: self.n_vocab], sampler, rng, p_min, dists,
+                                   path=path, p_path_min=p_path_min)  # fmt: skip
             if tok is None:
                 stopped = True
                 break

@@ -94,10 +94,12 @@ class NgramDrafter(Drafter):
         rng: np.random.Generator,
         *,
         p_min: float = 0.0,
+        p_path_min: float = 0.0,
     ) -> Draft:
         """The tokens that followed the most recent earlier occurrence of the longest
         suffix n-gram (n_max down to n_min), at most ``k``, with the match's length
-        (``match``, 0: none) and whether it ``resumed`` a copy; ``p_min`` is ignored."""
+        (``match``, 0: none) and whether it ``resumed`` a copy; ``p_min`` and
+        ``p_path_min`` are ignored."""
         self._update(history)
         if k <= 0:
             return Draft([])

@@ -175,9 +175,11 @@ class SuffixDrafter(Drafter):
         rng: np.random.Generator,
         *,
         p_min: float = 0.0,
+        p_path_min: float = 0.0,
     ) -> Draft:
         """Up to ``k`` tokens following the longest earlier occurrence of the text's
-        suffix, by majority of its occurrences; ``p_min`` raises ``min_share``."""
+        suffix, by majority of its occurrences; ``p_min`` raises ``min_share``;
+        ``p_path_min`` is ignored."""
         t0 = time.perf_counter()
         occ, match = self._match(history)
         c, end = self._corpus, len(self._corpus)
