@@ -96,7 +96,7 @@ def test_acceptance_counts_against_hand_computed_numbers() -> None:
 
 def test_planner_draft_model_rate_against_hand_computed_numbers() -> None:
     # Nothing measured yet, past the optimistic first steps: the draft model's tokens are
-    # accepted at the prior 0.95 and pass ``p_stop`` at the target's confidence 0.9, so
+    # accepted at the prior 0.95 and drafting goes on past each at the confidence 0.9, so
     # c = 0.855. The model holds nothing, the history is one token: the first evaluation
     # costs t_draft * t_verify(1) / t_verify(1) = 0.002 s.
     #   K=1: proposed 0.9, step 0.002 + t_verify(1.9) = 0.002 + 0.0118 = 0.0138,
@@ -330,7 +330,7 @@ def test_catch_up_is_spread_only_over_the_models_runs() -> None:
 
 def test_planner_probes_a_draft_model_that_nearly_pays() -> None:
     # With nothing measured, the model's estimate rests on the target's confidence (and
-    # on the prior acceptance of tokens that pass ``p_stop``). Pick a confidence whose best
+    # on the prior acceptance of tokens drafting goes on past). Pick a confidence whose best
     # expected rate is just short of the target alone's: no speculation at first, then a
     # short probe (K <= 4) after ``probe_every`` idle steps, and not again right after.
     timings = Timings({1: 0.010, 2: 0.015, 5: 0.021, 17: 0.050}, 0.004)

@@ -678,7 +678,7 @@ def test_what_a_verification_teaches() -> None:
     p.observe(none, 0, 0.010, confidence=1.7)  # the 11th: weight 0.1
     assert p.confidence == pytest.approx(0.8)
     # A model draft of 3, 2 accepted, not stopped: 2 successes of 3 trials; its 3 tokens
-    # passed ``p_stop`` (3 of 3); t_draft moves 5% towards the 0.004 s measured per token; the
+    # drafting went on past (3 of 3); t_draft moves 5% towards the 0.004 s measured per token; the
     # batch of 4 took 1.2 times t_verify(4).
     p.observe(model_plan([1, 2, 3], 0.004), 2, 0.0192)
     assert (p.arm("model").accepted.successes, p.arm("model").accepted.trials) == (2.0, 3.0)
@@ -818,13 +818,36 @@ def three_way(prefix: Sequence[int]) -> np.ndarray:
     return row
 
 
+def sure_at_60(prefix: Sequence[int]) -> np.ndarray:
+    """The next id after the last, at probability 0.6 (the other 31 ids share 0.4)."""
+    row = np.full(V, np.log(0.4 / (V - 1)), np.float32)
+    row[(prefix[-1] + 1) % V] = np.log(0.6)
+    return row
+
+
+def test_the_draft_model_stops_where_its_path_probability_falls_below_p_stop() -> None:
+    # HAND's 5 rows cost 19.5 ms (a row 2.375 ms over one), a draft token 2 ms: p_stop is
+    # (2 + 2.375) / 10 = 0.4375. Each token at 0.6 passes it on its own; the path 0.6,
+    # 0.36 does not past the first: one token drafted, stopped, and drafting went on past
+    # 1 token of 2.
+    model = ModelDrafter(FakeContext(sure_at_60, V), V)  # type: ignore[arg-type]
+    p = auto_planner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
+    p.confidence = 0.9
+    plan = p.plan([1], 16, GREEDY, RNG)
+    assert plan.drafter is model and plan.draft.tokens == [2] and plan.draft.stopped
+    assert p.arm("model").p_stop == pytest.approx(0.4375)
+    p.observe(plan, 1, 0.012)
+    assert (p.arm("model").passed.successes, p.arm("model").passed.trials) == (1.0, 2.0)
+
+
 def test_a_model_draft_that_stops_below_draft_min_is_dropped_and_counted() -> None:
     model = ModelDrafter(FakeContext(three_way, V), V)  # type: ignore[arg-type]
     p = auto_planner(Timings(dict(HAND), 0.002), model=model, draft_min=3, learn_timings=False)
     p.confidence = 0.9
     plan = p.plan([1], 16, GREEDY, RNG)
     assert plan.drafter is None and plan.expected_rate == pytest.approx(100.0)
-    # One token passed ``p_stop``, the next did not: 1 success of 2 trials.
+    # Drafting went on past one token, not past the next (1/3, below ``p_stop`` on the
+    # path and per token alike): 1 success of 2 trials.
     assert (p.arm("model").passed.successes, p.arm("model").passed.trials) == (1.0, 2.0)
     assert p.arm("model").accepted.trials == 0.0 and (
         p.arm("model").steps,

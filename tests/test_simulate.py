@@ -159,14 +159,17 @@ def test_a_draft_that_stops_at_an_unsure_token_has_evaluated_it() -> None:
         assert model.seconds == pytest.approx(cost)
         assert model.cached_tokens([1, 2, 3, 10, 11, 12]) == cached
     # the path 0.9, 0.81, 0.162: 0.5 stops at the third token, as p_min 0.5 does; 0.85 at
-    # the second, where p_min 0.85 lets it through
-    for kw, tokens in (({"p_path_min": 0.5}, [10, 11]), ({"p_path_min": 0.85}, [10]),
-                       ({"p_min": 0.85}, [10, 11])):  # fmt: skip
+    # the second, where p_min 0.85 lets it through; a stopped draft evaluated every token
+    # it kept (1 ms each, after the 1 ms catch-up)
+    for kw, tokens, cost in (({"p_path_min": 0.5}, [10, 11], 0.003),
+                             ({"p_path_min": 0.85}, [10], 0.002),
+                             ({"p_min": 0.85}, [10, 11], 0.003)):  # fmt: skip
         model = TraceDraftModel(machine_timings(SMALL))
         model.start(g)
         model.prefill([1, 2, 3])
         d = model.propose([1, 2, 3], 4, GREEDY, rng, **kw)
         assert (d.tokens, d.stopped) == (tokens, True), kw
+        assert model.seconds == pytest.approx(cost), kw
 
 
 def test_sequences_at_once_share_each_step_and_a_finished_ones_sequence_takes_the_next() -> None:

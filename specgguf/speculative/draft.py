@@ -40,8 +40,9 @@ class Draft:
             along its branch), which the planner calibrates.
         match: for a lookup, the length in tokens of the match it continues (0: none).
         resumed: for n-gram lookup, whether the match resumes a copy broken by an edit.
-        stopped: for a model, whether drafting stopped at a token below ``p_min`` before
-            the length asked for.
+        stopped: for a model, whether drafting stopped at a token below ``p_min``, or
+            where its path probability fell below ``p_path_min``, before the length asked
+            for.
         token_seconds: for a model, its latest measurement of seconds per drafted token
             (catch-up evaluation excluded; 0: none yet).
     """
@@ -157,7 +158,8 @@ class Drafter(Protocol):
     probabilities stops at a token it gives less than this (llama.cpp's
     ``--spec-draft-p-min``); ``p_path_min``: ... or at which the product of its
     probabilities of the tokens drafted so far, that token's included, falls below this
-    (auto mode's stop, ``ModelArm.p_stop_at``); lookup drafters ignore both.
+    (auto mode's stop, ``ModelArm.p_stop_at``). Lookup drafters ignore ``p_path_min``;
+    n-gram lookup ignores ``p_min`` too, suffix matching reads it as a least share.
 
     A new kind of drafter is one class implementing this protocol and one entry in the
     engine's name -> factory map (:data:`specgguf.engine.drafter_map.DRAFTERS`), which also

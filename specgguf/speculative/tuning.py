@@ -144,9 +144,10 @@ class AutoTuning:
 
     # -- the draft model ---------------------------------------------------------------
 
-    #: Acceptance of a draft token that passed ``p_stop`` before any verification. Before
+    #: Acceptance of a draft token drafting went on past, before any verification. Before
     #: it, the confidence was the prior; measured nearby: the target agreed with 98-100% of
-    #: such tokens on code and JSON, 84-89% on prose. Only value.
+    #: the tokens at or above 0.5 (per token) on code and JSON, 84-89% on prose. Only value;
+    #: not measured again for the path stop, which lets a GPU draft a token down to 0.1.
     model_prior: float = 0.95
     #: The share of its weight the draft model's acceptance prior fades to as
     #: verifications come in. Was 1 (a fixed weight), whose floor was an acceptance of
@@ -160,8 +161,8 @@ class AutoTuning:
     #: (per token it was, as llama.cpp's --spec-draft-p-min: the target agreed with 35-50%
     #: of the tokens below 0.5 on prose, Qwen pair, greedy, 128 tokens per kind of text).
     #: The path since 2026-12-05: on the recorded traces C, D and E (scripts/simulate-planner,
-    #: docs/performance.md), with ``p_stop_min`` 0.1, 1.2-1.9% more on the GPU-like curve,
-    #: the Xeon curves within 0.8% and the EPYC's unchanged (its draft model does not pay);
+    #: docs/performance.md), with ``p_stop_min`` 0.1, 1.2-2.0% more on the GPU-like curve,
+    #: the Xeon curves within 0.9% and the EPYC's unchanged (its draft model does not pay);
     #: 0.7 within 0.8% of 0.5 on every curve.
     p_stop: float = 0.5
     #: ... unless this times what one more draft token costs relative to a target row

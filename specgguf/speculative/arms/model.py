@@ -14,7 +14,7 @@ from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
 class ModelArm:
     """A draft model, or the target's MTP layers, as auto mode weighs it: both cost an
-    evaluation per draft token (``Timings.draft``) and stop at an unsure token.
+    evaluation per draft token (``Timings.draft``) and stop where the draft grows unsure.
 
     The draft model drafts greedily until its path probability falls below ``p_stop``
     (:meth:`p_stop_at`) or it gives a token less than ``p_min`` (llama.cpp's
@@ -61,7 +61,7 @@ class ModelArm:
 
     def _fresh(self, tuning: AutoTuning) -> None:
         t = self.tuning = tuning
-        # how often a token that passed p_stop is accepted, and how often one passes
+        # how often a token drafting went on past is accepted, and how often it goes on
         self.accepted = Acceptance.fading(t, t.model_prior)
         self._p_stop = t.p_stop
         self.passed = Acceptance.of(t)
@@ -105,9 +105,11 @@ class ModelArm:
 
     def _best(self, a_acc: float, a_pass: float, k_top: int, step: Step) -> tuple[int, float]:
         """The draft length up to ``k_top`` (at least ``k_min``; 0: none) with the highest
-        expected rate, and that rate (tokens/s). Draft token i is proposed when the i
-        before it passed ``p_stop`` (a_pass^i) and yields a token when all of them are
-        accepted too (c^i, c = a_acc * a_pass)."""
+        expected rate, and that rate (tokens/s). Draft token i is proposed when drafting
+        went on past the i before it (a_pass^i) and yields a token when all of them are
+        accepted too (c^i, c = a_acc * a_pass). (One rate for every depth: a stop on the
+        path probability comes later in a sure draft and sooner in an unsure one, which
+        the learnt rate averages.)"""
         t = step.timings
         first = self._first_eval_cost(step)
         c = a_acc * a_pass
