@@ -455,11 +455,9 @@ def row_share(timings: Timings, k: int, cached: int = 0) -> float:
         ZeroDivisionError: a lone row that costs nothing.
     """
     k = max(1, k)
-    if timings.others:
-        one = timings._share(1, cached)
-        return max(0.0, timings._share(k + 1, cached) - one) / (k * one)
-    one = timings._at_depth(1, cached)
-    return max(0.0, timings._at_depth(k + 1, cached) - one) / (k * one)
+    at = timings._share if timings.others else timings._at_depth
+    one = at(1, cached)
+    return max(0.0, at(k + 1, cached) - one) / (k * one)
 
 
 def verify_time_at(timings: Timings, n: float, cached: int = 0) -> float:
