@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specgguf.llama.backend import LlamaModel
 from specgguf.speculative.loop import GenerationParams
@@ -18,6 +20,7 @@ from specgguf.speculative.sampling import (
     accept_point_mass,
     distribution,
     sample,
+    top_k_ids,
 )
 
 from .helpers import llama_cpp_chain, load_engine
@@ -215,3 +218,40 @@ def test_end_to_end_sampled_tokens_follow_target(
         stat, df = chi2_vs(counts, exact, n)
         assert df >= 3
         assert stat < chi2_critical(df), (stat, df)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.sampled_from([100, 10_240, 10_241, 20_000, 151_936]),
+    k=st.integers(1, 40),
+    ties=st.booleans(),
+    masked=st.floats(0.0, 0.99),
+)
+def test_top_k_ids_are_the_k_largest(seed: int, n: int, k: int, ties: bool, masked: float) -> None:
+    # Against a full sort: the values taken are the k largest (ties at the k-th value may
+    # be any of them), with logits masked to -inf as a grammar masks them, and rounded
+    # logits for ties.
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal(n) * 4).astype(np.float32)
+    if ties:
+        logits = np.round(logits).astype(np.float32)
+    logits[rng.random(n) < masked] = -np.inf
+    ids = top_k_ids(logits, k)
+    assert ids.dtype == np.int64 and len(set(ids.tolist())) == k
+    assert np.array_equal(np.sort(logits[ids]), np.sort(logits)[n - k :])
+
+
+def test_top_k_ids_with_nan_takes_what_argpartition_takes() -> None:
+    logits = np.arange(20_000, dtype=np.float32)
+    logits[[5, 19_999]] = np.nan
+    ids = top_k_ids(logits, 3)
+    want = np.argpartition(logits, 20_000 - 3)[20_000 - 3 :]
+    assert sorted(ids.tolist()) == sorted(want.tolist())
+
+
+def test_top_k_ids_search_the_tail_past_the_last_whole_block() -> None:
+    # 10,241 logits: 160 blocks of 64 and a tail of one, the largest.
+    logits = np.zeros(10_241, np.float32)
+    logits[10_240], logits[7] = 2.0, 1.0
+    assert sorted(top_k_ids(logits, 2).tolist()) == [7, 10_240]
