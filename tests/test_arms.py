@@ -542,6 +542,13 @@ def test_the_draft_model_arm_drafts_with_the_users_p_min_and_its_own_path_stop()
     step = Step([1, 2], 1, 8, GREEDY, RNG, gpu, 1, 0.9, 100.0, AUTO_TUNING)
     assert arm.draft(Offer(arm, 4, 1.0), step).tokens == [1] * 4  # type: ignore[arg-type]
     assert seen == [(0.7, pytest.approx(0.31))] and arm.p_stop == pytest.approx(0.31)
+    # the rule before the path (p_stop_path False): one per-token stop, the higher of both
+    for p_min, want in ((0.7, 0.7), (0.0, 0.31)):
+        seen.clear()
+        arm = ModelArm(Asked(), draft_max=16, p_min=p_min)  # type: ignore[arg-type]
+        arm.reset(gpu, tuned(p_stop_path=False))
+        arm.draft(Offer(arm, 4, 1.0), step)  # type: ignore[arg-type]
+        assert seen == [(pytest.approx(want), 0.0)]
 
 
 def test_a_draft_models_acceptance_falls_below_what_a_fixed_prior_allows() -> None:

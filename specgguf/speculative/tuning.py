@@ -165,6 +165,9 @@ class AutoTuning:
     #: the Xeon curves within 0.9% and the EPYC's unchanged (its draft model does not pay);
     #: 0.7 within 0.8% of 0.5 on every curve.
     p_stop: float = 0.5
+    #: ... on the path (True), or per token as before 2026-12-05 (False: with ``p_stop_min``
+    #: 0.3 the rule of then, to measure the change against, ``--set p_stop_path=False``).
+    p_stop_path: bool = True
     #: ... unless this times what one more draft token costs relative to a target row
     #: (its evaluation and its verification row) is lower (0: always ``p_stop``); see
     #: ``ModelArm.p_stop_at``. Was 0 (always 0.5): on the two recorded Spec-Bench traces

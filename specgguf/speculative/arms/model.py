@@ -182,9 +182,13 @@ class ModelArm:
         a path below :meth:`p_stop_at`; one that stopped early below ``k_min`` is too
         short to verify: what it taught about going on counts, and the step runs without
         drafts."""
-        self._p_stop = self.p_stop_at(step.timings)
-        draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
-                                     p_min=self.p_min, p_path_min=self._p_stop)  # fmt: skip
+        self._p_stop = stop = self.p_stop_at(step.timings)
+        if self.tuning.p_stop_path:
+            draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
+                                         p_min=self.p_min, p_path_min=stop)  # fmt: skip
+        else:
+            draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
+                                         p_min=max(stop, self.p_min))  # fmt: skip
         if len(draft.tokens) < step.k_min:
             self.passed.observe(len(draft.tokens), draft.stopped)
             return Draft([])
