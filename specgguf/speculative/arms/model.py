@@ -183,12 +183,10 @@ class ModelArm:
         short to verify: what it taught about going on counts, and the step runs without
         drafts."""
         self._p_stop = stop = self.p_stop_at(step.timings)
-        if self.tuning.p_stop_path:
-            draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
-                                         p_min=self.p_min, p_path_min=stop)  # fmt: skip
-        else:
-            draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
-                                         p_min=max(stop, self.p_min))  # fmt: skip
+        path = self.tuning.p_stop_path
+        draft = self.drafter.propose(step.history, offer.k, step.sampler, step.rng,
+                                     p_min=self.p_min if path else max(stop, self.p_min),
+                                     p_path_min=stop if path else 0.0)  # fmt: skip
         if len(draft.tokens) < step.k_min:
             self.passed.observe(len(draft.tokens), draft.stopped)
             return Draft([])
