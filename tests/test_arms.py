@@ -437,6 +437,27 @@ def test_a_shadow_s_first_evidence_fades_older_counts_and_a_full_one_raises_a_lo
     assert arm.shadow is None and arm.lengths[4] == 3.0
 
 
+def test_a_lookup_draft_is_judged_by_its_match_and_the_share_of_its_continuation() -> None:
+    from specgguf.speculative.arms import LookupArm, SuffixArm
+
+    for arm in (LookupArm(Recording()), SuffixArm(SuffixDrafter())):
+        arm.reset(Timings(dict(FLAT)), AUTO_TUNING)
+        assert AUTO_TUNING.lookup_share_min == 0.75 and AUTO_TUNING.copy_match == 16
+        assert arm.key(Draft([5], probs=[0.5], match=3)) == -2
+        assert arm.key(Draft([5], probs=[0.74], match=4)) == -4
+        assert arm.key(Draft([5], probs=[0.75], match=4)) == 4
+        assert arm.key(Draft([5], match=4)) == 4  # no share counted
+        assert arm.key(Draft([5], probs=[0.5], match=0)) == -1
+        # a copy is a copy whatever went on after its shorter suffixes
+        assert arm.key(Draft([5], probs=[0.5], match=16)) == 16
+        assert arm.key(Draft([5], probs=[0.5], match=2, resumed=True)) == 16
+        # a twin starts at its bucket's first length, its prior at 0.3 of the bucket's
+        assert arm.lengths[-2] == arm.lengths[2]
+        assert arm.prior(-4, 0.99, long_copy=True) == pytest.approx(0.3 * 0.9)
+        assert arm.prior(-2, 0.5, long_copy=False) == pytest.approx(0.3 * 0.35)
+        assert set(arm.rates) == {1, 2, 4, 16, 32, -1, -2, -4}
+
+
 def test_a_probe_of_a_draft_model_in_step_is_sticky_and_costs_are_at_the_step_s_depth() -> None:
     from specgguf.speculative.arms import ModelArm
     from specgguf.speculative.drafters import ModelDrafter

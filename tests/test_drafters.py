@@ -224,6 +224,33 @@ def test_ngram_defaults_bounds_and_state() -> None:
         NgramDrafter(3, 2)
 
 
+def test_ngram_drafts_carry_the_share_of_their_continuation() -> None:
+    # The share of the matched n-gram's occurrences, latest first, followed by the draft's
+    # first token in an unbroken run: 5, 6 was followed by 9, 8, 8 -> 8 with 2 of 3.
+    d = NgramDrafter(2, 8)
+    draft = d.propose([5, 6, 9, 1, 5, 6, 8, 2, 5, 6, 8, 3, 5, 6], 3, GREEDY, RNG)
+    assert draft.tokens == [8, 3, 5] and draft.probs == [pytest.approx(2 / 3)] * 3
+    # 9 then 8 -> 8 with 1 of 2; 9 then 9 -> all; an n-gram seen once -> 1
+    assert NgramDrafter().propose([5, 6, 9, 1, 5, 6, 8, 2, 5, 6], 2, GREEDY, RNG).probs == [
+        0.5, 0.5]  # fmt: skip
+    assert NgramDrafter().propose([5, 6, 9, 1, 5, 6, 9, 2, 5, 6], 2, GREEDY, RNG).probs == [
+        1.0, 1.0]  # fmt: skip
+    assert NgramDrafter().propose([1, 2, 9, 1, 2], 3, GREEDY, RNG).probs == [1.0] * 3
+    # 9, 8, 9: the run is the latest one only (an older agreeing occurrence is not in it)
+    h = [5, 6, 9, 1, 5, 6, 8, 2, 5, 6, 9, 3, 5, 6]
+    assert NgramDrafter().propose(h, 1, GREEDY, RNG).probs == [pytest.approx(1 / 3)]
+    # the counts are of the longest n-gram matched: 1, 5, 6 occurred once (then 9)
+    h = [1, 5, 6, 9, 4, 5, 6, 8, 2, 5, 6, 7, 1, 5, 6]
+    draft = NgramDrafter().propose(h, 1, GREEDY, RNG)
+    assert draft.tokens == [9] and draft.match == 3 and draft.probs == [1.0]
+    # indexed a token at a time, as a generation grows, the counts are the same: 5, 6 was
+    # followed by 9, 8, 7 (its last occurrence is the suffix, with nothing after it yet)
+    d = NgramDrafter()
+    for end in range(2, len(h) + 1):
+        last = d.propose(h[:end], 1, GREEDY, RNG)
+    assert last.probs == [1.0] and d._repeats[2][(5, 6)] == (3, 1)
+
+
 def test_seconds_per_token_leave_out_a_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
     # perf_counter at the start, after the first evaluation and at the end of each draft.
     times = iter([0.0, 0.5, 0.625, 1.0, 1.0, 1.375])

@@ -42,6 +42,10 @@ RNG = np.random.default_rng(0)
 HAND = {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.030}
 #: every batch size costs 10 ms: E(K) / 0.010 grows with K, so K is the cap
 FLAT = {1: 0.010, 2: 0.010}
+#: the estimates of matches whose continuations varied (keyed -bucket), at their first
+#: lengths: a draft that matched text with one continuation leaves them untouched
+TWINS = {-1: 4.0, -2: 4.0, -4: 4.0}
+SUFFIX_TWINS = {-1: 1.0, -2: 1.0, -4: 1.0}
 
 
 @pytest.fixture
@@ -116,6 +120,36 @@ def test_a_lookup_prior_is_at_most_0_9() -> None:
     ngram = p.arm("ngram")
     assert ngram.prior(2, 0.99, long_copy=True) == pytest.approx(0.693)
     assert ngram.prior(4, 0.99, long_copy=True) == 0.9
+
+
+@pytest.mark.usefixtures("mean_lookups")
+def test_a_match_whose_continuations_varied_is_judged_apart() -> None:
+    # A numbered list (Spec-Bench RAG, question 540): after "word NL" the n-gram proposes
+    # the previous item's number, which the target never repeats. 5, 6 was followed by 9
+    # and then 8: the draft 8 has a share of 1/2, below 0.75, and is judged by the twin
+    # of bucket 2 at 0.3 of its prior (0.3 * 0.7 * 0.6 = 0.126): on HAND's timings one
+    # draft token rates 1.126 / 0.012 = 93.8, below the target alone's 100 x the margin.
+    varied = [5, 6, 9, 1, 5, 6, 8, 2, 5, 6]
+    p = ngram_planner(HAND)
+    assert p.plan(varied, 16, GREEDY, RNG).draft.tokens == []
+    ngram = p.arm("ngram")
+    assert ngram.prior(-2, 0.6, long_copy=True) == pytest.approx(0.126)
+    # where both occurrences went on alike (9, 9) it is bucket 2's draft, at a = 0.42:
+    # K = 1 rates 1.42 / 0.012 = 118.3
+    plan = ngram_planner(HAND).plan([5, 6, 9, 1, 5, 6, 9, 2, 5, 6], 16, GREEDY, RNG)
+    assert plan.draft.tokens[:1] == [9] and plan.bucket == 2
+    # the rule off (the previous one): the varied match is bucket 2's too, and drafted
+    off = auto_planner(Timings(dict(HAND)), ngram=NgramDrafter(1, 8), learn_timings=False,
+                       tuning=fakes.tuned(lookup_z=0.0, lookup_share_min=0.0))  # fmt: skip
+    plan = off.plan(varied, 16, GREEDY, RNG)
+    assert plan.draft.tokens[:1] == [8] and plan.bucket == 2
+    # What a rejected varied draft teaches stays with the twin: bucket 2 keeps its prior.
+    p = ngram_planner(FLAT)
+    plan = p.plan(varied, 16, GREEDY, RNG)
+    assert plan.draft.tokens[:1] == [8] and plan.bucket == -2
+    p.observe(plan, 0, 0.010)
+    assert p.arm("ngram").rates[-2].trials == 1.0 and p.arm("ngram").rates[2].trials == 0.0
+    assert p.arm("ngram").lengths[-2] == 2.0 and p.arm("ngram").lengths[2] == 4.0
 
 
 #: a 2-core AMD EPYC's verification curve relative to a lone row of 10 ms (measured: a
@@ -388,7 +422,7 @@ def test_ngram_draft_length_follows_the_accepted_length() -> None:
     p = ngram_planner(FLAT)
     plan = p.plan(history, 16, GREEDY, RNG)
     p.observe(dataclasses.replace(plan, draft=Draft(plan.draft.tokens[:4])), 0, 0.010)
-    assert p.arm("ngram").lengths == {1: 4.0, 2: 4.0, 4: 2.0, 16: 6.0, 32: 14.0}
+    assert p.arm("ngram").lengths == {1: 4.0, 2: 4.0, 4: 2.0, 16: 6.0, 32: 14.0, **TWINS}
     plan = p.plan(history, 16, GREEDY, RNG)
     assert plan.draft.tokens == list(range(4, 12))
     assert plan.expected_rate == pytest.approx(e(1.2 / 2.97, 8) / 0.010)
@@ -703,7 +737,7 @@ def test_what_a_verification_teaches() -> None:
     p.observe(StepPlan(ngram, Draft([]), 0.0, ngram_arm, 2), 0, 0.010)
     assert p.arm("ngram").lengths[2] == 4.0 and p.arm("ngram").rates[2].trials == 0.0
     p.observe(StepPlan(ngram, Draft([1, 2, 3, 4]), 0.0, ngram_arm, 2), 2, 0.010)
-    assert p.arm("ngram").lengths == {1: 4.0, 2: 3.0, 4: 4.0, 16: 6.0, 32: 14.0}
+    assert p.arm("ngram").lengths == {1: 4.0, 2: 3.0, 4: 4.0, 16: 6.0, 32: 14.0, **TWINS}
     assert (p.arm("ngram").rates[2].successes, p.arm("ngram").rates[2].trials) == (2.0, 3.0)
     # Without learn_timings nothing about timings moves.
     q = auto_planner(Timings(dict(HAND), 0.002), model=model, learn_timings=False)
@@ -714,9 +748,10 @@ def test_what_a_verification_teaches() -> None:
 
 def test_reset_starts_from_the_priors() -> None:
     ngram = NgramDrafter(1, 4)
-    ngram.propose([1, 2, 1], 4, GREEDY, RNG)
+    ngram.propose([1, 2, 1, 3, 1], 4, GREEDY, RNG)
+    assert ngram._repeats[1] == {(1,): (2, 1)}
     p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), ngram=ngram)
-    assert not ngram._index[1]  # the drafters were reset too
+    assert not ngram._index[1] and not ngram._repeats[1]  # the drafters were reset too
     for _ in range(3):
         p.confidence = 0.9
         p.plan([1], 16, GREEDY, RNG)
@@ -728,7 +763,7 @@ def test_reset_starts_from_the_priors() -> None:
     assert all(a.rate == 0.6 and a.trials == 0.0 for a in p.arm("ngram").rates.values())
     arm = p.arm("model")
     assert (arm.steps, arm.idle, arm.streak, arm.mean_streak) == (0, 0, 0, 1.0)
-    assert p.arm("ngram").lengths == {1: 4.0, 2: 4.0, 4: 4.0, 16: 6.0, 32: 14.0}
+    assert p.arm("ngram").lengths == {1: 4.0, 2: 4.0, 4: 4.0, 16: 6.0, 32: 14.0, **TWINS}
     assert p.arm("ngram").shadow is None
     assert p.draft_min == 1 and arm.p_stop == 0.5 and p.drafters == [ngram, arm.drafter]
     q = auto_planner(Timings(dict(HAND)), model=model_drafter(), p_min=0.7, draft_min=3)
@@ -1056,7 +1091,7 @@ def test_suffix_matching_drafts_from_earlier_generations_where_ngram_finds_nothi
     p.observe(plan, 1, 0.014)
     assert (p.arm("suffix").rates[4].successes, p.arm("suffix").rates[4].trials) == (1.0, 2.0)
     # 1 accepted: 1 + (1 - 1) / 2
-    assert p.arm("suffix").lengths == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
+    assert p.arm("suffix").lengths == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0, **SUFFIX_TWINS}
     assert (
         all(a.trials == 0.0 for a in p.arm("ngram").rates.values())
         and p.arm("ngram").lengths[4] == 4.0
@@ -1088,7 +1123,7 @@ def test_the_faster_lookup_draft_wins_and_ngram_on_a_tie() -> None:
     p.arm("suffix").lengths[2] = 3.0
     p.reset()
     assert all(x.trials == 0.0 for x in p.arm("suffix").rates.values())
-    assert p.arm("suffix").lengths == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0}
+    assert p.arm("suffix").lengths == {1: 1.0, 2: 1.0, 4: 1.0, 16: 6.0, 32: 6.0, **SUFFIX_TWINS}
     assert p.arm("suffix").shadow is None
 
 

@@ -37,13 +37,15 @@ class LookupArm:
     ``lookup_prior_max`` (``copy_prior_max`` for a copy: a match of ``copy_match`` tokens,
     or one that resumes a copy after an edit); where ``copies`` (n-gram lookup in the text
     itself) and decoding is greedy, a match of ``LONG_MATCH`` tokens is a long copy, with
-    its own prior ``long_copy_prior`` worth ``long_copy_weight`` trials. Below a copy, a
-    bucket is judged at its estimate less ``lookup_z`` standard errors, fewer where draft
-    rows are cheap (:meth:`z`). A draft is at most
-    ``cap_slope`` times its bucket's mean accepted length plus ``cap_base`` long (starting
-    at ``first_length``, or the copy caps), so that it grows while drafts are accepted
-    whole and shrinks when they break early; within that, its length is the cost model's
-    best (:func:`~specgguf.speculative.costmodel.best_k`, no draft cost).
+    its own prior ``long_copy_prior`` worth ``long_copy_weight`` trials. Below a copy, each
+    bucket has a twin for matches whose earlier occurrences went on with the draft's first
+    token less than ``lookup_share_min`` of the time (:meth:`key`), with ``varied_prior``
+    of the bucket's prior. Below a copy, a bucket (or twin) is judged at its estimate less
+    ``lookup_z`` standard errors, fewer where draft rows are cheap (:meth:`z`). A draft is
+    at most ``cap_slope`` times its bucket's mean accepted length plus ``cap_base`` long
+    (starting at ``first_length``, or the copy caps), so that it grows while drafts are
+    accepted whole and shrinks when they break early; within that, its length is the cost
+    model's best (:func:`~specgguf.speculative.costmodel.best_k`, no draft cost).
 
     A proposal that is not drafted becomes a shadow draft: its first ``shadow_len`` tokens
     are checked against the tokens the target goes on to produce (:meth:`_check_shadow`).
@@ -73,8 +75,11 @@ class LookupArm:
         """Every estimate at its prior, no shadow."""
         self.tuning = t = tuning
         first = self.first_length(t)
-        self.rates = {b: Acceptance.of(t) for b in t.buckets}
-        self.lengths = {b: t.first_length(b, first, long_copies=self.copies) for b in t.buckets}
+        # a bucket below a copy has a twin, keyed -bucket, for matches whose earlier
+        # continuations varied (:meth:`key`)
+        keys = [*t.buckets, *(-b for b in t.buckets if b < t.copy_match)]
+        self.rates = {b: Acceptance.of(t) for b in keys}
+        self.lengths = {b: t.first_length(abs(b), first, long_copies=self.copies) for b in keys}
         self.shadow: Shadow | None = None
         # this step's proposal, as a shadow would watch it: (tokens, bucket)
         self._proposal: tuple[list[int], int] | None = None
@@ -93,7 +98,7 @@ class LookupArm:
         cand = self.drafter.propose(step.history, step.k_max, step.sampler, step.rng)
         if len(cand.tokens) < step.k_min:
             return None
-        bucket = t.bucket(max(cand.match, t.copy_match) if cand.resumed else cand.match)
+        bucket = self.key(cand)
         long_copy = self.copies and step.sampler.greedy
         a = self.estimate(bucket, step.confidence, long_copy=long_copy, z=self.z(step))
         cap = min(len(cand.tokens), max(step.k_min, t.cap(self.lengths[bucket])))
@@ -101,6 +106,21 @@ class LookupArm:
         k, rate = best_k(a, step.timings, cap, cached=step.cached, draft_cost=0.0,
                          k_min=step.k_min, greedy=step.sampler.greedy)  # fmt: skip
         return Offer(self, k, rate, cand.head(k), bucket)
+
+    def key(self, draft: Draft) -> int:
+        """The estimate that judges a lookup ``draft``: the bucket of its match length (a
+        resumed copy's at least ``copy_match``), negated below a copy where the match's
+        earlier occurrences were followed by its first token less than ``lookup_share_min``
+        of the time (``draft.probs[0]``, the share the drafter counted; llama.cpp's lookup
+        cache drafts by the same statistic, common/ngram-cache.cpp). Such a draft's first
+        token is accepted about a third as often (``AutoTuning.lookup_share_min``), so it
+        learns apart. Suffix trees keep their bucket: their node estimates already carry
+        the shares."""
+        t = self.tuning
+        bucket = t.bucket(max(draft.match, t.copy_match) if draft.resumed else draft.match)
+        if bucket < t.copy_match and draft.probs and draft.probs[0] < t.lookup_share_min:
+            return -bucket
+        return bucket
 
     def z(self, step: Step) -> float:
         """How many standard errors short of its estimate a bucket below a copy is judged
@@ -137,6 +157,8 @@ class LookupArm:
         t = self.tuning
         if bucket >= LONG_MATCH and long_copy:
             return t.long_copy_prior
+        if bucket < 0:  # a match whose continuations varied
+            return min(t.lookup_prior_max, t.lookup_prior(-bucket) * confidence) * t.varied_prior
         cap = t.copy_prior_max if bucket >= t.copy_match else t.lookup_prior_max
         return min(cap, t.lookup_prior(bucket) * confidence)
 

@@ -43,7 +43,12 @@ class NgramDrafter(Drafter):
 
     For n from ``n_max`` down to ``n_min``: if the last n tokens occurred earlier, propose
     the tokens that followed their most recent earlier occurrence. The index of n-grams is
-    updated incrementally (O(n_max - n_min + 1) per committed token).
+    updated incrementally (O(n_max - n_min + 1) per committed token). Each n-gram seen
+    more than once also counts its occurrences and how many of the latest ones in a row
+    were followed by the same token: the draft's ``probs`` are that share, for its first
+    token (the only one counted; llama.cpp's lookup cache drafts by such shares,
+    common/ngram-cache.cpp). A list's item numbers after the same words are the usual
+    case of a share of 1/2 or less.
 
     An edit inside a copy (a renamed name) breaks a long match; the copy goes on a few
     tokens later, but its short suffix usually occurs elsewhere too, later in the text
@@ -71,6 +76,11 @@ class NgramDrafter(Drafter):
         self._index: dict[int, dict[tuple[int, ...], int]] = {
             n: {} for n in range(self.n_min, self.n_max + 1)
         }
+        # _repeats[n][ngram] = (occurrences, how many of the latest ones in a row were
+        # followed by the same token): only for n-grams that occurred more than once
+        self._repeats: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {
+            n: {} for n in self._index
+        }
         self._indexed_to = 0  # n-grams ending before this position are indexed
         # the latest long copy: the text length at its last long match, and the text
         # length and source position of its latest (long or resumed) match
@@ -83,7 +93,14 @@ class NgramDrafter(Drafter):
         for j in range(max(self._indexed_to, 1), end + 1):
             for n, table in self._index.items():
                 if j >= n:
-                    table[tuple(history[j - n : j])] = j
+                    gram = tuple(history[j - n : j])
+                    before = table.get(gram)
+                    table[gram] = j
+                    if before is not None:
+                        repeats = self._repeats[n]
+                        seen, run = repeats.get(gram, (1, 1))
+                        same = history[before] == history[j]
+                        repeats[gram] = (seen + 1, run + 1 if same else 1)
         self._indexed_to = max(self._indexed_to, end + 1)
 
     def propose(
@@ -98,16 +115,21 @@ class NgramDrafter(Drafter):
     ) -> Draft:
         """The tokens that followed the most recent earlier occurrence of the longest
         suffix n-gram (n_max down to n_min), at most ``k``, with the match's length
-        (``match``, 0: none) and whether it ``resumed`` a copy; ``p_min`` and
-        ``p_path_min`` are ignored."""
+        (``match``, 0: none), whether it ``resumed`` a copy, and ``probs``: the share of
+        the n-gram's earlier occurrences followed by the first token (see the class; 1.0
+        for a resumed copy), once per token; ``p_min`` and ``p_path_min`` are ignored."""
         self._update(history)
         if k <= 0:
             return Draft([])
         size, match, resumed = len(history), 0, False
+        share = 1.0
         for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
-            j = self._index[n].get(tuple(history[size - n :]))
+            gram = tuple(history[size - n :])
+            j = self._index[n].get(gram)
             if j is not None:
                 match = match_length(history, j, size, n)
+                seen, run = self._repeats[n].get(gram, (1, 1))
+                share = run / seen
                 break
         else:
             j = None
@@ -118,13 +140,14 @@ class NgramDrafter(Drafter):
             elif (r := self._resume(history, src + size - at)) is not None and (
                 r[1] >= match  # a longer match elsewhere wins
             ):
-                j, match, resumed = r[0], r[1], True
+                j, match, resumed, share = r[0], r[1], True, 1.0
                 self._copy = (long_at, size, j)  # realigned; the span still from the copy
         if j is None:
             return Draft([])
         if match >= RESUME_MATCH:
             self._copy = (size, size, j)
-        return Draft(list(history[j : min(j + k, size)]), match=match, resumed=resumed)
+        tokens = list(history[j : min(j + k, size)])
+        return Draft(tokens, probs=[share] * len(tokens), match=match, resumed=resumed)
 
     def _resume(self, history: Sequence[int], expected: int) -> tuple[int, int] | None:
         """The source position and match length of the longest suffix n-gram (n_max down
