@@ -456,6 +456,14 @@ def test_a_lookup_draft_is_judged_by_its_match_and_the_share_of_its_continuation
         assert arm.prior(-4, 0.99, long_copy=True) == pytest.approx(0.3 * 0.9)
         assert arm.prior(-2, 0.5, long_copy=False) == pytest.approx(0.3 * 0.35)
         assert set(arm.rates) == {1, 2, 4, 16, 32, -1, -2, -4}
+        # below a copy, a twin too is judged a standard error short of its estimate
+        assert arm.estimate(-2, 0.6, long_copy=False, z=1.0) < arm.prior(-2, 0.6, long_copy=False)
+    # a bucket of no match at all has no twin (-0 would be itself)
+    arm = LookupArm(Recording())
+    arm.reset(Timings(dict(FLAT)), AutoTuning(lookup_priors=((0, 0.3), (2, 0.7), (16, 1.0))))
+    assert set(arm.rates) == {0, 2, 16, -2}
+    assert arm.key(Draft([5], probs=[0.5], match=1)) == 0
+    assert arm.key(Draft([5], probs=[0.5], match=3)) == -2
 
 
 def test_a_probe_of_a_draft_model_in_step_is_sticky_and_costs_are_at_the_step_s_depth() -> None:

@@ -239,6 +239,9 @@ def test_ngram_drafts_carry_the_share_of_their_continuation() -> None:
     # 9, 8, 9: the run is the latest one only (an older agreeing occurrence is not in it)
     h = [5, 6, 9, 1, 5, 6, 8, 2, 5, 6, 9, 3, 5, 6]
     assert NgramDrafter().propose(h, 1, GREEDY, RNG).probs == [pytest.approx(1 / 3)]
+    # 8, 8, 9, 9: a run of 2 of 4 (not the 3 of 4 neighbours that agree)
+    h = [5, 6, 8, 1, 5, 6, 8, 2, 5, 6, 9, 3, 5, 6, 9, 4, 5, 6]
+    assert NgramDrafter().propose(h, 1, GREEDY, RNG).probs == [0.5]
     # the counts are of the longest n-gram matched: 1, 5, 6 occurred once (then 9)
     h = [1, 5, 6, 9, 4, 5, 6, 8, 2, 5, 6, 7, 1, 5, 6]
     draft = NgramDrafter().propose(h, 1, GREEDY, RNG)
@@ -306,6 +309,8 @@ def test_a_copy_starts_at_a_match_of_exactly_resume_match_tokens() -> None:
     assert again.match == 16 and not again.resumed
     draft = d.propose([*source, 1, *head, 8, 9, 3, 4], 8, GREEDY, RNG)
     assert draft.tokens == tail[:8] and draft.resumed and draft.match == 2
+    # (3, 4 was followed by 50 before, then by tail: a resumed copy is not counted)
+    assert draft.probs == [1.0] * 8
     # past the span the copy is dropped, and later short matches are plain ones
     # (60, 3 occurs once, in the source)
     text = [*source, 1, *head, 8, 9, 3, 4, *range(300, 340), 60, 3]

@@ -134,6 +134,12 @@ def test_a_match_whose_continuations_varied_is_judged_apart() -> None:
     assert p.plan(varied, 16, GREEDY, RNG).draft.tokens == []
     ngram = p.arm("ngram")
     assert ngram.prior(-2, 0.6, long_copy=True) == pytest.approx(0.126)
+    # not drafted, it is watched as a shadow, whose evidence (the target wrote 7, not 8)
+    # is the twin's
+    assert ngram.shadow is not None and ngram.shadow.bucket == -2
+    p.plan([*varied, 7], 16, GREEDY, RNG)
+    assert ngram.rates[-2].trials == 1.0 and ngram.rates[-2].successes == 0.0
+    assert ngram.rates[2].trials == 0.0
     # where both occurrences went on alike (9, 9) it is bucket 2's draft, at a = 0.42:
     # K = 1 rates 1.42 / 0.012 = 118.3
     plan = ngram_planner(HAND).plan([5, 6, 9, 1, 5, 6, 9, 2, 5, 6], 16, GREEDY, RNG)

@@ -35,10 +35,12 @@ class Draft:
         parents: for a token tree (:mod:`specgguf.speculative.tree`), the index of each
             token's parent in ``tokens``, -1 for the last committed token (parents come
             first); None for a chain.
-        probs: the drafter's estimate per token that the target reaches and keeps it,
-            which the planner calibrates: for suffix matching, the product of the shares
-            of earlier occurrences along the token's branch (or chain); for n-gram lookup,
-            the first token's share, repeated.
+        probs: the drafter's estimate per token that the target reaches and keeps it:
+            for a suffix tree, the product of the shares of earlier occurrences along the
+            token's branch, which the planner calibrates; for a lookup chain, shares the
+            same way (n-gram lookup counts the first token's only, repeated so that
+            :meth:`head` keeps the lengths aligned), of which the planner reads the
+            first (``LookupArm.key``).
         match: for a lookup, the length in tokens of the match it continues (0: none).
         resumed: for n-gram lookup, whether the match resumes a copy broken by an edit.
         stopped: for a model, whether drafting stopped at a token below ``p_min``, or

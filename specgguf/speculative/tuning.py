@@ -122,11 +122,12 @@ class AutoTuning:
     #: Measured on the EPYC against 0 (scripts/bench-tuning): 0.989x, within noise, where
     #: the two rules are nearly one (its rows cost 0.69 of a lone row).
     lookup_z_row: float = 0.8
-    #: A lookup draft below a copy whose match's earlier occurrences were followed by its
-    #: first token less than this share of the time is judged apart (``LookupArm.key``;
-    #: 0: never, the rule before it). Measured on the three Spec-Bench traces (every
-    #: position of the target's output, 2026-12-05): below 0.75 the first token was
-    #: accepted 10-35% of the time, at 0.75 or more and for a match seen once 52-93%.
+    #: A lookup draft below a copy whose first token has less than this share of the
+    #: match's earlier occurrences (as the drafter counts it) is judged apart
+    #: (``LookupArm.key``; 0: never, the rule before it). Measured on the three Spec-Bench
+    #: traces (every position of the target's output, 2026-12-05): below 0.75 the first
+    #: token was accepted 10-35% of the time, at 0.75 or more and for a match seen once
+    #: 52-93%.
     #: Simulated against 0 (scripts/simulate-planner, traces C, D, E): +0.2-1.0% overall
     #: on the CPU curves, the same on the GPU-like one; 0.6 and 0.99 within 0.2% of it.
     lookup_share_min: float = 0.75

@@ -72,8 +72,9 @@ class Offer:
         rate: the tokens/s the cost model expects of it.
         draft: the draft, when the arm made it to offer it (lookups); None: the arm drafts
             only when taken (:meth:`Arm.draft`: a model's tokens cost evaluations).
-        bucket: which of the arm's acceptance estimates judged it (a lookup's match
-            length; 0 for an arm with one).
+        bucket: which of the arm's acceptance estimates judged it (a lookup's
+            :meth:`~specgguf.speculative.arms.LookupArm.key`: its match's bucket, or minus
+            it for the twin of matches that went on differently; 0 for an arm with one).
         sticky: the arm is in step: the offer is admitted above the target alone, and
             others must beat it by the switch margin.
         probe: take it even below the threshold, to measure the arm.

@@ -22,7 +22,7 @@ class Shadow:
 
     start: int  # the history index of its first token
     tokens: list[int]
-    bucket: int  # the match-length bucket it was proposed from
+    bucket: int  # the estimate it was proposed from (LookupArm.key)
     accepted: int = 0  # tokens the target has produced as proposed so far
     counted: bool = False  # whether any of its evidence has been counted
 
@@ -39,13 +39,14 @@ class LookupArm:
     itself) and decoding is greedy, a match of ``LONG_MATCH`` tokens is a long copy, with
     its own prior ``long_copy_prior`` worth ``long_copy_weight`` trials. Below a copy, each
     bucket has a twin for matches whose earlier occurrences went on with the draft's first
-    token less than ``lookup_share_min`` of the time (:meth:`key`), with ``varied_prior``
-    of the bucket's prior. Below a copy, a bucket (or twin) is judged at its estimate less
-    ``lookup_z`` standard errors, fewer where draft rows are cheap (:meth:`z`). A draft is
-    at most ``cap_slope`` times its bucket's mean accepted length plus ``cap_base`` long
-    (starting at ``first_length``, or the copy caps), so that it grows while drafts are
-    accepted whole and shrinks when they break early; within that, its length is the cost
-    model's best (:func:`~specgguf.speculative.costmodel.best_k`, no draft cost).
+    token less than ``lookup_share_min`` of the time (as the drafter counts it:
+    :meth:`key`), with ``varied_prior`` of the bucket's prior. Below a copy, a bucket (or
+    twin) is judged at its estimate less ``lookup_z`` standard errors, fewer where draft
+    rows are cheap (:meth:`z`). A draft is at most ``cap_slope`` times its bucket's mean
+    accepted length plus ``cap_base`` long (starting at ``first_length``, or the copy
+    caps), so that it grows while drafts are accepted whole and shrinks when they break
+    early; within that, its length is the cost model's best
+    (:func:`~specgguf.speculative.costmodel.best_k`, no draft cost).
 
     A proposal that is not drafted becomes a shadow draft: its first ``shadow_len`` tokens
     are checked against the tokens the target goes on to produce (:meth:`_check_shadow`).
@@ -77,7 +78,7 @@ class LookupArm:
         first = self.first_length(t)
         # a bucket below a copy has a twin, keyed -bucket, for matches whose earlier
         # continuations varied (:meth:`key`)
-        keys = [*t.buckets, *(-b for b in t.buckets if b < t.copy_match)]
+        keys = [*t.buckets, *(-b for b in t.buckets if 0 < b < t.copy_match)]
         self.rates = {b: Acceptance.of(t) for b in keys}
         self.lengths = {b: t.first_length(abs(b), first, long_copies=self.copies) for b in keys}
         self.shadow: Shadow | None = None
@@ -109,16 +110,17 @@ class LookupArm:
 
     def key(self, draft: Draft) -> int:
         """The estimate that judges a lookup ``draft``: the bucket of its match length (a
-        resumed copy's at least ``copy_match``), negated below a copy where the match's
-        earlier occurrences were followed by its first token less than ``lookup_share_min``
-        of the time (``draft.probs[0]``, the share the drafter counted; llama.cpp's lookup
-        cache drafts by the same statistic, common/ngram-cache.cpp). Such a draft's first
-        token is accepted about a third as often (``AutoTuning.lookup_share_min``), so it
-        learns apart. Suffix trees keep their bucket: their node estimates already carry
-        the shares."""
+        resumed copy's at least ``copy_match``), negated (its twin) below a copy where
+        ``draft.probs[0]``, the share the drafter counted for the first token, is below
+        ``lookup_share_min``. N-gram lookup counts the latest unbroken run of occurrences
+        followed by that token over all of them; suffix matching the majority's count over
+        the latest occurrences (a statistic like llama.cpp's lookup cache's,
+        common/ngram-cache.cpp). Such a draft's first token is accepted about a third as
+        often (``AutoTuning.varied_prior``; docs/performance.md), so it learns apart. Suffix
+        trees keep their bucket: their node estimates already carry the shares."""
         t = self.tuning
         bucket = t.bucket(max(draft.match, t.copy_match) if draft.resumed else draft.match)
-        if bucket < t.copy_match and draft.probs and draft.probs[0] < t.lookup_share_min:
+        if 0 < bucket < t.copy_match and draft.probs and draft.probs[0] < t.lookup_share_min:
             return -bucket
         return bucket
 

@@ -44,11 +44,13 @@ class NgramDrafter(Drafter):
     For n from ``n_max`` down to ``n_min``: if the last n tokens occurred earlier, propose
     the tokens that followed their most recent earlier occurrence. The index of n-grams is
     updated incrementally (O(n_max - n_min + 1) per committed token). Each n-gram seen
-    more than once also counts its occurrences and how many of the latest ones in a row
-    were followed by the same token: the draft's ``probs`` are that share, for its first
-    token (the only one counted; llama.cpp's lookup cache drafts by such shares,
-    common/ngram-cache.cpp). A list's item numbers after the same words are the usual
-    case of a share of 1/2 or less.
+    more than once also counts its occurrences, and how many of the latest ones in an
+    unbroken run were followed by the same token as the latest: the draft's ``probs`` are
+    that run over the occurrences, for its first token (the only one counted; followers
+    9, 8, 8 give 2/3, and 8, 9, 8 give 1/3: the share of the recent past that agrees).
+    llama.cpp's lookup cache (common/ngram-cache.cpp) drafts by a statistic like it, each
+    token's count over all occurrences. A list's item numbers after the same words are
+    the usual case of a share of 1/2 or less.
 
     An edit inside a copy (a renamed name) breaks a long match; the copy goes on a few
     tokens later, but its short suffix usually occurs elsewhere too, later in the text
@@ -90,17 +92,17 @@ class NgramDrafter(Drafter):
         # Index n-grams ending at positions up to len(history) - 1, so that the current
         # suffix (ending at len(history)) finds only earlier occurrences.
         end = len(history) - 1
+        repeats = self._repeats
         for j in range(max(self._indexed_to, 1), end + 1):
+            token = history[j]
             for n, table in self._index.items():
                 if j >= n:
                     gram = tuple(history[j - n : j])
                     before = table.get(gram)
                     table[gram] = j
                     if before is not None:
-                        repeats = self._repeats[n]
-                        seen, run = repeats.get(gram, (1, 1))
-                        same = history[before] == history[j]
-                        repeats[gram] = (seen + 1, run + 1 if same else 1)
+                        seen, run = repeats[n].get(gram, (1, 1))
+                        repeats[n][gram] = (seen + 1, run + 1 if history[before] == token else 1)
         self._indexed_to = max(self._indexed_to, end + 1)
 
     def propose(
@@ -115,9 +117,10 @@ class NgramDrafter(Drafter):
     ) -> Draft:
         """The tokens that followed the most recent earlier occurrence of the longest
         suffix n-gram (n_max down to n_min), at most ``k``, with the match's length
-        (``match``, 0: none), whether it ``resumed`` a copy, and ``probs``: the share of
-        the n-gram's earlier occurrences followed by the first token (see the class; 1.0
-        for a resumed copy), once per token; ``p_min`` and ``p_path_min`` are ignored."""
+        (``match``, 0: none), whether it ``resumed`` a copy, and ``probs``: the latest
+        run of the n-gram's earlier occurrences followed by the first token, over all of
+        them (see the class; 1.0 for a resumed copy), once per token; ``p_min`` and
+        ``p_path_min`` are ignored."""
         self._update(history)
         if k <= 0:
             return Draft([])
