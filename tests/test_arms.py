@@ -463,6 +463,7 @@ def test_a_lookup_draft_is_judged_by_its_match_and_the_share_of_its_continuation
     arm.reset(Timings(dict(FLAT)), AutoTuning(lookup_priors=((0, 0.3), (2, 0.7), (16, 1.0))))
     assert set(arm.rates) == {0, 2, 16, -2}
     assert arm.key(Draft([5], probs=[0.5], match=1)) == 0
+    assert arm.prior(0, 0.5, long_copy=False) == pytest.approx(0.3 * 0.5)  # not a twin's
     assert arm.key(Draft([5], probs=[0.5], match=3)) == -2
 
 
