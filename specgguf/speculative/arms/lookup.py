@@ -159,8 +159,8 @@ class LookupArm:
         t = self.tuning
         if bucket >= LONG_MATCH and long_copy:
             return t.long_copy_prior
-        if bucket < 0:  # a match whose continuations varied
-            return min(t.lookup_prior_max, t.lookup_prior(-bucket) * confidence) * t.varied_prior
+        if bucket < 0:  # a twin: a match whose continuations varied
+            return t.varied_prior * self.prior(-bucket, confidence, long_copy=long_copy)
         cap = t.copy_prior_max if bucket >= t.copy_match else t.lookup_prior_max
         return min(cap, t.lookup_prior(bucket) * confidence)
 
