@@ -92,6 +92,36 @@ class FakeContext:
     rollback_max: int | None = None
     rollback_room: int | None = None
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        n = 0
+        for a, b in zip(self.kv, tokens, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
+        """Keep the longest common prefix of the cache and ``tokens`` (logged as
+        ("reuse", kept)); a recurrent fake goes to 0 when that is past its snapshots."""
+        n = self.cached_prefix(tokens)
+        room = self.rollback_room
+        if room is not None and len(self.kv) - n > room:
+            n = 0
+        self.log.append(("reuse", n))
+        if n < len(self.kv):
+            self.rollback(n)
+        return n
+
+    def prompt(
+        self,
+        tokens: Sequence[int],
+        evaluate: Callable[[Sequence[int]], object] | None = None,
+        *,
+        exact: bool = False,
+    ) -> None:
+        if tokens:
+            (evaluate or (lambda t: self.eval(t, logits="none")))(tokens)
+
     @contextlib.contextmanager
     def scratch(self) -> Iterator[None]:
         kv = list(self.kv)

@@ -18,7 +18,7 @@ from specgguf.errors import UsageError
 from specgguf.speculative.arms import ChainArm, Offer, Step
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import Draft, Drafter
-from specgguf.speculative.drafters import SuffixDrafter
+from specgguf.speculative.drafters import NgramDrafter, SuffixDrafter
 from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import AutoPlanner, FixedPlanner
 from specgguf.speculative.sampling import SamplerParams
@@ -73,7 +73,9 @@ def generate_with_walk(
     """Auto mode, as the engine builds it from the map, with the walk drafter registered
     in the test: the output and the steps, drafted and accepted tokens per drafter."""
     monkeypatch.setitem(DRAFTERS, "walk", lambda d, s: ChainArm(WalkDrafter(offset)))
-    drafting = Drafting(None, (2, 8), SuffixDrafter(), lambda det: Timings(dict(verify)))
+    drafting = Drafting(
+        None, NgramDrafter(2, 8), SuffixDrafter(), lambda det: Timings(dict(verify))
+    )
     planner = make_planner("auto", drafting, DraftSettings(draft_max=8))
     assert isinstance(planner, AutoPlanner)
     assert [arm.name for arm in planner.arms] == ["ngram", "suffix", "walk"]
@@ -93,7 +95,7 @@ def test_a_drafter_added_in_the_test_alone_is_chosen_where_it_pays(
     _, by = generate_with_walk(monkeypatch, 0, FLAT)
     assert by == {"walk": [7, 53, 53]}
     # It is a drafter like the others: --drafter walk drafts with it at a fixed length.
-    drafting = Drafting(None, (2, 8), SuffixDrafter(), lambda det: Timings(dict(FLAT)))
+    drafting = Drafting(None, NgramDrafter(2, 8), SuffixDrafter(), lambda det: Timings(dict(FLAT)))
     fixed = make_planner("walk", drafting, DraftSettings(draft_max=3))
     assert isinstance(fixed, FixedPlanner) and fixed.plan([1], 3, GREEDY, RNG).draft.tokens == [
         2, 3, 4,
@@ -240,7 +242,7 @@ def test_a_tree_is_verified_as_a_tree_only_where_trees_are() -> None:
 
 
 def test_an_unknown_drafter_is_refused_with_the_names_there_are() -> None:
-    drafting = Drafting(None, (2, 8), SuffixDrafter(), lambda det: Timings({1: 0.01}))
+    drafting = Drafting(None, NgramDrafter(2, 8), SuffixDrafter(), lambda det: Timings({1: 0.01}))
     with pytest.raises(UsageError, match="auto, model, mtp, ngram, suffix, none, not 'walk'"):
         make_planner("walk", drafting, DraftSettings(draft_max=4))
     with pytest.raises(UsageError, match="the model drafter needs a draft model"):
@@ -378,7 +380,7 @@ def test_a_verification_teaches_the_timings_by_the_tuning_at_the_step_s_depth() 
 
 def test_every_arm_takes_its_estimates_from_the_tuning() -> None:
     from specgguf.speculative.arms import LookupArm, ModelArm, SuffixArm
-    from specgguf.speculative.drafters import ModelDrafter, NgramDrafter
+    from specgguf.speculative.drafters import ModelDrafter
 
     tuning = tuned(prior_trials=3.0, decay=0.5, fade=0.25, model_prior=0.7,
                    confidence_start=0.4)  # fmt: skip

@@ -280,9 +280,9 @@ Others = tuple[int, ...]
 def test_each_step_is_planned_with_the_others_in_the_batch() -> None:
     h = Harness(3)
     seen: dict[int, list[Others]] = {0: [], 1: [], 2: []}
+    h.batcher.company = lambda i, others, _: seen[i].append(others)
     for i, k in enumerate((4, 2, 0)):
-        task = h.start(i, PROMPTS[i], ("oracle", k) if k else ("none", 0), params(12))
-        task.on_resume = lambda others, _, i=i: seen[i].append(others)
+        h.start(i, PROMPTS[i], ("oracle", k) if k else ("none", 0), params(12))
     h.run()
     # every sequence planned beside the two others, by their ids
     assert (1, 2) in seen[0] and (0, 2) in seen[1] and (0, 1) in seen[2]
@@ -292,10 +292,10 @@ def test_a_sequence_decoded_alone_is_neither_costed_shared_nor_counted_by_the_ot
     h = Harness(3)
     h.views[2].set_rows_per_decode(2)  # deterministic: decoded alone
     seen: dict[int, list[Others]] = {0: [], 1: [], 2: []}
+    h.batcher.company = lambda i, others, _: seen[i].append(others)
     det = GenerationParams(n_predict=12, sampler=GREEDY, deterministic=True)
     for i, k in enumerate((4, 2, 4)):
-        task = h.start(i, PROMPTS[i], ("oracle", k), det if i == 2 else params(12))
-        task.on_resume = lambda others, _, i=i: seen[i].append(others)
+        h.start(i, PROMPTS[i], ("oracle", k), det if i == 2 else params(12))
     h.run()
     # once sequence 2 was decoded alone, the others planned without it, and it alone
     assert (1,) in seen[0] and (0,) in seen[1]

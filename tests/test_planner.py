@@ -757,10 +757,11 @@ def test_reset_starts_from_the_priors() -> None:
     ngram.propose([1, 2, 1, 3, 1], 4, GREEDY, RNG)
     assert ngram._repeats[1] == {(1,): (2, 1)}
     p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), ngram=ngram)
-    assert not ngram._index[1] and not ngram._repeats[1]  # the drafters were reset too
+    assert ngram._fresh  # the drafters were reset too
     for _ in range(3):
         p.confidence = 0.9
         p.plan([1], 16, GREEDY, RNG)
+    assert not ngram._repeats[1]  # [1] does not extend the text indexed: indexed anew
     p.observe(StepPlan(p.arm("model").drafter, Draft([1, 2]), 0.0, p.arm("model")), 0, 0.02,
               confidence=0.1)  # fmt: skip
     p.reset()

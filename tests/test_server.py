@@ -874,6 +874,7 @@ def test_scheduler_runs_jobs_in_arrival_order_and_bounds_the_queue() -> None:
     order: list[int] = []
 
     class Engine:
+        n_parallel = 1
         decoder = SpeculativeDecoder(
             FakeContext(one_hot_rule(lambda p: p[-1] % 30 + 1, 32), 32),
             FakeVocab(32),  # type: ignore[arg-type]
@@ -915,6 +916,7 @@ def test_a_job_without_pieces_reports_only_its_end() -> None:
     from .fakes import FakeContext, FakeVocab, one_hot_rule
 
     class Engine:
+        n_parallel = 1
         decoder = SpeculativeDecoder(
             FakeContext(one_hot_rule(lambda p: p[-1] % 30 + 1, 32), 32),
             FakeVocab(32),  # type: ignore[arg-type]
@@ -974,6 +976,8 @@ def test_a_streamed_job_sends_text_at_most_every_stream_interval(
             pass
 
     class Engine:
+        n_parallel = 1
+
         def generate(self, ids: list[int], params: GenerationParams) -> Any:
             return Generation()
 
@@ -1013,6 +1017,8 @@ def test_scheduler_on_an_engine_thread_generates_on_the_thread_that_loaded() -> 
     threads: list[int] = []
 
     class Engine:
+        n_parallel = 1
+
         def __init__(self) -> None:
             threads.append(threading.get_ident())  # "loading"
             self.decoder = SpeculativeDecoder(

@@ -773,6 +773,8 @@ class ScriptedEngine:
         self.draft_model = None
         self.mtp_head = None
         self.deterministic_rows = 0
+        self.n_parallel = 1
+        self.prompt_cache = None
         self.target_model = _Namespace(n_vocab=1 << 21, path=Path("m.gguf"))
         self.n_ctx = 1 << 20
         self.script: list[str] = ["Hello."]

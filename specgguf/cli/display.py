@@ -73,7 +73,8 @@ def summary_line(stats: GenerationStats, finish_reason: str | None = None) -> st
         ),
         f"target {s.target_seconds:.2f} s, draft {s.draft_seconds:.2f} s, "
         f"other {s.python_seconds:.2f} s",
-        f"prompt {s.prompt_tokens} tokens in {s.prompt_seconds:.2f} s",
+        f"prompt {s.prompt_tokens} tokens in {s.prompt_seconds:.2f} s"
+        + (f" ({s.prompt_cached} reused from the cache)" if s.prompt_cached else ""),
     ]
     if s.constrained:
         forced = s.by_drafter.get("grammar")

@@ -36,6 +36,7 @@ from specgguf.cli.flags import Options, config_args, option
 from specgguf.engine.config import (
     MAX_DEVICES,
     MAX_TREE_BRANCHES,
+    CacheConfig,
     EngineConfig,
     ModelConfig,
     SpeculativeConfig,
@@ -334,6 +335,73 @@ class ServerOptions:
         help="Requests generated at once, every one's draft verified in one target batch; "
         "each has a context of -c tokens (default: 4 where the memory plan allows, else 1).",
     )  # fmt: skip
+
+
+#: The help section of the prompt cache's options.
+CACHE = "Prompt cache (llama-server's names)"
+#: ``--cache-ram`` at most, when not given (llama-server's default), and ``--cache-disk``
+#: when only ``--cache-dir`` is.
+CACHE_MIB = 8192
+
+
+def _mib(n: int | None) -> int | None:
+    return None if n is None else n << 20
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """What is kept of prompts between requests: the engine's
+    :class:`~specgguf.engine.config.CacheConfig` (``cache_ram`` and ``cache_disk`` in MiB;
+    None: the command's default, see :func:`cache_config`)."""
+
+    cache_ram: int | None = option(
+        None, "-cram", "--cache-ram", min=0, metavar="MiB", panel=CACHE,
+        help="Host memory for the prompts of sequences another request takes over, given "
+        f"back to a later request that shares more with them (default: at most {CACHE_MIB}, "
+        "what the memory plan leaves; 0: none).",
+        to="cache.ram", convert=_mib,
+    )  # fmt: skip
+    cache_dir: Path | None = option(
+        None, "--cache-dir", metavar="DIR", panel=CACHE,
+        help="Keep the prompts evicted from --cache-ram in files here, found again by a "
+        "later server of the same models and settings.",
+        to="cache.disk_dir",
+    )  # fmt: skip
+    cache_disk: int | None = option(
+        None, "--cache-disk", min=0, metavar="MiB", panel=CACHE,
+        help=f"The most --cache-dir may hold (default {CACHE_MIB} with --cache-dir).",
+        to="cache.disk", convert=_mib,
+    )  # fmt: skip
+    ctx_checkpoints: int = option(
+        CacheConfig.ctx_checkpoints, "-ctxcp", "--ctx-checkpoints", min=0, panel=CACHE,
+        help="Copies of a recurrent or hybrid target's state kept per sequence, at the end "
+        "of each prompt and along long ones: a prompt that shares only a prefix goes back "
+        "to one (0: read whole).",
+        to="cache.ctx_checkpoints",
+    )  # fmt: skip
+    slot_prompt_similarity: float = option(
+        CacheConfig.slot_similarity, "-sps", "--slot-prompt-similarity", min=0.0, max=1.0,
+        panel=CACHE,
+        help="A request goes to the free sequence sharing the longest prefix with it when "
+        "that is more than this share of it, else to the least recently used (0: always).",
+        to="cache.slot_similarity",
+    )  # fmt: skip
+
+
+def cache_config(options: CacheOptions, ram: int = 0) -> CacheConfig:
+    """The engine's cache configuration the options ask for; ``ram`` (bytes) when
+    ``--cache-ram`` is not given.
+
+    Raises:
+        UsageError: --cache-disk without --cache-dir.
+    """
+    args = config_args(options, "cache")
+    if options.cache_disk is not None and options.cache_dir is None:
+        raise UsageError("--cache-disk sizes the folder --cache-dir names: give one")
+    args.setdefault("ram", ram)
+    if options.cache_dir is not None:
+        args.setdefault("disk", CACHE_MIB << 20)
+    return CacheConfig(**args)
 
 
 QuietOpt = Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -14,6 +15,9 @@ from specgguf.cli import options as o
 from specgguf.cli.app import GroupedCommand, app, handled, setup_logging
 from specgguf.cli.flags import takes
 from specgguf.cli.output import print_json, say_calibration, stderr_say
+
+if TYPE_CHECKING:
+    from specgguf.engine import Engine
 
 
 @app.command(cls=GroupedCommand, context_settings={"allow_interspersed_args": True})
@@ -69,6 +73,19 @@ def run(
     grammar_file: Annotated[
         Path | None, typer.Option("--grammar-file", help="--grammar read from a file.")
     ] = None,
+    prompt_cache: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompt-cache",
+            metavar="FILE",
+            help="Reuse the state a run with the same start of prompt saved here (same models "
+            "and settings), and save this run's there.",
+        ),
+    ] = None,
+    prompt_cache_ro: Annotated[
+        bool,
+        typer.Option("--prompt-cache-ro", help="Reuse --prompt-cache, do not update it."),
+    ] = False,
     quiet: o.QuietOpt = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="llama.cpp's logs.")] = False,
 ) -> None:
@@ -81,6 +98,10 @@ def run(
     With --json-schema or --grammar, the output follows the grammar; speculation stays on
     (drafts are cut where the grammar forbids them, and tokens the grammar forces are
     drafted without a drafter).
+
+    With --prompt-cache FILE, a run whose prompt starts as the saved one's did reads only
+    the rest (a shell loop over one long document reads it once); a file of other models
+    or settings, or damaged, is ignored with one line on stderr and written again.
 
     Exit codes: 0 done, 2 usage (a schema or grammar that cannot be used too), 3 model
     file, 4 incompatible draft, 5 does not fit, 6 an RPC server does not answer, 9
@@ -105,6 +126,8 @@ def run(
     config = o.engine_config(load, drafting, say=say)
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
+    if prompt_cache_ro and prompt_cache is None:
+        raise UsageError("--prompt-cache-ro reads the file --prompt-cache names: give one")
     if prompt_opt is not None:
         if prompt is not None:
             raise UsageError("give the prompt as an argument or with -p/--prompt, not both")
@@ -128,6 +151,8 @@ def run(
         ids = engine.prepared_ids(prepared)
         if config.speculative.drafter == "auto":
             say_calibration(engine, say, deterministic=config.deterministic)
+        if prompt_cache is not None:
+            recall_prompt(engine, prompt_cache, say, read_only=prompt_cache_ro)
         gen = engine.generate(ids, params)
         # A forced drafter is compared with the target alone; auto mode weighs the target
         # alone at every step itself.
@@ -164,8 +189,49 @@ def run(
             })  # fmt: skip
         elif sys.stdout.isatty() and result.text and not result.text.endswith("\n"):
             print(file=sys.stderr)
+        if prompt_cache is not None:
+            s = result.stats
+            say(f"specgguf: prompt cache {prompt_cache}: {s.prompt_cached} of {s.prompt_tokens} "
+                f"prompt tokens reused, {s.prompt_read} read")  # fmt: skip
+            if not prompt_cache_ro and not interrupted:
+                keep_prompt(engine, prompt_cache, say)
         say(summary_line(result.stats, result.finish_reason))
         if alone is not None and speculation_lost(result.stats, alone):
             say(loss_line(result.stats, alone))
         if interrupted:
             raise Interrupted()
+
+
+def recall_prompt(
+    engine: Engine, path: Path, say: Callable[[str], None], *, read_only: bool
+) -> None:
+    """The state saved in ``path`` into the engine's sequence, when the file is there and
+    belongs to this engine's models and settings; otherwise one line says why it is
+    ignored (an absent file: nothing)."""
+    from specgguf.engine.prompt_cache import PromptCacheFileError, read_file
+    from specgguf.errors import SpecggufError
+
+    if not path.exists():
+        return
+    then = "" if read_only else ", and written again after this run"
+    try:
+        engine.load_prompt(read_file(path, engine.cache_identity()))
+    except PromptCacheFileError as e:
+        say(f"specgguf: --prompt-cache {path} is ignored ({e.reason}){then}")
+    except OSError as e:
+        say(f"specgguf: --prompt-cache {path} is ignored ({e.strerror or e}){then}")
+    except SpecggufError as e:  # llama.cpp refused the state: the sequence is empty
+        say(f"specgguf: --prompt-cache {path} is ignored ({e}){then}")
+
+
+def keep_prompt(engine: Engine, path: Path, say: Callable[[str], None]) -> None:
+    """What the engine's sequence holds, saved to ``path`` (whole or not at all); a
+    failure is said on stderr (the output was given already)."""
+    from specgguf.engine.prompt_cache import write_file
+    from specgguf.errors import SpecggufError
+
+    try:
+        write_file(path, engine.save_prompt(), engine.cache_identity())
+    except (OSError, SpecggufError) as e:
+        say(f"specgguf: warning: --prompt-cache {path} could not be written: "
+            f"{getattr(e, 'strerror', None) or e}")  # fmt: skip

@@ -28,11 +28,12 @@ if TYPE_CHECKING:
 @app.command(context_settings={"allow_interspersed_args": True})
 @handled
 @takes(load=o.ModelOptions, drafting=o.DraftOptions, sampling=o.SamplingOptions,
-       server=o.ServerOptions)  # fmt: skip
+       server=o.ServerOptions, cache=o.CacheOptions)  # fmt: skip
 def serve(
     *,
     load: o.ModelOptions,
     drafting: o.DraftOptions,
+    cache: o.CacheOptions,
     n_predict: Annotated[
         int,
         typer.Option(
@@ -64,6 +65,11 @@ def serve(
     With --rpc, the target's layers go to RPC servers (`specgguf rpc-server`), each
     asked before anything loads; a server lost while serving ends the server (exit 9).
 
+    A request reuses what its sequence's cache shares with its prompt (a conversation's
+    earlier turns are not read again); a request goes to the sequence that shares the
+    most, and the prompts of sequences another request takes over are kept in
+    --cache-ram (and --cache-dir) for later.
+
     Exit codes: 0 stopped, 2 usage (a taken port too), 3 model file, 4 incompatible draft,
     5 does not fit, 6 an RPC server does not answer, 9 llama.cpp error (an RPC server
     lost).
@@ -88,8 +94,14 @@ def serve(
         config,
         target=dataclasses.replace(config.target, huge_pages=True),
         draft=config.draft and dataclasses.replace(config.draft, huge_pages=True),
+        cache=o.cache_config(cache),
     )
     config, checked = _parallel(config, server.parallel, say)  # before any weights load
+    if cache.cache_ram is None:  # what the memory plan leaves, up to llama-server's default
+        from specgguf.engine.preflight import memory_left
+
+        ram = min(o.CACHE_MIB << 20, memory_left(checked) // 2) >> 20 << 20
+        config = dataclasses.replace(config, cache=o.cache_config(cache, ram=ram))
     sock = bind(server.host, server.port)  # a taken port is reported before loading too
     if not is_loopback(sock) and not server.api_key:
         say(
@@ -128,10 +140,13 @@ def serve(
                     if d[key]
                 )
                 n_par = config.n_parallel
+                kept = f", prompt cache {config.cache.ram >> 20} MiB"
+                if config.cache.disk_dir is not None:
+                    kept += f" + {config.cache.disk >> 20} MiB in {config.cache.disk_dir}"
                 say(
                     f"specgguf: listening on {url} (model {settings.model_id}, draft "
                     f"{draft_name}, drafter {d['drafter']}, parallel {n_par}, n_ctx "
-                    f"{d['n_ctx']}{' each' if n_par > 1 else ''}{servers})"
+                    f"{d['n_ctx']}{' each' if n_par > 1 else ''}{kept}{servers})"
                 )
 
             serve(engine, settings, sock, on_ready=ready, executor=llama_thread)

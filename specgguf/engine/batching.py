@@ -81,9 +81,6 @@ class Task:
         self.slot = slot
         #: whether its latest target evaluation was decoded alone (not in a shared batch)
         self.alone = False
-        #: called with the other tasks' slots in a target batch and the active tasks,
-        #: before every resumption (auto mode plans each step with them)
-        self.on_resume: Callable[[tuple[int, ...], int], None] | None = None
         self._g = greenlet.greenlet(run, parent=batcher.hub)
 
     @property
@@ -103,6 +100,9 @@ class Batcher:
             (:meth:`~specgguf.speculative.costmodel.Timings.batch_time`): where it says
             so, a target batch of verifications is padded to even rows
             (:func:`~specgguf.speculative.costmodel.cheapest_micro_batches`); None: never.
+        company: called before every resumption of a task with its slot, the other tasks'
+            slots in its target batches (:meth:`others`) and the number of active tasks
+            (auto mode plans each step with them).
     """
 
     def __init__(
@@ -110,10 +110,12 @@ class Batcher:
         target: LlamaContext,
         draft: LlamaContext | None = None,
         cost: Callable[[int, int], float] | None = None,
+        company: Callable[[int, tuple[int, ...], int], None] | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
         self.cost = cost
+        self.company = company
         self.hub = greenlet.getcurrent()
         self.active: list[Task] = []
         self._ready: deque[tuple[Task, Any, bool]] = deque()
@@ -172,8 +174,8 @@ class Batcher:
                 self._decode(base, mine)
 
     def _resume(self, task: Task, value: Any, failed: bool) -> None:
-        if task.on_resume is not None:
-            task.on_resume(self.others(task), sum(not t.done for t in self.active))
+        if self.company is not None:
+            self.company(task.slot, self.others(task), sum(not t.done for t in self.active))
         if not task._g:  # not started: a greenlet's first switch passes its arguments
             out = task._g.switch()
         else:
@@ -340,6 +342,17 @@ class BatchedSequence:
 
     def rollback(self, n_keep: int) -> None:
         self.ctx.rollback(n_keep)
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        return self.ctx.cached_prefix(tokens)
+
+    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
+        return self.ctx.reuse(tokens, exact=exact)
+
+    def prompt(self, tokens: Sequence[int], *, exact: bool = False) -> None:
+        """The sequence's prompt, read through the batcher (in pieces beside the other
+        sequences' steps), with the sequence's checkpoints between pieces."""
+        self.ctx.prompt(tokens, lambda t: self.eval(t, logits="none"), exact=exact)
 
     def scratch(self) -> AbstractContextManager[None]:
         return self.ctx.scratch()

@@ -605,7 +605,7 @@ def generate_together(
                 free.append(slot)
                 free.sort()
 
-        batcher.add(slot, run).on_resume = engine.slots[slot].batch_others
+        batcher.add(slot, run)
 
     t0 = time.perf_counter()
     while queue or batcher.active:

@@ -208,6 +208,61 @@ class SpeculativeConfig:
             )
 
 
+#: A recurrent state's checkpoints per sequence by default (llama-server's
+#: ``--ctx-checkpoints``, 32 there): each is a copy of the state, tens of MB on larger
+#: hybrid models.
+CTX_CHECKPOINTS = 8
+#: A prompt goes to the free sequence sharing the longest prefix with it when that is
+#: more than this share of it (llama-server's ``--slot-prompt-similarity``).
+SLOT_SIMILARITY = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """What an engine keeps of its prompts between generations (a generation always keeps
+    what its sequence shares with the one before: ``GenerationParams.cache_prompt``).
+
+    Args:
+        ram: bytes of host memory for the states of sequences another prompt was about to
+            overwrite (llama-server's ``--cache-ram``; 0: none).
+        disk_dir: a folder for the entries evicted from memory, which a later engine of
+            the same models and settings finds again (None: none).
+        disk: bytes the folder may hold (0: none).
+        ctx_checkpoints: copies of a recurrent state a sequence keeps (llama-server's
+            ``--ctx-checkpoints``): a prompt that shares a prefix with it but not all of
+            it goes back to the deepest at or below the shared prefix; 0: none (such a
+            prompt is read whole).
+        slot_similarity: a prompt goes to the free sequence that shares the longest
+            prefix with it when that is more than this share of it, else to the least
+            recently used (llama-server's ``--slot-prompt-similarity``; 0: always the
+            least recently used).
+
+    Raises:
+        UsageError: a negative size or count, a similarity outside [0, 1], a disk size
+            without a folder.
+    """
+
+    ram: int = 0
+    disk_dir: Path | None = None
+    disk: int = 0
+    ctx_checkpoints: int = CTX_CHECKPOINTS
+    slot_similarity: float = SLOT_SIMILARITY
+
+    def __post_init__(self) -> None:
+        if self.ram < 0 or self.disk < 0:
+            raise UsageError("a prompt cache's size must be 0 or more")
+        if self.ctx_checkpoints < 0:
+            raise UsageError(f"checkpoints must be 0 or more, not {self.ctx_checkpoints}")
+        if not 0.0 <= self.slot_similarity <= 1.0:
+            raise UsageError(
+                f"the slot prompt similarity must be between 0 and 1, not {self.slot_similarity}"
+            )
+        if self.disk and self.disk_dir is None:
+            raise UsageError("a disk prompt cache needs a folder")
+        if self.disk_dir is not None:
+            object.__setattr__(self, "disk_dir", Path(self.disk_dir))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything :class:`specgguf.engine.Engine` loads and checks.
@@ -228,6 +283,7 @@ class EngineConfig:
         n_parallel: sequences generated at once (``serve --parallel``), each with a
             context of the target's (and the draft's) ``n_ctx`` in one llama.cpp context
             (:mod:`specgguf.engine.batching`); 1: one at a time.
+        cache: what is kept of prompts between generations (:class:`CacheConfig`).
 
     Raises:
         UsageError: the "model" drafter without a draft model, a timeout of 0 or less,
@@ -242,6 +298,7 @@ class EngineConfig:
     deterministic: bool = False
     rpc_timeout: float = DEFAULT_TIMEOUT
     n_parallel: int = 1
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:

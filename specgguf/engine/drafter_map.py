@@ -26,12 +26,14 @@ from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
 @dataclasses.dataclass
 class Drafting:
-    """What the engine loaded for drafting: the draft model's drafter (one per engine: it
-    follows the draft model's KV cache across generations), the n-gram settings, and the
-    pair's timings for auto mode (measured on first use)."""
+    """What a sequence drafts with: the draft model's drafter (one per sequence: it
+    follows the draft model's KV cache across generations), the n-gram and suffix
+    drafters (their indexes kept across generations), and the pair's timings for auto
+    mode (measured on first use)."""
 
     model: ModelDrafter | None
-    ngram: tuple[int, int]
+    #: n-gram lookup over the text so far (its index extended by a next turn's text)
+    ngram: NgramDrafter
     #: suffix matching over everything this engine has seen (kept across generations)
     suffix: SuffixDrafter
     #: the pair's timings, measured on first use, for normal (False) or deterministic
@@ -83,7 +85,7 @@ def _mtp(d: Drafting, s: DraftSettings) -> Arm | None:
 
 #: Drafter name -> its arm for one generation, in the order auto mode weighs them.
 DRAFTERS: dict[str, ArmFactory] = {
-    "ngram": lambda d, s: LookupArm(NgramDrafter(*d.ngram)),
+    "ngram": lambda d, s: LookupArm(d.ngram),
     "suffix": lambda d, s: SuffixArm(d.suffix, tree_branches=s.trees),
     "model": _model,
     "mtp": _mtp,

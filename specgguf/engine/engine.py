@@ -46,13 +46,14 @@ from specgguf.engine.config import (
 from specgguf.engine.constraints import Grammars, model_grammars
 from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
 from specgguf.engine.preflight import Preflight, preflight, target_mtp, target_snapshots
-from specgguf.errors import BackendError, ContextOverflowError, UsageError
+from specgguf.engine.prompt_cache import PromptCache, file_fingerprint, identity
+from specgguf.engine.slots import SavedPrompt, Slot, best_slot
+from specgguf.errors import BackendError, ContextOverflowError, SpecggufError, UsageError
 from specgguf.gguf.arch import describe
 from specgguf.llama.backend import LlamaContext, LlamaModel, MtpHead, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
-from specgguf.speculative.draft import TargetEvaluator
-from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, SuffixDrafter
+from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter
 from specgguf.speculative.grammar import Constraint, GrammarSpec
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import Planner
@@ -69,28 +70,6 @@ DETERMINISTIC_TYPE_K = "q8_0"
 #: What :meth:`Engine.generate` takes: a text completed as is, a conversation rendered with
 #: the target's chat template, or token ids.
 Prompt = str | Sequence[ChatMessage] | Sequence[int]
-
-
-@dataclasses.dataclass
-class Slot:
-    """One of the ``--parallel`` sequences: its loop, its target sequence, its timings
-    by deterministic mode, and its drafting (set once made)."""
-
-    decoder: SpeculativeDecoder
-    target: BatchedSequence
-    timings: dict[bool, Timings]
-    drafting: Drafting = dataclasses.field(init=False)
-
-    def batch_others(self, others: tuple[int, ...], active: int = 1) -> None:
-        """The ids of the other sequences in the next target batch, for auto mode's costs
-        (:class:`Timings`, ``others``); a deterministic
-        generation's batches are its own, as a recurrent target's (the batcher decodes
-        each of their evaluations alone: no ``others``). With no other sequence ``active``,
-        its steps' times are its own, and auto mode learns from them (``Timings.solo``)."""
-        for det, t in self.timings.items():
-            t.solo = active <= 1
-            if not det:
-                t.others = others
 
 
 #: Any valid text for timing calibration (the timing, not the text, matters).
@@ -157,6 +136,7 @@ class Engine:
                 # target decodes in sequence 0, nor with parallel sequences)
                 tree_branches=spec.draft_tree if attention and not mtp and n_par == 1 else 0,
                 n_rs_seq=target_snapshots(config, t_info), hidden=mtp, n_parallel=n_par,
+                n_checkpoints=config.cache.ctx_checkpoints,
             )  # fmt: skip
             if config.deterministic:
                 # K in q8_0: then no lone row needs a throw-away row (specgguf.llama.
@@ -214,17 +194,33 @@ class Engine:
                     "" if attention else " and the recurrent state's snapshots", capacity,
                 )  # fmt: skip
             self.drafting = Drafting(
-                model_drafter, (spec.ngram_min, spec.ngram_max), SuffixDrafter(), self.timings,
-                mtp=mtp_drafter,
+                model_drafter, NgramDrafter(spec.ngram_min, spec.ngram_max), SuffixDrafter(),
+                self.timings, mtp=mtp_drafter,
             )  # fmt: skip
+            #: the engine's own sequence (``generate`` without a slot)
+            self.own = Slot(0, self.decoder, self.target_ctx, self.target_ctx, self.drafting,
+                            self.draft_ctx, self.mtp_head)  # fmt: skip
             # one corpus of everything the sequences saw, a copy each (SuffixDrafter.group)
             suffixes = SuffixDrafter.group(n_par) if n_par > 1 else []
             if n_par > 1 and spec.draft_tree >= 2:
                 log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
                          n_par)  # fmt: skip
-            #: the sequences of ``serve --parallel`` (none when one at a time)
+            #: the sequences generations run on: ``serve --parallel``'s, each through the
+            #: batcher; one at a time, the engine's own
             self.slots: list[Slot] = [self._slot(i, d) for i, d in enumerate(suffixes)]
+            if not self.slots:
+                self.slots = [self.own]
             self.batcher: Batcher | None = None
+            cache = config.cache
+            #: saved prompts in host memory (and on disk), or None
+            self.prompt_cache: PromptCache | None = None
+            if cache.ram or cache.disk:
+                self.prompt_cache = PromptCache(
+                    cache.ram,
+                    ident=self.cache_identity(),
+                    disk=cache.disk_dir,
+                    disk_limit=cache.disk,
+                )
             trained = self.preflight.target.context_length
             if trained and self.n_ctx > trained:
                 # llama.cpp's "n_ctx_seq > n_ctx_train -- possible training context
@@ -271,12 +267,18 @@ class Engine:
         drafters of its own (``suffix``: its copy of the corpus every sequence adds to),
         and timings of its own, which the batcher tells which other sequences share a
         step (:attr:`Timings.others`)."""
-        target = BatchedSequence(self.target_ctx.sequence(i), lambda: self.batcher)
-        model = None
+        seq = self.target_ctx.sequence(i)
+        target = BatchedSequence(seq, lambda: self.batcher)
+        model, draft_seq = None, None
         if self.draft_ctx is not None:
-            draft = BatchedSequence(self.draft_ctx.sequence(i), lambda: self.batcher)
+            draft_seq = self.draft_ctx.sequence(i)
+            draft = BatchedSequence(draft_seq, lambda: self.batcher)
             model = ModelDrafter(draft, self.target_model.n_vocab)
-        slot = Slot(SpeculativeDecoder(target, self.target_model), target, {})
+        spec = self.config.speculative
+        slot = Slot(i, SpeculativeDecoder(target, self.target_model), target, seq,
+                    Drafting(model, NgramDrafter(spec.ngram_min, spec.ngram_max), suffix,
+                             lambda det: timings(det)),
+                    draft_seq)  # fmt: skip
 
         def timings(det: bool) -> Timings:
             if det not in slot.timings:
@@ -285,10 +287,7 @@ class Engine:
                 )
             return slot.timings[det]
 
-        spec = self.config.speculative
         # (timings are refined only while this sequence runs alone: Timings.solo)
-        slot.drafting = Drafting(model, (spec.ngram_min, spec.ngram_max), suffix,
-                                 timings)  # fmt: skip
         return slot
 
     @contextlib.contextmanager
@@ -296,10 +295,11 @@ class Engine:
         """Generations inside start from an empty suffix corpus (every sequence's, with
         the same settings), and the engine's own is back afterwards: a benchmark's
         configurations must not copy an answer another one gave to the same question."""
-        holders = [self.drafting, *(s.drafting for s in self.slots)]
+        holders = [self.drafting, *(s.drafting for s in self.slots if s is not self.own)]
         old = [h.suffix for h in holders]
         settings = old[0].settings
-        fresh = [SuffixDrafter(**settings), *SuffixDrafter.group(len(self.slots), **settings)]
+        fresh = [SuffixDrafter(**settings),
+                 *SuffixDrafter.group(len(holders) - 1, **settings)]  # fmt: skip
         for holder, suffix in zip(holders, fresh, strict=True):
             holder.suffix = suffix
         try:
@@ -318,12 +318,15 @@ class Engine:
             UsageError: the engine was loaded for one sequence at a time.
             BackendError: the calibration failed.
         """
-        if not self.slots:
+        if self.n_parallel < 2:
             raise UsageError("this engine was loaded for one sequence at a time")
         self.timings(False)
         if self.deterministic_rows:
             self.timings(True)
-        self.batcher = Batcher(self.target_ctx, self.draft_ctx, self.timings(False).batch_time)
+        self.batcher = Batcher(
+            self.target_ctx, self.draft_ctx, self.timings(False).batch_time,
+            company=lambda slot, others, active: self.slots[slot].batch_others(others, active),
+        )  # fmt: skip
         return self.batcher
 
     @classmethod
@@ -361,12 +364,14 @@ class Engine:
         scratch: bool = False,
         hidden: bool = False,
         n_parallel: int = 1,
+        n_checkpoints: int = 0,
     ) -> LlamaContext:
         ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
                 reserve=reserve, tree_branches=tree_branches, type_k=type_k,
                 n_rs_seq=n_rs_seq, scratch=scratch, hidden=hidden, n_parallel=n_parallel,
+                n_checkpoints=n_checkpoints,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
@@ -562,14 +567,91 @@ class Engine:
         params = dataclasses.replace(params, deterministic=det)
         planner = self.planner(params, slot)
         ids = self.prompt_ids(prompt)
-        target: TargetEvaluator
-        if slot is None:
-            target, decoder = self.target_ctx, self.decoder
-        else:
-            target, decoder = self.slots[slot].target, self.slots[slot].decoder
-        target.set_rows_per_decode(self.deterministic_rows if det else None)
+        seq = self.own if slot is None else self.slots[slot]
+        seq.target.set_rows_per_decode(self.deterministic_rows if det else None)
         constraint = self.constraint(params.grammar) if params.grammar is not None else None
-        return decoder.generate(ids, params, planner, constraint)
+        gen = seq.decoder.generate(ids, params, planner, constraint)
+        if params.cache_prompt:
+            self._recall(seq, ids)
+        seq.last_used = time.monotonic()
+        return gen
+
+    # -- what the sequences hold ------------------------------------------------------
+
+    @property
+    def n_parallel(self) -> int:
+        """Sequences that generate at once (``serve --parallel``; 1: one at a time)."""
+        return self.config.n_parallel
+
+    def pick_slot(self, ids: Sequence[int], free: Sequence[int]) -> int:
+        """Which of the ``free`` slots a prompt of token ``ids`` should go to: the one
+        sharing the longest prefix with it, else the least recently used
+        (:func:`specgguf.engine.slots.best_slot`, ``CacheConfig.slot_similarity``).
+
+        Raises:
+            ValueError: no slot is free.
+        """
+        return best_slot(self.slots, free, ids, self.config.cache.slot_similarity)
+
+    def _recall(self, seq: Slot, ids: Sequence[int]) -> None:
+        """Before ``seq`` reads the prompt ``ids``: what it holds goes to the prompt cache
+        when the prompt keeps less than half of it (llama-server's rule), and a saved
+        prompt that shares more with ``ids`` than ``seq`` does comes back into it."""
+        cache = self.prompt_cache
+        if cache is None:
+            return
+        own, held = seq.cached_prefix(ids), seq.n_cached
+        entry, shared = cache.best(ids)
+        better = entry is not None and shared > own
+        if held and own < held / 2:
+            cache.put(seq.save())
+        if entry is not None and better:
+            try:
+                seq.load(cache.take(entry))
+            except (SpecggufError, OSError) as e:
+                log.warning("prompt cache: %s; the prompt is read instead", e)
+
+    def cache_identity(self) -> dict[str, Any]:
+        """What a saved prompt of this engine belongs to (see
+        :func:`specgguf.engine.prompt_cache.identity`): the models' files, the llama.cpp
+        build, each context's size, K cache type, micro-batch, sequences and recurrent
+        snapshots, weight repacking, whether the MTP layers draft."""
+
+        def context(ctx: LlamaContext | None) -> dict[str, Any] | None:
+            if ctx is None:
+                return None
+            return {"n_ctx": ctx.n_ctx_allocated, "type_k": ctx.type_k,
+                    "n_ubatch": ctx.n_ubatch, "n_seq": ctx.n_parallel,
+                    "n_rs_seq": ctx.n_rs_seq, "repack": ctx.model.use_extra_bufts}  # fmt: skip
+
+        draft = self.draft_model
+        return identity(
+            build=build_key(build_info()),
+            target=file_fingerprint(self.target_model.path),
+            target_context=context(self.target_ctx),
+            draft=file_fingerprint(draft.path) if draft is not None else None,
+            draft_context=context(self.draft_ctx),
+            mtp=self.mtp_head is not None,
+        )
+
+    def save_prompt(self, slot: int | None = None) -> SavedPrompt:
+        """A copy of what a sequence holds (None: the engine's own), for
+        :meth:`load_prompt` or a prompt-cache file
+        (:func:`specgguf.engine.prompt_cache.write_file` with :meth:`cache_identity`).
+
+        Raises:
+            BackendError: llama.cpp could not copy a state.
+        """
+        return (self.own if slot is None else self.slots[slot]).save()
+
+    def load_prompt(self, saved: SavedPrompt, slot: int | None = None) -> None:
+        """Make a sequence (None: the engine's own) hold ``saved``: the next generation
+        on it reuses what its prompt shares with it.
+
+        Raises:
+            BackendError: llama.cpp refused a state (the sequence is then empty).
+        """
+        (self.own if slot is None else self.slots[slot]).load(saved)
 
     @property
     def grammars(self) -> Grammars:

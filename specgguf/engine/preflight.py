@@ -16,7 +16,9 @@ from specgguf.llama.memory import (
     LOCAL,
     MemoryPlan,
     ModelMemory,
+    ModelPlacement,
     Place,
+    Share,
     available_memory,
     check_plan,
     model_memory,
@@ -155,7 +157,36 @@ def memory_plan(
             place_model(info, mem, devices, n_gpu_layers=m.n_gpu_layers,
                         tensor_split=m.tensor_split)
         )  # fmt: skip
+    cache = prompt_cache_bytes(config, target)
+    if cache:
+        models.append(ModelPlacement(PROMPT_CACHE, (), {LOCAL: Share(kv_cache=cache)}))
     return MemoryPlan(tuple(places.values()), tuple(models))
+
+
+def memory_left(checked: Preflight) -> int:
+    """Bytes of this machine's available memory the checked plan leaves (0 when it is
+    unknown or full)."""
+    plan = checked.plan
+    if plan is None:
+        return 0
+    local = next((p for p in plan.places if p.name == LOCAL), None)
+    if local is None or local.free is None:
+        return 0
+    return max(0, local.free - plan.need(LOCAL))
+
+
+#: The name of the prompt cache's share in a memory plan.
+PROMPT_CACHE = "prompt cache"
+
+
+def prompt_cache_bytes(config: EngineConfig, target: ModelInfo) -> int:
+    """Host memory for prompts kept between requests (bytes): the prompt cache's budget
+    (``CacheConfig.ram``) and, for a recurrent or hybrid target, each sequence's
+    checkpoints of its state (``ctx_checkpoints`` copies of it at most)."""
+    checkpoints = 0
+    if target.memory != "attention":
+        checkpoints = target.recurrent_state_bytes * config.cache.ctx_checkpoints
+    return config.cache.ram + checkpoints * config.n_parallel
 
 
 #: Draft architectures that are MTP assistants reading the target's memory (llama.cpp's

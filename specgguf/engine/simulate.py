@@ -330,7 +330,7 @@ def simulate(
     n_predict = trace.meta.get("n_predict")
     n_predict = n_predict if isinstance(n_predict, int) else None
     calibrated = _copy(truth)
-    drafting = Drafting(model, (2, 8), SuffixDrafter(), lambda det: calibrated, tuning)
+    drafting = Drafting(model, NgramDrafter(2, 8), SuffixDrafter(), lambda det: calibrated, tuning)
     if draft_max is not None:
         k = draft_max
     else:
@@ -474,7 +474,9 @@ def simulate_parallel(
     for i in range(n_parallel):
         model = TraceDraftModel(truth) if chains else None
         own = dataclasses.replace(_copy(truth), seq=i, n_ubatch=n_ubatch)
-        seqs.append((model, own, Drafting(model, (2, 8), suffixes[i], fixed(own), tuning)))
+        seqs.append(
+            (model, own, Drafting(model, NgramDrafter(2, 8), suffixes[i], fixed(own), tuning))
+        )
     if draft_max is not None:
         k = draft_max
     else:

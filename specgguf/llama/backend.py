@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -221,6 +222,9 @@ class LlamaModel(_Native):
             "hybrid" if lc.llama_model_is_hybrid(model)
             else "recurrent" if lc.llama_model_is_recurrent(model) else "attention"
         )  # fmt: skip
+        #: the attention window of the sliding-window layers (0: none), whose KV cache
+        #: forgets positions older than the window
+        self.n_swa: int = int(lc.llama_model_n_swa(model))
         #: multi-token-prediction layers loaded (0 unless ``load_mtp`` and the file has them)
         self.n_layer_nextn: int = int(lc.llama_model_n_layer_nextn(model)) if load_mtp else 0
         self.add_bos: bool = bool(lc.llama_vocab_get_add_bos(self._vocab))
@@ -378,16 +382,18 @@ class LlamaModel(_Native):
         hidden: bool = False,
         n_parallel: int = 1,
         kv_unified: bool = False,
+        n_checkpoints: int = 0,
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
         deterministic mode's throw-away rows use) on this model; ``tree_branches``,
-        ``type_k``, ``n_rs_seq``, ``scratch``, ``hidden``, ``n_parallel`` and
-        ``kv_unified``: see :class:`LlamaContext`."""
+        ``type_k``, ``n_rs_seq``, ``scratch``, ``hidden``, ``n_parallel``, ``kv_unified``
+        and ``n_checkpoints``: see :class:`LlamaContext`."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
             reserve=reserve, tree_branches=tree_branches, type_k=type_k, n_rs_seq=n_rs_seq,
             scratch=scratch, hidden=hidden, n_parallel=n_parallel, kv_unified=kv_unified,
+            n_checkpoints=n_checkpoints,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -477,6 +483,45 @@ def _progress_callback(
     return callback
 
 
+#: ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``: the parts of a sequence's memory that cannot be
+#: cut (a recurrent state, a sliding window's cells) without the rest
+_STATE_PARTIAL = 1
+
+#: A recurrent state's checkpoints are taken every this many positions of a long prompt
+#: (rounded down to whole micro-batches), and after each prompt: a prompt that shares a
+#: long document with an earlier one but not its end reads again at most this much of it.
+CHECKPOINT_STEP = 1024
+#: ... and this many positions before the end of each prompt (llama-server's 4).
+CHECKPOINT_TAIL = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A recurrent state after the first ``n`` positions of its sequence: llama.cpp's
+    partial sequence state (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``), ``data`` bytes."""
+
+    n: int
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceState:
+    """What a sequence held, copied out of llama.cpp (:meth:`LlamaContext.save_state`):
+    its ``tokens`` (int32[n]), the state ``data`` (``llama_state_seq_get_data``; b"" for
+    none), its checkpoints, and how many leading positions were computed exactly as a
+    fresh read (``exact``, see :meth:`LlamaContext.reuse`)."""
+
+    tokens: npt.NDArray[np.int32]
+    data: bytes
+    checkpoints: tuple[Checkpoint, ...] = ()
+    exact: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds: the state, its checkpoints and its tokens."""
+        return len(self.data) + sum(len(c.data) for c in self.checkpoints) + self.tokens.nbytes
+
+
 class LlamaContext(_Native):
     """A llama.cpp context: a KV cache of ``n_ctx`` positions for one sequence, a batch
     of up to ``n_batch`` tokens, and timing of every evaluation. llama.cpp may allocate
@@ -537,6 +582,16 @@ class LlamaContext(_Native):
     rollback and timing, and :meth:`decode_many` decodes several sequences' tokens in one
     ``llama_decode``. Such a context has no trees, scratch sequence or hidden states.
 
+    What a sequence holds outlives a generation: :meth:`reuse` keeps the longest prefix a
+    new prompt shares with it, :meth:`prompt` reads the rest, and :meth:`save_state` /
+    :meth:`load_state` copy it out of llama.cpp and back (a host-memory or file prompt
+    cache). A recurrent state cannot be cut at any position: with ``n_checkpoints``, the
+    sequence keeps up to that many copies of it (:class:`Checkpoint`, llama.cpp's
+    ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` state: the recurrent part alone, as
+    llama-server's ``--ctx-checkpoints``), taken after each prompt and every
+    :data:`CHECKPOINT_STEP` positions of a long one, and :meth:`reuse` restores the deepest
+    at or below the shared prefix.
+
     Raises:
         BackendError: llama.cpp could not create the context.
         ValueError: ``n_parallel`` with trees, a scratch sequence or hidden states.
@@ -560,6 +615,7 @@ class LlamaContext(_Native):
         hidden: bool = False,
         n_parallel: int = 1,
         kv_unified: bool = False,
+        n_checkpoints: int = 0,
     ) -> None:
         if n_parallel > 1 and (tree_branches >= 2 or scratch or hidden):
             raise ValueError("parallel sequences have no trees, scratch sequence or hidden states")
@@ -646,6 +702,13 @@ class LlamaContext(_Native):
         #: a tree evaluated and not yet resolved: (its root's position, the number of
         #: branch sequences, the branch sequence of each node)
         self._tree: tuple[int, int, list[int]] | None = None
+        #: checkpoints a recurrent state keeps (0: none; see :meth:`prompt`)
+        self.n_checkpoints = n_checkpoints if recurrent else 0
+        self._checkpoints: list[Checkpoint] = []
+        # Positions computed exactly as a fresh read of the same tokens computes them (in
+        # whole micro-batches aligned on multiples of _exact_unit: see reuse()), and that unit.
+        self._exact_to = 0
+        self._exact_unit = self.n_ubatch if self.n_batch % self.n_ubatch == 0 else self.n_batch
         b = self._batch
         self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
@@ -982,6 +1045,7 @@ class LlamaContext(_Native):
         """Cut sequence 0 to ``n_keep`` positions: by llama.cpp's ``seq_rm`` where the
         memory allows it, else (or with ``reread``) by clearing it and decoding its tokens
         again."""
+        self._forget_past(n_keep)
         # (a cut chunk is copied: a view would keep the dropped rows' memory)
         self._hidden_rows = [(p, h if p + len(h) <= n_keep else h[: n_keep - p].copy())
                              for p, h in self._hidden_rows if p < n_keep]  # fmt: skip
@@ -1003,6 +1067,218 @@ class LlamaContext(_Native):
         self._hidden_rows = []
         for start in range(0, n_keep, self.n_batch):
             self._decode(kept[start : start + self.n_batch], outputs="none")
+
+    # -- what the sequence holds across generations -------------------------------------
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the sequence's cache holds (the longest common
+        prefix of its tokens and ``tokens``), whether or not it can be cut there."""
+        n = min(self.n_past, len(tokens))
+        if n == 0:
+            return 0
+        differ = np.flatnonzero(self._held[:n] != np.asarray(tokens[:n], np.int32))
+        return int(differ[0]) if len(differ) else n
+
+    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
+        """Keep the longest prefix of ``tokens`` the cache holds and can be cut to, drop
+        the rest, and return its length (the new ``n_past``): llama-server's
+        ``cache_prompt`` (tools/server/server-context.cpp). A recurrent state goes back
+        within its snapshots (:attr:`rollback_room`), else to the deepest checkpoint at
+        or below the shared prefix, else to nothing. A sliding-window cache that has
+        forgotten positions the window at the cut needs is dropped whole.
+
+        ``exact``: keep only positions computed as a fresh read of the same tokens
+        computes them (read by :meth:`prompt` with ``exact``, in micro-batches aligned
+        from position 0), cut on a micro-batch boundary, so that reading the rest gives
+        bit-identical logits (deterministic mode).
+        """
+        if self._tree is not None:
+            self._drop_tree(self._tree[1])
+        n = self.cached_prefix(tokens)
+        if exact:
+            n = min(n, self._exact_to)
+            n -= n % self._exact_unit
+        if n > 0 and self.model.n_swa > 0:
+            pos_min = int(self._lc.llama_memory_seq_pos_min(self._mem, self._home))
+            if pos_min > max(0, n - self.model.n_swa):
+                n = 0
+        t0 = time.perf_counter()
+        try:
+            # (a KV cache is cut anywhere; a recurrent state at its end or within its
+            # snapshots)
+            if not self.recurrent or self.n_past - n <= self._room:
+                self._cut(n)
+            else:
+                unit = self._exact_unit if exact else 1
+                ok = [
+                    c
+                    for c in self._checkpoints
+                    if c.n <= n and c.n % unit == 0 and (not exact or c.n <= self._exact_to)
+                ]
+                n = ok[-1].n if ok else 0
+                if ok:
+                    self._restore(ok[-1])
+                else:
+                    self._cut(0)
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+        return n
+
+    def _cut(self, n: int) -> None:
+        """Drop the positions from ``n`` on (a recurrent state: within its snapshots, or
+        to 0) and the checkpoints past them."""
+        if n < self.n_past:
+            self._truncate(n)
+        self._forget_past(n)
+
+    def _forget_past(self, n: int) -> None:
+        self._checkpoints = [c for c in self._checkpoints if c.n <= n]
+        self._exact_to = min(self._exact_to, n)
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        """Go back to ``checkpoint``: its recurrent state, and the KV cache cut there."""
+        n = checkpoint.n
+        if not self._set_state(checkpoint.data, partial=True):
+            raise BackendError(f"llama.cpp could not restore a checkpoint of "
+                               f"{self.model.path.name} at {n} positions")  # fmt: skip
+        self._lc.llama_memory_seq_rm(self._mem, self._home, n, -1)
+        self.n_past = n
+        self._room = 0
+        self._hidden_rows = [(p, h if p + len(h) <= n else h[: n - p].copy())
+                             for p, h in self._hidden_rows if p < n]  # fmt: skip
+        self._forget_past(n)
+
+    def prompt(
+        self,
+        tokens: Sequence[int],
+        evaluate: Callable[[Sequence[int]], object] | None = None,
+        *,
+        exact: bool = False,
+    ) -> None:
+        """Append a prompt's ``tokens`` (no logits) with ``evaluate`` (default
+        ``eval(tokens, logits="none")``; a parallel sequence passes its batcher's). A
+        recurrent state with ``n_checkpoints`` keeps a checkpoint after them, and at every
+        multiple of :data:`CHECKPOINT_STEP` positions on the way. ``exact``: the read is
+        decoded in batches of ``n_batch`` from where it starts (deterministic mode), so
+        that :meth:`reuse` can keep what it computed in ``exact`` mode.
+
+        Raises:
+            ContextOverflowError: the tokens do not fit.
+            BackendError: llama_decode failed, or a checkpoint could not be copied.
+        """
+        if not tokens:
+            return
+        start, end = self.n_past, self.n_past + len(tokens)
+        read = evaluate or (lambda t: self.eval(t, logits="none"))
+        unit = self._exact_unit
+        cuts = [end]
+        if self.n_checkpoints:
+            # on micro-batch boundaries (reads stay exact), and a few tokens before the end
+            # (llama-server's): a prompt that ends otherwise (a template's generation
+            # prompt, or one that needs the position before the end read again) goes back
+            # there, not to the one before
+            step = max(unit, CHECKPOINT_STEP // unit * unit)
+            tail = [end - CHECKPOINT_TAIL] if end - CHECKPOINT_TAIL > start else []
+            cuts = sorted({*range((start // step + 1) * step, end, step), *tail, end})
+        at = start
+        for cut in cuts:
+            read(tokens[at - start : cut - start])
+            at = cut
+            if self.n_checkpoints:
+                self.checkpoint()
+        if exact and start <= self._exact_to and start % unit == 0:
+            # up to the first cut off a micro-batch boundary (the tail's, or the end)
+            self._exact_to = min(c - c % unit for c in cuts if c % unit or c == end)
+        else:
+            self._exact_to = min(self._exact_to, start)
+
+    def checkpoint(self) -> None:
+        """Keep a :class:`Checkpoint` of the recurrent state at ``n_past`` (one there
+        replaced; beyond ``n_checkpoints``, the one whose going leaves the shortest gap
+        dropped); nothing without them.
+
+        Raises:
+            BackendError: llama.cpp could not copy the state.
+        """
+        if not self.n_checkpoints or self.n_past == 0:
+            return
+        data = self._get_state(partial=True)
+        kept = sorted([*(c for c in self._checkpoints if c.n != self.n_past),
+                       Checkpoint(self.n_past, data)], key=lambda c: c.n)  # fmt: skip
+        while len(kept) > self.n_checkpoints:
+            # thinned where they are densest: the one whose going leaves the shortest gap
+            # (the later on a tie; never the deepest), so that a long prompt's stay spread
+            # over all of it rather than only its end
+            gaps = [(kept[i + 1].n - (kept[i - 1].n if i else 0), -i)
+                    for i in range(len(kept) - 1)]  # fmt: skip
+            del kept[-min(gaps)[1]]
+        self._checkpoints = kept
+
+    @property
+    def checkpoints(self) -> tuple[Checkpoint, ...]:
+        """The recurrent state's checkpoints, by position."""
+        return tuple(self._checkpoints)
+
+    def save_state(self) -> SequenceState:
+        """A copy of everything the sequence holds (llama.cpp's
+        ``llama_state_seq_get_data``: its KV cells and recurrent state; its tokens, its
+        checkpoints), for :meth:`load_state` on this context or one made alike.
+
+        Raises:
+            BackendError: llama.cpp could not copy the state.
+        """
+        if self._tree is not None:
+            self._drop_tree(self._tree[1])
+        data = self._get_state(partial=False) if self.n_past else b""
+        return SequenceState(self._held[: self.n_past].copy(), data,
+                             tuple(self._checkpoints), self._exact_to)  # fmt: skip
+
+    def load_state(self, state: SequenceState) -> None:
+        """Replace what the sequence holds by ``state`` (from :meth:`save_state`).
+
+        Raises:
+            ContextOverflowError: the state holds more positions than ``n_ctx``.
+            BackendError: llama.cpp refused the data (the sequence is then empty).
+        """
+        n = len(state.tokens)
+        if n > self.n_ctx:
+            raise ContextOverflowError(n, self.n_ctx, prompt=False, model=self.model.path.name)
+        if self._tree is not None:
+            self._drop_tree(self._tree[1])
+        t0 = time.perf_counter()
+        try:
+            self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
+            self.n_past = 0
+            self._room = 0
+            self._hidden_rows = []
+            self._checkpoints = []
+            self._exact_to = 0
+            if n and not self._set_state(state.data, partial=False):
+                self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
+                raise BackendError(f"llama.cpp could not load a saved state of "
+                                   f"{n} positions into {self.model.path.name}")  # fmt: skip
+            self._held[:n] = state.tokens
+            self.n_past = n
+            self._checkpoints = list(state.checkpoints)
+            self._exact_to = min(state.exact, n)
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def _get_state(self, *, partial: bool) -> bytes:
+        flags = _STATE_PARTIAL if partial else 0
+        lc, ctx = self._lc, self._ctx
+        size = lc.llama_state_seq_get_size_ext(ctx, self._home, flags)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data_ext(ctx, buf, size, self._home, flags)
+        if written == 0 and size:
+            raise BackendError(f"llama.cpp could not copy the state of {self.model.path.name}")
+        return ctypes.string_at(buf, written)
+
+    def _set_state(self, data: bytes, *, partial: bool) -> bool:
+        flags = _STATE_PARTIAL if partial else 0
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return bool(self._lc.llama_state_seq_set_data_ext(self._ctx, buf, len(data),
+                                                          self._home, flags))  # fmt: skip
 
     def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]:
         """The hidden states after positions ``start .. end - 1`` (``hidden`` contexts),
@@ -1080,6 +1356,8 @@ class LlamaContext(_Native):
         view._hidden_rows = []
         view._tree = None
         view._rows_per_decode = None
+        view._checkpoints = []
+        view._exact_to = 0
         return view
 
     def decode_many(
@@ -1304,6 +1582,40 @@ class MtpHead(_Native):
             return logits, h
         finally:
             self.eval_seconds += time.perf_counter() - t0
+
+    def save_state(self) -> bytes:
+        """A copy of the head's KV cache (llama.cpp's sequence state), for
+        :meth:`load_state`.
+
+        Raises:
+            BackendError: llama.cpp could not copy it.
+        """
+        lc = self._lc
+        size = lc.llama_state_seq_get_size_ext(self._ctx, 0, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, 0)
+        if written == 0 and size:
+            raise BackendError(f"llama.cpp could not copy the MTP state of {self.model.path.name}")
+        return ctypes.string_at(buf, written)
+
+    def load_state(self, data: bytes, n_past: int) -> None:
+        """Make the head's cache hold ``data`` (from :meth:`save_state`), of ``n_past``
+        positions.
+
+        Raises:
+            BackendError: llama.cpp refused it (the cache is then empty).
+        """
+        lc = self._lc
+        lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        self.n_past = 0
+        if not n_past:
+            return
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if not lc.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, 0):
+            lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+            raise BackendError(f"llama.cpp could not load a saved MTP state into "
+                               f"{self.model.path.name}")  # fmt: skip
+        self.n_past = n_past
 
     def rollback(self, n_keep: int) -> None:
         """Drop the head's cache from position ``n_keep`` on (its layers are attention:

@@ -117,16 +117,17 @@ class ServerSettings:
 
 def timings(stats: GenerationStats) -> dict[str, Any]:
     """llama.cpp server's ``timings`` object for a generation (milliseconds, tokens/s):
-    ``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, their per-token and
-    per-second rates, and ``draft_n``, ``draft_n_accepted`` (given always, 0 without
-    drafts; llama.cpp's tools/server/server-common.cpp ``server_slot_stats::to_json``); under
-    a grammar, always, also specgguf's ``draft_n_grammar`` (of ``draft_n``, the tokens the
-    grammar forced) and ``draft_n_cut`` (drafters' tokens cut before verification)."""
+    ``cache_n`` (prompt tokens reused from the cache), ``prompt_n`` (prompt tokens read),
+    ``prompt_ms``, ``predicted_n``, ``predicted_ms``, their per-token and per-second rates,
+    and ``draft_n``, ``draft_n_accepted`` (given always, 0 without drafts; llama.cpp's
+    tools/server/server-common.cpp ``server_slot_stats::to_json``); under a grammar, always,
+    also specgguf's ``draft_n_grammar`` (of ``draft_n``, the tokens the grammar forced) and
+    ``draft_n_cut`` (drafters' tokens cut before verification)."""
     prompt_ms = stats.prompt_seconds * 1e3
     predicted_ms = stats.seconds * 1e3
-    pn, gn = stats.prompt_tokens, stats.generated
+    pn, gn = stats.prompt_read, stats.generated
     return {
-        "cache_n": 0,
+        "cache_n": stats.prompt_cached,
         "prompt_n": pn,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / pn if pn else 0.0,
@@ -148,12 +149,14 @@ def _grammar_counts(stats: GenerationStats) -> dict[str, int]:
     return {"draft_n_grammar": forced.drafted if forced else 0, "draft_n_cut": stats.grammar_cut}
 
 
-def usage(stats: GenerationStats) -> dict[str, int]:
-    """OpenAI's ``usage``: prompt, completion and total tokens."""
+def usage(stats: GenerationStats) -> dict[str, Any]:
+    """OpenAI's ``usage``: prompt, completion and total tokens, and of the prompt's, those
+    reused from the cache (``prompt_tokens_details.cached_tokens``)."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generated,
         "total_tokens": stats.prompt_tokens + stats.generated,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_cached},
     }
 
 
@@ -270,7 +273,7 @@ class _Service:
             n_predict=self.settings.n_predict if n_predict is None else n_predict,
             sampler=sampler, stop=req.stops, ignore_eos=bool(req.ignore_eos),
             drafter=req.spec_drafter, draft_max=n_max, p_min=req.spec_p_min, draft_min=n_min,
-            deterministic=req.deterministic,
+            deterministic=req.deterministic, cache_prompt=req.cache_prompt is not False,
         )  # fmt: skip
 
     async def check_grammar(self, spec: GrammarSpec, param: str) -> None:
@@ -588,7 +591,7 @@ def create_app(
     shuts down; join it before closing the engine.
     """
     sched: Scheduler
-    metrics = Metrics(lambda: sched.waiting, lambda: sched.running)
+    metrics = Metrics(lambda: sched.waiting, lambda: sched.running, engine.prompt_cache)
     sched = Scheduler(engine, settings.max_queue, on_result=metrics.observe, executor=executor)
     svc = _Service(engine, settings, sched)
 

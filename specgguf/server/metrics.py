@@ -11,18 +11,55 @@ since start (a rate is Prometheus's ``rate()``); the gauges are read when scrape
 - ``specgguf_acceptance_rate``: accepted / drafted draft tokens since start;
 - ``specgguf_tokens_per_second``: generated tokens / generation seconds since start, and
   ``specgguf_last_tokens_per_second`` of the latest generation;
-- ``specgguf_queue_length``: requests waiting; ``specgguf_requests_running``: 0 to ``--parallel``.
+- ``specgguf_queue_length``: requests waiting; ``specgguf_requests_running``: 0 to ``--parallel``;
+- ``specgguf_prompt_tokens_cached_total`` and ``specgguf_prompt_tokens_read_total``: prompt
+  tokens reused from a sequence's cache and read (``prompt_tokens`` is their sum);
+  ``specgguf_prompt_cache_hits_total`` and ``specgguf_prompt_cache_misses_total``:
+  generations that reused some of their prompt, and none of it;
+- with a prompt cache (``--cache-ram``, ``--cache-dir``): ``specgguf_prompt_cache_bytes``
+  and ``specgguf_prompt_cache_disk_bytes`` held, ``specgguf_prompt_cache_entries``,
+  ``specgguf_prompt_cache_saves_total`` (sequences saved before another prompt took them)
+  and ``specgguf_prompt_cache_restores_total`` (saved prompts given back to a sequence).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 from specgguf.speculative.loop import GenerationResult
+
+if TYPE_CHECKING:
+    from specgguf.engine.prompt_cache import PromptCache
+
+
+class _CacheCollector(Collector):
+    """The prompt cache's sizes and totals, read when scraped (the engine's thread writes
+    them: a scrape may see them a step old)."""
+
+    def __init__(self, cache: PromptCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.cache
+        for name, doc, value in (
+            ("specgguf_prompt_cache_bytes", "Bytes of saved prompts in host memory", c.nbytes),
+            ("specgguf_prompt_cache_disk_bytes", "Bytes of saved prompts on disk", c.disk_bytes),
+            ("specgguf_prompt_cache_entries", "Saved prompts held", len(c)),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("specgguf_prompt_cache_saves",
+                                  "Sequences saved before another prompt took them",
+                                  value=c.saves)  # fmt: skip
+        yield CounterMetricFamily("specgguf_prompt_cache_restores",
+                                  "Saved prompts given back to a sequence",
+                                  value=c.restores)  # fmt: skip
 
 
 class Metrics:
@@ -31,14 +68,36 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_length: Callable[[], int], running: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        queue_length: Callable[[], int],
+        running: Callable[[], int],
+        prompt_cache: PromptCache | None = None,
+    ) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "specgguf_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
         )
         self.prompt_tokens = Counter(
-            "specgguf_prompt_tokens", "Prompt tokens processed", registry=r
+            "specgguf_prompt_tokens", "Prompt tokens (reused and read)", registry=r
         )
+        self.prompt_cached = Counter(
+            "specgguf_prompt_tokens_cached", "Prompt tokens reused from a sequence's cache",
+            registry=r,
+        )  # fmt: skip
+        self.prompt_read = Counter(
+            "specgguf_prompt_tokens_read", "Prompt tokens read (evaluated)", registry=r
+        )
+        self.cache_hits = Counter(
+            "specgguf_prompt_cache_hits", "Generations that reused some of their prompt",
+            registry=r,
+        )  # fmt: skip
+        self.cache_misses = Counter(
+            "specgguf_prompt_cache_misses", "Generations that reused none of their prompt",
+            registry=r,
+        )  # fmt: skip
+        if prompt_cache is not None:
+            r.register(_CacheCollector(prompt_cache))
         self.generated = Counter(
             "specgguf_tokens_generated", "Tokens generated (output)", registry=r
         )
@@ -77,6 +136,9 @@ class Metrics:
         """Count a finished generation (any thread)."""
         s = result.stats
         self.prompt_tokens.inc(s.prompt_tokens)
+        self.prompt_cached.inc(s.prompt_cached)
+        self.prompt_read.inc(s.prompt_read)
+        (self.cache_hits if s.prompt_cached else self.cache_misses).inc()
         self.generated.inc(s.generated)
         self.drafted.inc(s.drafted)
         self.accepted.inc(s.accepted)

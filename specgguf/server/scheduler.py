@@ -117,11 +117,31 @@ class Job:
         if gen is not None:
             gen.cancel()
 
-    def _emit(self, event: Event) -> None:
+    def emit(self, event: Event) -> None:
         """From the worker thread: hand an event to the event loop (dropped when the loop
         has closed: nobody is listening)."""
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def begin(self, start: Callable[[], Generation]) -> Generation | None:
+        """From the worker thread: the job's generation, made by ``start``; None when the
+        job was cancelled before it started (its ``done`` event sent) or ``start``
+        failed (its ``error`` event sent). A job cancelled while ``start`` ran has its
+        generation cancelled (:meth:`cancel` never waits for this)."""
+        with self._lock:
+            if self.cancelled:
+                self.emit(Event("done"))
+                return None
+            try:
+                gen = start()
+            except Exception as e:  # a bad setting the request checks did not catch
+                self.emit(Event("error", error=e))
+                return None
+            self._generation = gen
+            if self.cancelled:  # cancelled while the generation was being set up
+                gen.cancel()
+        self.started.set()
+        return gen
 
     async def events(self) -> AsyncIterator[Event]:
         """The job's events in order, ending with its ``done`` or ``error`` event."""
@@ -170,7 +190,7 @@ class Scheduler:
         #: jobs generating, by sequence
         self._running: dict[int, Job] = {}
         #: how many jobs may generate at once
-        self.parallel = max(1, len(getattr(engine, "slots", ()) or ()))
+        self.parallel = engine.n_parallel
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -224,7 +244,7 @@ class Scheduler:
             self._cond.notify_all()
         for job in waiting:
             job.cancel()
-            job._emit(Event("error", error=ShuttingDown()))
+            job.emit(Event("error", error=ShuttingDown()))
         for job in running:
             job.cancel()
 
@@ -241,9 +261,9 @@ class Scheduler:
         for job in jobs:
             job.cancelled = True  # no lock: the engine thread may hold it, stopped in llama.cpp
             if job.held:
-                job._emit(Event("piece", text="".join(job.held)))
+                job.emit(Event("piece", text="".join(job.held)))
                 job.held.clear()
-            job._emit(Event("error", error=error))
+            job.emit(Event("error", error=error))
         deadline = monotonic() + timeout
         for job in jobs:
             job.delivered.wait(max(0.0, deadline - monotonic()))
@@ -293,14 +313,15 @@ class Scheduler:
                 if not self._waiting and not (batcher and batcher.active):
                     return  # closed and drained
                 while self._waiting and free:
-                    job, slot = self._waiting.popleft(), free.pop(0)
+                    job = self._waiting.popleft()
                     if batcher is None:
-                        job._emit(Event("error", error=failed))
-                        free.append(slot)
+                        job.emit(Event("error", error=failed))
                         continue
+                    # the free sequence whose cache shares most of the prompt
+                    slot = self.engine.pick_slot(job.prompt, free)
+                    free.remove(slot)
                     self._running[slot] = job
-                    task = batcher.add(slot, functools.partial(self._run_safely, job, slot, free))
-                    task.on_resume = self.engine.slots[slot].batch_others
+                    batcher.add(slot, functools.partial(self._run_safely, job, slot, free))
             if batcher is None:
                 continue
             try:
@@ -311,7 +332,7 @@ class Scheduler:
                     running, self._running = list(self._running.values()), {}
                     free[:] = range(self.parallel)
                 for job in running:
-                    job._emit(Event("error", error=e))
+                    job.emit(Event("error", error=e))
                 batcher = self.engine.start_batching()
 
     def _run_safely(self, job: Job, slot: int = 0, free: list[int] | None = None) -> None:
@@ -320,7 +341,7 @@ class Scheduler:
             self._run(job, slot if free is not None else None)
         except Exception as e:  # never lose the worker: the job reports the error
             log.exception("the engine's worker failed")
-            job._emit(Event("error", error=e))
+            job.emit(Event("error", error=e))
         finally:
             with self._cond:
                 if self._running.get(slot) is job:  # (not after a failed step ended it)
@@ -330,22 +351,13 @@ class Scheduler:
                         free.sort()
 
     def _run(self, job: Job, slot: int | None = None) -> None:
-        with job._lock:
-            if job.cancelled:
-                job._emit(Event("done"))
-                return
-            try:
-                if slot is None:
-                    gen = self.engine.generate(job.prompt, job.params)
-                else:
-                    gen = self.engine.generate(job.prompt, job.params, slot=slot)
-            except Exception as e:  # a bad setting the request checks did not catch
-                job._emit(Event("error", error=e))
-                return
-            job._generation = gen
-            if job.cancelled:  # cancelled while the generation was being set up
-                gen.cancel()
-        job.started.set()
+        engine = self.engine
+        if slot is None:
+            gen = job.begin(lambda: engine.generate(job.prompt, job.params))
+        else:
+            gen = job.begin(lambda: engine.generate(job.prompt, job.params, slot=slot))
+        if gen is None:
+            return
         held = job.held  # text not sent yet (see stream_interval)
         try:
             if job.pieces:
@@ -354,7 +366,7 @@ class Scheduler:
                     held.append(piece)
                     now = monotonic()
                     if now - sent >= self.stream_interval:
-                        job._emit(Event("piece", text="".join(held)))
+                        job.emit(Event("piece", text="".join(held)))
                         held.clear()
                         sent = now
             else:
@@ -362,13 +374,13 @@ class Scheduler:
                     pass
         except Exception as e:  # llama.cpp failed (BackendError) or a bug: the job ends
             if held:  # the text before the failure is the client's
-                job._emit(Event("piece", text="".join(held)))
-            job._emit(Event("error", error=e))
+                job.emit(Event("piece", text="".join(held)))
+            job.emit(Event("error", error=e))
             return
         if held:
-            job._emit(Event("piece", text="".join(held)))
+            job.emit(Event("piece", text="".join(held)))
         result = gen.result
         assert result is not None
         if self.on_result is not None:
             self.on_result(result)
-        job._emit(Event("done", result=result))
+        job.emit(Event("done", result=result))

@@ -137,6 +137,9 @@ class _Generation(_Strict):
     #: specgguf's extension: greedy (and seeded) output independent of the drafter and K;
     #: needs a server started with --deterministic (None: the server's setting)
     deterministic: bool | None = None
+    #: llama.cpp's: reuse what the sequence's cache shares with the prompt (default true;
+    #: false reads the whole prompt again)
+    cache_prompt: bool | None = None
     # Refused unless absent or neutral (check_supported).
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
@@ -363,8 +366,8 @@ def _is_number(value: Any) -> bool:
 #: (tools/server/server-schema.cpp), each with a test for the values that leave the output
 #: as it is (its "disabled" values) and what it is: a request that sets one otherwise is
 #: refused by name, as OpenAI's ``presence_penalty`` is, rather than silently ignored.
-#: Fields that only shape the response or the server's caching (``cache_prompt``,
-#: ``id_slot``, ``timings_per_token``, ``n_keep``, ...) are accepted and ignored.
+#: Fields that only shape the response (``id_slot``, ``timings_per_token``, ``n_keep``,
+#: ...) are accepted and ignored; ``cache_prompt`` is a field of the request.
 LLAMA_CPP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "grammar_triggers": (_empty, "grammar_triggers (constrained generation)"),
     "repeat_penalty": (_number_in(1.0), "repeat_penalty (repetition penalties)"),
@@ -383,6 +386,11 @@ LLAMA_CPP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "t_max_predict_ms": (_number_where(lambda v: v <= 0), "t_max_predict_ms (a time limit)"),
     "lora": (_empty, "lora (LoRA adapters)"),
     "chat_template_kwargs": (_empty, "chat_template_kwargs (other chat template arguments)"),
+    "n_cache_reuse": (
+        _number_in(0),
+        "n_cache_reuse (reusing cached chunks by shifting the "
+        "KV cache; the prompt's shared prefix is reused without it)",
+    ),
 }
 
 #: Request fields of other servers that change how the chat template renders (vLLM's

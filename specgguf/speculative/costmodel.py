@@ -355,6 +355,12 @@ class Timings:
             before += size
         return total
 
+    def share_batch(self, others: tuple[int, ...], *, solo: bool) -> None:
+        """The next step's company: the other sequences' ids in its target batch
+        (``others``) and whether no other sequence runs at all (``solo``)."""
+        self.others = others
+        self.solo = solo
+
     def observe_verify(
         self,
         n: int,

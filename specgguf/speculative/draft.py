@@ -124,7 +124,9 @@ class TargetEvaluator(Evaluator, Protocol):
     calls of at most ``rows_per_decode`` rows (None: any number; changed only through
     ``set_rows_per_decode``, which validates it). ``rollback_max``: the most positions a
     rollback right after an evaluation can drop without decoding the rest again (None:
-    any; a recurrent state's snapshots per sequence), which bounds the draft length."""
+    any; a recurrent state's snapshots per sequence), which bounds the draft length.
+    What it holds outlives a generation: the next one keeps the prefix its prompt shares
+    with it (:meth:`reuse`) and reads the rest (:meth:`prompt`)."""
 
     @property
     def tree_branches(self) -> int: ...
@@ -142,6 +144,17 @@ class TargetEvaluator(Evaluator, Protocol):
     ) -> npt.NDArray[np.float32]: ...
 
     def keep_tree_path(self, path: Sequence[int]) -> None: ...
+
+    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
+        """Keep the longest prefix of ``tokens`` the cache holds and can be cut to, drop
+        the rest; returns its length, the new ``n_past`` (``exact``: only what reading
+        the rest after it gives bit-identical logits for; see ``backend.LlamaContext``)."""
+        ...
+
+    def prompt(self, tokens: Sequence[int], *, exact: bool = False) -> None:
+        """Append a prompt's tokens, without logits (a recurrent state keeps checkpoints
+        of itself on the way; ``exact``: read as deterministic mode reads)."""
+        ...
 
 
 class Vocabulary(Protocol):
@@ -167,8 +180,8 @@ class Drafter(Protocol):
     A new kind of drafter is one class implementing this protocol and one entry in the
     engine's name -> factory map (:data:`specgguf.engine.drafter_map.DRAFTERS`), which also
     gives auto mode its arm (:mod:`specgguf.speculative.arms`). A class that subclasses
-    this protocol inherits :meth:`reset`, :meth:`prefill` and :meth:`finish`, which do
-    nothing.
+    this protocol inherits :meth:`reset`, :meth:`prefill`, :meth:`defer`, :meth:`finish`
+    and :meth:`reuse_limit`, which do nothing (or the obvious).
     """
 
     name: str
@@ -186,6 +199,18 @@ class Drafter(Protocol):
     def prefill(self, history: Sequence[int]) -> None:
         """Read the prompt ahead of generation, as the target does (a draft model fills its
         KV cache); lookups need nothing."""
+        return None
+
+    def defer(self, history: Sequence[int]) -> None:
+        """As :meth:`prefill`, when the drafter may never draft in this generation (auto
+        mode): one whose reading costs model evaluations reads the prompt at its first
+        draft instead, and counts it as read until then; others read it now."""
+        self.prefill(history)
+
+    def reuse_limit(self, history: Sequence[int]) -> int | None:
+        """The most leading positions of ``history`` the target may keep from its cache
+        for this drafter to follow it (the MTP layers read the target's hidden state of
+        the positions before theirs); None: any."""
         return None
 
     def propose(

@@ -9,6 +9,10 @@ Each step (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2):
 4. both KV caches are rolled back to the committed length (the target keeps S[:-1]: the
    last committed token is evaluated at the start of the next step).
 
+A generation starts from what the target's cache holds: the prefix its prompt shares with
+it is kept and only the rest is read (``GenerationParams.cache_prompt``), and it ends with
+the cache holding the text, for the next generation to reuse.
+
 Greedy output is token for token what the target alone produces (K = 0 is that baseline);
 sampled output follows the target's distribution under the same sampler settings. The loop
 talks only to the :class:`~specgguf.speculative.draft.TargetEvaluator` and
@@ -80,6 +84,9 @@ class GenerationParams:
     the engine was loaded with, see :class:`specgguf.engine.SpeculativeConfig`).
     ``grammar``: a constraint on the output (JSON Schema, GBNF, regex; see
     :mod:`specgguf.speculative.grammar`), compiled by the engine; None: free text.
+    ``cache_prompt``: keep what the target's cache shares with the prompt from the
+    generations before and read only the rest (llama-server's ``cache_prompt``); False
+    reads the whole prompt.
     """
 
     n_predict: int = -1
@@ -93,6 +100,7 @@ class GenerationParams:
     draft_min: int | None = None
     draft_tree: int | None = None
     grammar: GrammarSpec | None = None
+    cache_prompt: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,11 +331,15 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         gen.stats.constrained = gen.constraint is not None
         planner.reset()
-        target.rollback(0)
-        if run.n_prompt > 1:
-            target.eval(run.history[:-1], logits="none")
-        for drafter in planner.drafters:
-            drafter.prefill(run.history)
+        history = run.history
+        keep: list[int] = []
+        if params.cache_prompt:  # the last token is read with the first verification
+            bounds = [b for d in planner.drafters if (b := d.reuse_limit(history)) is not None]
+            keep = history[: min([len(history) - 1, *bounds])]
+        cached = target.reuse(keep, exact=det)
+        target.prompt(history[cached:-1], exact=det)
+        planner.prefill(history)
+        gen.stats.prompt_cached = cached
         gen.stats.prompt_seconds = time.perf_counter() - t0
         run.target_s0 = target.eval_seconds
         run.draft_s0 = sum(d.seconds for d in planner.drafters)  # the prompt's counted above
@@ -379,12 +391,15 @@ class SpeculativeDecoder:
         gen.tokens.extend(committed)
         if verdict.path is not None:  # the root and the accepted branch join the text
             self.target.keep_tree_path(verdict.path)
-        keep = len(run.history) - 1
+        # The cache keeps the committed text but its last token, which opens the next
+        # verification; at the end, every committed token it evaluated (a draft accepted,
+        # not the target's own last one), for the next generation to reuse.
+        keep = len(run.history) - (finish is None or len(committed) > n)
         room = self.target.rollback_room
         if finish is None or room is None or self.target.n_past - keep <= room:
             self.target.rollback(keep)
         # else the output ends before the step's first token, and a recurrent state would
-        # be read again to drop it: the next generation starts from an empty cache anyway
+        # be read again to drop it: the next generation goes back to a checkpoint instead
         gen.stats.generated = len(gen.tokens)
         self._clock(gen, run)
         return "".join(pieces), finish

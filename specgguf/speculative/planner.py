@@ -47,6 +47,10 @@ class Planner(Protocol):
 
     def reset(self) -> None: ...
 
+    def prefill(self, history: Sequence[int]) -> None:
+        """Let the drafters read the prompt ``history`` ahead of the first step (each as
+        this planner will use it: :meth:`Drafter.prefill` or :meth:`Drafter.defer`)."""
+
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> StepPlan: ...
@@ -100,6 +104,11 @@ class FixedPlanner:
     def reset(self) -> None:
         if self.drafter:
             self.drafter.reset()
+
+    def prefill(self, history: Sequence[int]) -> None:
+        """The drafter drafts at every step: it reads the prompt now."""
+        if self.drafter:
+            self.drafter.prefill(history)
 
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
@@ -187,6 +196,13 @@ class AutoPlanner:
         self._n_confidence = 0
         self.active = [arm for arm in self.arms if arm.reset(self.timings, self.tuning)]
         self.drafters: list[Drafter] = [arm.drafter for arm in self.active]
+
+    def prefill(self, history: Sequence[int]) -> None:
+        """Its arms may never draft: a draft model reads the prompt at its first draft
+        (:meth:`Drafter.defer`), so that a generation where it does not pay starts as fast
+        as the target alone; its offers weigh the prompt as read, as when it was."""
+        for drafter in self.drafters:
+            drafter.defer(history)
 
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator

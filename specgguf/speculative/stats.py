@@ -32,11 +32,14 @@ class GenerationStats:
     branches (their ``drafted`` counts every node); ``grammar_cut``: draft tokens a grammar
     cut before verification (not in ``drafted``; the grammar's own forced tokens are drafts
     of the drafter "grammar"); ``constrained``: the output followed a grammar;
+    ``prompt_cached``: prompt tokens the target's cache held from earlier generations (not
+    read again; ``prompt_tokens`` counts them too, ``prompt_read`` the rest);
     ``draft_max``: the largest draft length this generation could use; ``last_draft``,
     ``last_drafter``: the latest step's. Several generations' statistics pool with :meth:`add`.
     """
 
     prompt_tokens: int = 0
+    prompt_cached: int = 0
     prompt_seconds: float = 0.0
     generated: int = 0
     steps: int = 0
@@ -53,6 +56,11 @@ class GenerationStats:
     grammar_cut: int = 0
     constrained: bool = False
     by_drafter: dict[str, DrafterStats] = dataclasses.field(default_factory=dict)
+
+    @property
+    def prompt_read(self) -> int:
+        """Prompt tokens evaluated by this generation (its last one always is)."""
+        return self.prompt_tokens - self.prompt_cached
 
     @property
     def acceptance_rate(self) -> float:
@@ -77,8 +85,8 @@ class GenerationStats:
     def add(self, other: GenerationStats) -> None:
         """Pool ``other`` into these counters and times (``draft_max`` becomes the larger;
         ``last_*`` are left as they are)."""
-        for f in ("prompt_tokens", "prompt_seconds", "generated", "steps", "drafted",
-                  "accepted", "seconds", "target_seconds", "draft_seconds",
+        for f in ("prompt_tokens", "prompt_cached", "prompt_seconds", "generated", "steps",
+                  "drafted", "accepted", "seconds", "target_seconds", "draft_seconds",
                   "rejected_steps", "tree_steps", "grammar_cut"):  # fmt: skip
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.draft_max = max(self.draft_max, other.draft_max)

@@ -17,6 +17,9 @@ from specgguf.speculative.sampling import Distribution, SamplerParams, distribut
 
 log = logging.getLogger("specgguf")
 
+#: A catch-up of more tokens than this is read without logits first (see propose).
+_CATCH_UP_SPLIT = 8
+
 
 def pick_token(
     row: npt.NDArray[np.float32],
@@ -70,6 +73,7 @@ class ModelDrafter(Drafter):
         self.offset = 0  # the history index of the first token in the draft's KV cache
         self._held: list[int] = []  # the tokens in the draft's KV cache, in order
         self._synced = 0  # a prefix of _held known to equal the history's prefix
+        self._owed = 0  # history positions counted as read before they are (defer)
         self._warned = False
         self.seconds = 0.0
         # seconds per drafted token at the latest proposal that measured it
@@ -78,6 +82,22 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         # The cache is kept: a new prompt that shares a prefix with it reuses that prefix.
         self._synced = 0
+        self._owed = 0
+
+    def follow(self, offset: int, tokens: Sequence[int]) -> None:
+        """The draft's context was made to hold ``tokens``, the history from position
+        ``offset`` on (a saved prompt restored into it)."""
+        self.offset = offset
+        self._held = list(tokens)
+        self._synced = 0
+        self._owed = 0
+
+    def defer(self, history: Sequence[int]) -> None:
+        """Read the prompt (all but its last token) at the first draft, not now: until
+        then :meth:`cached_tokens` counts it as read, so that auto mode weighs this drafter
+        as if it had read it (its offers and catch-up costs as with :meth:`prefill`), and a
+        generation that never drafts with it never pays for it."""
+        self._owed = len(history) - 1
 
     def _fit(self, history: Sequence[int], k: int) -> None:
         """Keep the cache's window on ``history`` such that its tokens and ``k`` more
@@ -103,8 +123,7 @@ class ModelDrafter(Drafter):
         """Evaluate the prompt (all but its last token) ahead of generation, as the target
         does, so that drafting starts without a long catch-up."""
         t0 = time.perf_counter()
-        if self.offset > len(history) - 1 or self._common_prefix(history) == 0:
-            self.offset = 0  # another text: the window starts at its beginning
+        self._realign(history)
         self._fit(history, 1)
         keep = self._rewind(min(self._common_prefix(history), len(history) - 1 - self.offset))
         start = self.offset + keep
@@ -113,6 +132,12 @@ class ModelDrafter(Drafter):
             self._held.extend(history[start:-1])
         self._synced = len(history) - 1 - self.offset
         self.seconds += time.perf_counter() - t0
+
+    def _realign(self, history: Sequence[int]) -> None:
+        """At a generation's first read: another text than the cache's starts its window
+        at its beginning."""
+        if self.offset > len(history) - 1 or self._common_prefix(history) == 0:
+            self.offset = 0
 
     def _rewind(self, keep: int) -> int:
         """Cut the cache to its first ``keep`` tokens and return how many it keeps: all
@@ -132,7 +157,8 @@ class ModelDrafter(Drafter):
         of the window's where a recurrent state could not go back to them (``_rewind``)."""
         common = self._common_prefix(history)
         keep = min(common, len(history) - 1 - self.offset)
-        return self.offset + (common if self._within_room(keep) else 0)
+        held = self.offset + (common if self._within_room(keep) else 0)
+        return max(held, min(self._owed, len(history)))
 
     def _within_room(self, keep: int) -> bool:
         """Whether the cache can be cut to its first ``keep`` tokens without reading any
@@ -161,14 +187,24 @@ class ModelDrafter(Drafter):
         if k <= 0 or not history:
             return Draft([], token_seconds=self._token_seconds)
         t0 = time.perf_counter()
+        if self._owed:  # the first read of a deferred prompt
+            self._realign(history)
         self._fit(history, k - 1)
         common = self._common_prefix(history)
         # At least the last history token is evaluated, to get logits after it.
         keep = self._rewind(min(common, len(history) - 1 - self.offset))
         start = self.offset + keep
-        logits = self.ctx.eval(history[start:], logits="last")
-        self._held.extend(history[start:])
+        last = start
+        if len(history) - start > _CATCH_UP_SPLIT:
+            # a long catch-up (a deferred prompt) without logits, so that a batcher reads
+            # it in pieces beside other sequences' steps; its last token then alone
+            self.ctx.eval(history[start:-1], logits="none")
+            self._held.extend(history[start:-1])
+            last = len(history) - 1
+        logits = self.ctx.eval(history[last:], logits="last")
+        self._held.extend(history[last:])
         self._synced = len(history) - self.offset
+        self._owed = 0
         t_first = time.perf_counter()
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []

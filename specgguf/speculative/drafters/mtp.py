@@ -75,12 +75,51 @@ class MtpDrafter(Drafter):
         self.target = target
         self.n_vocab = min(n_vocab_target, head.n_vocab)
         self._held: list[int] = []  # the tokens in the head's cache, by position
+        # the target's hidden state after the head's last position (position, row), kept
+        # across generations: the next one's first row reads it, and the target may have
+        # kept that position from its cache without computing it again
+        self._row: tuple[int, npt.NDArray[np.float32]] | None = None
+        self._synced = 0  # a prefix of _held known to equal this generation's history
         self.seconds = 0.0
         self._token_seconds = 0.0
 
     def reset(self) -> None:
-        self.head.rollback(0)
-        self._held.clear()
+        """A new generation: the head's cache is kept (a prompt that shares a prefix with
+        it is read from there on), and the hidden state after its last position taken
+        while the target still holds it."""
+        self._synced = 0
+        p = self.head.n_past - 1
+        if p >= 0 and (self._row is None or self._row[0] != p):
+            try:
+                self._row = (p, self.target.hidden_rows(p, p + 1))
+            except ValueError:  # forgotten: reuse_limit has the target compute it again
+                self._row = None
+
+    def held(self) -> tuple[list[int], tuple[int, npt.NDArray[np.float32]] | None]:
+        """The tokens the head's cache holds, and the target's hidden state kept after
+        its last position (position, float32[n_embd]; None: none)."""
+        return list(self._held), self._row
+
+    def follow(
+        self, tokens: Sequence[int], row: tuple[int, npt.NDArray[np.float32]] | None
+    ) -> None:
+        """The head's context was made to hold ``tokens`` (a saved prompt restored into
+        it), and ``row`` is the hidden state kept after its last position."""
+        self._held = list(tokens)
+        self._synced = 0
+        self._row = row if row is not None and row[0] == len(tokens) - 1 else None
+
+    def reuse_limit(self, history: Sequence[int]) -> int | None:
+        """The head goes on from the longest prefix of ``history`` it holds; its next row
+        reads the target's hidden state after the position before: kept for its last
+        position, else the target must compute it again (keep at most the positions
+        before it)."""
+        # (the target holds at most all but the last token before the first step)
+        keep = min(self.cached_tokens(history), len(history) - 1)
+        row = self._row
+        if keep and keep == len(self._held) and row is not None and row[0] == keep - 1:
+            return None
+        return max(0, keep - 1)
 
     def prefill(self, history: Sequence[int]) -> None:
         """Read what the target has committed of the prompt (all but its last token)."""
@@ -88,12 +127,36 @@ class MtpDrafter(Drafter):
         self._catch_up(history, last=False)
         self.seconds += time.perf_counter() - t0
 
+    def _cut(self, n: int) -> None:
+        """Drop the head's positions from ``n`` on (and the kept hidden state of one of
+        them: it followed other tokens)."""
+        self.head.rollback(n)
+        del self._held[n:]
+        self._synced = min(self._synced, n)
+        if self._row is not None and self._row[0] >= n:
+            self._row = None
+
+    def _rows(self, start: int, end: int) -> npt.NDArray[np.float32]:
+        """The target's hidden states after positions ``start .. end - 1``, the first
+        from the one kept across generations where the target no longer has it.
+
+        Raises:
+            ValueError: one the target has not computed (or forgot) and none kept.
+        """
+        try:
+            return self.target.hidden_rows(start, end)
+        except ValueError:
+            if self._row is None or self._row[0] != start:
+                raise
+        rest = self.target.hidden_rows(start + 1, end) if end > start + 1 else self._row[1][:0]
+        return np.concatenate([self._row[1], rest])
+
     def cached_tokens(self, history: Sequence[int]) -> int:
-        """How many leading tokens of ``history`` the head's cache holds."""
-        n = 0
-        for a, b in zip(self._held, history, strict=False):
-            if a != b:
-                break
+        """How many leading tokens of ``history`` the head's cache holds (within a
+        generation, only what it read since the last catch-up is compared)."""
+        n = min(self._synced, len(self._held), len(history))
+        limit = min(len(self._held), len(history))
+        while n < limit and self._held[n] == history[n]:
             n += 1
         return n
 
@@ -105,8 +168,7 @@ class MtpDrafter(Drafter):
         end = self.target.n_past  # committed and evaluated by the target: history[:end]
         keep = min(self.cached_tokens(history), end)
         if keep < self.head.n_past:
-            self.head.rollback(keep)
-            del self._held[keep:]
+            self._cut(keep)
         stop = end + 1 if last else end
         if stop <= keep:
             return None
@@ -115,10 +177,11 @@ class MtpDrafter(Drafter):
         lo = max(keep - 1, 0)
         if stop - 1 > lo:
             # row for position p reads the hidden state after p - 1 (position 0: zeros)
-            rows = self.target.hidden_rows(lo, stop - 1)
+            rows = self._rows(lo, stop - 1)
             inputs[len(tokens) - len(rows) :] = rows
         out = self.head.eval(tokens, inputs, last=last)
         self._held.extend(tokens)
+        self._synced = len(self._held)
         # the next catch-up starts at the head's end: it reads from the state before it
         self.target.forget_hidden(min(end, stop) - 1)
         return out
@@ -164,8 +227,7 @@ class MtpDrafter(Drafter):
                 logits, h = step
         # The last history token's row goes too: the target has not evaluated it, and
         # the head reads it again with the target's hidden state once it has.
-        self.head.rollback(base - 1)
-        del self._held[base - 1 :]
+        self._cut(base - 1)
         t_end = time.perf_counter()
         self.seconds += t_end - t0
         if len(tokens) > 1:

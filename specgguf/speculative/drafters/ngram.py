@@ -71,9 +71,15 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
         self.seconds = 0.0
+        self._clear()
         self.reset()
 
     def reset(self) -> None:
+        """A new generation: its text is indexed from where the last one's index agrees
+        with it (a conversation's next turn extends the index; another text rebuilds it)."""
+        self._fresh = True
+
+    def _clear(self) -> None:
         # _index[n][ngram] = position right after the latest indexed occurrence
         self._index: dict[int, dict[tuple[int, ...], int]] = {
             n: {} for n in range(self.n_min, self.n_max + 1)
@@ -84,11 +90,18 @@ class NgramDrafter(Drafter):
             n: {} for n in self._index
         }
         self._indexed_to = 0  # n-grams ending before this position are indexed
+        self._text: list[int] = []  # the text indexed: its first _indexed_to tokens
         # the latest long copy: the text length at its last long match, and the text
         # length and source position of its latest (long or resumed) match
         self._copy: tuple[int, int, int] | None = None
 
     def _update(self, history: Sequence[int]) -> None:
+        if self._fresh:
+            self._fresh = False
+            text = self._text
+            if list(history[: len(text)]) != text:
+                self._clear()
+            self._copy = None
         # Index n-grams ending at positions up to len(history) - 1, so that the current
         # suffix (ending at len(history)) finds only earlier occurrences.
         end = len(history) - 1
@@ -103,7 +116,9 @@ class NgramDrafter(Drafter):
                     if before is not None:
                         seen, run = repeats[n].get(gram, (1, 1))
                         repeats[n][gram] = (seen + 1, run + 1 if history[before] == token else 1)
-        self._indexed_to = max(self._indexed_to, end + 1)
+        if end + 1 > self._indexed_to:
+            self._text.extend(history[self._indexed_to : end + 1])
+            self._indexed_to = end + 1
 
     def propose(
         self,

@@ -63,6 +63,11 @@ class SuffixDrafter(Drafter):
         self._synced = 0  # history tokens appended to the corpus
         self._peers: list[SuffixDrafter] = [self]  # the group, this one included
         self._inbox: list[list[int]] = []  # the others' generations, not yet taken in
+        # this drafter's latest generation in the corpus (start, end): the next one goes
+        # on from it where it extends it (a conversation's next turn), and how much of
+        # the current generation the group has already been sent
+        self._last: tuple[int, int] | None = None
+        self._sent = 0
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -84,12 +89,14 @@ class SuffixDrafter(Drafter):
         """A new generation: the text so far stays in the corpus, behind a separator, and
         goes to the group's other drafters; what they finished since is taken in."""
         if len(self._corpus) > self._start:
-            if len(self._peers) > 1:
-                done = self._corpus[self._start :]
+            if len(self._peers) > 1 and len(self._corpus) > self._start + self._sent:
+                done = self._corpus[self._start + self._sent :]
                 for peer in self._peers:
                     if peer is not self:
                         peer._receive(done)
+            self._last = (self._start, len(self._corpus))
             self._corpus.append(self.SEPARATOR)
+        self._sent = 0
         for text in self._inbox:
             self._corpus += text
             self._corpus.append(self.SEPARATOR)
@@ -116,7 +123,25 @@ class SuffixDrafter(Drafter):
         while len(self._inbox) > 1 and held - len(self._inbox[0]) >= self.capacity:
             held -= len(self._inbox.pop(0))
 
+    def _resume(self, history: Sequence[int]) -> None:
+        """At a generation's first sync: where ``history`` extends this drafter's latest
+        generation and nothing came into the corpus after it, that generation goes on
+        (its separator dropped) instead of being appended again."""
+        last = self._last
+        self._last = None
+        if last is None or self._start != last[1] + 1 or len(self._corpus) != last[1] + 1:
+            return
+        start, end = last
+        if len(history) < end - start or self._corpus[start:end] != list(history[: end - start]):
+            return
+        self._corpus.pop()  # the separator
+        self._start, self._synced = start, end - start
+        self._sent = self._synced  # the group has it already
+        self._indexed = min(self._indexed, end)
+
     def _sync(self, history: Sequence[int]) -> None:
+        if self._synced == 0 and self._last is not None:
+            self._resume(history)
         if len(history) < self._synced or (
             self._synced
             and self._corpus[self._start + self._synced - 1] != history[self._synced - 1]
@@ -150,6 +175,9 @@ class SuffixDrafter(Drafter):
             return
         self._corpus = self._corpus[drop:]
         self._start -= drop
+        if self._last is not None:
+            start, end = self._last
+            self._last = (start - drop, end - drop) if start >= drop else None
         self._index.clear()
         self._indexed = 0
 
