@@ -391,3 +391,13 @@ def test_a_prompt_file_round_trips_and_refuses_what_is_not_its_own(tmp_path: Pat
     path.write_bytes(data[:30])
     with pytest.raises(PromptCacheFileError, match="damaged or cut short"):
         read_file(path, ident)
+
+
+def test_entries_are_told_apart_by_identity_not_by_their_arrays() -> None:
+    """Two entries of different lengths: taking one never compares their token arrays
+    element-wise (which numpy refuses for arrays of other shapes)."""
+    cache = PromptCache(10_000)
+    a, b = saved([1, 2, 3, 4, 5, 6]), saved([7, 8, 9])
+    cache.put(a)
+    cache.put(b)
+    assert cache.take(b) is b and cache.take(a) is a and len(cache) == 0

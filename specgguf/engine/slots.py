@@ -25,7 +25,7 @@ from specgguf.speculative.draft import TargetEvaluator
 from specgguf.speculative.loop import SpeculativeDecoder
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MtpState:
     """What the MTP layers held: their KV cache (``data``, llama.cpp's sequence state),
     the tokens it holds, and the target's hidden state after its last position
@@ -42,7 +42,7 @@ class MtpState:
         return len(self.data) + self.tokens.nbytes + row
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SavedPrompt:
     """Everything one sequence held, out of llama.cpp: the target's sequence state
     (tokens, KV cells, recurrent state and its checkpoints), the draft model's (its

@@ -504,7 +504,7 @@ class Checkpoint:
     data: bytes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SequenceState:
     """What a sequence held, copied out of llama.cpp (:meth:`LlamaContext.save_state`):
     its ``tokens`` (int32[n]), the state ``data`` (``llama_state_seq_get_data``; b"" for
