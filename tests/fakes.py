@@ -329,6 +329,7 @@ class FakeSequence(FakeContext):
     def __init__(self, base: FakeParallelContext, rule: Rule, n_vocab: int, n_ctx: int) -> None:
         super().__init__(rule, n_vocab, n_ctx=n_ctx, n_batch=base.n_batch)
         self._base = base
+        self.base = base
         self.n_parallel = base.n_parallel
         self.n_outputs_max = base.n_outputs_max
 

@@ -137,7 +137,7 @@ class Batcher:
         task = next((t for t in self.active if t._g is current), None)
         if task is None:  # the hub, or not one of ours
             return ctx.eval(tokens, logits=want)
-        if self._base(ctx) is self.target:
+        if ctx.base is self.target:
             task.alone = self._alone(ctx)
         return self.hub.switch(_Request(task, ctx, list(tokens), want))
 
@@ -150,7 +150,7 @@ class Batcher:
 
     def _alone(self, ctx: LlamaContext) -> bool:
         """Whether evaluations of ``ctx`` are decoded alone (the module's rule)."""
-        return bool(self._base(ctx).recurrent or ctx.rows_per_decode)
+        return bool(ctx.base.recurrent or ctx.rows_per_decode)
 
     def step(self) -> None:
         """Run every task that can run until it waits for an evaluation or ends, then
@@ -161,15 +161,15 @@ class Batcher:
         self.active = [t for t in self.active if not t.done]
         if not self._pending:
             return
-        drafting = [r for r in self._pending if self._base(r.ctx) is not self.target]
+        drafting = [r for r in self._pending if r.ctx.base is not self.target]
         if any(r.outputs for r in drafting):  # draft tokens first: the verification waits
-            bases = [self._base(next(r for r in drafting if r.outputs).ctx)]
+            bases = [next(r for r in drafting if r.outputs).ctx.base]
         else:  # the target's batch, and a piece of a draft model's prompt beside it
-            bases = [self.target, *({id(self._base(r.ctx)): self._base(r.ctx)
+            bases = [self.target, *({id(r.ctx.base): r.ctx.base
                                      for r in drafting}.values())]  # fmt: skip
         for base in bases:
-            mine = [r for r in self._pending if self._base(r.ctx) is base]
-            self._pending = [r for r in self._pending if self._base(r.ctx) is not base]
+            mine = [r for r in self._pending if r.ctx.base is base]
+            self._pending = [r for r in self._pending if r.ctx.base is not base]
             if mine:
                 self._decode(base, mine)
 
@@ -182,10 +182,6 @@ class Batcher:
             out = task._g.throw(value) if failed else task._g.switch(value)
         if isinstance(out, _Request):
             self._pending.append(out)
-
-    @staticmethod
-    def _base(ctx: LlamaContext) -> LlamaContext:
-        return getattr(ctx, "_base", ctx)
 
     def _decode(self, base: LlamaContext, requests: list[_Request]) -> None:
         """Decode ``requests`` of ``base``'s sequences: alone where the module says, else

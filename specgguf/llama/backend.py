@@ -1332,6 +1332,11 @@ class LlamaContext(_Native):
             self.n_past = n_past
             self._room = 0
 
+    @property
+    def base(self) -> LlamaContext:
+        """The context this is a sequence of (:meth:`sequence`): itself for sequence 0."""
+        return self
+
     def sequence(self, i: int) -> LlamaContext:
         """Sequence ``i`` of a parallel context (``n_parallel``): 0 is this context, the
         others views of it with their own ``n_past``, cache positions, rollback and
@@ -1385,9 +1390,7 @@ class LlamaContext(_Native):
             raise ValueError(f"{rows} rows and {sum(outs)} outputs: at most n_batch="
                              f"{self.n_batch} and n_outputs_max={self.n_outputs_max}")  # fmt: skip
         seqs = [ctx for ctx, _, _ in parts]
-        if len({id(c) for c in seqs}) < len(seqs) or any(
-            c is not self and getattr(c, "_base", None) is not self for c in seqs
-        ):
+        if len({id(c) for c in seqs}) < len(seqs) or any(c.base is not self for c in seqs):
             raise ValueError("each part must be a different sequence of this context")
         for ctx, tokens, _ in parts:
             if ctx.n_past + len(tokens) > ctx.n_ctx:
@@ -1458,6 +1461,10 @@ class _Sequence(LlamaContext):
     its own positions over the shared context, which it never frees."""
 
     _base: LlamaContext
+
+    @property
+    def base(self) -> LlamaContext:
+        return self._base
 
     def _is_open(self) -> bool:
         return self._base._is_open()

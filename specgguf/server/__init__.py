@@ -1,11 +1,14 @@
 """An OpenAI-compatible HTTP server over the speculative engine: a face, like the command
 line, and as thin.
 
-- :mod:`.app`: the endpoints (``/v1/chat/completions``, ``/v1/completions``,
-  ``/v1/models``, ``/health``, ``/metrics``), request checks and response shapes;
+- :mod:`.app`: the application: the routers, the API key, request counts;
+- :mod:`.completions`: ``/v1/chat/completions`` and ``/v1/completions``; :mod:`.status`:
+  ``/v1/models``, ``/health``, ``/metrics``; :mod:`.service`: what they share, request
+  checks, ``timings`` and ``usage``;
 - :mod:`.schemas`: the request bodies (pydantic);
-- :mod:`.scheduler`: the engine boundary: jobs run one at a time in arrival order from a
-  bounded queue on one worker thread (and where batching across requests would go);
+- :mod:`.scheduler`: the engine boundary: jobs run in arrival order from a bounded queue
+  on one worker thread, up to ``--parallel`` at once, each on the sequence the engine
+  picks for its prompt;
 - :mod:`.metrics`: Prometheus metrics; :mod:`.errors`: OpenAI's error shape;
 - :mod:`.listen`: binding and serving with uvicorn until SIGINT/SIGTERM.
 
