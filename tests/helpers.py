@@ -75,14 +75,19 @@ class ServerProcess:
     """``specgguf serve ARGS --port 0`` as a subprocess on 127.0.0.1: waits for its
     "listening on" line on stderr and reads the port from it; stderr is collected in
     ``stderr_lines`` (a thread drains it). Stop it with :meth:`stop` (a signal) or use it
-    as a context manager.
+    as a context manager. ``cwd``: the checkout whose ``specgguf`` runs (``python -m``
+    imports it from there: another checkout's, to compare with).
 
     Raises:
         RuntimeError: the server exited, or said nothing, before listening.
     """
 
     def __init__(
-        self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300
+        self,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 300,
+        cwd: Path = ROOT,
     ) -> None:
         import re
         import threading
@@ -92,7 +97,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specgguf", *self.args], stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
-            cwd=ROOT, text=True,
+            cwd=cwd, text=True,
         )  # fmt: skip
         self.stderr_lines: list[str] = []
         ready = threading.Event()
