@@ -390,3 +390,8 @@ def test_the_mtp_layers_follow_a_target_that_kept_its_prefix(tiny_models: dict[s
         assert 0 < res.stats.prompt_cached < len(turn)
         fresh = e.generate(turn, params(12, cache_prompt=False)).run()
         assert_same_or_near_tie(e, rows, turn, res, fresh.tokens)
+        # a calibration that empties the head under the drafter's feet
+        e.timings(recalibrate=True)
+        rec.take()
+        again = e.generate(turn, params(12)).run()
+        assert_same_or_near_tie(e, rec.take(), turn, again, fresh.tokens)

@@ -754,7 +754,7 @@ class Engine:
             best = min(best, time.perf_counter() - t0)
         head.rollback(0)
         assert self.drafting.mtp is not None
-        self.drafting.mtp.reset()
+        self.drafting.mtp.follow([], None)  # the head's cache is empty now
         return best
 
     def calibration_key(self, deterministic: bool = False) -> str:

@@ -153,7 +153,10 @@ class MtpDrafter(Drafter):
 
     def cached_tokens(self, history: Sequence[int]) -> int:
         """How many leading tokens of ``history`` the head's cache holds (within a
-        generation, only what it read since the last catch-up is compared)."""
+        generation, only what it read since the last catch-up is compared). A cache cut
+        by someone else (a calibration) holds only its first ``n_past``."""
+        if len(self._held) > self.head.n_past:
+            self._cut(self.head.n_past)
         n = min(self._synced, len(self._held), len(history))
         limit = min(len(self._held), len(history))
         while n < limit and self._held[n] == history[n]:
