@@ -259,6 +259,50 @@ def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI)
     assert 'specgguf_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
 
 
+def test_a_conversation_reads_only_what_its_next_turn_adds(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    """The next turn reuses the earlier ones (its sequence's cache): OpenAI's
+    ``cached_tokens`` and llama.cpp's ``cache_n`` say how many, ``prompt_n`` how many were
+    read; ``cache_prompt: false`` reads them all; /metrics counts both."""
+
+    def metric(name: str) -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(next(ln for ln in text.splitlines() if ln.startswith(name + " ")).split()[1])
+
+    before = {n: metric(n) for n in ("specgguf_prompt_tokens_cached_total",
+                                     "specgguf_prompt_tokens_read_total",
+                                     "specgguf_prompt_cache_hits_total",
+                                     "specgguf_prompt_cache_misses_total")}  # fmt: skip
+    talk = [{"role": "user", "content": "Tell me about caches " * 8}]
+    first = client.chat.completions.create(model="tiny", messages=talk, max_tokens=8,
+                                           **GREEDY)  # fmt: skip
+    talk += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And then?"}]  # fmt: skip
+    second = client.chat.completions.create(model="tiny", messages=talk, max_tokens=8,
+                                            **GREEDY)  # fmt: skip
+    u, t = second.usage, second.model_extra["timings"]
+    assert u is not None and u.prompt_tokens_details is not None
+    cached = u.prompt_tokens_details.cached_tokens
+    assert cached == t["cache_n"] and cached > first.usage.prompt_tokens - 2
+    assert t["prompt_n"] == u.prompt_tokens - cached
+    whole = client.chat.completions.create(
+        model="tiny", messages=talk, max_tokens=8,
+        extra_body={**GREEDY["extra_body"], "cache_prompt": False}, temperature=0,
+    )  # fmt: skip
+    t = whole.model_extra["timings"]
+    assert t["cache_n"] == 0 and t["prompt_n"] == whole.usage.prompt_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert metric("specgguf_prompt_tokens_cached_total") - before[
+        "specgguf_prompt_tokens_cached_total"] >= cached  # fmt: skip
+    read = metric("specgguf_prompt_tokens_read_total") - before["specgguf_prompt_tokens_read_total"]
+    assert read >= t["prompt_n"] + second.model_extra["timings"]["prompt_n"]
+    assert metric("specgguf_prompt_cache_hits_total") > before["specgguf_prompt_cache_hits_total"]
+    assert metric("specgguf_prompt_cache_misses_total") > before[
+        "specgguf_prompt_cache_misses_total"]  # fmt: skip
+    assert metric("specgguf_prompt_cache_bytes") >= 0  # the cache is on by default
+
+
 def test_retrieve_model_and_head_requests(server: ServerProcess, client: openai.OpenAI) -> None:
     # OpenAI's "retrieve model": the target under each of its names, 404 for any other.
     for name in ("tiny-target.gguf", "tiny-target"):
@@ -424,6 +468,8 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("llama.cpp's mirostat", {"messages": USER, "mirostat": 2}, "mirostat"),
     ("llama.cpp's samplers", {"messages": USER, "samplers": ["top_k"]}, "samplers"),
     ("llama.cpp's n_probs", {"messages": USER, "n_probs": 5}, "n_probs"),
+    ("llama.cpp's n_cache_reuse", {"messages": USER, "n_cache_reuse": 256}, "n_cache_reuse"),
+    ("cache_prompt not a bool", {"messages": USER, "cache_prompt": "yes"}, "cache_prompt"),
     ("n_predict 0", {"messages": USER, "n_predict": 0}, "n_predict"),
     ("n_predict below -1", {"messages": USER, "n_predict": -2}, "n_predict"),
     ("nested speculative", {"messages": USER, "speculative": {"n_max": 2}}, "speculative"),
@@ -468,6 +514,7 @@ BAD_CHAT_MESSAGES = {
     "assistant without content": "the assistant message needs text content or tool calls",
     "llama.cpp's grammar_triggers": "grammar_triggers (constrained generation) is not supported",
     "llama.cpp's repeat_penalty": "repeat_penalty (repetition penalties) is not supported",
+    "llama.cpp's n_cache_reuse": "n_cache_reuse (reusing cached chunks by shifting the KV cache",
     "nested speculative": "'speculative.n_max'",
     "template kwargs": "chat_template_kwargs (other chat template arguments) is not supported",
     "continue without assistant": "ends with an assistant message",
@@ -494,7 +541,8 @@ def test_llama_cpp_fields_at_their_disabled_values_are_accepted(server: ServerPr
     # The values llama.cpp's server takes as "off" change nothing, so they are served.
     neutral = {"repeat_penalty": 1.0, "grammar": "", "dry_multiplier": 0, "mirostat": 0,
                "typical_p": 1.5, "top_n_sigma": 0, "dynatemp_range": -1.0, "xtc_probability": 0.0,
-               "n_probs": 0, "samplers": [], "cache_prompt": True, "id_slot": -1}  # fmt: skip
+               "n_probs": 0, "samplers": [], "cache_prompt": True, "id_slot": -1,
+               "n_cache_reuse": 0}  # fmt: skip
     body = {"messages": USER, "max_tokens": 3, "temperature": 0, "ignore_eos": True, **neutral}
     r = post(server, "/chat/completions", body)
     assert r.status_code == 200, r.text
