@@ -357,8 +357,8 @@ class CacheOptions:
     cache_ram: int | None = option(
         None, "-cram", "--cache-ram", min=0, metavar="MiB", panel=CACHE,
         help="Host memory for the prompts of sequences another request takes over, given "
-        f"back to a later request that shares more with them (default: at most {CACHE_MIB}, "
-        "what the memory plan leaves; 0: none).",
+        "back to a later request that shares more with them (default: half of what the "
+        f"memory plan leaves, at most {CACHE_MIB}; 0: none).",
         to="cache.ram", convert=_mib,
     )  # fmt: skip
     cache_dir: Path | None = option(
@@ -383,7 +383,8 @@ class CacheOptions:
         CacheConfig.slot_similarity, "-sps", "--slot-prompt-similarity", min=0.0, max=1.0,
         panel=CACHE,
         help="A request goes to the free sequence sharing the longest prefix with it when "
-        "that is more than this share of it, else to the least recently used (0: always).",
+        "that is more than this share of it, else to the least recently used (0: always "
+        "the least recently used).",
         to="cache.slot_similarity",
     )  # fmt: skip
 
