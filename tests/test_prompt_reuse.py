@@ -401,3 +401,25 @@ def test_entries_are_told_apart_by_identity_not_by_their_arrays() -> None:
     cache.put(a)
     cache.put(b)
     assert cache.take(b) is b and cache.take(a) is a and len(cache) == 0
+
+
+def test_a_prompt_read_at_the_first_draft_counts_as_prompt_time() -> None:
+    """Deferred or not, reading the prompt is prompt processing: tokens/s leaves it out."""
+    import time
+
+    class Slow(FakeContext):
+        def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+            if logits == "none":
+                time.sleep(0.004 * len(tokens))
+            return super().eval(tokens, logits=logits)
+
+    draft_ctx = Slow(rule, V, n_ctx=512, n_batch=64)
+    model = ModelDrafter(draft_ctx, V)  # type: ignore[arg-type]
+    fast = Timings({1: 0.01, 2: 0.0101, 4: 0.0102, 8: 0.0104, 16: 0.011}, 0.0001)
+    dec, _ = decoder()
+    prompt = [(i * 7) % 29 + 1 for i in range(60)]
+    planner = auto_planner(fast, model=model, learn_timings=False)
+    res = dec.generate(prompt, GenerationParams(n_predict=8, sampler=GREEDY), planner).run()
+    assert res.stats.by_drafter["model"].steps > 0  # it drafted, and read the prompt then
+    assert res.stats.prompt_seconds >= 0.004 * (len(prompt) - 2)
+    assert res.stats.draft_seconds < 0.004 * (len(prompt) - 2)

@@ -170,7 +170,8 @@ class Drafter(Protocol):
     """Proposes up to ``k`` tokens to follow ``history`` (prompt + committed output).
 
     ``history`` only ever grows by appending between calls, until :meth:`reset`.
-    ``seconds`` is the wall time spent drafting, in seconds. ``p_min``: a drafter with
+    ``seconds`` is the wall time spent drafting, in seconds, ``prompt_seconds`` the part
+    of it spent reading a prompt at the first draft (:meth:`defer`). ``p_min``: a drafter with
     probabilities stops at a token it gives less than this (llama.cpp's
     ``--spec-draft-p-min``); ``p_path_min``: ... or at which the product of its
     probabilities of the tokens drafted so far, that token's included, falls below this
@@ -186,6 +187,8 @@ class Drafter(Protocol):
 
     name: str
     seconds: float
+    #: of ``seconds``, those spent reading a deferred prompt (:meth:`defer`)
+    prompt_seconds: float = 0.0
 
     def reset(self) -> None:
         """A new generation starts: the next history need not extend the previous one."""

@@ -190,6 +190,8 @@ class _Run:
     keyed: bool
     target_s0: float = 0.0
     draft_s0: float = 0.0
+    deferred_s0: float = 0.0
+    prompt_seconds: float = 0.0
     t_gen: float = 0.0
 
     @property
@@ -340,9 +342,10 @@ class SpeculativeDecoder:
         target.prompt(history[cached:-1], exact=det)
         planner.prefill(history)
         gen.stats.prompt_cached = cached
-        gen.stats.prompt_seconds = time.perf_counter() - t0
+        gen.stats.prompt_seconds = run.prompt_seconds = time.perf_counter() - t0
         run.target_s0 = target.eval_seconds
         run.draft_s0 = sum(d.seconds for d in planner.drafters)  # the prompt's counted above
+        run.deferred_s0 = sum(d.prompt_seconds for d in planner.drafters)
         run.t_gen = time.perf_counter()
         return run
 
@@ -405,11 +408,15 @@ class SpeculativeDecoder:
         return "".join(pieces), finish
 
     def _clock(self, gen: Generation, run: _Run) -> None:
-        """The generation's times so far (seconds): all, the target's, the drafters'."""
-        stats = gen.stats
-        stats.seconds = time.perf_counter() - run.t_gen
+        """The generation's times so far (seconds): all, the target's, the drafters'; a
+        prompt a drafter read at its first draft (:meth:`Drafter.defer`) counts as the
+        prompt's time, as when it was read ahead."""
+        stats, drafters = gen.stats, gen.planner.drafters
+        deferred = sum(d.prompt_seconds for d in drafters) - run.deferred_s0
+        stats.prompt_seconds = run.prompt_seconds + deferred
+        stats.seconds = time.perf_counter() - run.t_gen - deferred
         stats.target_seconds = self.target.eval_seconds - run.target_s0
-        stats.draft_seconds = sum(d.seconds for d in gen.planner.drafters) - run.draft_s0
+        stats.draft_seconds = sum(d.seconds for d in drafters) - run.draft_s0 - deferred
 
 
 def _without(

@@ -201,6 +201,8 @@ class ModelDrafter(Drafter):
             self.ctx.eval(history[start:-1], logits="none")
             self._held.extend(history[start:-1])
             last = len(history) - 1
+        if self._owed:  # (the prompt's part of it: prompt time, as when read ahead)
+            self.prompt_seconds += time.perf_counter() - t0
         logits = self.ctx.eval(history[last:], logits="last")
         self._held.extend(history[last:])
         self._synced = len(history) - self.offset
