@@ -18,13 +18,13 @@ from specgguf.cli import bench, plan, run, serve
 from specgguf.cli import options as o
 from specgguf.cli.app import app
 from specgguf.cli.flags import Options, config_args, flags, option, takes
-from specgguf.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from specgguf.engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from specgguf.speculative.sampling import SamplerParams
 
 from .helpers import run_cli
 
 COMMANDS = {"run": run.run, "serve": serve.serve, "bench": bench.bench, "plan": plan.plan}
-CONCERNS = (o.ModelOptions, o.DraftOptions, o.SamplingOptions, o.ServerOptions)
+CONCERNS = (o.ModelOptions, o.DraftOptions, o.SamplingOptions, o.ServerOptions, o.CacheOptions)
 
 
 def test_each_concerns_defaults_reach_the_engine_config(tiny_models: dict[str, Path]) -> None:
@@ -52,7 +52,8 @@ def test_an_options_default_gives_its_configuration_its_own_default() -> None:
 
     classes: dict[str, Any] = {"target": ModelConfig, "draft": ModelConfig,
                                "engine": EngineConfig, "speculative": SpeculativeConfig,
-                               "sampler": SamplerParams, "server": ServerSettings}  # fmt: skip
+                               "sampler": SamplerParams, "server": ServerSettings,
+                               "cache": CacheConfig}  # fmt: skip
     checked = 0
     for concern in CONCERNS:
         defaults = concern()
@@ -97,6 +98,10 @@ def test_a_flag_declared_once_appears_on_every_command_of_its_concern_with_its_h
         for flag in flags(concern).values():
             assert {"run", "serve"} <= shown_on[flag.names], flag.names
     assert all(shown_on[f.names] == {"serve"} for f in flags(o.ServerOptions).values())
+    # the prompt cache's: serve's, and plan counts what two of them hold
+    planned = {"cache_ram", "ctx_checkpoints"}
+    for name, flag in flags(o.CacheOptions).items():
+        assert shown_on[flag.names] == {"serve", "plan"} if name in planned else {"serve"}
     # bench and plan: the model options that matter to them, most as declared.
     assert shown_on[("-ngl", "--n-gpu-layers", "--gpu-layers")] == {"run", "serve", "bench",
                                                                    "plan"}  # fmt: skip

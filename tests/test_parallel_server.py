@@ -239,8 +239,13 @@ def test_four_clients_at_once_get_what_each_gets_alone(server: ServerProcess) ->
         together = list(pool.map(lambda p: complete(server.url, p), PROMPTS[:4]))
     assert [r["choices"][0]["text"] for r in together] == [r["choices"][0]["text"] for r in alone]
     for r, a in zip(together, alone, strict=True):  # each request's own counts
-        assert r["usage"] == a["usage"]
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert [r["usage"][k] for k in counts] == [a["usage"][k] for k in counts]
         assert r["timings"]["draft_n"] == a["timings"]["draft_n"]
+        # each went to the sequence that held its prompt: all of it reused but its last
+        # token (which opens the first step)
+        cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == r["usage"]["prompt_tokens"] - 1 == r["timings"]["cache_n"]
 
 
 def stream_chunks(url: str, prompt: str, n: int, stop_after: int | None = None) -> str:

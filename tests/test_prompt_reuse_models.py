@@ -395,3 +395,20 @@ def test_the_mtp_layers_follow_a_target_that_kept_its_prefix(tiny_models: dict[s
         rec.take()
         again = e.generate(turn, params(12)).run()
         assert_same_or_near_tie(e, rec.take(), turn, again, fresh.tokens)
+
+
+def test_plan_counts_the_prompt_cache_and_the_checkpoints(tiny_models: dict[str, Path]) -> None:
+    from specgguf.gguf.info import read_model_info
+
+    def cache_need(*args: str) -> int:
+        res = run_cli("plan", *args, "--json")
+        assert res.returncode == 0, res.stderr
+        models = json.loads(res.stdout)["models"]
+        return sum(m["need"]["this machine"] for m in models if m["role"] == "prompt cache")
+
+    target, hybrid = str(tiny_models["target"]), str(tiny_models["hybrid"])
+    assert cache_need("-m", target) == 0
+    assert cache_need("-m", target, "--cache-ram", "100") == 100 << 20
+    state = read_model_info(tiny_models["hybrid"]).recurrent_state_bytes
+    assert cache_need("-m", hybrid) == 8 * state  # --ctx-checkpoints 8, one sequence
+    assert cache_need("-m", hybrid, "-ctxcp", "2", "--cache-ram", "1") == (1 << 20) + 2 * state

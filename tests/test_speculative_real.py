@@ -37,11 +37,11 @@ def chat(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def baseline(real_models: dict[str, Path]) -> dict[str, list[int]]:
+    # Each prompt read from nothing (cache_prompt off), as target_alone_logits reads it:
+    # a prefix kept from the prompt before would be computed in other batch shapes.
+    params = GenerationParams(n_predict=N, sampler=GREEDY, cache_prompt=False)
     with load_engine(real_models[testmodels.TARGET], drafter="none", n_ctx=512) as e:
-        return {
-            p: e.generate(chat(p), GenerationParams(n_predict=N, sampler=GREEDY)).run().tokens
-            for p in PROMPTS
-        }
+        return {p: e.generate(chat(p), params).run().tokens for p in PROMPTS}
 
 
 def target_alone_logits(
@@ -107,9 +107,10 @@ def test_real_pair_greedy_equivalence(
         for p in PROMPTS:
             ids = e.tokenize(chat(p))
             for k in (2, 4, 8):
-                with RecordingTarget(e.target_ctx) as rec:
+                with RecordingTarget(e.target_ctx) as rec:  # (the prompt read whole)
                     res = e.generate(ids, GenerationParams(n_predict=N, draft_max=k,
-                                                           sampler=GREEDY)).run()  # fmt: skip
+                                                           sampler=GREEDY,
+                                                           cache_prompt=False)).run()  # fmt: skip
                 base = baseline[p]
                 if res.tokens == base:
                     continue
@@ -159,7 +160,8 @@ def test_real_pair_exact_where_kernels_are_batch_invariant(
         for p in PROMPTS:
             for k in exact_ks:
                 res = e.generate(chat(p), GenerationParams(n_predict=N, draft_max=k,
-                                                           sampler=GREEDY)).run()  # fmt: skip
+                                                           sampler=GREEDY,
+                                                           cache_prompt=False)).run()  # fmt: skip
                 assert res.tokens == baseline[p], (k, p, noise)
                 checked += res.stats.drafted > 0
         assert checked, "the draft model never drafted: speculation was not checked"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Annotated, Any
 
@@ -39,10 +40,11 @@ _LOAD = (
 
 @app.command()
 @handled
-@takes(load=_LOAD)
+@takes(load=_LOAD, cache=Options(o.CacheOptions).only("cache_ram", "ctx_checkpoints"))
 def plan(
     *,
     load: o.ModelOptions,
+    cache: o.CacheOptions,
     rpc_mem: Annotated[
         str | None,
         typer.Option(
@@ -80,7 +82,7 @@ def plan(
     local = _gib_list("--local-mem", local_mem)
     if len(local) > 1:
         raise UsageError("--local-mem takes one size")
-    config = o.engine_config(load)
+    config = dataclasses.replace(o.engine_config(load), cache=o.cache_config(cache))
     local_free = local[0] if local else None
     gpus: list[Place] | None = [] if local else None  # another machine's: no GPU assumed
     search = bool(server_free) and not load.rpc
@@ -111,6 +113,7 @@ def plan(
 
 def _report(result: Any, search: bool) -> dict[str, Any]:
     from specgguf.engine.planning import layer_ranges
+    from specgguf.engine.preflight import PROMPT_CACHE
 
     plan = result.plan
     models = []
@@ -124,6 +127,11 @@ def _report(result: Any, search: bool) -> dict[str, Any]:
             "need": {place: share.total for place, share in m.shares.items()},
             "load_refusal": load_refusal(info),
         })  # fmt: skip
+    for m in plan.models:
+        if m.name == PROMPT_CACHE:  # --cache-ram and a recurrent target's checkpoints
+            models.append({"role": "prompt cache", "file": None, "n_layer": 0, "layers": [],
+                           "need": {p: s.total for p, s in m.shares.items()},
+                           "load_refusal": None})  # fmt: skip
     t = result.config.target
     out: dict[str, Any] = {
         "fits": result.fits,
@@ -151,6 +159,8 @@ def _print(report: dict[str, Any]) -> None:
                   f"{report['n_gpu_layers']} (the target's layers on the servers; the rest "
                   "and the draft stay on this machine)", highlight=False)  # fmt: skip
     for m in report["models"]:
+        if m["file"] is None:  # the prompt cache: no layers
+            continue
         con.print(f"{m['role']} {m['file']}: {m['n_layer']} layers + output",
                   highlight=False)  # fmt: skip
         for entry in m["layers"]:
