@@ -423,3 +423,37 @@ def test_a_prompt_read_at_the_first_draft_counts_as_prompt_time() -> None:
     assert res.stats.by_drafter["model"].steps > 0  # it drafted, and read the prompt then
     assert res.stats.prompt_seconds >= 0.004 * (len(prompt) - 2)
     assert res.stats.draft_seconds < 0.004 * (len(prompt) - 2)
+
+
+def test_a_file_whose_header_was_changed_is_refused(tmp_path: Path) -> None:
+    """The checksum covers the header's fields too: a checkpoint's position changed in
+    place (the file's length kept) is refused, never restored at a wrong position."""
+    ident = identity(target={"name": "t.gguf"})
+    path = tmp_path / "p.cache"
+    write_file(path, saved([1, 2, 3, 4, 5], size=40, checkpoints=2), ident)
+    data = path.read_bytes()
+    assert b'"checkpoints": [1, 2]' in data
+    path.write_bytes(data.replace(b'"checkpoints": [1, 2]', b'"checkpoints": [1, 4]'))
+    with pytest.raises(PromptCacheFileError, match="checksum"):
+        read_file(path, ident)
+
+
+def test_a_damaged_file_is_deleted_when_it_is_found_out(tmp_path: Path) -> None:
+    ident = identity(target={"name": "t.gguf"})
+    cache = PromptCache(0, ident=ident, disk=tmp_path, disk_limit=10_000)
+    cache.put(saved([1, 2, 3, 4], size=100))
+    (path,) = tmp_path.glob("*.sgpc")
+    path.write_bytes(path.read_bytes()[:-5] + b"XXXXX")
+    entry, n = cache.best([1, 2, 3, 4, 5])
+    assert n == 4
+    with pytest.raises(PromptCacheFileError):
+        cache.take(entry)  # type: ignore[arg-type]
+    assert not path.exists() and len(cache) == 0
+
+
+def test_an_entry_larger_than_memory_and_disk_is_not_counted_as_kept(tmp_path: Path) -> None:
+    cache = PromptCache(100, ident=identity(), disk=tmp_path, disk_limit=2000)
+    assert not cache.has_room(3000) and cache.has_room(400) and cache.has_room(50)
+    assert not cache.put(saved([1, 2], size=3000)) and cache.saves == 0
+    assert cache.put(saved([3, 4], size=300)) and cache.saves == 1  # to disk
+    assert cache.files_written == 1 and len(cache) == 1

@@ -412,3 +412,73 @@ def test_plan_counts_the_prompt_cache_and_the_checkpoints(tiny_models: dict[str,
     state = read_model_info(tiny_models["hybrid"]).recurrent_state_bytes
     assert cache_need("-m", hybrid) == 8 * state  # --ctx-checkpoints 8, one sequence
     assert cache_need("-m", hybrid, "-ctxcp", "2", "--cache-ram", "1") == (1 << 20) + 2 * state
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_saved_prompt_of_an_mtp_target_comes_back_and_drafts(
+    tiny_models: dict[str, Path], tmp_path: Path, where: str
+) -> None:
+    """A conversation displaced by another and given back (from memory, or from a file:
+    the MTP layers' cache and the hidden state they kept, as the target's) goes on
+    drafting with the MTP layers from there."""
+    from specgguf.engine import EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.engine.config import CacheConfig
+
+    disk = CacheConfig(ram=1, disk_dir=tmp_path, disk=64 << 20)
+    cache = CacheConfig(ram=64 << 20) if where == "memory" else disk
+    config = EngineConfig(ModelConfig(tiny_models["mtp"], n_ctx=2048),
+                          speculative=SpeculativeConfig(drafter="mtp", draft_max=4),
+                          cache=cache)  # fmt: skip
+    with Engine(config) as e:
+        rec = Recorder(e)
+        a = e.tokenize(DOC, add_special=False)
+        first = e.generate(a, params(12)).run()
+        e.generate(e.tokenize("beta " * 200, add_special=False), params(6)).run()
+        turn = [*a, *first.tokens, 5, 6, 7]
+        rec.take()
+        res = e.generate(turn, params(12)).run()
+        rows = rec.take()
+        assert e.prompt_cache is not None and e.prompt_cache.restores == 1
+        assert res.stats.prompt_cached >= len(a) and res.stats.by_drafter["mtp"].steps
+        fresh = e.generate(turn, params(12, cache_prompt=False)).run()
+        assert_same_or_near_tie(e, rows, turn, res, fresh.tokens)
+
+
+def test_a_saved_prompt_is_taken_before_the_sequence_is_saved_over_it(
+    tiny_models: dict[str, Path],
+) -> None:
+    """A cache that holds one sequence's state: taking it back must come before saving
+    the state it replaces, which would evict it."""
+    from specgguf.engine import EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.engine.config import CacheConfig
+
+    def config(ram: int) -> EngineConfig:
+        return EngineConfig(ModelConfig(tiny_models["target"], n_ctx=1024),
+                            speculative=SpeculativeConfig(drafter="none"),
+                            cache=CacheConfig(ram=ram))  # fmt: skip
+
+    with Engine(config(1)) as e:
+        e.generate(e.tokenize("alpha " * 100, add_special=False), params(2)).run()
+        size = e.save_prompt().nbytes
+    with Engine(config(int(size * 1.5))) as e:
+        a = e.tokenize("alpha " * 100, add_special=False)
+        first = e.generate(a, params(2)).run()
+        e.generate(e.tokenize("beta " * 100, add_special=False), params(2)).run()
+        res = e.generate([*a, *first.tokens, 9], params(2)).run()
+        assert e.prompt_cache is not None and e.prompt_cache.restores == 1
+        assert res.stats.prompt_cached == len(a) + 1 and len(e.prompt_cache) == 1
+
+
+def test_a_token_tree_step_leaves_the_cache_knowing_its_tokens(
+    tiny_models: dict[str, Path],
+) -> None:
+    """The root and the branch a tree verification keeps are what the sequence holds:
+    the next prompt reuses them, and no other text's."""
+    from specgguf.llama.backend import LlamaModel
+
+    with LlamaModel(tiny_models["target"]) as m, m.new_context(n_ctx=256, tree_branches=2) as ctx:
+        ctx.eval([1, 2, 3], logits="none")
+        ctx.eval_tree(4, [5, 6, 7], [-1, 0, -1])  # 4 -> 5 -> 6, and 4 -> 7
+        ctx.keep_tree_path([0, 1])
+        assert ctx.n_past == 6 and ctx.cached_prefix([1, 2, 3, 4, 5, 6, 9]) == 6
+        assert ctx.cached_prefix([1, 2, 3, 4, 7]) == 4

@@ -600,8 +600,8 @@ def generate_together(
             try:
                 out[i] = engine.generate(prompt, params, slot=slot).run()
             finally:
-                # (the lowest free sequence next, as the server takes them: running
-                # sequences' ids without a gap cost llama.cpp fewer micro-batches)
+                # (the lowest free sequence next: running sequences' ids without a gap
+                # cost llama.cpp fewer micro-batches; prompts are read whole here)
                 free.append(slot)
                 free.sort()
 
@@ -666,8 +666,10 @@ def run_parallel_bench(
 
     for r in range(rounds):
         for name, kind, k in configs:
+            # every prompt read whole, in both passes: their wall times count prompts,
+            # and one pass would otherwise find the other's prompts in its sequences
             params = GenerationParams(n_predict=n, sampler=SamplerParams(temperature=0),
-                                      drafter=kind, draft_max=k)  # fmt: skip
+                                      drafter=kind, draft_max=k, cache_prompt=False)  # fmt: skip
             firsts = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
             for width in (1, n_par) if r % 2 == 0 else (n_par, 1):
                 # A corpus of its own (as in run_bench): greedy answers repeat, and one

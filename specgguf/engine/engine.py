@@ -554,6 +554,11 @@ class Engine:
         ``params.grammar``: the output held to a grammar (:mod:`specgguf.speculative.grammar`;
         compiled here, cached per grammar).
 
+        With ``params.cache_prompt`` (the default) and a prompt cache
+        (``CacheConfig.ram``/``disk``), the sequence's state may be saved into the cache and
+        a saved prompt loaded into it here, before the generation is iterated; the
+        generation then keeps what the sequence shares with the prompt.
+
         Raises:
             UsageError: an empty prompt, a malformed conversation, bad speculative settings.
             GrammarError: a grammar that cannot be used (a UsageError).
@@ -594,34 +599,44 @@ class Engine:
         return best_slot(self.slots, free, ids, self.config.cache.slot_similarity)
 
     def _recall(self, seq: Slot, ids: Sequence[int]) -> None:
-        """Before ``seq`` reads the prompt ``ids``: what it holds goes to the prompt cache
-        when the prompt keeps less than half of it (llama-server's rule), and a saved
-        prompt that shares more with ``ids`` than ``seq`` does comes back into it."""
+        """Before ``seq`` reads the prompt ``ids``: a saved prompt that shares more with
+        ``ids`` than ``seq`` does is taken out of the prompt cache, what ``seq`` holds goes
+        into it when the prompt keeps less than half of it (llama-server's rule) and the
+        cache has room for it, and the saved prompt comes back into ``seq``. A state
+        llama.cpp cannot copy or take back is said in the log: the prompt is then read."""
         cache = self.prompt_cache
         if cache is None:
             return
         own, held = seq.cached_prefix(ids), seq.n_cached
         entry, shared = cache.best(ids)
-        better = entry is not None and shared > own
-        if held and own < held / 2:
-            cache.put(seq.save())
-        if entry is not None and better:
-            try:
-                seq.load(cache.take(entry))
+        back = None
+        if entry is not None and shared > own:
+            try:  # (taken first: saving the sequence may evict it)
+                back = cache.take(entry)
             except (SpecggufError, OSError) as e:
+                log.warning("prompt cache: %s; the prompt is read instead", e)
+        if held and own < held / 2 and cache.has_room(seq.state_bytes()):
+            try:
+                cache.put(seq.save())
+            except SpecggufError as e:
+                log.warning("prompt cache: %s; the sequence's prompt is not kept", e)
+        if back is not None:
+            try:
+                seq.load(back)
+            except SpecggufError as e:
                 log.warning("prompt cache: %s; the prompt is read instead", e)
 
     def cache_identity(self) -> dict[str, Any]:
         """What a saved prompt of this engine belongs to (see
         :func:`specgguf.engine.prompt_cache.identity`): the models' files, the llama.cpp
-        build, each context's size, K cache type, micro-batch, sequences and recurrent
-        snapshots, weight repacking, whether the MTP layers draft."""
+        build, each context's size, K cache type, batch and micro-batch, sequences and
+        recurrent snapshots, weight repacking, whether the MTP layers draft."""
 
         def context(ctx: LlamaContext | None) -> dict[str, Any] | None:
             if ctx is None:
                 return None
             return {"n_ctx": ctx.n_ctx_allocated, "type_k": ctx.type_k,
-                    "n_ubatch": ctx.n_ubatch, "n_seq": ctx.n_parallel,
+                    "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq": ctx.n_parallel,
                     "n_rs_seq": ctx.n_rs_seq, "repack": ctx.model.use_extra_bufts}  # fmt: skip
 
         draft = self.draft_model

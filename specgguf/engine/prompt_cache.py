@@ -48,6 +48,9 @@ VERSION = 1
 KEEP_MIN = 0.25
 #: The suffix of prompt-cache files in a ``--cache-dir``.
 SUFFIX = ".sgpc"
+#: A temporary file of the folder this old (seconds) was left by a process that stopped
+#: while writing it: it goes when the folder is indexed.
+STALE_TMP = 3600
 
 
 class PromptCacheFileError(SpecggufError):
@@ -61,15 +64,15 @@ class PromptCacheFileError(SpecggufError):
 
 
 def file_fingerprint(path: Path) -> dict[str, Any]:
-    """A model file's identity: its name, size and a hash of its first and last MiB
-    (cheap, and a re-download of the same file matches where a modification time would
-    not)."""
+    """A model file's identity: its name, size and a hash of its first, middle and last
+    MiB (the metadata, and weights from two places: cheap, and a re-download of the same
+    file matches where a modification time would not). Of a split model, its first
+    shard's."""
     size = path.stat().st_size
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 2 << 20:
-            f.seek(size - (1 << 20))
+        for at in sorted({0, max(0, size // 2 - (1 << 19)), max(0, size - (1 << 20))}):
+            f.seek(at)
             h.update(f.read(1 << 20))
     return {"name": path.name, "size": size, "hash": h.hexdigest()}
 
@@ -110,15 +113,10 @@ def write_file(path: Path, saved: SavedPrompt, ident: Mapping[str, Any]) -> int:
         mtp_meta = {"n": len(m.tokens), "row_at": m.row_at, "row": len(row) // 4}
         m_blobs = [m.tokens.astype("<i4").tobytes(), m.data, row]
     blobs = [*t_blobs, *d_blobs, *m_blobs]
-    digest = hashlib.blake2b(digest_size=16)
-    for b in blobs:
-        digest.update(b)
-    header = json.dumps({
-        "identity": dict(ident), "target": target, "draft": draft,
-        "draft_offset": saved.draft_offset, "mtp": mtp_meta,
-        "sizes": [len(b) for b in blobs], "checksum": digest.hexdigest(),
-        "created": time.time(),
-    }).encode()  # fmt: skip
+    fields = {"identity": dict(ident), "target": target, "draft": draft,
+              "draft_offset": saved.draft_offset, "mtp": mtp_meta,
+              "sizes": [len(b) for b in blobs], "created": time.time()}  # fmt: skip
+    header = json.dumps({**fields, "checksum": _checksum(fields, blobs)}).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
@@ -134,6 +132,14 @@ def write_file(path: Path, saved: SavedPrompt, ident: Mapping[str, Any]) -> int:
             tmp.unlink()
         raise
     return len(MAGIC) + 8 + len(header) + sum(len(b) for b in blobs)
+
+
+def _checksum(fields: Mapping[str, Any], blobs: Sequence[bytes]) -> str:
+    """The checksum of a file: of its header's fields (but the checksum) and its data."""
+    digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16)
+    for b in blobs:
+        digest.update(b)
+    return digest.hexdigest()
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -184,10 +190,8 @@ def read_file(path: Path, ident: Mapping[str, Any]) -> SavedPrompt:
             raise PromptCacheFileError(path, "cut short")
         if extra:
             raise PromptCacheFileError(path, "longer than its header says")
-        digest = hashlib.blake2b(digest_size=16)
-        for b in blobs:
-            digest.update(b)
-        if digest.hexdigest() != header.get("checksum"):
+        fields = {k: v for k, v in header.items() if k != "checksum"}
+        if _checksum(fields, blobs) != header.get("checksum"):
             raise PromptCacheFileError(path, "its data does not match its checksum")
         parts = iter(blobs)
         target = _state(header["target"], parts)
@@ -200,21 +204,33 @@ def read_file(path: Path, ident: Mapping[str, Any]) -> SavedPrompt:
             data = next(parts)
             row_bytes = next(parts)
             row = np.frombuffer(row_bytes, "<f4").astype(np.float32) if row_bytes else None
-            mtp = MtpState(data, tokens, int(m["row_at"]), row)
-        return SavedPrompt(target, draft, int(header.get("draft_offset", 0)), mtp)
+            row_at = int(m["row_at"])
+            if row is not None and row_at != len(tokens) - 1:
+                raise ValueError
+            mtp = MtpState(data, tokens, row_at, row)
+        offset = int(header.get("draft_offset", 0))
+        if offset < 0 or offset > len(target.tokens):
+            raise ValueError
+        return SavedPrompt(target, draft, offset, mtp)
     except (KeyError, TypeError, ValueError, StopIteration):
         raise PromptCacheFileError(path, "its header does not describe its data") from None
 
 
 def _state(meta: Any, parts: Iterator[bytes]) -> SequenceState | None:
+    """A sequence's state from its header entry and its parts; ValueError for positions
+    that cannot be (a checkpoint past the tokens, out of order)."""
     if meta is None:
         return None
     tokens = np.frombuffer(next(parts), "<i4").astype(np.int32)
-    if len(tokens) != int(meta["n"]):
+    n = len(tokens)
+    at = [int(c) for c in meta["checkpoints"]]
+    exact = int(meta["exact"])
+    if n != int(meta["n"]) or at != sorted(set(at)) or any(not 0 < c <= n for c in at):
+        raise ValueError
+    if not 0 <= exact <= n:
         raise ValueError
     data = next(parts)
-    checkpoints = tuple(Checkpoint(int(n), next(parts)) for n in meta["checkpoints"])
-    return SequenceState(tokens, data, checkpoints, int(meta["exact"]))
+    return SequenceState(tokens, data, tuple(Checkpoint(c, next(parts)) for c in at), exact)
 
 
 def _difference(theirs: Any, ours: Mapping[str, Any]) -> str:
@@ -248,7 +264,8 @@ class PromptCache:
     (found again after a restart: the folder's files that belong to ``ident`` are indexed
     at start, others left alone).
 
-    Used from the engine's thread only (the counters may be read from any).
+    Changed from the engine's thread only; its sizes and counters may be read from any
+    (a scrape of ``/metrics`` may see them a step old).
     """
 
     def __init__(
@@ -295,18 +312,25 @@ class PromptCache:
                 best, shared = entry, n
         return best, shared
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` can be kept (in memory, or on disk)."""
+        return nbytes <= self.limit or (self.disk is not None and nbytes <= self.disk_limit)
+
     def take(self, entry: SavedPrompt | _OnDisk) -> SavedPrompt:
         """Remove ``entry`` (from :meth:`best`) from memory and return it; a file is read
         and kept (it goes when a prompt that holds it whole is saved, or by age).
 
         Raises:
             PromptCacheFileError, OSError: a file that can no longer be used (it is
-                forgotten).
+                forgotten; one that is damaged or not ours is deleted).
         """
         if isinstance(entry, _OnDisk):
             try:
                 saved = read_file(entry.path, self.ident)
-            except (PromptCacheFileError, OSError):
+            except PromptCacheFileError:
+                self._drop_file(entry)
+                raise
+            except OSError:
                 self._files.remove(entry)
                 raise
             self._files.remove(entry)
@@ -335,19 +359,22 @@ class PromptCache:
         for f in [f for f in self._files if common_prefix(f.tokens, tokens) == len(f.tokens)]:
             self._drop_file(f)
         if saved.nbytes > self.limit:
-            self._to_disk(saved)
-            return self.disk is not None
-        while self._memory and self.nbytes + saved.nbytes > self.limit:
-            self._to_disk(self._memory.pop(0))
-        self._memory.append(saved)
-        self.saves += 1
-        return True
+            kept = self._to_disk(saved)
+        else:
+            while self._memory and self.nbytes + saved.nbytes > self.limit:
+                self._to_disk(self._memory.pop(0))
+            self._memory.append(saved)
+            kept = True
+        self.saves += kept
+        return kept
 
     # -- the disk ---------------------------------------------------------------------
 
-    def _to_disk(self, saved: SavedPrompt) -> None:
-        if self.disk is None:
-            return
+    def _to_disk(self, saved: SavedPrompt) -> bool:
+        """``saved`` into a file of the folder, the oldest going beyond its size; whether
+        it is there (no folder, a failed write or a file larger than the folder: not)."""
+        if self.disk is None or saved.nbytes > self.disk_limit:
+            return False
         name = hashlib.blake2b(json.dumps(self.ident, sort_keys=True).encode()
                                + saved.tokens.tobytes(), digest_size=16).hexdigest()  # fmt: skip
         path = self.disk / f"{name}{SUFFIX}"
@@ -355,14 +382,13 @@ class PromptCache:
             size = write_file(path, saved, self.ident)
         except OSError as e:
             log.warning("prompt cache: could not write %s: %s", path, e)
-            return
+            return False
         self.files_written += 1
-        self._files = [f for f in self._files if f.path != path]
-        self._files.append(_OnDisk(path, saved.tokens.copy(), size))
-        while len(self._files) > 1 and self.disk_bytes > self.disk_limit:
+        mine = _OnDisk(path, saved.tokens.copy(), size)
+        self._files = [*(f for f in self._files if f.path != path), mine]
+        while self.disk_bytes > self.disk_limit:
             self._drop_file(self._files[0])
-        if self._files and self.disk_bytes > self.disk_limit:
-            self._drop_file(self._files[0])
+        return mine in self._files
 
     def _drop_file(self, f: _OnDisk) -> None:
         self._files.remove(f)
@@ -378,8 +404,13 @@ class PromptCache:
             self.disk.mkdir(parents=True, exist_ok=True)
         try:
             paths = list(self.disk.glob(f"*{SUFFIX}"))
+            stale = [p for p in self.disk.glob(f".*{SUFFIX}.*.tmp")
+                     if time.time() - p.stat().st_mtime > STALE_TMP]  # fmt: skip
         except OSError:
-            paths = []
+            paths, stale = [], []
+        for tmp in stale:  # left by a process that stopped while writing
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         for path in paths:
             try:
                 header, start = read_header(path)

@@ -111,6 +111,12 @@ class Slot:
         """How many leading ``tokens`` the target's sequence holds."""
         return self.ctx.cached_prefix(tokens)
 
+    def state_bytes(self) -> int:
+        """What :meth:`save` would copy of the target's and the draft model's states, in
+        bytes (llama.cpp sizes them without copying)."""
+        draft = self.draft_ctx.state_bytes() if self.draft_ctx is not None else 0
+        return self.ctx.state_bytes() + draft
+
     def save(self) -> SavedPrompt:
         """A copy of what the sequence holds (target, draft model, MTP layers).
 

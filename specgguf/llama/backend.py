@@ -700,8 +700,8 @@ class LlamaContext(_Native):
             self._nextn = llama_cpp_ext.llama_get_embeddings_nextn
         self._batch = lc.llama_batch_init(self.n_batch, 0, n_seq)
         #: a tree evaluated and not yet resolved: (its root's position, the number of
-        #: branch sequences, the branch sequence of each node)
-        self._tree: tuple[int, int, list[int]] | None = None
+        #: branch sequences, the branch sequence of each node, the root and the nodes)
+        self._tree: tuple[int, int, list[int], list[int]] | None = None
         #: checkpoints a recurrent state keeps (0: none; see :meth:`prompt`)
         self.n_checkpoints = n_checkpoints if recurrent else 0
         self._checkpoints: list[Checkpoint] = []
@@ -932,7 +932,7 @@ class LlamaContext(_Native):
                     f"(a tree of {rows} tokens at position {self.n_past})"
                 )
             # The branch sequence under each node: its first id (the root: any leaf's).
-            self._tree = (self.n_past, n_seq, [ids[0] for ids in seqs])
+            self._tree = (self.n_past, n_seq, [ids[0] for ids in seqs], [root, *tokens])
             ptr = lc.llama_get_logits(self._ctx)
             out = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
             out.flags.writeable = False
@@ -951,14 +951,16 @@ class LlamaContext(_Native):
         """
         if self._tree is None:
             raise ValueError("no tree is pending")
-        start, n_seq, leaf_of = self._tree
+        start, n_seq, leaf_of, nodes = self._tree
         if path:
             # The cells of a leaf's sequence past the root are its branch, one per position:
             # those up to the last accepted node are the path.
             s = leaf_of[path[-1] + 1]
             self._lc.llama_memory_seq_cp(self._mem, s, 0, start + 1, start + 1 + len(path))
         self._drop_tree(n_seq, keep_root=True)
-        self.n_past = start + 1 + len(path)
+        kept = [nodes[0], *(nodes[i + 1] for i in path)]  # the root, then the branch
+        self._held[start : start + len(kept)] = kept
+        self.n_past = start + len(kept)
 
     def _drop_tree(self, n_seq: int, *, keep_root: bool = False) -> None:
         """Remove the branch sequences 1..n_seq, and unless ``keep_root`` sequence 0's
@@ -1085,7 +1087,8 @@ class LlamaContext(_Native):
         ``cache_prompt`` (tools/server/server-context.cpp). A recurrent state goes back
         within its snapshots (:attr:`rollback_room`), else to the deepest checkpoint at
         or below the shared prefix, else to nothing. A sliding-window cache that has
-        forgotten positions the window at the cut needs is dropped whole.
+        forgotten positions the window at the cut needs is dropped whole (on a hybrid
+        model with sliding-window layers, any cut past its snapshots).
 
         ``exact``: keep only positions computed as a fresh read of the same tokens
         computes them (read by :meth:`prompt` with ``exact``, in micro-batches aligned
@@ -1099,9 +1102,15 @@ class LlamaContext(_Native):
             n = min(n, self._exact_to)
             n -= n % self._exact_unit
         if n > 0 and self.model.n_swa > 0:
-            pos_min = int(self._lc.llama_memory_seq_pos_min(self._mem, self._home))
-            if pos_min > max(0, n - self.model.n_swa):
-                n = 0
+            if self.recurrent:
+                # (its memory's pos_min is the recurrent state's: only a cut within the
+                # snapshots, which keep the window as it was, is known to be sound)
+                if self.n_past - n > self._room:
+                    n = 0
+            else:
+                pos_min = int(self._lc.llama_memory_seq_pos_min(self._mem, self._home))
+                if pos_min > max(0, n - self.model.n_swa):
+                    n = 0
         t0 = time.perf_counter()
         try:
             # (a KV cache is cut anywhere; a recurrent state at its end or within its
@@ -1109,17 +1118,18 @@ class LlamaContext(_Native):
             if not self.recurrent or self.n_past - n <= self._room:
                 self._cut(n)
             else:
-                unit = self._exact_unit if exact else 1
-                ok = [
-                    c
-                    for c in self._checkpoints
-                    if c.n <= n and c.n % unit == 0 and (not exact or c.n <= self._exact_to)
-                ]
-                n = ok[-1].n if ok else 0
-                if ok:
-                    self._restore(ok[-1])
-                else:
+                # (deterministic mode is never asked of a recurrent state: preflight
+                # refuses it, so no checkpoint needs to be exact)
+                ok = [c for c in self._checkpoints if c.n <= n]
+                n = 0
+                if not ok:
                     self._cut(0)
+                else:
+                    try:
+                        self._restore(ok[-1])
+                        n = ok[-1].n
+                    except BackendError as e:  # (the sequence is empty then)
+                        log.warning("%s; the prompt is read whole", e)
         finally:
             self.eval_seconds += time.perf_counter() - t0
         return n
@@ -1138,10 +1148,14 @@ class LlamaContext(_Native):
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Go back to ``checkpoint``: its recurrent state, and the KV cache cut there."""
         n = checkpoint.n
-        if not self._set_state(checkpoint.data, partial=True):
+        restored = self._set_state(checkpoint.data, partial=True)
+        if not restored or not self._lc.llama_memory_seq_rm(self._mem, self._home, n, -1):
+            self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
+            self.n_past = 0
+            self._hidden_rows = []
+            self._forget_past(0)
             raise BackendError(f"llama.cpp could not restore a checkpoint of "
                                f"{self.model.path.name} at {n} positions")  # fmt: skip
-        self._lc.llama_memory_seq_rm(self._mem, self._home, n, -1)
         self.n_past = n
         self._room = 0
         self._hidden_rows = [(p, h if p + len(h) <= n else h[: n - p].copy())
@@ -1157,10 +1171,12 @@ class LlamaContext(_Native):
     ) -> None:
         """Append a prompt's ``tokens`` (no logits) with ``evaluate`` (default
         ``eval(tokens, logits="none")``; a parallel sequence passes its batcher's). A
-        recurrent state with ``n_checkpoints`` keeps a checkpoint after them, and at every
-        multiple of :data:`CHECKPOINT_STEP` positions on the way. ``exact``: the read is
-        decoded in batches of ``n_batch`` from where it starts (deterministic mode), so
-        that :meth:`reuse` can keep what it computed in ``exact`` mode.
+        recurrent state with ``n_checkpoints`` keeps a checkpoint after them,
+        :data:`CHECKPOINT_TAIL` positions before their end, and at every multiple of
+        :data:`CHECKPOINT_STEP` positions on the way. ``exact``: deterministic mode reads
+        the prompt (the evaluation decodes it alone, in batches of ``n_batch`` from where it
+        starts), and :meth:`reuse` in ``exact`` mode may keep the whole micro-batches it
+        reads from a micro-batch boundary on.
 
         Raises:
             ContextOverflowError: the tokens do not fit.
@@ -1186,10 +1202,9 @@ class LlamaContext(_Native):
             at = cut
             if self.n_checkpoints:
                 self.checkpoint()
-        if exact and start <= self._exact_to and start % unit == 0:
-            # up to the first cut off a micro-batch boundary (the tail's, or the end)
-            self._exact_to = min(c - c % unit for c in cuts if c % unit or c == end)
-        else:
+        if exact and start <= self._exact_to and start % unit == 0 and not self.n_checkpoints:
+            self._exact_to = end - end % unit
+        else:  # (a recurrent state's reads are never exact: see reuse)
             self._exact_to = min(self._exact_to, start)
 
     def checkpoint(self) -> None:
@@ -1263,6 +1278,12 @@ class LlamaContext(_Native):
             self._exact_to = min(state.exact, n)
         finally:
             self.eval_seconds += time.perf_counter() - t0
+
+    def state_bytes(self) -> int:
+        """What :meth:`save_state` would copy of llama.cpp's state, in bytes (0: empty)."""
+        if not self.n_past:
+            return 0
+        return int(self._lc.llama_state_seq_get_size_ext(self._ctx, self._home, 0))
 
     def _get_state(self, *, partial: bool) -> bytes:
         flags = _STATE_PARTIAL if partial else 0

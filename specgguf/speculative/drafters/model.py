@@ -194,15 +194,20 @@ class ModelDrafter(Drafter):
         # At least the last history token is evaluated, to get logits after it.
         keep = self._rewind(min(common, len(history) - 1 - self.offset))
         start = self.offset + keep
+        if start < self._owed:  # the deferred prompt: prompt time, as when read ahead
+            t_prompt = time.perf_counter()
+            self.ctx.eval(history[start : self._owed], logits="none")
+            self._held.extend(history[start : self._owed])
+            start = self._owed
+            self.prompt_seconds += time.perf_counter() - t_prompt
         last = start
         if len(history) - start > _CATCH_UP_SPLIT:
-            # a long catch-up (a deferred prompt) without logits, so that a batcher reads
-            # it in pieces beside other sequences' steps; its last token then alone
+            # A long catch-up without logits first (after idle steps): a batcher reads it
+            # in pieces beside the other sequences' steps, where a request for logits
+            # would go first and hold their verifications up; its last token then alone.
             self.ctx.eval(history[start:-1], logits="none")
             self._held.extend(history[start:-1])
             last = len(history) - 1
-        if self._owed:  # (the prompt's part of it: prompt time, as when read ahead)
-            self.prompt_seconds += time.perf_counter() - t0
         logits = self.ctx.eval(history[last:], logits="last")
         self._held.extend(history[last:])
         self._synced = len(history) - self.offset

@@ -75,7 +75,8 @@ class MtpDrafter(Drafter):
         self.target = target
         self.n_vocab = min(n_vocab_target, head.n_vocab)
         self._held: list[int] = []  # the tokens in the head's cache, by position
-        # the target's hidden state after the head's last position (position, row), kept
+        # the target's hidden state after the head's last position (position,
+        # float32[n_embd]), kept
         # across generations: the next one's first row reads it, and the target may have
         # kept that position from its cache without computing it again
         self._row: tuple[int, npt.NDArray[np.float32]] | None = None
@@ -91,7 +92,7 @@ class MtpDrafter(Drafter):
         p = self.head.n_past - 1
         if p >= 0 and (self._row is None or self._row[0] != p):
             try:
-                self._row = (p, self.target.hidden_rows(p, p + 1))
+                self._row = (p, self.target.hidden_rows(p, p + 1)[0])
             except ValueError:  # forgotten: reuse_limit has the target compute it again
                 self._row = None
 
@@ -110,15 +111,18 @@ class MtpDrafter(Drafter):
         self._row = row if row is not None and row[0] == len(tokens) - 1 else None
 
     def reuse_limit(self, history: Sequence[int]) -> int | None:
-        """The head goes on from the longest prefix of ``history`` it holds; its next row
-        reads the target's hidden state after the position before: kept for its last
-        position, else the target must compute it again (keep at most the positions
-        before it)."""
+        """The head goes on from the longest prefix of ``history`` it holds (H
+        positions); its rows read the target's hidden states of the positions before
+        theirs, which the target has only for what it computes in this generation (none
+        after a saved prompt was restored). So the target keeps at most H positions when
+        the hidden state after the head's last one was kept, else at most H - 1."""
         # (the target holds at most all but the last token before the first step)
         keep = min(self.cached_tokens(history), len(history) - 1)
         row = self._row
         if keep and keep == len(self._held) and row is not None and row[0] == keep - 1:
-            return None
+            # the positions after the head's are read again by the target, for their
+            # hidden states (a target whose state was restored has none of its own)
+            return keep
         return max(0, keep - 1)
 
     def prefill(self, history: Sequence[int]) -> None:
@@ -148,8 +152,9 @@ class MtpDrafter(Drafter):
         except ValueError:
             if self._row is None or self._row[0] != start:
                 raise
-        rest = self.target.hidden_rows(start + 1, end) if end > start + 1 else self._row[1][:0]
-        return np.concatenate([self._row[1], rest])
+        first = self._row[1][None, :]
+        return np.concatenate([first, self.target.hidden_rows(start + 1, end)]) if (
+            end > start + 1) else first  # fmt: skip
 
     def cached_tokens(self, history: Sequence[int]) -> int:
         """How many leading tokens of ``history`` the head's cache holds (within a
