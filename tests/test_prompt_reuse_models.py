@@ -10,6 +10,7 @@ which is allowed only where the two runs' own logits show one (:func:`assert_sam
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -301,10 +302,12 @@ def test_no_host_cache_without_ram(tiny_models: dict[str, Path]) -> None:
 # -- run --prompt-cache -----------------------------------------------------------------
 
 
-def run_json(tiny: dict[str, Path], cache: Path, question: str, *extra: str) -> Any:
-    res = run_cli("run", "-m", str(tiny["target"]), "--drafter", "none", "-c", "2048",
+def run_json(tiny: dict[str, Path], cache: Path, question: str, *extra: str,
+             env: dict[str, str] | None = None) -> Any:  # fmt: skip
+    drafter = [] if "--drafter" in extra else ["--drafter", "none"]
+    res = run_cli("run", "-m", str(tiny["target"]), *drafter, "-c", "2048",
                   "--temp", "0", "-n", "8", "--ignore-eos", "--json", "--prompt-cache",
-                  str(cache), *extra, DOC + question)  # fmt: skip
+                  str(cache), *extra, DOC + question, env=env)  # fmt: skip
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout), res.stderr.decode()
 
@@ -484,3 +487,23 @@ def test_a_token_tree_step_leaves_the_cache_knowing_its_tokens(
         ctx.keep_tree_path([0, 1])
         assert ctx.n_past == 6 and ctx.cached_prefix([1, 2, 3, 4, 5, 6, 9]) == 6
         assert ctx.cached_prefix([1, 2, 3, 4, 7]) == 4
+
+
+@pytest.mark.parametrize("drafter", [["--drafter", "auto"], ["--drafter", "model", "--draft", "4"]])
+def test_run_prompt_cache_with_a_draft_model(
+    tiny_models: dict[str, Path], tmp_path: Path, drafter: list[str]
+) -> None:
+    """What measures timings on the target (auto mode's calibration check before the first
+    step, a forced drafter's target-alone rate after the text) never empties the state
+    the file gives or the run saves."""
+    cache = tmp_path / "doc.cache"
+    args = ["-md", str(tiny_models["draft-partial"]), *drafter]
+    # no calibration cached: each run measures what it needs
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    first, _ = run_json(tiny_models, cache, "Q1", *args, env=env)
+    shutil.rmtree(tmp_path / "xdg", ignore_errors=True)
+    second, err = run_json(tiny_models, cache, "Q2", *args, env=env)
+    assert second["stats"]["prompt_cached"] > first["stats"]["prompt_tokens"] * 0.8, err
+    shutil.rmtree(tmp_path / "xdg", ignore_errors=True)
+    third, err = run_json(tiny_models, cache, "Q3", *args, env=env)
+    assert third["stats"]["prompt_cached"] > first["stats"]["prompt_tokens"] * 0.8, err

@@ -160,6 +160,9 @@ def run(
         alone = engine.target_alone_rate(measure=False) if forced else None
         live = not quiet and not json_out and live_allowed()
         result, interrupted = stream(gen, write=not json_out, live=live, target_alone=alone)
+        if prompt_cache is not None and not prompt_cache_ro and not interrupted:
+            # saved before anything else evaluates on the target (a rate measured below)
+            keep_prompt(engine, prompt_cache, say)
         if forced and alone is None and not interrupted:
             alone = engine.target_alone_rate()
         if alone and result.stats.steps:
@@ -193,8 +196,6 @@ def run(
             s = result.stats
             say(f"specgguf: prompt cache {prompt_cache}: {s.prompt_cached} of {s.prompt_tokens} "
                 f"prompt tokens reused, {s.prompt_read} read")  # fmt: skip
-            if not prompt_cache_ro and not interrupted:
-                keep_prompt(engine, prompt_cache, say)
         say(summary_line(result.stats, result.finish_reason))
         if alone is not None and speculation_lost(result.stats, alone):
             say(loss_line(result.stats, alone))

@@ -661,11 +661,16 @@ class Engine:
 
     def load_prompt(self, saved: SavedPrompt, slot: int | None = None) -> None:
         """Make a sequence (None: the engine's own) hold ``saved``: the next generation
-        on it reuses what its prompt shares with it.
+        on it reuses what its prompt shares with it. The timings auto mode needs are
+        measured first, where they are not yet known: measuring them evaluates on the
+        target's context, which would empty the sequence again.
 
         Raises:
-            BackendError: llama.cpp refused a state (the sequence is then empty).
+            BackendError: llama.cpp refused a state (the sequence is then empty), or the
+                timings could not be measured.
         """
+        if self.config.speculative.drafter == "auto":
+            self.timings(self.config.deterministic)
         (self.own if slot is None else self.slots[slot]).load(saved)
 
     @property
