@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from specgguf.engine import drafter_map
-from specgguf.engine.drafter_map import DRAFTERS, Drafting, DraftSettings, make_planner
+from specgguf.engine.drafter_map import (
+    DRAFTERS,
+    DrafterEntry,
+    Drafting,
+    DraftSettings,
+    Sources,
+    make_drafters,
+    make_planner,
+)
 from specgguf.errors import UsageError
 from specgguf.speculative.arms import ChainArm, Offer, Step
 from specgguf.speculative.costmodel import Timings
@@ -67,15 +75,24 @@ FLAT = {1: 0.010, 2: 0.010}
 EPYC = {1: 0.010, 2: 0.015, 3: 0.020, 5: 0.028, 9: 0.047, 17: 0.081}
 
 
+def register_walk(monkeypatch: pytest.MonkeyPatch, offset: int) -> None:
+    """The walk drafter's registry entry: the one place a new drafter is declared."""
+    monkeypatch.setitem(DRAFTERS, "walk", DrafterEntry(
+        "walk", "the fake target's walk, shifted",
+        make=lambda src: [WalkDrafter(offset) for _ in range(src.n)],
+        arm=lambda d, s, t: ChainArm(d), spec_types=("draft-walk",),
+    ))  # fmt: skip
+
+
 def generate_with_walk(
     monkeypatch: pytest.MonkeyPatch, offset: int, verify: dict[int, float], n: int = 60
 ) -> tuple[list[int], dict[str, list[int]]]:
-    """Auto mode, as the engine builds it from the map, with the walk drafter registered
-    in the test: the output and the steps, drafted and accepted tokens per drafter."""
-    monkeypatch.setitem(DRAFTERS, "walk", lambda d, s: ChainArm(WalkDrafter(offset)))
-    drafting = Drafting(
-        None, NgramDrafter(2, 8), SuffixDrafter(), lambda det: Timings(dict(verify))
-    )
+    """Auto mode, as the engine builds it from the registry, with the walk drafter
+    registered in the test: the output and the steps, drafted and accepted tokens per
+    drafter."""
+    register_walk(monkeypatch, offset)
+    (drafters,) = make_drafters(Sources(1, V))
+    drafting = Drafting(drafters, lambda det: Timings(dict(verify)))
     planner = make_planner("auto", drafting, DraftSettings(draft_max=8))
     assert isinstance(planner, AutoPlanner)
     assert [arm.name for arm in planner.arms] == ["ngram", "suffix", "walk"]
@@ -95,12 +112,27 @@ def test_a_drafter_added_in_the_test_alone_is_chosen_where_it_pays(
     _, by = generate_with_walk(monkeypatch, 0, FLAT)
     assert by == {"walk": [7, 53, 53]}
     # It is a drafter like the others: --drafter walk drafts with it at a fixed length.
-    drafting = Drafting(None, NgramDrafter(2, 8), SuffixDrafter(), lambda det: Timings(dict(FLAT)))
+    (drafters,) = make_drafters(Sources(1, V))
+    drafting = Drafting(drafters, lambda det: Timings(dict(FLAT)))
     fixed = make_planner("walk", drafting, DraftSettings(draft_max=3))
     assert isinstance(fixed, FixedPlanner) and fixed.plan([1], 3, GREEDY, RNG).draft.tokens == [
         2, 3, 4,
     ]  # fmt: skip
     assert "walk" in drafter_map.drafter_kinds()
+    # and the one entry is all the faces read: llama.cpp's name for it, --drafter's help,
+    # a request's speculative.drafter (an unknown name is refused there)
+    from pydantic import ValidationError
+
+    from specgguf.cli.options import spec_type_drafter
+    from specgguf.server.schemas import ChatCompletionRequest
+
+    assert spec_type_drafter("draft-walk") == ("walk", None)
+    assert "walk (the fake target's walk, shifted)" in drafter_map.drafter_help()
+    msgs = [{"role": "user", "content": "hi"}]
+    req = ChatCompletionRequest.model_validate({"messages": msgs, "speculative.drafter": "walk"})
+    assert req.spec_drafter == "walk"
+    with pytest.raises(ValidationError, match="must be one of auto, model, mtp, ngram, suffix"):
+        ChatCompletionRequest.model_validate({"messages": msgs, "speculative.drafter": "eagle"})
 
 
 def test_a_drafter_added_in_the_test_alone_is_left_where_it_does_not_pay(
@@ -242,12 +274,16 @@ def test_a_tree_is_verified_as_a_tree_only_where_trees_are() -> None:
 
 
 def test_an_unknown_drafter_is_refused_with_the_names_there_are() -> None:
-    drafting = Drafting(None, NgramDrafter(2, 8), SuffixDrafter(), lambda det: Timings({1: 0.01}))
+    (drafters,) = make_drafters(Sources(1, V))  # nothing loaded: the lookups only
+    assert sorted(drafters) == ["ngram", "suffix"]
+    drafting = Drafting(drafters, lambda det: Timings({1: 0.01}))
     with pytest.raises(UsageError, match="auto, model, mtp, ngram, suffix, none, not 'walk'"):
         make_planner("walk", drafting, DraftSettings(draft_max=4))
-    with pytest.raises(UsageError, match="the model drafter needs a draft model"):
+    with pytest.raises(UsageError, match="the model drafter needs a draft model, and none"):
         make_planner("model", drafting, DraftSettings(draft_max=4))
-    with pytest.raises(UsageError, match="the mtp drafter needs the target's MTP layers"):
+    with pytest.raises(
+        UsageError, match="the mtp drafter needs the target's multi-token-prediction layers"
+    ):
         make_planner("mtp", drafting, DraftSettings(draft_max=4))
 
 

@@ -239,7 +239,7 @@ def test_parallel_bench_gives_each_pass_a_suffix_corpus_of_its_own(
         params = GenerationParams(n_predict=48, sampler=SamplerParams(temperature=0),
                                   drafter="suffix", draft_max=4)  # fmt: skip
         msgs = [{"role": "user", "content": question}]
-        with engine.fresh_suffix():
+        with engine.fresh_memory():
             (first,), _ = generate_together(engine, [msgs], params)
             (second,), _ = generate_together(engine, [msgs], params)
         assert len(first.tokens) == len(second.tokens) == 48
@@ -269,7 +269,7 @@ def test_parallel_sequences_draft_from_what_the_others_generated(
                               drafter="suffix", draft_max=4)  # fmt: skip
     count = [{"role": "user", "content": "Count from one to ten."}]
     other = [{"role": "user", "content": "hello world"}]  # a one-token answer
-    with Engine(config) as engine, engine.fresh_suffix():
+    with Engine(config) as engine, engine.fresh_memory():
         # sequences 0 and 1 at once, then the other way round
         (first, _), _ = generate_together(engine, [count, other], params)
         (_, again), _ = generate_together(engine, [other, count], params)
@@ -309,8 +309,9 @@ def test_bench_reports_each_configuration_and_question_when_stderr_is_not_a_term
     assert res.returncode == 0, res.stderr.decode()
     lines = res.stderr.splitlines()
     steps = [m.groups() for m in map(_STEP.fullmatch, lines) if m]
-    configs = ["target", "model-K1", "model-K2", "ngram-K1", "ngram-K2", "suffix-K1",
-               "suffix-K2", "auto"]  # fmt: skip
+    # the registry's order: the lookups, then the draft model
+    configs = ["target", "ngram-K1", "ngram-K2", "suffix-K1", "suffix-K2", "model-K1",
+               "model-K2", "auto"]  # fmt: skip
     want = [(r, q, cat, name) for r in (1, 2) for q, cat in ((1, "code-editing"), (2, "chat"))
             for name in configs]  # fmt: skip
     assert len(steps) == len(want) == 32, res.stderr.decode()

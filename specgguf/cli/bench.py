@@ -89,7 +89,7 @@ def bench(
     prompt set with categories, interleaved in one process; speedups are relative to the
     target alone in the same run."""
     from specgguf.cli.display import LoadProgress
-    from specgguf.engine import Engine
+    from specgguf.engine import DRAFTERS, Engine
     from specgguf.engine.bench import (
         builtin_prompts,
         load_prompts,
@@ -122,13 +122,10 @@ def bench(
     config = dataclasses.replace(o.engine_config(load, drafting, say=say), n_parallel=parallel)
     with LoadProgress({}) as load_progress:
         engine = Engine(config, on_load_progress=load_progress)
+    # each drafter the engine could make (the registry's, in its order), at each K
     configs = [("target", "none", 0)]
-    if config.loads_draft:
-        configs += [(f"model-K{k}", "model", k) for k in ks]
-    if engine.mtp_head is not None:  # the target's MTP layers
-        configs += [(f"mtp-K{k}", "mtp", k) for k in ks]
-    configs += [(f"ngram-K{k}", "ngram", k) for k in ks]
-    configs += [(f"suffix-K{k}", "suffix", k) for k in ks]
+    configs += [(f"{name}-K{k}", name, k) for name in DRAFTERS
+                if engine.drafting.get(name) is not None for k in ks]  # fmt: skip
     configs.append(("auto", "auto", draft_max))
     if load.deterministic:
         configs += [("det-" + name, kind, k) for name, kind, k in configs]
@@ -267,11 +264,13 @@ def _plot_bench(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from specgguf.engine import DRAFTERS
+
     cats = list(dict.fromkeys(r["category"] for r in report["results"]))
     fig, axes = plt.subplots(1, len(cats), figsize=(4 * len(cats), 3.5), squeeze=False)
     for ax, cat in zip(axes[0], cats, strict=True):
         rows = [r for r in report["results"] if r["category"] == cat]
-        for kind in ("model", "mtp", "ngram", "suffix"):
+        for kind in DRAFTERS:
             pts = sorted((int(r["config"].split("-K")[1]), r["speedup"]) for r in rows
                          if r["config"].startswith(kind + "-K"))  # fmt: skip
             if pts:

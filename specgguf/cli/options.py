@@ -41,8 +41,21 @@ from specgguf.engine.config import (
     ModelConfig,
     SpeculativeConfig,
 )
+from specgguf.engine.drafter_map import (
+    AUTO,
+    DRAFTERS,
+    NONE,
+    drafter_help,
+    drafter_kinds,
+    needs,
+    spec_types,
+)
 from specgguf.errors import UsageError
 from specgguf.speculative.sampling import SamplerParams
+
+#: llama.cpp's --spec-type values (common/speculative.cpp, 2026) -> specgguf's drafter, from
+#: the registry (:func:`specgguf.engine.drafter_map.spec_types`).
+SPEC_TYPES = spec_types()
 
 #: The help section of the speculative options. Each option lists all its names on one
 #: line: specgguf's, llama.cpp's current ``--spec-*`` names (since 2026) and the former ones.
@@ -273,17 +286,15 @@ class DraftOptions:
     )  # fmt: skip
     drafter: str | None = option(
         None, "--drafter", panel=SPEC,
-        help="auto (per step, the fastest of the draft model or the target's MTP layers, "
-        "n-gram lookup and suffix matching), model, mtp (the target's multi-token-"
-        "prediction layers), ngram, suffix (matching over all text seen) or none (the "
-        "target alone). Default: auto, or with --draft K the draft model (given or found) "
-        "else n-gram lookup, at that fixed K.",
+        help=f"{drafter_help()}. Default: auto, or with --draft K the draft model (given or "
+        "found) else n-gram lookup, at that fixed K.",
     )  # fmt: skip
     spec_type: str | None = option(
         None, "--spec-type", metavar="TYPE[,TYPE]", panel=SPEC,
-        help="llama.cpp's name for --drafter: draft-simple = model; draft-mtp = mtp; "
-        "ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache = ngram "
-        "(specgguf's own n-gram lookup); several kinds = auto; none.",
+        help="llama.cpp's name for --drafter: "
+        + "; ".join(f"{', '.join(t for t, k in SPEC_TYPES.items() if k == kind)} = {kind}"
+                    for kind in dict.fromkeys(SPEC_TYPES.values()) if kind != NONE)
+        + "; several kinds = auto; none.",
     )  # fmt: skip
 
 
@@ -450,14 +461,8 @@ def is_model_file(name: str) -> bool:
     return name.endswith(".gguf") or Path(name).expanduser().exists()
 
 
-#: llama.cpp's --spec-type values (common/speculative.cpp, 2026) -> specgguf's drafter.
-SPEC_TYPES = {
-    "none": "none", "draft-simple": "model", "ngram-simple": "ngram", "ngram-map-k": "ngram",
-    "ngram-map-k4v": "ngram", "ngram-mod": "ngram", "ngram-cache": "ngram",
-    "draft-mtp": "mtp",
-}  # fmt: skip
-#: llama.cpp's drafters that need a model specgguf cannot drive (a head inside or beside
-#: the target), and what they are.
+#: llama.cpp's drafters that need a model specgguf cannot drive yet (a head inside or
+#: beside the target), and what they are: refused unless a registry entry names them.
 _HEADS = {
     "draft-eagle3": "an EAGLE-3 head",
     "draft-dflash": "a DFlash drafter",
@@ -471,37 +476,32 @@ def spec_type_drafter(value: str) -> tuple[str, str | None]:
     Raises:
         UsageError: a type llama.cpp does not have, or one specgguf cannot run.
     """
+    known = spec_types()
     types = [t.strip().lower() for t in value.split(",") if t.strip()]
     if not types:
         raise UsageError("--spec-type needs a type, e.g. draft-simple or ngram-mod")
     for t in types:
-        if t in _HEADS or (t.startswith("draft-") and t not in SPEC_TYPES):
+        if t not in known and (t in _HEADS or t.startswith("draft-")):
             what = _HEADS.get(t, "a drafting head")
-            raise UsageError(
-                f"--spec-type {t}: specgguf drafts with a separate draft model (draft-simple, "
-                f"-md), the target's MTP layers (draft-mtp) or n-gram lookup (ngram-*), not "
-                f"with {what}"
-            )
-        if t not in SPEC_TYPES:
-            raise UsageError(
-                f"--spec-type: unknown type {t!r}; llama.cpp's are {', '.join(SPEC_TYPES)}"
-            )
-    kinds = {SPEC_TYPES[t] for t in types} - {"none"}
-    ngrams = [t for t in types if SPEC_TYPES[t] == "ngram"]
-    note = None
-    if ngrams:
-        note = (
-            f"specgguf: note: --spec-type {','.join(ngrams)}: specgguf's n-gram lookup drafts "
-            "what followed the latest earlier occurrence of the last 8 to 2 tokens of the "
-            "prompt and output, without llama.cpp's n-gram counts, hash pool or cache files"
-        )
+            runs = "; ".join(f"{e.help} ({', '.join(e.spec_types)})"
+                             for e in DRAFTERS.values() if e.spec_types)  # fmt: skip
+            raise UsageError(f"--spec-type {t}: specgguf drafts with {runs}, not with {what}")
+        if t not in known:
+            raise UsageError(f"--spec-type: unknown type {t!r}; llama.cpp's are {', '.join(known)}")
+    kinds = {known[t] for t in types} - {NONE}
+    notes = []
+    for kind in dict.fromkeys(known[t] for t in types):
+        if kind != NONE and (differs := DRAFTERS[kind].spec_note):
+            named = ",".join(t for t in types if known[t] == kind)
+            notes.append(f"--spec-type {named}: {differs}")
+    note = f"specgguf: note: {'; '.join(notes)}" if notes else None
     if len(kinds) > 1:
         note = (note + "; " if note else "specgguf: note: ") + (
             f"{' with '.join(sorted(kinds))} is auto mode here: it picks one of them at "
             "every step by expected speed (llama.cpp prefers an n-gram match)"
         )
-        return "auto", note
-    return (kinds.pop() if kinds else "none"), note
+        return AUTO, note
+    return (kinds.pop() if kinds else NONE), note
 
 
 def _mtp_layers(path: Path) -> int:
@@ -547,19 +547,10 @@ def engine_config(
     """
     import sys
 
-    from specgguf.engine.config import check_drafter
-
     drafting = drafting or DraftOptions()
     drafter, model, model_draft = drafting.drafter, load.model, load.model_draft
-    if drafter is not None:
-        try:
-            check_drafter(drafter)
-        except UsageError:
-            from specgguf.engine.drafter_map import drafter_kinds
-
-            raise UsageError(
-                f"--drafter must be one of {', '.join(drafter_kinds())}, not {drafter!r}"
-            ) from None
+    if drafter is not None and drafter not in drafter_kinds():
+        raise UsageError(f"--drafter must be one of {', '.join(drafter_kinds())}, not {drafter!r}")
     if drafting.spec_type is not None:
         kind_of_type, note = spec_type_drafter(drafting.spec_type)
         if drafter is not None and drafter != kind_of_type:
@@ -571,8 +562,8 @@ def engine_config(
     _devices(load.device_draft)  # checked before anything is downloaded
     if load.no_draft and (model_draft is not None or load.hf_repo_draft is not None):
         raise UsageError("--no-draft and a draft model (-md/-hfd) exclude each other")
-    if load.no_draft and drafter == "model":
-        raise UsageError("--drafter model needs a draft model, and --no-draft refuses one")
+    if load.no_draft and drafter is not None and needs(drafter).draft_model:
+        raise UsageError(f"--drafter {drafter} needs a draft model, and --no-draft refuses one")
     if load.hf_repo is not None:
         if model is not None:
             raise UsageError("-m/--model and -hf/--hf-repo both name the target: give one")
@@ -582,7 +573,7 @@ def engine_config(
             raise UsageError("-md/--model-draft and -hfd/--hf-repo-draft both name the draft: "
                              "give one")  # fmt: skip
         model_draft = str(_pull_hf(load.hf_repo_draft, say))
-    wants_model = drafter in (None, "model", "auto") and not load.no_draft
+    wants_model = (drafter in (None, AUTO) or needs(drafter).draft_model) and not load.no_draft
     if model is None:
         from specgguf.hub.download import default_pair
         from specgguf.hub.registry import load_registry
@@ -598,7 +589,7 @@ def engine_config(
     target_path = model_path(model, load.registry)
     draft_path = model_path(model_draft, load.registry) if model_draft is not None else None
     searched = None
-    if draft_path is None and wants_model and (drafter or "auto") == "auto":
+    if draft_path is None and wants_model and (drafter or AUTO) == AUTO:
         n_mtp = _mtp_layers(target_path)
         if n_mtp:  # the target's own layers draft, as Ollama uses them
             say(f"specgguf: note: {target_path.name} carries {n_mtp} multi-token-prediction "
@@ -608,19 +599,20 @@ def engine_config(
     if draft_path is None and wants_model:
         searched = _find_draft(target_path, model, load.draft_search or (), load.registry, say)
         draft_path = searched
-    kind = drafter or ("auto" if drafting.draft is None else ("model" if draft_path else "ngram"))
-    if kind == "model" and draft_path is None:
+    kind = drafter or (AUTO if drafting.draft is None else ("model" if draft_path else "ngram"))
+    uses_model = kind == AUTO or needs(kind).draft_model
+    if needs(kind).draft_model and draft_path is None:
         raise UsageError(
-            "--drafter model needs a draft model (-md/--model-draft), and none on disk is "
+            f"--drafter {kind} needs a draft model (-md/--model-draft), and none on disk is "
             "compatible with the target (`specgguf list --drafts-for TARGET` says why)"
         )
-    if kind in ("mtp", "ngram", "suffix", "none") and model_draft is not None:
+    if not uses_model and model_draft is not None:
         say(f"specgguf: note: the {kind} drafter drafts without the draft model "
             f"{Path(model_draft).name}: it is not loaded")  # fmt: skip
     target = ModelConfig(target_path, **config_args(load, "target"))
     draft_args = config_args(load, "draft")
     draft_model = None
-    if draft_path is not None and kind in ("model", "auto"):
+    if draft_path is not None and uses_model:
         if draft_args.get("devices") == () and not draft_args.get("rpc"):
             draft_args["n_gpu_layers"] = 0  # -devd none: the CPU alone
         draft_model = ModelConfig(draft_path, **draft_args)

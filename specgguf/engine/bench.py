@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specgguf.engine.drafter_map import DRAFTERS
 from specgguf.engine.engine import Engine
 from specgguf.speculative.costmodel import Timings, best_k
-from specgguf.speculative.drafters import SuffixDrafter
 from specgguf.speculative.loop import GenerationParams, GenerationResult, GenerationStats
 from specgguf.speculative.sampling import SamplerParams
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
@@ -324,7 +324,7 @@ def allowed_rate(
     drafter was measured. An upper bound for auto mode only in so far as a is one number
     per drafter and text: auto mode can do better where acceptance varies along the text."""
     best: tuple[str, float, int, float] | None = None
-    for family in ("model", "mtp", "ngram", "suffix"):
+    for family, e in DRAFTERS.items():
         measured = [c for (ct, nm), c in cells.items()
                     if ct == category and nm.startswith(f"{family}-K")]  # fmt: skip
         if not measured:
@@ -332,7 +332,7 @@ def allowed_rate(
         accepted = sum(c.stats.accepted for c in measured)
         a = accepted / max(1, sum(c.stats.accepted + c.stats.rejected_steps for c in measured))
         t = AUTO_TUNING
-        evaluated = family in ("model", "mtp")  # a forward pass per draft token
+        evaluated = e.evaluated  # a forward pass per draft token
         k_max = t.draft_max_model if evaluated else t.draft_max_lookup
         k, rate = best_k(a, timings, k_max, cached=cached,
                          draft_cost=None if evaluated else 0.0)  # fmt: skip
@@ -343,11 +343,6 @@ def allowed_rate(
 
 def _share(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
-
-
-def _fresh_suffix(like: SuffixDrafter) -> SuffixDrafter:
-    """An empty suffix corpus with ``like``'s settings."""
-    return SuffixDrafter(**like.settings)
 
 
 def run_bench(
@@ -396,15 +391,16 @@ def run_bench(
     has_det = any(name.startswith("det-") for name, _, _ in configs)
     calibration = calibrate_pair(engine, deterministic=has_det, recalibrate=recalibrate,
                                  progress=progress)  # fmt: skip
-    shared_suffix = engine.drafting.suffix
+    own = engine.drafting.drafters
     own_tuning = engine.drafting.tuning
     total = rounds * len(prompts) * len(configs)
     done = 0
     for r in range(rounds):
         # Suffix matching learns from earlier generations: each configuration gets its own
-        # corpus per round, so that it holds the earlier questions (as a server's earlier
-        # responses would) and never this question's answer from another run.
-        corpus = {name: _fresh_suffix(shared_suffix) for name, _, _ in configs}
+        # corpus per round (every drafter that remembers, its own), so that it holds the
+        # earlier questions (as a server's earlier responses would) and never this
+        # question's answer from another run.
+        corpus = {name: engine.fresh_memories() for name, _, _ in configs}
         for q, p in enumerate(prompts, 1):
             for name, kind, k in configs:
                 done += 1
@@ -412,12 +408,12 @@ def run_bench(
                          f"({p.category}), round {r + 1}/{rounds}, "
                          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
                 det = name.startswith("det-")
-                engine.drafting.suffix = corpus[name]
+                engine.drafting.drafters = {**own, **corpus[name]}
                 engine.drafting.tuning = tunings.get(name, own_tuning)
                 try:
                     s = run_conversation(engine, p, kind, k, n, deterministic=det)
                 finally:
-                    engine.drafting.suffix = shared_suffix
+                    engine.drafting.drafters = own
                     engine.drafting.tuning = own_tuning
                 cells.setdefault((p.category, name), Cell(p.category, name)).add(s, len(p.turns))
                 cells.setdefault((OVERALL, name), Cell(OVERALL, name)).add(s, len(p.turns))
@@ -674,7 +670,7 @@ def run_parallel_bench(
             for width in (1, n_par) if r % 2 == 0 else (n_par, 1):
                 # A corpus of its own (as in run_bench): greedy answers repeat, and one
                 # remembered from an earlier pass is copied whole (83 of 96 tokens).
-                with engine.fresh_suffix():
+                with engine.fresh_memory():
                     if width == 1:  # through the batcher too, on its first sequence
                         res, seconds = [], 0.0
                         for q, m in enumerate(firsts, 1):

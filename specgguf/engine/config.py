@@ -17,7 +17,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from specgguf.engine.drafter_map import drafter_kinds
+from specgguf.engine.drafter_map import AUTO, drafter_kinds, needs
 from specgguf.errors import UsageError
 from specgguf.llama.rpc import DEFAULT_TIMEOUT, parse_endpoints
 from specgguf.speculative.tuning import AUTO_TUNING
@@ -25,8 +25,8 @@ from specgguf.speculative.tuning import AUTO_TUNING
 #: The most devices a tensor split can name (llama.cpp's ``llama_max_devices()``).
 MAX_DEVICES = 16
 
-#: A drafter's name: one of :func:`specgguf.engine.drafter_map.drafter_kinds` ("auto",
-#: "model", "ngram", "suffix", "none").
+#: A drafter's name: one of :func:`specgguf.engine.drafter_map.drafter_kinds` ("auto", a
+#: drafter of the registry, "none").
 DrafterKind = str
 
 #: A fixed drafter's draft length when none is given.
@@ -69,14 +69,14 @@ def verify_draft_max(spec: SpeculativeConfig, memory: str) -> int:
 
 
 def uses_mtp(config: EngineConfig, nextn_layers: int, *, rolls_back: bool = True) -> bool:
-    """Whether the target's MTP layers draft: asked for (the "mtp" drafter), or in auto
-    mode when the target carries them, its memory can drop rejected drafts
+    """Whether the target's MTP layers draft: asked for (a drafter that needs them), or in
+    auto mode when the target carries them, its memory can drop rejected drafts
     (``rolls_back``), no draft model is loaded (as Ollama does) and one sequence is
     generated at a time (the head drafts for one)."""
     kind = config.speculative.drafter
-    auto = (kind == "auto" and nextn_layers > 0 and rolls_back and not config.loads_draft
+    auto = (kind == AUTO and nextn_layers > 0 and rolls_back and not config.loads_draft
             and config.n_parallel == 1)  # fmt: skip
-    return kind == "mtp" or auto
+    return needs(kind).mtp_layers or auto
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +155,9 @@ class SpeculativeConfig:
     loaded: :class:`specgguf.speculative.loop.GenerationParams`).
 
     Args:
-        drafter: "auto" (n-gram lookup, suffix matching and the draft model, chosen per
-            step by the cost model), "model", "ngram", "suffix" or "none" (the target alone).
+        drafter: "auto" (every drafter loaded, chosen per step by the cost model), a
+            drafter of :data:`specgguf.engine.drafter_map.DRAFTERS` ("ngram", "suffix",
+            "model", "mtp") or "none" (the target alone).
         draft_max: the draft length K (auto: the largest); -1: :func:`default_draft_max`.
             It also sizes the target's logits buffer (K + 1 rows), so it is the largest K
             any generation on the engine can use.
@@ -269,7 +270,7 @@ class EngineConfig:
 
     Args:
         target: the target model.
-        draft: the draft model (loaded only for the "model" and "auto" drafters).
+        draft: the draft model (loaded only for auto mode and a drafter that needs one).
         speculative: the drafter and its settings.
         check_vocab: check before loading that the draft's vocabulary matches the target's.
         check_memory: refuse before loading when the models clearly do not fit in memory.
@@ -286,7 +287,7 @@ class EngineConfig:
         cache: what is kept of prompts between generations (:class:`CacheConfig`).
 
     Raises:
-        UsageError: the "model" drafter without a draft model, a timeout of 0 or less,
+        UsageError: a drafter that needs a draft model without one, a timeout of 0 or less,
             fewer than 1 parallel sequence.
     """
 
@@ -303,8 +304,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.n_parallel < 1:
             raise UsageError(f"n_parallel must be 1 or more, not {self.n_parallel}")
-        if self.speculative.drafter == "model" and self.draft is None:
-            raise UsageError("the model drafter needs a draft model")
+        kind = self.speculative.drafter
+        if needs(kind).draft_model and self.draft is None:
+            raise UsageError(f"the {kind} drafter needs a draft model")
         if not self.rpc_timeout > 0:
             raise UsageError(f"the RPC timeout must be more than 0 s, not {self.rpc_timeout}")
 
@@ -316,8 +318,9 @@ class EngineConfig:
 
     @property
     def loads_draft(self) -> bool:
-        """Whether the draft model is loaded (only the model and auto drafters use it)."""
-        return self.draft is not None and self.speculative.drafter in ("model", "auto")
+        """Whether the draft model is loaded (for auto mode, or a drafter that needs it)."""
+        kind = self.speculative.drafter
+        return self.draft is not None and (kind == AUTO or needs(kind).draft_model)
 
 
 def check_drafter(kind: str) -> None:

@@ -1,48 +1,75 @@
-"""Drafters by name: one name -> factory map, so that a new kind of drafter is one class
-(:class:`specgguf.speculative.draft.Drafter`) and one entry in :data:`DRAFTERS`.
+"""The registry of drafters: each drafter declares itself once, in :data:`DRAFTERS`.
 
-A factory makes the drafter's arm for one generation (:mod:`specgguf.speculative.arms`)
-from what the engine loaded (:class:`Drafting`) and that generation's settings
-(:class:`DraftSettings`), or None where the drafter needs a draft model and none was
-loaded. Auto mode
-is an :class:`~specgguf.speculative.planner.AutoPlanner` over the arms of every entry, in
-the map's order (on a tie, the earlier wins: free drafters first); a fixed drafter
-(``--drafter NAME``) is a :class:`~specgguf.speculative.planner.FixedPlanner` over the
-drafter of its arm.
+An entry (:class:`DrafterEntry`) says what a drafter is called (its name and llama.cpp's
+``--spec-type`` names for it), what it needs (:class:`Needs`: a draft model, the target's
+MTP layers, a state that drops rejected drafts), how the engine makes one for each
+sequence from what it loaded (:class:`Sources`), its arm in auto mode
+(:mod:`specgguf.speculative.arms`), how it is costed (``evaluated``: a forward pass per
+draft token), whether it drafts for every sequence of ``--parallel``, and its help line.
+Everything that names drafters reads it: ``--drafter`` and ``--spec-type`` (their choices
+and help), a request's ``speculative.drafter``, preflight's refusals, ``bench``'s
+configurations and the planner simulator's fixed drafters. A new kind of drafter is one
+class (:class:`specgguf.speculative.draft.Drafter`) and one entry here.
+
+Auto mode is an :class:`~specgguf.speculative.planner.AutoPlanner` over the arms of every
+entry a sequence has a drafter of, in the registry's order (on a tie, the earlier wins:
+free drafters first); a fixed drafter (``--drafter NAME``) is a
+:class:`~specgguf.speculative.planner.FixedPlanner` over that drafter.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from specgguf.errors import UsageError
 from specgguf.speculative.arms import Arm, LookupArm, ModelArm, SuffixArm
 from specgguf.speculative.costmodel import Timings
+from specgguf.speculative.draft import Drafter, Evaluator
 from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.drafters.mtp import Head, HiddenStates
 from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Planner
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
+if TYPE_CHECKING:
+    from specgguf.engine.config import EngineConfig
+    from specgguf.gguf.info import ModelInfo
 
-@dataclasses.dataclass
-class Drafting:
-    """What a sequence drafts with: the draft model's drafter (one per sequence: it
-    follows the draft model's KV cache across generations), the n-gram and suffix
-    drafters (their indexes kept across generations), and the pair's timings for auto
-    mode (measured on first use)."""
+#: Drafter names that are not drafters: auto mode, and the target alone.
+AUTO, NONE = "auto", "none"
 
-    model: ModelDrafter | None
-    #: n-gram lookup over the text so far (its index extended by a next turn's text)
-    ngram: NgramDrafter
-    #: suffix matching over everything this engine has seen (kept across generations)
-    suffix: SuffixDrafter
-    #: the pair's timings, measured on first use, for normal (False) or deterministic
-    #: (True) verification batches
-    timings: Callable[[bool], Timings]
-    #: auto mode's tuning
-    tuning: AutoTuning = AUTO_TUNING
-    #: the target's multi-token-prediction layers, when loaded
-    mtp: MtpDrafter | None = None
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a drafter needs to run: a draft model (``-md``), the target's multi-token-
+    prediction layers (``nextn_predict_layers``), and a target state that can drop
+    rejected drafts (llama.cpp's snapshots of a recurrent state: ``rollback``)."""
+
+    draft_model: bool = False
+    mtp_layers: bool = False
+    rollback: bool = True
+
+    def describe(self) -> str:
+        """What it needs that a target alone does not have, in words ("" for nothing)."""
+        parts = ["a draft model"] * self.draft_model
+        parts += ["the target's multi-token-prediction layers"] * self.mtp_layers
+        return " and ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """What the engine loaded that drafters draft from, for ``n`` sequences (the slots of
+    ``--parallel``, or the engine's own one): the target's vocabulary size, the n-gram
+    lengths to look up, the draft model's sequence for each (empty: no draft model is
+    loaded), and the target's MTP layers with the context whose hidden states they read
+    (None: not loaded; they draft for one sequence)."""
+
+    n: int
+    n_vocab: int
+    ngram: tuple[int, int] = (2, 8)
+    draft: Sequence[Evaluator] = ()
+    mtp: tuple[Head, HiddenStates] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +77,7 @@ class DraftSettings:
     """One generation's drafting: the draft length, p_min, deterministic mode, the
     shortest draft worth verifying (``draft_min``; 0: any), the most branches of a
     token tree (``tree_branches``; 0: chains only), and whether the drafter runs under
-    auto mode (``auto``: a draft model then drafts at most ``draft_max_model``)."""
+    auto mode (``auto``: an evaluated drafter then drafts at most ``draft_max_model``)."""
 
     draft_max: int
     p_min: float = 0.0
@@ -66,56 +93,211 @@ class DraftSettings:
         return 0 if self.deterministic else self.tree_branches
 
 
-ArmFactory = Callable[[Drafting, DraftSettings], Arm | None]
+@dataclasses.dataclass(frozen=True)
+class DrafterEntry:
+    """One drafter, as everything outside :mod:`specgguf.speculative` knows it.
+
+    Args:
+        name: ``--drafter NAME`` and a request's ``speculative.drafter``.
+        help: what it drafts with, for ``--drafter``'s help (a few words).
+        make: its drafter for each of the ``Sources.n`` sequences, in order, or None where
+            what it needs was not loaded.
+        arm: its arm in auto mode, for one generation's settings and auto mode's tuning.
+        spec_types: llama.cpp's ``--spec-type`` names that mean this drafter.
+        spec_note: where it drafts otherwise than llama.cpp's drafter of those names, in
+            words (said when ``--spec-type`` names it); "" where it does not.
+        needs: what it needs (preflight and the engine refuse it without).
+        evaluated: a forward pass per draft token: costed by its measured seconds per
+            token (``Timings.draft``), at most ``AutoTuning.draft_max_model`` tokens a
+            draft in auto mode; else its drafts cost nothing to make.
+        parallel: it drafts for every sequence of ``--parallel``; else for one sequence
+            at a time, and a server with several is refused it.
+        remembers: it keeps what earlier generations saw (a benchmark gives each
+            configuration a fresh one, :meth:`specgguf.engine.Engine.fresh_memory`).
+        check: further preflight rules: raises UsageError for a configuration or target
+            it cannot run on, before anything loads.
+    """
+
+    name: str
+    help: str
+    make: Callable[[Sources], list[Drafter] | None]
+    arm: Callable[[Drafter, DraftSettings, AutoTuning], Arm]
+    spec_types: tuple[str, ...] = ()
+    spec_note: str = ""
+    needs: Needs = Needs()
+    evaluated: bool = False
+    parallel: bool = True
+    remembers: bool = False
+    check: Callable[[EngineConfig, ModelInfo], None] | None = None
 
 
-def _model(d: Drafting, s: DraftSettings) -> Arm | None:
-    if d.model is None:
+def _evaluated_arm(drafter: Drafter, s: DraftSettings, tuning: AutoTuning) -> Arm:
+    draft_max = min(tuning.draft_max_model, s.draft_max) if s.auto else s.draft_max
+    return ModelArm(drafter, draft_max=draft_max, p_min=s.p_min)  # type: ignore[arg-type]
+
+
+def _make_model(src: Sources) -> list[Drafter] | None:
+    if not src.draft:
         return None
-    draft_max = min(d.tuning.draft_max_model, s.draft_max) if s.auto else s.draft_max
-    return ModelArm(d.model, draft_max=draft_max, p_min=s.p_min)
+    return [ModelDrafter(ctx, src.n_vocab) for ctx in src.draft]
 
 
-def _mtp(d: Drafting, s: DraftSettings) -> Arm | None:
-    if d.mtp is None:
+def _make_mtp(src: Sources) -> list[Drafter] | None:
+    if src.mtp is None or src.n != 1:
         return None
-    draft_max = min(d.tuning.draft_max_model, s.draft_max) if s.auto else s.draft_max
-    return ModelArm(d.mtp, draft_max=draft_max, p_min=s.p_min)
+    head, target = src.mtp
+    return [MtpDrafter(head, target, src.n_vocab)]
 
 
-#: Drafter name -> its arm for one generation, in the order auto mode weighs them.
-DRAFTERS: dict[str, ArmFactory] = {
-    "ngram": lambda d, s: LookupArm(d.ngram),
-    "suffix": lambda d, s: SuffixArm(d.suffix, tree_branches=s.trees),
-    "model": _model,
-    "mtp": _mtp,
-}
+def _check_mtp(config: EngineConfig, target: ModelInfo) -> None:
+    if not target.nextn_layers:
+        raise UsageError(
+            f"the mtp drafter: {target.path.name} carries no multi-token-prediction layers "
+            f"({target.architecture}.nextn_predict_layers)"
+        )
+
+
+#: Drafter name -> its entry, in the order auto mode weighs them (free drafters first).
+DRAFTERS: dict[str, DrafterEntry] = {
+    e.name: e
+    for e in (
+        DrafterEntry(
+            "ngram", "n-gram lookup",
+            make=lambda src: [NgramDrafter(*src.ngram) for _ in range(src.n)],
+            arm=lambda d, s, t: LookupArm(d),  # type: ignore[arg-type]
+            spec_types=("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod",
+                        "ngram-cache"),
+            spec_note="specgguf's n-gram lookup drafts what followed the latest earlier "
+            "occurrence of the last 8 to 2 tokens of the prompt and output, without "
+            "llama.cpp's n-gram counts, hash pool or cache files",
+        ),
+        DrafterEntry(
+            "suffix", "suffix matching over all text seen",
+            # one corpus of everything the sequences saw, a copy each
+            make=lambda src: list(SuffixDrafter.group(src.n)),
+            arm=lambda d, s, t: SuffixArm(d, tree_branches=s.trees),  # type: ignore[arg-type]
+            remembers=True,
+        ),
+        DrafterEntry(
+            "model", "the draft model", make=_make_model, arm=_evaluated_arm,
+            spec_types=("draft-simple",), needs=Needs(draft_model=True), evaluated=True,
+        ),
+        DrafterEntry(
+            "mtp", "the target's multi-token-prediction layers", make=_make_mtp,
+            arm=_evaluated_arm, spec_types=("draft-mtp",), needs=Needs(mtp_layers=True),
+            evaluated=True, parallel=False, check=_check_mtp,
+        ),
+    )
+}  # fmt: skip
+
+
+def entry(name: str) -> DrafterEntry:
+    """The entry of drafter ``name``.
+
+    Raises:
+        UsageError: no drafter has that name.
+    """
+    if name not in DRAFTERS:
+        raise UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {name!r}")
+    return DRAFTERS[name]
 
 
 def drafter_kinds() -> tuple[str, ...]:
     """What ``--drafter`` takes: auto mode, a drafter of :data:`DRAFTERS`, or none."""
-    return ("auto", *sorted(DRAFTERS), "none")
+    return (AUTO, *sorted(DRAFTERS), NONE)
+
+
+def needs(kind: str) -> Needs:
+    """What drafter ``kind`` needs (auto mode and none: nothing; auto loads what it can)."""
+    return DRAFTERS[kind].needs if kind in DRAFTERS else Needs()
+
+
+def spec_types() -> dict[str, str]:
+    """llama.cpp's ``--spec-type`` names -> the drafter each means (``none``: none)."""
+    types = {NONE: NONE}
+    for e in DRAFTERS.values():
+        types.update(dict.fromkeys(e.spec_types, e.name))
+    return types
+
+
+def drafter_help() -> str:
+    """``--drafter``'s choices in words, from the registry."""
+    each = ", ".join(f"{e.name} ({e.help})" for e in DRAFTERS.values())
+    return f"{AUTO} (per step, the fastest drafter loaded), {each} or {NONE} (the target alone)"
+
+
+def check_rules(config: EngineConfig, target: ModelInfo) -> None:
+    """Preflight's rules of the configured drafter, from its entry: what it needs of the
+    target and of the server, and the entry's own rules.
+
+    Raises:
+        UsageError: one line naming the drafter and what it lacks.
+    """
+    kind = config.speculative.drafter
+    if kind not in DRAFTERS:
+        return
+    e = DRAFTERS[kind]
+    if config.n_parallel > 1 and not e.parallel:
+        raise UsageError(
+            f"the {kind} drafter drafts for one sequence at a time: serve one request at a "
+            "time with it"
+        )
+    if e.check is not None:
+        e.check(config, target)
+
+
+@dataclasses.dataclass
+class Drafting:
+    """What a sequence drafts with: its drafter of each entry that could be made (by name:
+    the draft model's follows its KV cache across generations, the lookups keep their
+    indexes), and the pair's timings for auto mode (measured on first use, for normal
+    (False) or deterministic (True) verification batches)."""
+
+    drafters: dict[str, Drafter]
+    timings: Callable[[bool], Timings]
+    #: auto mode's tuning
+    tuning: AutoTuning = AUTO_TUNING
+
+    def get(self, name: str) -> Drafter | None:
+        """The drafter of entry ``name``, or None where none could be made."""
+        return self.drafters.get(name)
+
+
+def make_drafters(src: Sources) -> Iterator[dict[str, Drafter]]:
+    """Each sequence's drafters, by name, for ``src.n`` sequences: every entry's
+    :attr:`DrafterEntry.make` that could be made from ``src``."""
+    made = {name: d for name, e in DRAFTERS.items() if (d := e.make(src)) is not None}
+    for i in range(src.n):
+        yield {name: d[i] for name, d in made.items()}
+
+
+def missing(kind: str, d: Drafting) -> str | None:
+    """Why drafter ``kind`` cannot draft for ``d``: what it needs and was not loaded, in
+    words; None when it can (auto mode and none always can)."""
+    if kind in (AUTO, NONE) or d.get(kind) is not None:
+        return None
+    what = needs(kind).describe() or "what it drafts from"
+    return f"the {kind} drafter needs {what}, and none was loaded"
 
 
 def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
     """The planner of one generation for drafter ``kind`` (see :func:`drafter_kinds`).
 
     Raises:
-        UsageError: an unknown kind, or a drafter that cannot run here (the model drafter
-            without a loaded draft model, the MTP drafter without MTP layers loaded).
+        UsageError: an unknown kind, or a drafter that cannot run here (what it needs was
+            not loaded: :func:`missing`).
     """
-    if kind == "none":
+    if kind == NONE:
         return FixedPlanner(None, 0)
-    if kind == "auto":
+    if kind == AUTO:
         s = dataclasses.replace(s, auto=True)
-        arms = [arm for make in DRAFTERS.values() if (arm := make(d, s)) is not None]
+        arms = [e.arm(d.drafters[name], s, d.tuning)
+                for name, e in DRAFTERS.items() if name in d.drafters]  # fmt: skip
         return AutoPlanner(d.timings(s.deterministic), arms, draft_max=s.draft_max,
                            draft_min=s.draft_min, tuning=d.tuning)  # fmt: skip
-    if kind not in DRAFTERS:
-        raise UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {kind!r}")
-    arm = DRAFTERS[kind](d, s)
-    if arm is None:
-        needs = "the target's MTP layers" if kind == "mtp" else "a draft model"
-        raise UsageError(f"the {kind} drafter needs {needs}, and none was loaded")
+    e = entry(kind)
+    if (why := missing(kind, d)) is not None:
+        raise UsageError(why)
+    arm = e.arm(d.drafters[kind], s, d.tuning)
     return FixedPlanner(arm.drafter, s.draft_max, p_min=s.p_min, draft_min=s.draft_min,
                         tree_branches=s.trees)  # fmt: skip

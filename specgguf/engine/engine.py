@@ -44,7 +44,15 @@ from specgguf.engine.config import (
     verify_draft_max,
 )
 from specgguf.engine.constraints import Grammars, model_grammars
-from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
+from specgguf.engine.drafter_map import (
+    DRAFTERS,
+    Drafting,
+    DraftSettings,
+    Sources,
+    make_drafters,
+    make_planner,
+    missing,
+)
 from specgguf.engine.preflight import Preflight, preflight, target_mtp, target_snapshots
 from specgguf.engine.prompt_cache import PromptCache, file_fingerprint, identity
 from specgguf.engine.slots import SavedPrompt, Slot, best_slot
@@ -53,7 +61,8 @@ from specgguf.gguf.arch import describe
 from specgguf.llama.backend import LlamaContext, LlamaModel, MtpHead, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
-from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.draft import Drafter, Evaluator
+from specgguf.speculative.drafters import MtpDrafter
 from specgguf.speculative.grammar import Constraint, GrammarSpec
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import Planner
@@ -153,7 +162,6 @@ class Engine:
                 self.target_ctx = target_ctx()
             self.draft_model: LlamaModel | None = None
             self.draft_ctx: LlamaContext | None = None
-            model_drafter = None
             if config.loads_draft:
                 assert config.draft is not None
                 self.draft_model = self._load(config.draft)
@@ -164,13 +172,10 @@ class Engine:
                     draft=True, scratch=self.draft_model.memory != "attention",
                     n_parallel=n_par,
                 )  # fmt: skip
-                model_drafter = ModelDrafter(self.draft_ctx, self.target_model.n_vocab)
             #: the target's MTP layers, when they draft
             self.mtp_head: MtpHead | None = None
-            mtp_drafter = None
             if mtp:
                 self.mtp_head = self._stack.enter_context(MtpHead(self.target_ctx))
-                mtp_drafter = MtpDrafter(self.mtp_head, self.target_ctx, self.target_model.n_vocab)
                 log.info("%s: drafting with its %d multi-token-prediction layer(s)",
                          self.target_model.path.name, self.target_model.n_layer_nextn)  # fmt: skip
             if not attention and spec.drafter == "auto" and not self.target_ctx.n_rs_seq:
@@ -193,23 +198,21 @@ class Engine:
                     "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
                     "" if attention else " and the recurrent state's snapshots", capacity,
                 )  # fmt: skip
-            self.drafting = Drafting(
-                model_drafter, NgramDrafter(spec.ngram_min, spec.ngram_max), SuffixDrafter(),
-                self.timings, mtp=mtp_drafter,
-            )  # fmt: skip
+            (own,) = make_drafters(self._sources(1))
+            self.drafting = Drafting(own, self.timings)
             #: the engine's own sequence (``generate`` without a slot)
             self.own = Slot(0, self.decoder, self.target_ctx, self.target_ctx, self.drafting,
                             self.draft_ctx, self.mtp_head)  # fmt: skip
-            # one corpus of everything the sequences saw, a copy each (SuffixDrafter.group)
-            suffixes = SuffixDrafter.group(n_par) if n_par > 1 else []
             if n_par > 1 and spec.draft_tree >= 2:
                 log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
                          n_par)  # fmt: skip
             #: the sequences generations run on: ``serve --parallel``'s, each through the
             #: batcher; one at a time, the engine's own
-            self.slots: list[Slot] = [self._slot(i, d) for i, d in enumerate(suffixes)]
-            if not self.slots:
-                self.slots = [self.own]
+            self.slots: list[Slot] = [self.own]
+            if n_par > 1:
+                src = self._sources(n_par, batched=True)
+                self.slots = [self._slot(i, d, src.draft[i] if src.draft else None)
+                              for i, d in enumerate(make_drafters(src))]  # fmt: skip
             self.batcher: Batcher | None = None
             cache = config.cache
             #: saved prompts in host memory (and on disk), or None
@@ -261,24 +264,32 @@ class Engine:
                  "lone rows never padded" if lone == NO_LIMIT
                  else f"lone rows padded past {lone} cached positions")  # fmt: skip
 
-    def _slot(self, i: int, suffix: SuffixDrafter) -> Slot:
-        """Sequence ``i`` of ``--parallel``: the loop and the drafters over its sequences
-        of the target's and the draft's contexts, evaluating through :attr:`batcher`;
-        drafters of its own (``suffix``: its copy of the corpus every sequence adds to),
-        and timings of its own, which the batcher tells which other sequences share a
-        step (:attr:`Timings.others`)."""
+    def _sources(self, n: int, *, batched: bool = False) -> Sources:
+        """What drafters draft from, for the engine's own sequence (``n`` 1) or the ``n``
+        sequences of ``--parallel`` (``batched``: the draft model's sequences evaluate
+        through :attr:`batcher`; the MTP layers draft for one sequence only)."""
+        spec = self.config.speculative
+        draft: list[Evaluator] = []
+        if self.draft_ctx is not None:
+            draft = [self.draft_ctx]
+            if batched:
+                draft = [BatchedSequence(self.draft_ctx.sequence(i), lambda: self.batcher)
+                         for i in range(n)]  # fmt: skip
+        mtp = (self.mtp_head, self.target_ctx) if self.mtp_head is not None and n == 1 else None
+        return Sources(n, self.target_model.n_vocab, (spec.ngram_min, spec.ngram_max),
+                       draft, mtp)  # fmt: skip
+
+    def _slot(self, i: int, drafters: dict[str, Drafter], draft: Evaluator | None) -> Slot:
+        """Sequence ``i`` of ``--parallel``: the loop over its sequence of the target's
+        context, evaluating through :attr:`batcher`, its ``drafters``
+        (:func:`~specgguf.engine.drafter_map.make_drafters`; ``draft``: the draft model's
+        sequence they draft in, through the batcher), and timings of its own, which the
+        batcher tells which other sequences share a step (:attr:`Timings.others`)."""
         seq = self.target_ctx.sequence(i)
         target = BatchedSequence(seq, lambda: self.batcher)
-        model, draft_seq = None, None
-        if self.draft_ctx is not None:
-            draft_seq = self.draft_ctx.sequence(i)
-            draft = BatchedSequence(draft_seq, lambda: self.batcher)
-            model = ModelDrafter(draft, self.target_model.n_vocab)
-        spec = self.config.speculative
+        draft_seq = draft.ctx if isinstance(draft, BatchedSequence) else None
         slot = Slot(i, SpeculativeDecoder(target, self.target_model), target, seq,
-                    Drafting(model, NgramDrafter(spec.ngram_min, spec.ngram_max), suffix,
-                             lambda det: timings(det)),
-                    draft_seq)  # fmt: skip
+                    Drafting(drafters, lambda det: timings(det)), draft_seq)  # fmt: skip
 
         def timings(det: bool) -> Timings:
             if det not in slot.timings:
@@ -290,23 +301,35 @@ class Engine:
         # (timings are refined only while this sequence runs alone: Timings.solo)
         return slot
 
+    def fresh_memories(self) -> dict[str, Drafter]:
+        """New drafters for the engine's own sequence of every entry it drafts with that
+        remembers what earlier generations saw (:attr:`DrafterEntry.remembers`)."""
+        src = self._sources(1)
+        made = {name: e.make(src) for name, e in DRAFTERS.items()
+                if e.remembers and name in self.drafting.drafters}  # fmt: skip
+        return {name: d[0] for name, d in made.items() if d}
+
     @contextlib.contextmanager
-    def fresh_suffix(self) -> Iterator[None]:
-        """Generations inside start from an empty suffix corpus (every sequence's, with
-        the same settings), and the engine's own is back afterwards: a benchmark's
+    def fresh_memory(self) -> Iterator[None]:
+        """Generations inside start with fresh drafters of every entry that remembers what
+        earlier generations saw (:attr:`DrafterEntry.remembers`: the suffix corpus), every
+        sequence's, and the engine's own are back afterwards: a benchmark's
         configurations must not copy an answer another one gave to the same question."""
         holders = [self.drafting, *(s.drafting for s in self.slots if s is not self.own)]
-        old = [h.suffix for h in holders]
-        settings = old[0].settings
-        fresh = [SuffixDrafter(**settings),
-                 *SuffixDrafter.group(len(holders) - 1, **settings)]  # fmt: skip
-        for holder, suffix in zip(holders, fresh, strict=True):
-            holder.suffix = suffix
+        old = [dict(h.drafters) for h in holders]
+        n = len(holders) - 1
+        groups = [self._sources(1), *([self._sources(n, batched=True)] if n else [])]
+        for name, e in DRAFTERS.items():
+            if not e.remembers or name not in self.drafting.drafters:
+                continue
+            fresh = [d for src in groups for d in e.make(src) or []]
+            for holder, d in zip(holders, fresh, strict=True):
+                holder.drafters[name] = d
         try:
             yield
         finally:
-            for holder, suffix in zip(holders, old, strict=True):
-                holder.suffix = suffix
+            for holder, drafters in zip(holders, old, strict=True):
+                holder.drafters = drafters
 
     def start_batching(self) -> Batcher:
         """The :class:`~specgguf.engine.batching.Batcher` of ``--parallel`` generations
@@ -500,14 +523,24 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------
 
+    def missing(self, kind: str) -> str | None:
+        """Why drafter ``kind`` cannot draft on this engine's sequences (what it needs and
+        was not loaded, in words), or None when it can.
+
+        Raises:
+            UsageError: no drafter has that name.
+        """
+        check_drafter(kind)
+        return missing(kind, self.slots[0].drafting)
+
     def planner(self, params: GenerationParams, slot: int | None = None) -> Planner:
         """The planner of one generation: the drafter, draft length, minimum draft length
         and p_min of ``params``, each defaulting to the engine's (:class:`SpeculativeConfig`).
 
         Raises:
             UsageError: an unknown drafter, p_min outside [0, 1], a negative draft length,
-                a minimum draft length above the draft length, the model drafter without a
-                loaded draft model.
+                a minimum draft length above the draft length, a drafter whose needs were
+                not loaded (:meth:`missing`).
         """
         spec = self.config.speculative
         kind = params.drafter or spec.drafter
@@ -773,8 +806,8 @@ class Engine:
             head.eval([0], zeros, last=True)
             best = min(best, time.perf_counter() - t0)
         head.rollback(0)
-        assert self.drafting.mtp is not None
-        self.drafting.mtp.follow([], None)  # the head's cache is empty now
+        if (mtp := self.own.drafter(MtpDrafter)) is not None:
+            mtp.follow([], None)  # the head's cache is empty now
         return best
 
     def calibration_key(self, deterministic: bool = False) -> str:

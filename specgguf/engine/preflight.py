@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from specgguf.engine.config import EngineConfig, ModelConfig, uses_mtp, verify_draft_max
+from specgguf.engine.drafter_map import AUTO, NONE, check_rules, needs
 from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
 from specgguf.gguf.arch import describe, rolls_back
 from specgguf.gguf.info import ModelInfo, read_model_info
@@ -215,24 +216,21 @@ def draft_snapshots(info: ModelInfo) -> int:
 def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
     """Refuse, before anything loads, what the target's architecture cannot do: a fixed
     drafter on a recurrent state llama.cpp cannot roll back, token trees and
-    deterministic mode on a recurrent state, MTP drafting without MTP layers.
+    deterministic mode on a recurrent state, and the drafter's own rules (its registry
+    entry: :func:`specgguf.engine.drafter_map.check_rules`).
 
     Raises:
         UsageError: one line naming the architecture and what to use instead.
     """
     spec, arch = config.speculative, describe(target.architecture)
-    if config.n_parallel > 1 and spec.drafter == "mtp":
-        raise UsageError(
-            "the mtp drafter drafts for one sequence at a time: serve one request at a time with it"
-        )
-    if spec.drafter == "mtp" and not target.nextn_layers:
-        raise UsageError(
-            f"the mtp drafter: {target.path.name} carries no multi-token-prediction layers "
-            f"({target.architecture}.nextn_predict_layers)"
-        )
+    check_rules(config, target)
     if target.memory == "attention":
         return
-    if spec.drafter not in ("auto", "none") and not rolls_back(target.architecture):
+    if (
+        needs(spec.drafter).rollback
+        and spec.drafter not in (AUTO, NONE)
+        and not rolls_back(target.architecture)
+    ):
         raise UsageError(
             f"the {spec.drafter} drafter: the target is {arch}: rejected drafts cannot be "
             "dropped from its state; run it without a drafter (auto mode runs it alone)"

@@ -38,11 +38,19 @@ from typing import Any
 import numpy as np
 
 from specgguf.engine.config import default_draft_max, default_draft_tree
-from specgguf.engine.drafter_map import Drafting, DraftSettings, make_planner
+from specgguf.engine.drafter_map import (
+    DRAFTERS,
+    Drafting,
+    DraftSettings,
+    Needs,
+    Sources,
+    make_drafters,
+    make_planner,
+)
 from specgguf.engine.traces import Trace, TracedGeneration
 from specgguf.errors import UsageError
 from specgguf.speculative.costmodel import Timings, cheapest_micro_batches, micro_batches
-from specgguf.speculative.draft import Draft
+from specgguf.speculative.draft import Draft, Drafter
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
 from specgguf.speculative.planner import Planner
 from specgguf.speculative.sampling import SamplerParams
@@ -63,8 +71,20 @@ GPU_LIKE: dict[str, Any] = {
 #: The fixed draft lengths the table compares.
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 
-#: Fixed drafters the table compares (the model only where the trace has chains).
-FIXED_DRAFTERS = ("ngram", "suffix", "model")
+#: Fixed drafters the table compares: every drafter of the registry that needs nothing
+#: loaded, and the trace's draft model (only where the trace has chains).
+FIXED_DRAFTERS = (*(name for name, e in DRAFTERS.items() if e.needs == Needs()), "model")
+
+
+def _drafters(n: int, models: Sequence[TraceDraftModel | None]) -> list[dict[str, Drafter]]:
+    """The drafters of ``n`` sequences: every entry of the registry that drafts from no
+    model (no model is loaded), and ``models``, the trace's draft model of each, as the
+    model drafter."""
+    each = list(make_drafters(Sources(n, n_vocab=0)))
+    for drafters, model in zip(each, models, strict=True):
+        if model is not None:
+            drafters["model"] = model
+    return each
 
 
 def machine_timings(
@@ -330,7 +350,8 @@ def simulate(
     n_predict = trace.meta.get("n_predict")
     n_predict = n_predict if isinstance(n_predict, int) else None
     calibrated = _copy(truth)
-    drafting = Drafting(model, NgramDrafter(2, 8), SuffixDrafter(), lambda det: calibrated, tuning)
+    (drafters,) = _drafters(1, [model])
+    drafting = Drafting(drafters, lambda det: calibrated, tuning)
     if draft_max is not None:
         k = draft_max
     else:
@@ -465,18 +486,15 @@ def simulate_parallel(
         UsageError: the model drafter without chains in the trace.
     """
     chains = any(g.chains for g in trace.generations)
-    suffixes = SuffixDrafter.group(n_parallel)
     seqs: list[tuple[TraceDraftModel | None, Timings, Drafting]] = []
 
     def fixed(t: Timings) -> Callable[[bool], Timings]:
         return lambda det: t
 
-    for i in range(n_parallel):
-        model = TraceDraftModel(truth) if chains else None
+    models = [TraceDraftModel(truth) if chains else None for _ in range(n_parallel)]
+    for i, (model, drafters) in enumerate(zip(models, _drafters(n_parallel, models), strict=True)):
         own = dataclasses.replace(_copy(truth), seq=i, n_ubatch=n_ubatch)
-        seqs.append(
-            (model, own, Drafting(model, NgramDrafter(2, 8), suffixes[i], fixed(own), tuning))
-        )
+        seqs.append((model, own, Drafting(drafters, fixed(own), tuning)))
     if draft_max is not None:
         k = draft_max
     else:

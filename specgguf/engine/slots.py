@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +23,10 @@ from specgguf.engine.drafter_map import Drafting
 from specgguf.llama.backend import LlamaContext, MtpHead, SequenceState
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import TargetEvaluator
+from specgguf.speculative.drafters import ModelDrafter, MtpDrafter
 from specgguf.speculative.loop import SpeculativeDecoder
+
+_D = TypeVar("_D")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,6 +121,12 @@ class Slot:
         draft = self.draft_ctx.state_bytes() if self.draft_ctx is not None else 0
         return self.ctx.state_bytes() + draft
 
+    def drafter(self, kind: type[_D]) -> _D | None:
+        """The sequence's drafter of class ``kind`` (those over a state :meth:`save`
+        copies, the draft model's sequence or the MTP layers' cache, follow what it
+        holds), or None."""
+        return next((d for d in self.drafting.drafters.values() if isinstance(d, kind)), None)
+
     def save(self) -> SavedPrompt:
         """A copy of what the sequence holds (target, draft model, MTP layers).
 
@@ -124,12 +134,13 @@ class Slot:
             BackendError: llama.cpp could not copy a state.
         """
         draft, offset = None, 0
-        model = self.drafting.model
+        model = self.drafter(ModelDrafter)
         if self.draft_ctx is not None and model is not None:
             draft, offset = self.draft_ctx.save_state(), model.offset
         mtp = None
-        if self.mtp_head is not None and self.drafting.mtp is not None:
-            held, row = self.drafting.mtp.held()
+        head = self.drafter(MtpDrafter)
+        if self.mtp_head is not None and head is not None:
+            held, row = head.held()
             at, vec = row if row is not None else (-1, None)
             mtp = MtpState(self.mtp_head.save_state(), np.asarray(held, np.int32), at, vec)
         return SavedPrompt(self.ctx.save_state(), draft, offset, mtp)
@@ -143,7 +154,7 @@ class Slot:
             BackendError: llama.cpp refused a state (that part is then empty).
         """
         self.ctx.load_state(saved.target)
-        model = self.drafting.model
+        model = self.drafter(ModelDrafter)
         if self.draft_ctx is not None and model is not None:
             if saved.draft is not None:
                 self.draft_ctx.load_state(saved.draft)
@@ -151,7 +162,7 @@ class Slot:
             else:
                 self.draft_ctx.rollback(0)
                 model.follow(0, [])
-        mtp = self.drafting.mtp
+        mtp = self.drafter(MtpDrafter)
         if self.mtp_head is not None and mtp is not None:
             if saved.mtp is not None:
                 self.mtp_head.load_state(saved.mtp.data, len(saved.mtp.tokens))

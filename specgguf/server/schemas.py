@@ -23,9 +23,10 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specgguf.engine.chat import call_arguments
+from specgguf.engine.drafter_map import drafter_kinds
 from specgguf.server.errors import bad_request, unsupported
 from specgguf.server.tools import ToolSet
 from specgguf.speculative.grammar import GrammarSpec
@@ -131,9 +132,8 @@ class _Generation(_Strict):
     spec_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
     spec_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
     spec_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
-    spec_drafter: Literal["auto", "model", "mtp", "ngram", "suffix", "none"] | None = Field(
-        None, alias="speculative.drafter"
-    )
+    #: a drafter of the registry (:func:`specgguf.engine.drafter_map.drafter_kinds`)
+    spec_drafter: str | None = Field(None, alias="speculative.drafter")
     #: specgguf's extension: greedy (and seeded) output independent of the drafter and K;
     #: needs a server started with --deterministic (None: the server's setting)
     deterministic: bool | None = None
@@ -182,6 +182,13 @@ class _Generation(_Strict):
         if any(not s for s in stops):
             raise bad_request("stop: a stop string cannot be empty", param="stop")
         return tuple(stops)
+
+    @field_validator("spec_drafter")
+    @classmethod
+    def _known_drafter(cls, v: str | None) -> str | None:
+        if v is not None and v not in drafter_kinds():
+            raise ValueError(f"must be one of {', '.join(drafter_kinds())}")
+        return v
 
     @property
     def include_usage(self) -> bool:

@@ -200,24 +200,16 @@ class Service:
         speculative settings within what was loaded.
 
         Raises:
-            APIError: the model drafter without a draft model, the mtp drafter without MTP
-                layers, a draft length above the
+            APIError: a drafter whose needs were not loaded (a draft model, MTP layers),
+                a draft length above the
                 loaded one, ``speculative.n_min`` above ``speculative.n_max``.
         """
         check_supported(req)
         if req.model is not None and req.model not in self.names:
             log.debug("request for model %r served by %s", req.model, self.settings.model_id)
         spec = self.engine.config.speculative
-        if req.spec_drafter == "model" and self.engine.draft_model is None:
-            raise bad_request(
-                "speculative.drafter: the model drafter needs a draft model, and none "
-                "was loaded", param="speculative.drafter",
-            )  # fmt: skip
-        if req.spec_drafter == "mtp" and self.engine.mtp_head is None:
-            raise bad_request(
-                "speculative.drafter: the mtp drafter needs the target's multi-token-"
-                "prediction layers, and none were loaded", param="speculative.drafter",
-            )  # fmt: skip
+        if req.spec_drafter and (why := self.engine.missing(req.spec_drafter)) is not None:
+            raise bad_request(f"speculative.drafter: {why}", param="speculative.drafter")
         n_max = req.spec_n_max
         if n_max is not None and n_max > spec.draft_max:
             raise bad_request(

@@ -179,7 +179,7 @@ class Drafter(Protocol):
     n-gram lookup ignores ``p_min`` too, suffix matching reads it as a least share.
 
     A new kind of drafter is one class implementing this protocol and one entry in the
-    engine's name -> factory map (:data:`specgguf.engine.drafter_map.DRAFTERS`), which also
+    engine's drafter registry (:data:`specgguf.engine.drafter_map.DRAFTERS`), which also
     gives auto mode its arm (:mod:`specgguf.speculative.arms`). A class that subclasses
     this protocol inherits :meth:`reset`, :meth:`prefill`, :meth:`defer`, :meth:`finish`
     and :meth:`reuse_limit`, which do nothing (or the obvious).
