@@ -352,6 +352,26 @@ def test_evicted_entries_go_to_disk_and_are_found_after_a_restart(tmp_path: Path
     assert len(list(tmp_path.glob("*.sgpc"))) == 1
 
 
+def test_a_file_of_other_settings_names_what_differs_only() -> None:
+    from specgguf.engine.prompt_cache import _difference
+
+    ours = {"target_context": {"n_ctx": 512, "type_k": "f16", "n_batch": 512}}
+    theirs = {"target_context": {"n_ctx": 1024, "type_k": "f16", "n_batch": 512}}
+    assert _difference(theirs, ours) == "another target context (n_ctx 1024, here 512)"
+
+
+def test_a_flush_writes_what_memory_holds_the_newest_kept_where_the_disk_is_full(
+    tmp_path: Path,
+) -> None:
+    cache = PromptCache(10_000, ident=identity(), disk=tmp_path, disk_limit=3000)
+    for i in (1, 2, 3):
+        cache.put(saved([i] * 4, size=1000))
+    assert cache.files_written == 0 and cache.flush() == 3
+    again = PromptCache(0, ident=identity(), disk=tmp_path, disk_limit=3000)
+    assert [again.best([i] * 4)[1] for i in (1, 2, 3)] == [0, 4, 4]
+    assert PromptCache(10_000).flush() == 0  # no folder: nothing
+
+
 def test_the_disk_keeps_within_its_limit(tmp_path: Path) -> None:
     cache = PromptCache(0, ident=identity(), disk=tmp_path, disk_limit=3000)
     for i in range(1, 6):
@@ -373,7 +393,7 @@ def test_a_prompt_file_round_trips_and_refuses_what_is_not_its_own(tmp_path: Pat
     assert back.draft is not None and back.draft.data == b"draft-state"
     assert back.draft_offset == 3 and list(back.draft.tokens) == [1, 2]
     # another model
-    with pytest.raises(PromptCacheFileError, match=r"made for another target model \(t.gguf\)"):
+    with pytest.raises(PromptCacheFileError, match=r"another target model \(the file's: t.gguf\)"):
         read_file(path, identity(target={"name": "u.gguf", "size": 10, "hash": "cd"}, n_ctx=512))
     with pytest.raises(PromptCacheFileError, match="another n ctx"):
         read_file(path, {**ident, "n_ctx": 1024})

@@ -339,7 +339,7 @@ def test_run_prompt_cache_of_another_model_or_damaged_is_ignored_and_rewritten(
     other = dict(tiny_models, target=tiny_models["draft-partial"])
     out, err = run_json(other, cache, "Q1")
     assert out["stats"]["prompt_cached"] == 0
-    assert "is ignored (made for another target model (tiny-target.gguf))" in err
+    assert "is ignored (made for another target model (the file's: tiny-target.gguf))" in err
     assert "written again" in err
     out, err = run_json(other, cache, "Q2")  # rewritten for the other model
     assert out["stats"]["prompt_cached"] > 0
@@ -507,3 +507,71 @@ def test_run_prompt_cache_with_a_draft_model(
     shutil.rmtree(tmp_path / "xdg", ignore_errors=True)
     third, err = run_json(tiny_models, cache, "Q3", *args, env=env)
     assert third["stats"]["prompt_cached"] > first["stats"]["prompt_tokens"] * 0.8, err
+
+
+def test_run_prompt_cache_refuses_what_is_not_a_file_and_writes_through_a_link(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # A save replaces the file: a folder or a device must never be replaced (as root,
+    # --prompt-cache /dev/null would have become a regular file).
+    for path, what in ((tmp_path, b"is a folder"), (Path("/dev/null"), b"not a regular file")):
+        res = run_cli("run", "-m", str(tiny_models["target"]), "--prompt-cache", str(path), "hi")
+        assert res.returncode == 2 and what in res.stderr, res.stderr
+    assert Path("/dev/null").is_char_device()
+    real = tmp_path / "real.cache"
+    link = tmp_path / "link.cache"
+    link.symlink_to(real)
+    run_json(tiny_models, link, "Q1")
+    assert link.is_symlink() and real.is_file()
+    out, _ = run_json(tiny_models, link, "Q2")
+    assert out["stats"]["prompt_cached"] > 0
+    # read only, a missing file is said (a mistyped name would otherwise go unnoticed)
+    _, err = run_json(tiny_models, tmp_path / "typo.cache", "Q2", "--prompt-cache-ro")
+    assert "typo.cache does not exist: the prompt is read whole" in err
+
+
+def test_serve_cache_dir_must_be_a_folder_it_can_write(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for where, what in ((afile, b"cannot make the folder"), (afile / "sub", b"cannot make")):
+        res = run_cli("serve", "-m", str(tiny_models["target"]), "--cache-dir", str(where))
+        assert res.returncode == 2 and what in res.stderr, res.stderr
+    assert afile.read_text() == "x"
+
+
+def test_serve_keeps_its_prompts_in_cache_dir_for_the_next_server(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    # With the default --cache-ram, nothing is evicted in a short session: what the
+    # sequences and the memory hold is written at shutdown, and a restarted server reads
+    # only what the next turn adds.
+    import urllib.request
+
+    from .helpers import ServerProcess
+
+    def ask(s: ServerProcess, text: str) -> dict[str, Any]:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4,
+                "temperature": 0}  # fmt: skip
+        req = urllib.request.Request(f"{s.base_url}/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    args = ("-m", str(tiny_models["target"]), "-c", "2048", "--drafter", "none", "-np", "1",
+            "--cache-dir", str(tmp_path / "kept"))  # fmt: skip
+    with ServerProcess(*args) as s:
+        first = ask(s, DOC + "Q1")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert s.stop() == 0
+    assert "1 prompt(s) saved in" in s.stderr
+    assert len(list((tmp_path / "kept").glob("*.sgpc"))) == 1
+    with ServerProcess(*args) as again:
+        later = ask(again, DOC + "Q2")
+    with load_engine(tiny_models["target"], drafter="none", n_ctx=2048) as e:
+        ids = [e.prepared_ids(e.render([{"role": "user", "content": DOC + q}]))
+               for q in ("Q1", "Q2")]  # fmt: skip
+    shared = int(np.flatnonzero(np.asarray(ids[0][: len(ids[1])]) != ids[1][: len(ids[0])])[0])
+    assert later["usage"]["prompt_tokens"] == len(ids[1]) > shared > 500
+    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] == shared

@@ -369,13 +369,15 @@ class CacheOptions:
         None, "-cram", "--cache-ram", min=0, metavar="MiB", panel=CACHE,
         help="Host memory for the prompts of sequences another request takes over, given "
         "back to a later request that shares more with them (default: half of what the "
-        f"memory plan leaves, at most {CACHE_MIB}; 0: none).",
+        f"memory plan leaves, at most {CACHE_MIB}; 0: none, or with --cache-dir straight "
+        "to its files).",
         to="cache.ram", convert=_mib,
     )  # fmt: skip
     cache_dir: Path | None = option(
         None, "--cache-dir", metavar="DIR", panel=CACHE,
-        help="Keep the prompts evicted from --cache-ram in files here, found again by a "
-        "later server of the same models and settings.",
+        help="Keep the prompts evicted from --cache-ram in files here, and at shutdown "
+        "what the sequences and --cache-ram hold, found again by a later server of the "
+        "same models and settings (the folder is made if missing).",
         to="cache.disk_dir",
     )  # fmt: skip
     cache_disk: int | None = option(
@@ -394,8 +396,8 @@ class CacheOptions:
         CacheConfig.slot_similarity, "-sps", "--slot-prompt-similarity", min=0.0, max=1.0,
         panel=CACHE,
         help="A request goes to the free sequence sharing the longest prefix with it when "
-        "that is more than this share of it, else to the least recently used (0: always "
-        "the least recently used).",
+        "that is more than this share of it, else to the least recently used (0 or 1: "
+        "always the least recently used).",
         to="cache.slot_similarity",
     )  # fmt: skip
 
@@ -405,15 +407,36 @@ def cache_config(options: CacheOptions, ram: int = 0) -> CacheConfig:
     ``--cache-ram`` is not given.
 
     Raises:
-        UsageError: --cache-disk without --cache-dir.
+        UsageError: --cache-disk without --cache-dir; a --cache-dir that is not a folder
+            this process can make and write to.
     """
     args = config_args(options, "cache")
     if options.cache_disk is not None and options.cache_dir is None:
         raise UsageError("--cache-disk sizes the folder --cache-dir names: give one")
+    if options.cache_dir is not None:
+        _check_folder(options.cache_dir, "--cache-dir")
     args.setdefault("ram", ram)
     if options.cache_dir is not None:
         args.setdefault("disk", CACHE_MIB << 20)
     return CacheConfig(**args)
+
+
+def _check_folder(path: Path, flag: str) -> None:
+    """Make folder ``path`` if missing and check it can be written to.
+
+    Raises:
+        UsageError: it is not a folder, or cannot be made or written to.
+    """
+    import os
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from None
+    if not path.is_dir():
+        raise UsageError(f"{flag} {path} is not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: this process cannot write there")
 
 
 QuietOpt = Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr.")]

@@ -79,7 +79,8 @@ def run(
             "--prompt-cache",
             metavar="FILE",
             help="Reuse the state a run with the same start of prompt saved here (same models "
-            "and settings), and save this run's there.",
+            "and settings), and save this run's there (a link: the file it names; missing "
+            "folders are made).",
         ),
     ] = None,
     prompt_cache_ro: Annotated[
@@ -128,6 +129,8 @@ def run(
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
     if prompt_cache_ro and prompt_cache is None:
         raise UsageError("--prompt-cache-ro reads the file --prompt-cache names: give one")
+    if prompt_cache is not None:
+        check_cache_file(prompt_cache, say, read_only=prompt_cache_ro)
     if prompt_opt is not None:
         if prompt is not None:
             raise UsageError("give the prompt as an argument or with -p/--prompt, not both")
@@ -203,6 +206,23 @@ def run(
             raise Interrupted()
 
 
+def check_cache_file(path: Path, say: Callable[[str], None], *, read_only: bool) -> None:
+    """Refuse a ``--prompt-cache`` path that is not a file (a folder, a device: a save
+    would replace it); a missing one read only is said.
+
+    Raises:
+        UsageError: the path (or what its link names) exists and is not a regular file.
+    """
+    from specgguf.errors import UsageError
+
+    real = path.resolve()
+    if real.exists() and not real.is_file():
+        what = "a folder" if real.is_dir() else "not a regular file"
+        raise UsageError(f"--prompt-cache {path} is {what}: name a file")
+    if read_only and not real.exists():
+        say(f"specgguf: note: --prompt-cache {path} does not exist: the prompt is read whole")
+
+
 def recall_prompt(
     engine: Engine, path: Path, say: Callable[[str], None], *, read_only: bool
 ) -> None:
@@ -231,8 +251,8 @@ def keep_prompt(engine: Engine, path: Path, say: Callable[[str], None]) -> None:
     from specgguf.engine.prompt_cache import write_file
     from specgguf.errors import SpecggufError
 
-    try:
-        write_file(path, engine.save_prompt(), engine.cache_identity())
+    try:  # through a link, to the file it names
+        write_file(path.resolve(), engine.save_prompt(), engine.cache_identity())
     except (OSError, SpecggufError) as e:
         say(f"specgguf: warning: --prompt-cache {path} could not be written: "
             f"{getattr(e, 'strerror', None) or e}")  # fmt: skip

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from specgguf.cli import options as o
-from specgguf.cli.app import app, handled, setup_logging
+from specgguf.cli.app import GroupedCommand, app, handled, setup_logging
 from specgguf.cli.flags import config_args, takes
 from specgguf.cli.output import say_calibration, stderr_say
 from specgguf.errors import EXIT_INTERRUPTED
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from specgguf.engine.preflight import Preflight
 
 
-@app.command(context_settings={"allow_interspersed_args": True})
+@app.command(cls=GroupedCommand, context_settings={"allow_interspersed_args": True})
 @handled
 @takes(load=o.ModelOptions, drafting=o.DraftOptions, sampling=o.SamplingOptions,
        server=o.ServerOptions, cache=o.CacheOptions)  # fmt: skip
@@ -150,6 +150,9 @@ def serve(
                 )
 
             serve(engine, settings, sock, on_ready=ready, executor=llama_thread)
+            if config.cache.disk_dir is not None:  # for the next server
+                kept = llama_thread.submit(engine.keep_prompts).result()
+                say(f"specgguf: {kept} prompt(s) saved in {config.cache.disk_dir}")
     finally:
         llama_thread.shutdown(wait=False, cancel_futures=True)
         sock.close()

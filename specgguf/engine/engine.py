@@ -682,6 +682,23 @@ class Engine:
             mtp=self.mtp_head is not None,
         )
 
+    def keep_prompts(self) -> int:
+        """At shutdown, with a prompt-cache folder (``--cache-dir``): what each sequence
+        holds goes into the prompt cache, then everything it holds in memory into its
+        files, for a later server of the same models and settings. Returns the files
+        written (0 without a folder). Call it on the engine's thread, no generation
+        running."""
+        cache = self.prompt_cache
+        if cache is None or cache.disk is None:
+            return 0
+        for seq in self.slots:
+            if seq.n_cached and cache.has_room(seq.state_bytes()):
+                try:
+                    cache.put(seq.save())
+                except SpecggufError as e:
+                    log.warning("prompt cache: sequence %d could not be saved: %s", seq.index, e)
+        return cache.flush()
+
     def save_prompt(self, slot: int | None = None) -> SavedPrompt:
         """A copy of what a sequence holds (None: the engine's own), for
         :meth:`load_prompt` or a prompt-cache file

@@ -242,9 +242,15 @@ def _difference(theirs: Any, ours: Mapping[str, Any]) -> str:
     for key, value in ours.items():
         if theirs.get(key) != value:
             other = theirs.get(key)
+            what = names.get(key, key.replace("_", " "))
             if isinstance(other, dict) and "name" in other:
-                return f"another {names.get(key, key)} ({other['name']})"
-            return f"another {names.get(key, key.replace('_', ' '))} ({other!r}, here {value!r})"
+                return f"another {what} (the file's: {other['name']})"
+            if isinstance(other, dict) and isinstance(value, dict):
+                differ = ", ".join(f"{k} {other.get(k)!r}, here {value.get(k)!r}"
+                                   for k in sorted(value.keys() | other.keys())
+                                   if other.get(k) != value.get(k))  # fmt: skip
+                return f"another {what} ({differ})"
+            return f"another {what} ({other!r}, here {value!r})"
     return "another setup"
 
 
@@ -367,6 +373,20 @@ class PromptCache:
             kept = True
         self.saves += kept
         return kept
+
+    def flush(self) -> int:
+        """Every entry held in memory into the folder's files, least recently used first
+        (the oldest go first where the folder is full); returns the files written. Without
+        a folder, nothing.
+
+        Raises:
+            Nothing: a file that cannot be written is said in the log and skipped.
+        """
+        written = self.files_written
+        if self.disk is not None:
+            while self._memory:
+                self._to_disk(self._memory.pop(0))
+        return self.files_written - written
 
     # -- the disk ---------------------------------------------------------------------
 
