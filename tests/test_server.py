@@ -643,12 +643,16 @@ def test_unknown_path_and_method(server: ServerProcess) -> None:
     error_of(httpx.get(f"{server.base_url}/chat/completions"), 405)
 
 
-def test_form_content_type_is_read_as_json(server: ServerProcess) -> None:
-    # curl -d sends application/x-www-form-urlencoded; llama.cpp's server reads JSON anyway.
+def test_a_body_not_declared_json_is_refused(server: ServerProcess) -> None:
+    # curl -d sends application/x-www-form-urlencoded, a page text/plain: both are bodies a
+    # browser sends cross-origin without asking, so JSON must be declared (415 otherwise)
     body = json.dumps({"prompt": "a", "max_tokens": 2, "ignore_eos": True})
-    r = httpx.post(f"{server.base_url}/completions", content=body,
-                   headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(f"{server.base_url}/completions", content=body,
+                       headers={"Content-Type": ctype})  # fmt: skip
+        assert error_of(r, 415)["code"] == "unsupported_media_type"
+    r = httpx.get(f"{server.base_url}/models", headers={"Host": f"rebound.example:{server.port}"})
+    assert error_of(r, 403)["code"] == "host_not_allowed"
 
 
 def test_chat_template_that_raises_gives_400_with_its_message(

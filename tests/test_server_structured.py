@@ -829,7 +829,7 @@ def fake() -> Iterator[tuple[ScriptedEngine, Any]]:
     engine = ScriptedEngine()
     app = create_app(engine, ServerSettings(model_id="fake"))  # type: ignore[arg-type]
     app.state.scheduler.stream_interval = 0  # an event per piece
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         yield engine, client
     app.state.scheduler.join(5)
 
@@ -1061,7 +1061,7 @@ def test_a_template_without_tools_gets_400_naming_tools() -> None:
 
     engine = ScriptedEngine(CHATML_TEMPLATE)
     app = create_app(engine, ServerSettings(model_id="fake"))  # type: ignore[arg-type]
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         r = client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "tools", err
@@ -1079,7 +1079,7 @@ def test_the_openai_client_round_trip(fake: tuple[ScriptedEngine, Any]) -> None:
     import pydantic
 
     engine, client = fake
-    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client,
+    oai = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=client,
                         max_retries=0)  # fmt: skip
     # 1. the model calls a tool
     engine.script = pieces_of(f"I will check.\n{PARIS}", 6)

@@ -321,6 +321,10 @@ class SamplingOptions:
         return SamplerParams(**config_args(self, "sampler"))
 
 
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(n.strip() for n in (value or "").split(",") if n.strip())
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """Where ``serve`` listens, and what it lets in: ``server.*`` are the
@@ -333,6 +337,18 @@ class ServerOptions:
         None, "--api-key", envvar="SPECGGUF_API_KEY",
         help="Require 'Authorization: Bearer KEY' on every endpoint but /health.",
         to="server.api_key", convert=lambda key: key or None,
+    )  # fmt: skip
+    allowed_hosts: str | None = option(
+        None, "--allowed-hosts", metavar="NAME[,NAME]",
+        help="Names the Host header may give besides IP addresses, localhost and this "
+        "machine's name (.NAME: every name under it); others get 403 (DNS rebinding).",
+        to="server.allowed_hosts", convert=_names,
+    )  # fmt: skip
+    cors_origins: str | None = option(
+        None, "--cors-origins", metavar="ORIGIN[,ORIGIN]",
+        help="Web pages of these origins (scheme://host:port; localhost: any page on this "
+        "machine; * any, with --api-key only) may use the server (CORS); others get 403.",
+        to="server.cors_origins", convert=_names,
     )  # fmt: skip
     # ServerSettings.max_queue's (a test keeps them equal): the server is not imported
     # here, as its import (FastAPI) would slow every command by half a second.

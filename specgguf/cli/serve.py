@@ -75,6 +75,7 @@ def serve(
     lost).
     """
     from specgguf.engine import Engine
+    from specgguf.errors import UsageError
     from specgguf.server import ServerSettings, bind, serve
     from specgguf.server.listen import is_loopback
     from specgguf.server.scheduler import engine_thread
@@ -88,6 +89,9 @@ def serve(
         logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
     )
     say = stderr_say(quiet)
+    if "*" in (server.cors_origins or "").replace(" ", "").split(",") and not server.api_key:
+        raise UsageError("--cors-origins '*' lets every web page use the server: give "
+                         "--api-key too, or name the origins")  # fmt: skip
     config = o.engine_config(load, drafting, say=say)
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(

@@ -2,7 +2,9 @@
 :class:`~specgguf.server.scheduler.Scheduler`, its endpoints in routers by family
 (:mod:`.completions`: chat and text completions; :mod:`.status`: models, health,
 metrics), what they share in :class:`~specgguf.server.service.Service`, and the
-middleware: an API key (``--api-key``) and the count of requests by endpoint and status.
+middleware: what web pages may do (:mod:`.guard`: ``Host``, ``Origin`` and content-type
+checks; CORS with ``--cors-origins``), an API key (``--api-key``) and the count of
+requests by endpoint and status.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specgguf import __version__
 from specgguf.server import completions, status
 from specgguf.server.errors import APIError, install_handlers, refused
+from specgguf.server.guard import LOCAL_ORIGIN, Guard
 from specgguf.server.metrics import Metrics
 from specgguf.server.scheduler import Scheduler
 from specgguf.server.service import ServerSettings, Service
@@ -123,6 +126,15 @@ def create_app(
     app.include_router(status.router)
     if settings.api_key:
         app.add_middleware(_RequireKey, key=settings.api_key)
+    if settings.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(settings.cors_origins),
+            allow_origin_regex=LOCAL_ORIGIN if "localhost" in settings.cors_origins else None,
+            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
+        )  # fmt: skip
+    app.add_middleware(Guard, allowed_hosts=settings.allowed_hosts, origins=settings.cors_origins)
     routers = (completions.router, status.router)
     paths = frozenset(r.path for router in routers for r in router.routes if hasattr(r, "path"))
     app.add_middleware(_CountRequests, metrics=metrics, paths=paths)

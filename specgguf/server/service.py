@@ -72,6 +72,10 @@ class ServerSettings:
         max_queue: requests that may wait while one generates; more get 503.
         max_body_bytes: the largest request body (413 beyond).
         log_text: log each request's prompt and completion (DEBUG on ``specgguf.server``).
+        allowed_hosts: names the ``Host`` header may give besides IP addresses,
+            ``localhost`` and this machine's name (``.name``: every name under it).
+        cors_origins: origins of web pages that may use the server (CORS; ``*``: any);
+            empty: none but its own.
     """
 
     model_id: str
@@ -82,6 +86,8 @@ class ServerSettings:
     max_queue: int = 16
     max_body_bytes: int = 4 * 2**20
     log_text: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
 
 
 def timings(stats: GenerationStats) -> dict[str, Any]:
