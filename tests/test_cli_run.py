@@ -79,6 +79,38 @@ def test_closed_pipe_exits_quietly(tiny_models: dict[str, Path]) -> None:
     assert b"Traceback" not in res.stderr and b"Error" not in res.stderr
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["--version"], ["--help"], ["run", "--help"], ["info", "TARGET"],
+     ["check", "TARGET", "TARGET"], ["plan", "-m", "TARGET"], ["list"], ["run", "TEXT"],
+     ["run", "TEXT", "--json"]],
+    ids=lambda c: " ".join(c),
+)  # fmt: skip
+def test_every_command_with_a_closed_stream(
+    tiny_models: dict[str, Path], command: list[str]
+) -> None:
+    # 0<&-, >&-, 2>&- (issue 54: "run -m M 0<&-" was an internal error): stdin reads as
+    # empty, stdout closed is a closed pipe's exit, stderr closed is silence; never a
+    # traceback or an internal error, and no file opened later takes a closed number
+    target = str(tiny_models["target"])
+    args = [a for c in command for a in (
+        [target] if c == "TARGET" else
+        ["-m", target, "--drafter", "none", "-n", "8", "--temp", "0", "hello"] if c == "TEXT"
+        else [c])]  # fmt: skip
+    base = q(args)
+    for redirect, want in (("0<&-", 0), (">&-", errors.EXIT_BROKEN_PIPE), ("2>&-", 0)):
+        res = shell(f"{base} {redirect}")
+        assert res.returncode == want, (redirect, res)
+        assert b"Traceback" not in res.stderr and b"internal error" not in res.stderr, res
+        if redirect != ">&-":
+            assert res.stdout, (redirect, res)
+
+
+def test_run_reads_an_empty_prompt_from_a_closed_stdin(tiny_models: dict[str, Path]) -> None:
+    res = shell(f"{q(tiny_args(tiny_models, '-n', '4'))} 0<&-")
+    assert res.returncode == 2 and b"the prompt is empty" in res.stderr, res
+
+
 def test_json_text_equals_streamed_text_of_same_seeded_run(tiny_models: dict[str, Path]) -> None:
     common = ["--temp", "1.3", "--seed", "1234", "-n", "30", "--draft", "3", "--ignore-eos",
               "The fox"]  # fmt: skip

@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     subclasses, which arrive here, since they are not Click exceptions.
     """
     debug = os.environ.get("SPECGGUF_DEBUG", "") not in ("", "0")
+    _closed_streams()
     setup_logging()
     from specgguf.llama.rpc import set_lost_handler
 
@@ -222,7 +223,9 @@ def main(argv: list[str] | None = None) -> None:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except OutputClosed:
+        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            code = EXIT_BROKEN_PIPE  # Click's own output (--help) met a closed stdout
+    except (OutputClosed, BrokenPipeError):
         code = EXIT_BROKEN_PIPE
     except SpecggufError as e:
         if debug:
@@ -250,6 +253,33 @@ def _rpc_lost(err: RpcServerLost) -> None:
         _report(err)
         sys.stderr.flush()
     os._exit(err.exit_code)
+
+
+def _closed_streams() -> None:
+    """Standard streams the process was started without (``0<&-``, ``>&-``, ``2>&-``):
+    each closed descriptor 0-2 is reopened first, so that no file or socket opened later
+    takes its number (llama.cpp's C code writes to 1 and 2). stdin reads as empty, stderr
+    is discarded, and stdout is a pipe without a reader: a command's output fails as
+    under ``| head`` when its reader has gone (exit 141: nothing written, and nothing said
+    to be), and a command without output (``serve``) runs."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            if fd == 1:
+                read, new = os.pipe()
+                os.close(read)
+            else:
+                new = os.open(os.devnull, os.O_RDWR)
+            if new != fd:
+                os.dup2(new, fd)
+                os.close(new)
+    if sys.stdin is None:
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
 
 
 def _exit(code: int) -> None:

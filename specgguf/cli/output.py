@@ -18,7 +18,14 @@ def stdout_console() -> Any:
     table cells when stdout is a pipe or file."""
     from rich.console import Console
 
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # a closed reader is the command's OutputClosed (exit 141), as for every other
+            # write (Rich would exit 1)
+            self.quiet = True
+            raise BrokenPipeError(32, "stdout was closed")
+
+    return _Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
 
 def stderr_say(quiet: bool = False) -> Any:
