@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 import threading
 import time
@@ -909,6 +910,10 @@ def test_signal_ends_generation_and_exits_0(
     assert len(events) < 4000
     assert json.loads(events[-1][6:])["error"]["code"] == "server_shutting_down"
     assert "Traceback" not in s.stderr
+    # the log says what happened to the stream, not a 503 after the 200 that started it
+    assert re.search(r"POST /v1/chat/completions: stream ended by shutdown after [1-9]\d* tokens",
+                     s.stderr), s.stderr[-2000:]  # fmt: skip
+    assert ": 503 " not in s.stderr
 
 
 # -- the scheduler on a fake engine ------------------------------------------------------------

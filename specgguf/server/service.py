@@ -376,7 +376,11 @@ class Service:
                     result = _finished(ev.result)
                 except APIError as e:
                     ended = True
-                    log.info("%s: %d %s", label, e.status, e.message)
+                    if e.code == "server_shutting_down":  # after the 200 that started it
+                        done = ev.result.stats.generated if ev.result is not None else 0
+                        log.info("%s: stream ended by shutdown after %d tokens", label, done)
+                    else:
+                        log.info("%s: %d %s", label, e.status, e.message)
                     yield _sse(e.body())
                     return
                 for chunk in tail(result):
@@ -406,8 +410,8 @@ class Service:
 
 
 async def parse(request: Request, model: type[R], limit: int) -> R:
-    """The request body as ``model``: JSON whatever the Content-Type says (as llama.cpp's
-    server reads it; ``curl -d`` sends a form type), validated strictly.
+    """The request body as ``model``, validated strictly (its Content-Type was checked to be
+    JSON before: :class:`specgguf.server.guard.Guard`).
 
     Raises:
         APIError: a body over ``limit`` bytes (413; refused by its Content-Length before
