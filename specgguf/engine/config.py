@@ -59,13 +59,26 @@ def default_draft_max(drafter: DrafterKind) -> int:
 RECURRENT_DRAFT_MAX = 16
 
 
+#: The most rows of a micro-batch on a recurrent or hybrid target: llama.cpp computes 64
+#: or more tokens of a gated delta-net layer (Qwen3.5, Qwen3-Next) by another algorithm
+#: (chunks of 64: src/models/delta-net-base.cpp), whose logits differ from those of one
+#: token at a time (by up to 0.37 where they spread by 4.8 on the tiny fixture), and a
+#: verification or a prompt read in other pieces then changed the greedy output. Up to 63
+#: rows, they are the same bit for bit.
+RECURRENT_ROWS_MAX = 63
+
+
 def verify_draft_max(spec: SpeculativeConfig, memory: str) -> int:
     """The largest draft the target's context is made for: the draft length, or for a
     recurrent or hybrid target (``memory``, :func:`specgguf.gguf.arch.memory_kind`) given
-    none, at most :data:`RECURRENT_DRAFT_MAX`."""
-    if memory != "attention" and spec.draft_max == default_draft_max(spec.drafter):
+    none, at most :data:`RECURRENT_DRAFT_MAX`, and given one, at most
+    ``RECURRENT_ROWS_MAX - 2`` (llama.cpp keeps the last n_rs_seq + 1 tokens of a batch in
+    one micro-batch, and needs it larger: src/llama-batch.cpp)."""
+    if memory == "attention":
+        return spec.draft_max
+    if spec.draft_max == default_draft_max(spec.drafter):
         return min(spec.draft_max, RECURRENT_DRAFT_MAX)
-    return spec.draft_max
+    return min(spec.draft_max, RECURRENT_ROWS_MAX - 2)
 
 
 def uses_mtp(config: EngineConfig, nextn_layers: int, *, rolls_back: bool = True) -> bool:

@@ -34,6 +34,7 @@ from specgguf.engine.batching import BatchedSequence, Batcher
 from specgguf.engine.calibration import calibrate, calibration_key, load_calibration, pair_timings
 from specgguf.engine.chat import ChatMessage, PreparedPrompt, render_prompt
 from specgguf.engine.config import (
+    RECURRENT_ROWS_MAX,
     EngineConfig,
     ModelConfig,
     check_draft_min,
@@ -193,11 +194,11 @@ class Engine:
             if spec.draft_max > capacity and (
                 spec.draft_max != default_draft_max(spec.drafter)  # asked for, not auto's
             ):
-                log.warning(
-                    "a draft length of %d does not fit a verification batch of %d tokens%s: "
-                    "drafts have at most %d tokens", spec.draft_max, config.target.n_batch,
-                    "" if attention else " and the recurrent state's snapshots", capacity,
-                )  # fmt: skip
+                why = (f"a verification batch of {config.target.n_batch} tokens" if attention
+                       else f"a {describe(t_info.architecture)} target's micro-batches of at "
+                       f"most {RECURRENT_ROWS_MAX} rows")  # fmt: skip
+                log.warning("a draft length of %d does not fit %s: drafts have at most %d "
+                            "tokens", spec.draft_max, why, capacity)  # fmt: skip
             (own,) = make_drafters(self._sources(1))
             self.drafting = Drafting(own, self.timings)
             #: the engine's own sequence (``generate`` without a slot)
@@ -389,12 +390,16 @@ class Engine:
         n_parallel: int = 1,
         n_checkpoints: int = 0,
     ) -> LlamaContext:
+        # A recurrent or hybrid target's micro-batches stay below the rows at which
+        # llama.cpp changes algorithm (RECURRENT_ROWS_MAX): its state is then the same
+        # whatever the prompt's pieces, the snapshots or the draft length.
+        ub = RECURRENT_ROWS_MAX if not draft and model.memory != "attention" else None
         ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
                 reserve=reserve, tree_branches=tree_branches, type_k=type_k,
                 n_rs_seq=n_rs_seq, scratch=scratch, hidden=hidden, n_parallel=n_parallel,
-                n_checkpoints=n_checkpoints,
+                n_checkpoints=n_checkpoints, n_ubatch=ub,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
