@@ -809,6 +809,14 @@ class ScriptedEngine:
         if error:
             raise GrammarError(error.splitlines()[0])
 
+    def missing(self, kind: str) -> str | None:
+        """As :meth:`Engine.missing` with no draft model or MTP layers loaded."""
+        from specgguf.engine.drafter_map import Drafting, make_drafters, missing
+        from specgguf.engine.drafter_map import Sources as _Sources
+
+        (drafters,) = make_drafters(_Sources(1, 32))
+        return missing(kind, Drafting(drafters, lambda det: None))  # type: ignore[arg-type,return-value]
+
     def generate(self, prompt: list[int], params: GenerationParams) -> _ScriptedGeneration:
         self.params.append(params)
         return _ScriptedGeneration(list(self.script), self.finish, len(prompt))
