@@ -97,6 +97,40 @@ def test_cors_origins_let_those_pages_in_only() -> None:
         assert chat(client, {**JSON, "Origin": "http://localhost:3001"}).status_code == 403
 
 
+def test_cors_origins_are_matched_as_browsers_write_them_with_any_request_header() -> None:
+    # a trailing slash or capitals in the flag (the browser sends neither), and the
+    # openai JS client's own headers in the preflight
+    for client in client_of(cors_origins=("http://LocalHost:3000/",)):
+        ui = "http://localhost:3000"
+        pre = client.options("/v1/chat/completions", headers={
+            "Origin": ui, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,x-stainless-os,x-stainless-lang",
+        })  # fmt: skip
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ui
+        r = chat(client, {**JSON, "Origin": ui})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ui
+        # a refusal an allowed page sees carries CORS headers: it can read why
+        r = chat(client, {"Content-Type": "text/plain", "Origin": ui})
+        assert r.status_code == 415 and r.headers["access-control-allow-origin"] == ui
+
+
+def test_a_connection_over_the_network_is_not_held_to_the_host_check() -> None:
+    # As Ollama: a container, a proxy or another machine reaches a server bound to a
+    # network address by names of their own (a compose service, a pod IP's name); a
+    # rebound name leads to loopback. --allowed-hosts holds every connection to it.
+    from starlette.testclient import TestClient
+
+    from specgguf.server.app import ServerSettings, create_app
+
+    for allowed, status in (((), 200), (("box.lan:8080",), 403), (("*",), 200)):
+        app = create_app(ScriptedEngine(), ServerSettings(model_id="f", allowed_hosts=allowed))  # type: ignore[arg-type]
+        with TestClient(app, base_url="http://10.1.2.3:8080") as c:
+            assert c.get("/health", headers={"Host": "specgguf:8080"}).status_code == status
+            # (a port, in the request or in the flag, is no part of the name)
+            assert c.get("/health", headers={"Host": "box.lan:9"}).status_code == 200
+        app.state.scheduler.join(5)
+
+
 def test_cors_origins_localhost_lets_in_pages_on_this_machine_only() -> None:
     for client in client_of(cors_origins=("localhost",)):
         for ui in ("http://localhost:3000", "http://127.0.0.1:5173", "https://[::1]"):

@@ -535,7 +535,7 @@ def test_serve_cache_dir_must_be_a_folder_it_can_write(
 ) -> None:
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for where, what in ((afile, b"cannot make the folder"), (afile / "sub", b"cannot make")):
+    for where, what in ((afile, b"is not a folder"), (afile / "sub", b"cannot make the folder")):
         res = run_cli("serve", "-m", str(tiny_models["target"]), "--cache-dir", str(where))
         assert res.returncode == 2 and what in res.stderr, res.stderr
     assert afile.read_text() == "x"
@@ -567,6 +567,11 @@ def test_serve_keeps_its_prompts_in_cache_dir_for_the_next_server(
         assert s.stop() == 0
     assert "1 prompt(s) saved in" in s.stderr
     assert len(list((tmp_path / "kept").glob("*.sgpc"))) == 1
+    # straight to the files (--cache-ram 0): counted too
+    with ServerProcess(*args, "--cache-ram", "0", "--cache-dir", str(tmp_path / "disk")) as d:
+        ask(d, DOC + "Q3")
+        assert d.stop() == 0
+    assert "1 prompt(s) saved in" in d.stderr, d.stderr
     with ServerProcess(*args) as again:
         later = ask(again, DOC + "Q2")
     with load_engine(tiny_models["target"], drafter="none", n_ctx=2048) as e:

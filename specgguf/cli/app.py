@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if type(sys.stdout).__name__ == "PacifyFlushWrapper":
             code = EXIT_BROKEN_PIPE  # Click's own output (--help) met a closed stdout
-    except (OutputClosed, BrokenPipeError):
+    except OutputClosed:
         code = EXIT_BROKEN_PIPE
     except SpecggufError as e:
         if debug:

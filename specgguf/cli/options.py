@@ -445,12 +445,12 @@ def _check_folder(path: Path, flag: str) -> None:
     """
     import os
 
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from None
-    if not path.is_dir():
-        raise UsageError(f"{flag} {path} is not a folder")
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: this process cannot write there")
 

@@ -18,12 +18,14 @@ def stdout_console() -> Any:
     table cells when stdout is a pipe or file."""
     from rich.console import Console
 
+    from specgguf.errors import OutputClosed
+
     class _Console(Console):
         def on_broken_pipe(self) -> None:
             # a closed reader is the command's OutputClosed (exit 141), as for every other
             # write (Rich would exit 1)
             self.quiet = True
-            raise BrokenPipeError(32, "stdout was closed")
+            raise OutputClosed()
 
     return _Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 

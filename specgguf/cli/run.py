@@ -215,11 +215,15 @@ def check_cache_file(path: Path, say: Callable[[str], None], *, read_only: bool)
     """
     from specgguf.errors import UsageError
 
-    real = path.resolve()
-    if real.exists() and not real.is_file():
+    try:
+        real = path.resolve()
+        exists = real.exists()
+    except (OSError, RuntimeError) as e:  # a loop of links, a folder that cannot be read
+        raise UsageError(f"--prompt-cache {path}: {getattr(e, 'strerror', None) or e}") from None
+    if exists and not real.is_file():
         what = "a folder" if real.is_dir() else "not a regular file"
         raise UsageError(f"--prompt-cache {path} is {what}: name a file")
-    if read_only and not real.exists():
+    if read_only and not exists:
         say(f"specgguf: note: --prompt-cache {path} does not exist: the prompt is read whole")
 
 

@@ -89,9 +89,10 @@ def serve(
         logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
     )
     say = stderr_say(quiet)
-    if "*" in (server.cors_origins or "").replace(" ", "").split(",") and not server.api_key:
+    if "*" in config_args(server, "server").get("cors_origins", ()) and not server.api_key:
         raise UsageError("--cors-origins '*' lets every web page use the server: give "
                          "--api-key too, or name the origins")  # fmt: skip
+    o.cache_config(cache)  # its refusals before anything is downloaded or loaded
     config = o.engine_config(load, drafting, say=say)
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(

@@ -17,8 +17,9 @@ import dataclasses
 import math
 from pathlib import Path
 
-from specgguf.engine.drafter_map import AUTO, drafter_kinds, needs
+from specgguf.engine.drafter_map import AUTO, drafter_kinds, needs, unknown_drafter
 from specgguf.errors import UsageError
+from specgguf.gguf.arch import DELTA_NET_ARCHS
 from specgguf.llama.rpc import DEFAULT_TIMEOUT, parse_endpoints
 from specgguf.speculative.tuning import AUTO_TUNING
 
@@ -59,8 +60,9 @@ def default_draft_max(drafter: DrafterKind) -> int:
 RECURRENT_DRAFT_MAX = 16
 
 
-#: The most rows of a micro-batch on a recurrent or hybrid target: llama.cpp computes 64
-#: or more tokens of a gated delta-net layer (Qwen3.5, Qwen3-Next) by another algorithm
+#: The most rows of a micro-batch on a gated delta-net target (Qwen3.5, Qwen3-Next:
+#: :data:`specgguf.gguf.arch.DELTA_NET_ARCHS`): llama.cpp computes 64 or more tokens of
+#: such a layer by another algorithm
 #: (chunks of 64: src/models/delta-net-base.cpp), whose logits differ from those of one
 #: token at a time (by up to 0.37 where they spread by 4.8 on the tiny fixture), and a
 #: verification or a prompt read in other pieces then changed the greedy output. Up to 63
@@ -68,17 +70,18 @@ RECURRENT_DRAFT_MAX = 16
 RECURRENT_ROWS_MAX = 63
 
 
-def verify_draft_max(spec: SpeculativeConfig, memory: str) -> int:
+def verify_draft_max(spec: SpeculativeConfig, memory: str, arch: str | None = None) -> int:
     """The largest draft the target's context is made for: the draft length, or for a
     recurrent or hybrid target (``memory``, :func:`specgguf.gguf.arch.memory_kind`) given
-    none, at most :data:`RECURRENT_DRAFT_MAX`, and given one, at most
+    none, at most :data:`RECURRENT_DRAFT_MAX`; on a gated delta-net (``arch``), at most
     ``RECURRENT_ROWS_MAX - 2`` (llama.cpp keeps the last n_rs_seq + 1 tokens of a batch in
     one micro-batch, and needs it larger: src/llama-batch.cpp)."""
     if memory == "attention":
         return spec.draft_max
-    if spec.draft_max == default_draft_max(spec.drafter):
-        return min(spec.draft_max, RECURRENT_DRAFT_MAX)
-    return min(spec.draft_max, RECURRENT_ROWS_MAX - 2)
+    k = spec.draft_max
+    if k == default_draft_max(spec.drafter):
+        k = min(k, RECURRENT_DRAFT_MAX)
+    return min(k, RECURRENT_ROWS_MAX - 2) if arch in DELTA_NET_ARCHS else k
 
 
 def uses_mtp(config: EngineConfig, nextn_layers: int, *, rolls_back: bool = True) -> bool:
@@ -339,7 +342,7 @@ class EngineConfig:
 def check_drafter(kind: str) -> None:
     """Raises UsageError unless ``kind`` names a drafter."""
     if kind not in drafter_kinds():
-        raise UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {kind!r}")
+        raise unknown_drafter(kind)
 
 
 def check_p_min(p_min: float) -> None:

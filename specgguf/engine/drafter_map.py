@@ -198,8 +198,13 @@ def entry(name: str) -> DrafterEntry:
         UsageError: no drafter has that name.
     """
     if name not in DRAFTERS:
-        raise UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {name!r}")
+        raise unknown_drafter(name)
     return DRAFTERS[name]
+
+
+def unknown_drafter(name: str) -> UsageError:
+    """The error for a drafter name that names nothing (one line: the names there are)."""
+    return UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {name!r}")
 
 
 def drafter_kinds() -> tuple[str, ...]:

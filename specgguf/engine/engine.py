@@ -58,7 +58,7 @@ from specgguf.engine.preflight import Preflight, preflight, target_mtp, target_s
 from specgguf.engine.prompt_cache import PromptCache, file_fingerprint, identity
 from specgguf.engine.slots import SavedPrompt, Slot, best_slot
 from specgguf.errors import BackendError, ContextOverflowError, SpecggufError, UsageError
-from specgguf.gguf.arch import describe
+from specgguf.gguf.arch import DELTA_NET_ARCHS, describe
 from specgguf.llama.backend import LlamaContext, LlamaModel, MtpHead, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
@@ -140,7 +140,7 @@ class Engine:
             n_par = config.n_parallel
             target_ctx = functools.partial(
                 self._context, self.target_model, config.target, self.preflight.n_ctx,
-                (verify_draft_max(spec, self.target_model.memory) + 1) * n_par,
+                (verify_draft_max(spec, self.target_model.memory, t_info.architecture) + 1) * n_par,
                 reserve=int(config.deterministic),
                 # (nor with MTP layers, which read the hidden state of each position the
                 # target decodes in sequence 0, nor with parallel sequences)
@@ -194,9 +194,10 @@ class Engine:
             if spec.draft_max > capacity and (
                 spec.draft_max != default_draft_max(spec.drafter)  # asked for, not auto's
             ):
-                why = (f"a verification batch of {config.target.n_batch} tokens" if attention
-                       else f"a {describe(t_info.architecture)} target's micro-batches of at "
-                       f"most {RECURRENT_ROWS_MAX} rows")  # fmt: skip
+                why = (f"a {t_info.architecture} target's micro-batches of at most "
+                       f"{RECURRENT_ROWS_MAX} rows" if t_info.architecture in DELTA_NET_ARCHS
+                       else f"a verification batch of {config.target.n_batch} tokens"
+                       + ("" if attention else " and the recurrent state's snapshots"))  # fmt: skip
                 log.warning("a draft length of %d does not fit %s: drafts have at most %d "
                             "tokens", spec.draft_max, why, capacity)  # fmt: skip
             (own,) = make_drafters(self._sources(1))
@@ -390,10 +391,11 @@ class Engine:
         n_parallel: int = 1,
         n_checkpoints: int = 0,
     ) -> LlamaContext:
-        # A recurrent or hybrid target's micro-batches stay below the rows at which
-        # llama.cpp changes algorithm (RECURRENT_ROWS_MAX): its state is then the same
-        # whatever the prompt's pieces, the snapshots or the draft length.
-        ub = RECURRENT_ROWS_MAX if not draft and model.memory != "attention" else None
+        # A gated delta-net target's micro-batches stay below the rows at which llama.cpp
+        # changes algorithm (RECURRENT_ROWS_MAX): its state is then the same whatever the
+        # prompt's pieces, the snapshots or the draft length.
+        delta_net = self.preflight.target.architecture in DELTA_NET_ARCHS
+        ub = RECURRENT_ROWS_MAX if not draft and delta_net else None
         ctx = self._stack.enter_context(
             model.new_context(
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
@@ -696,13 +698,15 @@ class Engine:
         cache = self.prompt_cache
         if cache is None or cache.disk is None:
             return 0
+        written = cache.files_written  # (a state larger than the memory goes straight there)
         for seq in self.slots:
             if seq.n_cached and cache.has_room(seq.state_bytes()):
                 try:
                     cache.put(seq.save())
                 except SpecggufError as e:
                     log.warning("prompt cache: sequence %d could not be saved: %s", seq.index, e)
-        return cache.flush()
+        cache.flush()
+        return cache.files_written - written
 
     def save_prompt(self, slot: int | None = None) -> SavedPrompt:
         """A copy of what a sequence holds (None: the engine's own), for

@@ -200,7 +200,7 @@ def target_snapshots(config: EngineConfig, info: ModelInfo) -> int:
     token a verification may reject, for an architecture llama.cpp snapshots; else 0."""
     if info.memory == "attention" or not rolls_back(info.architecture):
         return 0
-    return verify_draft_max(config.speculative, info.memory)
+    return verify_draft_max(config.speculative, info.memory, info.architecture)
 
 
 def target_mtp(config: EngineConfig, info: ModelInfo) -> bool:

@@ -27,6 +27,13 @@ ROLLBACK_ARCHS = frozenset({
     "nemotron_h_moe", "lfm2", "lfm2moe", "bailingmoe3",
 })  # fmt: skip
 
+#: Architectures built on llama.cpp's gated delta-net (src/models/delta-net-base.cpp),
+#: which computes 64 or more tokens of a micro-batch by another algorithm than fewer.
+DELTA_NET_ARCHS = frozenset({
+    "qwen3next", "qwen35", "qwen35moe", "qwen4exp", "kimi-linear", "kimi-k3", "glm5-next",
+    "bailingmoe3",
+})  # fmt: skip
+
 
 def memory_kind(arch: str | None) -> MemoryKind:
     """ "recurrent", "hybrid" (attention and recurrent layers) or "attention"."""

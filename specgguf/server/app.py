@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specgguf import __version__
 from specgguf.server import completions, status
 from specgguf.server.errors import APIError, install_handlers, refused
-from specgguf.server.guard import LOCAL_ORIGIN, Guard
+from specgguf.server.guard import LOCAL_ORIGIN, Guard, normal_origins
 from specgguf.server.metrics import Metrics
 from specgguf.server.scheduler import Scheduler
 from specgguf.server.service import ServerSettings, Service
@@ -126,15 +126,17 @@ def create_app(
     app.include_router(status.router)
     if settings.api_key:
         app.add_middleware(_RequireKey, key=settings.api_key)
-    if settings.cors_origins:
+    origins = normal_origins(settings.cors_origins)
+    app.add_middleware(Guard, allowed_hosts=settings.allowed_hosts, origins=origins)
+    if origins:  # outside the guard: its refusals carry CORS headers for an allowed page
         from starlette.middleware.cors import CORSMiddleware
 
+        # (any request header, as llama-server answers: the openai JS client sends its own)
         app.add_middleware(
-            CORSMiddleware, allow_origins=list(settings.cors_origins),
-            allow_origin_regex=LOCAL_ORIGIN if "localhost" in settings.cors_origins else None,
-            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
+            CORSMiddleware, allow_origins=list(origins),
+            allow_origin_regex=LOCAL_ORIGIN if "localhost" in origins else None,
+            allow_methods=["GET", "POST"], allow_headers=["*"],
         )  # fmt: skip
-    app.add_middleware(Guard, allowed_hosts=settings.allowed_hosts, origins=settings.cors_origins)
     routers = (completions.router, status.router)
     paths = frozenset(r.path for router in routers for r in router.routes if hasattr(r, "path"))
     app.add_middleware(_CountRequests, metrics=metrics, paths=paths)

@@ -6,9 +6,12 @@ first, and through DNS rebinding (a name of the attacker's re-pointed to 127.0.0
 the same origin, reading every answer. Ollama fixed the same class (CVE-2024-28224) by
 checking ``Host`` and ``Origin``. :class:`Guard` refuses, in this order:
 
-- a ``Host`` header that names neither an IP address, ``localhost`` (or a name under
-  it), this machine's host name, nor a name given with ``--allowed-hosts``: 403 (a
-  rebound name is none of these; an IP address cannot be rebound);
+- on a connection to a loopback address (where a rebound name leads), a ``Host`` header
+  that names neither an IP address, ``localhost`` (or a name under it), this machine's
+  host name, nor a name given with ``--allowed-hosts``: 403 (a rebound name is none of
+  these; an IP address cannot be rebound). With ``--allowed-hosts``, on every connection
+  (``*``: any name). As Ollama, a connection that came over the network (a container, a
+  proxy, another machine) is not held to it otherwise;
 - an ``Origin`` header (browsers send it with cross-origin requests and same-origin
   POSTs) other than the server's own origin or one given with ``--cors-origins``: 403;
 - a POST whose body is not declared ``application/json``: 415 (a browser cannot send
@@ -55,19 +58,36 @@ def _is_ip(name: str) -> bool:
 def host_allowed(host: str, allowed: Sequence[str]) -> bool:
     """Whether a ``Host`` header value names this server: an IP address, ``localhost``
     or a name under it, this machine's host name, or a name of ``allowed`` (a name
-    starting with a dot allows every name under it: ``.example.lan``)."""
+    starting with a dot allows every name under it: ``.example.lan``; a port is ignored;
+    ``*``: any)."""
     name = _hostname(host).rstrip(".")
-    if not name or _is_ip(name):
+    if not name or _is_ip(name) or "*" in allowed:
         return True
     if any(name == n or name.endswith("." + n) for n in LOCAL_NAMES):
         return True
     if name == socket.gethostname().lower():
         return True
     for a in allowed:
-        a = a.strip().lower()
+        a = _hostname(a).rstrip(".")
         if name == a.lstrip(".") or (a.startswith(".") and name.endswith(a)):
             return True
     return False
+
+
+def normal_origins(origins: Sequence[str]) -> tuple[str, ...]:
+    """``--cors-origins`` as browsers write an ``Origin``: lowercase, no trailing slash."""
+    return tuple(o.strip().rstrip("/").lower() for o in origins if o.strip())
+
+
+def _loopback(scope: Scope) -> bool:
+    """Whether the connection came to a loopback address of this machine."""
+    server = scope.get("server")
+    if not server:
+        return True  # (not told: held to the check)
+    try:
+        return ipaddress.ip_address(str(server[0]).split("%")[0]).is_loopback
+    except ValueError:
+        return True
 
 
 def _media_type(value: bytes) -> str:
@@ -84,7 +104,7 @@ class Guard:
     ) -> None:
         self.app = app
         self.allowed_hosts = tuple(allowed_hosts)
-        self.origins = frozenset(o.rstrip("/").lower() for o in origins)
+        self.origins = frozenset(normal_origins(origins))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (err := self.refusal(scope)) is not None:
@@ -96,7 +116,8 @@ class Guard:
         """Why the request is refused, or None."""
         headers = dict(scope["headers"])
         host = headers.get(b"host", b"").decode("latin-1")
-        if host and not host_allowed(host, self.allowed_hosts):
+        held = self.allowed_hosts or _loopback(scope)
+        if host and held and not host_allowed(host, self.allowed_hosts):
             return APIError(
                 403, f"Host {_hostname(host)!r} is not this server's: use its address, "
                 "localhost, or start it with --allowed-hosts NAME",

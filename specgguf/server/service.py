@@ -74,8 +74,8 @@ class ServerSettings:
         log_text: log each request's prompt and completion (DEBUG on ``specgguf.server``).
         allowed_hosts: names the ``Host`` header may give besides IP addresses,
             ``localhost`` and this machine's name (``.name``: every name under it).
-        cors_origins: origins of web pages that may use the server (CORS; ``*``: any);
-            empty: none but its own.
+        cors_origins: origins of web pages that may use the server (CORS; ``*``: any;
+            ``localhost``: any page on this machine); empty: none but its own.
     """
 
     model_id: str
@@ -362,11 +362,13 @@ class Service:
         error mid-stream is one event with OpenAI's error object. A client that
         disconnects cancels this iterator, and so the job (logged under ``label``)."""
         ended = False
+        pieces = 0
         try:
             for chunk in head:
                 yield _sse(chunk)
             async for ev in job.events():
                 if ev.kind == "piece":
+                    pieces += 1
                     for chunk in piece(ev.text):
                         yield _sse(chunk)
                     continue
@@ -377,8 +379,9 @@ class Service:
                 except APIError as e:
                     ended = True
                     if e.code == "server_shutting_down":  # after the 200 that started it
-                        done = ev.result.stats.generated if ev.result is not None else 0
-                        log.info("%s: stream ended by shutdown after %d tokens", label, done)
+                        done = (f"{ev.result.stats.generated} tokens" if ev.result is not None
+                                else f"{pieces} text pieces")  # fmt: skip
+                        log.info("%s: stream ended by shutdown after %s", label, done)
                     else:
                         log.info("%s: %d %s", label, e.status, e.message)
                     yield _sse(e.body())

@@ -69,13 +69,6 @@ class SuffixDrafter(Drafter):
         self._last: tuple[int, int] | None = None
         self._sent = 0
 
-    @property
-    def settings(self) -> dict[str, Any]:
-        """The constructor's arguments this drafter was made with (for an empty one like
-        it: ``SuffixDrafter(**d.settings)``)."""
-        return {"capacity": self.capacity, "max_occurrences": self.max_occurrences,
-                "min_share": self.min_share}  # fmt: skip
-
     @classmethod
     def group(cls, n: int, **settings: Any) -> list[SuffixDrafter]:
         """``n`` drafters (``settings``: the constructor's) that share every generation
