@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -156,3 +157,27 @@ def test_sampled_mtp_drafts_keep_the_exact_joint_of_two_tokens() -> None:
     assert drafted >= 2 * n and accepted / drafted > 0.7
     stat = sum((counts[c] - n * p) ** 2 / (n * p) for c, p in exact.items())
     assert stat < chi2_critical(len(exact) - 1), (stat, counts)
+
+
+def test_each_sequence_of_one_batch_keeps_the_hidden_states_of_its_own_rows(
+    tiny_models: dict[str, Path],
+) -> None:
+    """``decode_many`` of two sequences (llama.cpp splits the batch into micro-batches of
+    equal rows per sequence and puts the rows back in the batch's order): each sequence
+    keeps the hidden states its rows give when it is decoded alone."""
+    from specgguf.llama.backend import LlamaModel
+
+    texts = [[5, 17, 29, 31, 2, 9], [40, 3, 3, 12, 7, 21]]
+    with LlamaModel(tiny_models["mtp"], load_mtp=True) as model:
+        alone = []
+        for tokens in texts:
+            with model.new_context(n_ctx=256, n_batch=64, hidden=True) as ctx:
+                ctx.eval(tokens, logits="none")
+                alone.append(ctx.hidden_rows(0, len(tokens)))
+        with model.new_context(n_ctx=256, n_batch=64, hidden=True, n_parallel=2) as ctx:
+            seqs = [ctx.sequence(0), ctx.sequence(1)]
+            ctx.decode_many([(s, t, "last") for s, t in zip(seqs, texts, strict=True)])
+            together = [s.hidden_rows(0, len(t)) for s, t in zip(seqs, texts, strict=True)]
+    assert not np.allclose(alone[0], alone[1])
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)

@@ -192,12 +192,37 @@ def test_parallel_is_refused_where_a_sequence_cannot_be_shared(
 ) -> None:
     from specgguf.errors import UsageError
 
-    with pytest.raises(UsageError, match="one request at a time"):
-        Engine(EngineConfig(ModelConfig(tiny_models["mtp"]), None,
-                            SpeculativeConfig(drafter="mtp"), n_parallel=2))  # fmt: skip
     with pytest.raises(UsageError, match="drafts for one sequence at a time"):
         Engine(EngineConfig(ModelConfig(tiny_models["hybrid"]),
                             ModelConfig(tiny_models["hybrid-draft"]), n_parallel=2))  # fmt: skip
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "auto"])
+def test_each_sequence_drafts_with_mtp_layers_of_its_own(
+    tiny_models: dict[str, Path], drafter: str
+) -> None:
+    """The target's MTP layers draft for every sequence of ``--parallel``, each from its
+    own hidden states: four at once give each request's text and its drafted and accepted
+    counts as alone (llama-server's users report MTP acceptance collapsing with several
+    slots: unsloth #7717)."""
+
+    def mtp_engine(n: int) -> Engine:
+        return Engine(EngineConfig(ModelConfig(tiny_models["mtp"], n_ctx=512), None,
+                                   SpeculativeConfig(drafter=drafter, draft_max=4),
+                                   n_parallel=n))  # fmt: skip
+
+    with mtp_engine(1) as one:
+        alone = [one.generate(p, GREEDY).run() for p in PROMPTS[:4]]
+    with mtp_engine(4) as four:
+        heads = [s.drafting.get("mtp") for s in four.slots]  # auto mode weighs them too
+        assert len({id(getattr(h, "head", None)) for h in heads if h is not None}) == 4
+        together = batched(four, PROMPTS[:4], GREEDY)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    if drafter == "mtp":
+        assert [r.stats.accepted for r in together] == [r.stats.accepted for r in alone]
+        assert [r.stats.drafted for r in together] == [r.stats.drafted for r in alone]
+        assert all(r.stats.drafted > 0 for r in together)
+        assert sum(r.stats.accepted for r in together) > 0
 
 
 # -- over HTTP -------------------------------------------------------------------------------

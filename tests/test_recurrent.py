@@ -498,3 +498,37 @@ def test_parallel_sequences_on_a_hybrid_target_equal_each_alone(
         ids = [e.prepared_ids(e.render(p)) for p in prompts]
         together, _ = generate_together(e, prompts, params)
     assert [r.tokens for r in together] == [plain_greedy(hybrid, i, 100, n_ubatch=63) for i in ids]
+
+
+def test_the_default_server_drafts_with_mtp_layers_for_every_request(
+    tiny_models: dict[str, Path],
+) -> None:
+    """``serve`` on a target with MTP layers keeps its default ``--parallel 4`` and says
+    that they draft; a request asking for them drafts with them, and two at once each
+    give what they give alone."""
+    import concurrent.futures
+
+    import httpx
+
+    from .helpers import ServerProcess
+
+    def body(prompt: str) -> dict[str, object]:
+        return {"model": "tiny", "max_tokens": 24, "prompt": prompt, "temperature": 0,
+                "ignore_eos": True, "speculative.drafter": "mtp"}  # fmt: skip
+
+    prompts = ["The quick brown fox", "hello world hello world"]
+    with ServerProcess("-m", str(tiny_models["mtp"]), "-c", "512") as s:
+        listening = next(line for line in s.stderr_lines if "listening on" in line)
+
+        def post(prompt: str) -> dict[str, object]:
+            r = httpx.post(f"{s.base_url}/completions", json=body(prompt), timeout=60)
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        alone = [post(p) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(post, prompts))
+    assert "parallel 4" in listening and "MTP layer" in listening, listening
+    texts = [[r["choices"][0]["text"] for r in rs] for rs in (alone, together)]  # type: ignore[index]
+    assert texts[0] == texts[1]
+    assert all(r["timings"]["draft_n"] > 0 for r in alone + together), alone  # type: ignore[index]

@@ -138,7 +138,8 @@ def serve(
 
             def ready(url: str) -> None:
                 d = engine.describe()
-                draft_name = Path(d["draft"]).name if d["draft"] else "none"
+                draft_name = Path(d["draft"]).name if d["draft"] else (
+                    f"the target's {d['mtp_layers']} MTP layer(s)" if d["mtp_layers"] else "none")
                 servers = "".join(
                     f", {role} over RPC {','.join(d[key])}"
                     for role, key in (("target", "rpc"), ("draft", "rpc_draft"))
@@ -175,13 +176,12 @@ def _parallel(
     """The configuration with its parallel sequences, and its preflight: ``parallel`` as
     given (refused with the memory plan's numbers when it does not fit), else
     :data:`DEFAULT_PARALLEL` where the plan allows it and nothing needs one sequence
-    (the target's MTP layers drafting, a recurrent draft model), else 1; said on stderr.
+    (a recurrent draft model), else 1; said on stderr.
 
     Raises:
         InsufficientMemoryError, UsageError: from :func:`specgguf.engine.preflight`.
     """
     from specgguf.engine import preflight
-    from specgguf.engine.preflight import target_mtp
     from specgguf.errors import InsufficientMemoryError, UsageError
 
     if parallel is not None:
@@ -195,9 +195,7 @@ def _parallel(
     except UsageError as e:
         why = str(e)
     else:
-        if not target_mtp(config, checked.target):
-            return wide, checked
-        why = "the target's MTP layers draft for one sequence"
+        return wide, checked
     one = preflight(config)
     say(f"specgguf: one request at a time (--parallel 1): {why}")
     return config, one

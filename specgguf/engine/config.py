@@ -87,11 +87,9 @@ def verify_draft_max(spec: SpeculativeConfig, memory: str, arch: str | None = No
 def uses_mtp(config: EngineConfig, nextn_layers: int, *, rolls_back: bool = True) -> bool:
     """Whether the target's MTP layers draft: asked for (a drafter that needs them), or in
     auto mode when the target carries them, its memory can drop rejected drafts
-    (``rolls_back``), no draft model is loaded (as Ollama does) and one sequence is
-    generated at a time (the head drafts for one)."""
+    (``rolls_back``) and no draft model is loaded (as Ollama does)."""
     kind = config.speculative.drafter
-    auto = (kind == AUTO and nextn_layers > 0 and rolls_back and not config.loads_draft
-            and config.n_parallel == 1)  # fmt: skip
+    auto = kind == AUTO and nextn_layers > 0 and rolls_back and not config.loads_draft
     return needs(kind).mtp_layers or auto
 
 

@@ -62,14 +62,14 @@ class Sources:
     """What the engine loaded that drafters draft from, for ``n`` sequences (the slots of
     ``--parallel``, or the engine's own one): the target's vocabulary size, the n-gram
     lengths to look up, the draft model's sequence for each (empty: no draft model is
-    loaded), and the target's MTP layers with the context whose hidden states they read
-    (None: not loaded; they draft for one sequence)."""
+    loaded), and for each the target's MTP layers with the sequence whose hidden states
+    they read (empty: not loaded)."""
 
     n: int
     n_vocab: int
     ngram: tuple[int, int] = (2, 8)
     draft: Sequence[Evaluator] = ()
-    mtp: tuple[Head, HiddenStates] | None = None
+    mtp: Sequence[tuple[Head, HiddenStates]] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +143,9 @@ def _make_model(src: Sources) -> list[Drafter] | None:
 
 
 def _make_mtp(src: Sources) -> list[Drafter] | None:
-    if src.mtp is None or src.n != 1:
+    if not src.mtp:
         return None
-    head, target = src.mtp
-    return [MtpDrafter(head, target, src.n_vocab)]
+    return [MtpDrafter(head, target, src.n_vocab) for head, target in src.mtp]
 
 
 def _check_mtp(config: EngineConfig, target: ModelInfo) -> None:
@@ -185,7 +184,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
         DrafterEntry(
             "mtp", "the target's multi-token-prediction layers", make=_make_mtp,
             arm=_evaluated_arm, spec_types=("draft-mtp",), needs=Needs(mtp_layers=True),
-            evaluated=True, parallel=False, check=_check_mtp,
+            evaluated=True, check=_check_mtp,
         ),
     )
 }  # fmt: skip

@@ -173,10 +173,17 @@ class Engine:
                     draft=True, scratch=self.draft_model.memory != "attention",
                     n_parallel=n_par,
                 )  # fmt: skip
-            #: the target's MTP layers, when they draft
+            #: the target's sequences (``--parallel``; else the context alone), made once:
+            #: each keeps the hidden states its MTP layers read
+            self._seqs = [self.target_ctx.sequence(i) for i in range(n_par)]
+            #: the target's MTP layers, when they draft: a context of them for each
+            #: sequence (each holds its own KV cache and reads its sequence's hidden
+            #: states), and the engine's own sequence's
+            self.mtp_heads: list[MtpHead] = []
             self.mtp_head: MtpHead | None = None
             if mtp:
-                self.mtp_head = self._stack.enter_context(MtpHead(self.target_ctx))
+                self.mtp_heads = [self._stack.enter_context(MtpHead(s)) for s in self._seqs]
+                self.mtp_head = self.mtp_heads[0]
                 log.info("%s: drafting with its %d multi-token-prediction layer(s)",
                          self.target_model.path.name, self.target_model.n_layer_nextn)  # fmt: skip
             if not attention and spec.drafter == "auto" and not self.target_ctx.n_rs_seq:
@@ -269,7 +276,7 @@ class Engine:
     def _sources(self, n: int, *, batched: bool = False) -> Sources:
         """What drafters draft from, for the engine's own sequence (``n`` 1) or the ``n``
         sequences of ``--parallel`` (``batched``: the draft model's sequences evaluate
-        through :attr:`batcher`; the MTP layers draft for one sequence only)."""
+        through :attr:`batcher`; each sequence's MTP layers read its own hidden states)."""
         spec = self.config.speculative
         draft: list[Evaluator] = []
         if self.draft_ctx is not None:
@@ -277,7 +284,7 @@ class Engine:
             if batched:
                 draft = [BatchedSequence(self.draft_ctx.sequence(i), lambda: self.batcher)
                          for i in range(n)]  # fmt: skip
-        mtp = (self.mtp_head, self.target_ctx) if self.mtp_head is not None and n == 1 else None
+        mtp = [(head, self._seqs[i]) for i, head in enumerate(self.mtp_heads[:n])]
         return Sources(n, self.target_model.n_vocab, (spec.ngram_min, spec.ngram_max),
                        draft, mtp)  # fmt: skip
 
@@ -287,11 +294,12 @@ class Engine:
         (:func:`~specgguf.engine.drafter_map.make_drafters`; ``draft``: the draft model's
         sequence they draft in, through the batcher), and timings of its own, which the
         batcher tells which other sequences share a step (:attr:`Timings.others`)."""
-        seq = self.target_ctx.sequence(i)
+        seq = self._seqs[i]
         target = BatchedSequence(seq, lambda: self.batcher)
         draft_seq = draft.ctx if isinstance(draft, BatchedSequence) else None
         slot = Slot(i, SpeculativeDecoder(target, self.target_model), target, seq,
-                    Drafting(drafters, lambda det: timings(det)), draft_seq)  # fmt: skip
+                    Drafting(drafters, lambda det: timings(det)), draft_seq,
+                    self.mtp_heads[i] if self.mtp_heads else None)  # fmt: skip
 
         def timings(det: bool) -> Timings:
             if det not in slot.timings:
@@ -877,6 +885,8 @@ class Engine:
         return {
             "target": str(self.target_model.path),
             "draft": str(self.draft_model.path) if self.draft_model else None,
+            #: the target's MTP layers that draft, for each sequence (0: none)
+            "mtp_layers": self.target_model.n_layer_nextn if self.mtp_heads else 0,
             "rpc": list(self.config.target.rpc),
             "rpc_draft": list(draft_rpc),
             "n_ctx": self.n_ctx,

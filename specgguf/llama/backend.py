@@ -580,7 +580,8 @@ class LlamaContext(_Native):
     cache of ``n_parallel * n_ctx`` cells instead, as llama-server's slots do. This
     context is sequence 0; :meth:`sequence` gives the others, each with its own ``n_past``,
     rollback and timing, and :meth:`decode_many` decodes several sequences' tokens in one
-    ``llama_decode``. Such a context has no trees, scratch sequence or hidden states.
+    ``llama_decode``. Such a context has no trees or scratch sequence; with ``hidden``,
+    each sequence keeps the hidden states of its own positions.
 
     What a sequence holds outlives a generation: :meth:`reuse` keeps the longest prefix a
     new prompt shares with it, :meth:`prompt` reads the rest, and :meth:`save_state` /
@@ -594,7 +595,7 @@ class LlamaContext(_Native):
 
     Raises:
         BackendError: llama.cpp could not create the context.
-        ValueError: ``n_parallel`` with trees, a scratch sequence or hidden states.
+        ValueError: ``n_parallel`` with trees or a scratch sequence.
     """
 
     def __init__(
@@ -617,8 +618,8 @@ class LlamaContext(_Native):
         kv_unified: bool = False,
         n_checkpoints: int = 0,
     ) -> None:
-        if n_parallel > 1 and (tree_branches >= 2 or scratch or hidden):
-            raise ValueError("parallel sequences have no trees, scratch sequence or hidden states")
+        if n_parallel > 1 and (tree_branches >= 2 or scratch):
+            raise ValueError("parallel sequences have no trees or scratch sequence")
         self._lc = lc = model._lc
         self.model = model
         self._ctx: Any = None  # llama_context * (ctypes)
@@ -1444,9 +1445,16 @@ class LlamaContext(_Native):
             seconds = time.perf_counter() - t0
             for ctx in seqs:
                 ctx.eval_seconds += seconds
-        result, first = [], 0
+        # llama.cpp puts the hidden states of every row back in the batch's order
+        # (llama_context::output_reorder), whatever micro-batches it split the batch into
+        hidden = (np.ctypeslib.as_array(self._nextn(self._ctx), shape=(rows, self.n_embd_out))
+                  if self._hidden and rows else None)  # fmt: skip
+        result, first, row = [], 0, 0
         for (ctx, tokens, _), n_out in zip(parts, outs, strict=True):
             m = len(tokens)
+            if hidden is not None and m:
+                ctx._hidden_rows.append((ctx.n_past, hidden[row : row + m].copy()))
+            row += m
             ctx._held[ctx.n_past : ctx.n_past + m] = tokens
             ctx.n_past += m
             ctx._room = min(ctx.n_rs_seq, m - 1) if m else 0
