@@ -80,6 +80,29 @@ def test_cost_model_against_hand_computed_numbers() -> None:
     assert t.draft == pytest.approx(0.0025)  # 0.002 + 0.25 * (0.004 - 0.002)
 
 
+def test_checkpoint_and_replay_against_hand_computed_numbers() -> None:
+    """A target without snapshots (issue 53): each verification copies its state (save),
+    and a rejection after j accepted drafts loads it back (restore) and decodes the j + 1
+    rows kept again (t(j + 1) on the curve); best_k weighs that against the drafts."""
+    t = Timings(dict(HAND), draft=0.002, replay=(0.001, 0.0005))
+    assert t.rollback_time(1, 0.8) == 0.0  # a lone row copies nothing
+    # n = 3 rows, a = 0.5: 0.001 + 0.5 * (0.0005 + t(1) 0.010)
+    #                            + 0.5 * 0.5 * (0.0005 + t(2) 0.012) = 0.009375
+    assert t.rollback_time(3, 0.5) == pytest.approx(0.009375)
+    assert t.rollback_time(3, 1.0) == pytest.approx(0.001)  # never rejected: the copy
+    assert Timings(dict(HAND)).rollback_time(3, 0.5) == 0.0  # cut from the cache: free
+    # a = 0.8, as in the test above (K = 2 at 135.56 tokens/s without replay):
+    #   K=1: 1.8 / (0.002 + 0.012 + 0.001 + 0.2 * 0.0105) = 1.8/0.0171 = 105.26
+    #   K=2: 2.44 / (0.004 + 0.014 + 0.001 + 0.2 * 0.0105 + 0.16 * 0.0125) = 2.44/0.0231
+    #        = 105.63
+    #   K=3: 2.952 / (0.006 + 0.016 + 0.001 + 0.0021 + 0.0020 + 0.128 * 0.0145) = 103.32
+    assert best_k(0.8, t, 4) == (2, pytest.approx(105.6277, rel=1e-5))
+    # a = 0.6: K=1: 1.6 / (0.002 + 0.012 + 0.001 + 0.4 * 0.0105) = 83.33 < 100: none,
+    # where without replay K = 1 paid (1.6 / 0.014 = 114.29)
+    assert best_k(0.6, Timings(dict(HAND), draft=0.002), 4)[0] == 1
+    assert best_k(0.6, t, 4) == (0, pytest.approx(100.0))
+
+
 def test_acceptance_counts_against_hand_computed_numbers() -> None:
     acc = Acceptance()  # prior 0.6 worth 2 trials, decay 0.9, fade 0.97
     assert acc.rate == pytest.approx(0.6)

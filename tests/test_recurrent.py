@@ -2,7 +2,8 @@
 snapshots (``n_rs_seq``), drafts that draft in a copy of their sequence, the MTP layers,
 and what is refused with the architecture named. On the fake backend (what the loop asks
 of a recurrent state) and on the tiny qwen35 (hybrid), qwen35 + MTP and mamba2
-(recurrent, no rollback in this llama.cpp) fixtures of :mod:`specgguf.gguf.tiny`."""
+(recurrent, no snapshots in this llama.cpp: checkpoint and replay) fixtures of
+:mod:`specgguf.gguf.tiny`."""
 
 from __future__ import annotations
 
@@ -209,14 +210,27 @@ def _caller() -> str:
 
 
 class Counting:
-    """Counts the target context's rollbacks by depth and its reads past the snapshots."""
+    """Counts the target context's rollbacks by depth, its reads past the snapshots, and
+    its checkpoint-and-replay rollbacks (``replays``; a refused one is a reread)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.depths: list[int] = []
         self.rereads = 0
+        self.replays = 0
         self.where: list[str] = []  # what read again, and who asked
         original = LlamaContext._truncate
+        replay = LlamaContext._replay
         counter = self
+
+        def replayed(ctx: LlamaContext, n_keep: int) -> bool:
+            ok = replay(ctx, n_keep)
+            counter.replays += ok
+            if not ok:
+                counter.rereads += 1
+                counter.where.append(f"{ctx.model.path.name}: a replay refused")
+            return ok
+
+        monkeypatch.setattr(LlamaContext, "_replay", replayed)
 
         def truncate(ctx: LlamaContext, n_keep: int, *, reread: bool = False) -> None:
             room = ctx.rollback_room
@@ -285,19 +299,114 @@ def test_a_prompt_read_before_by_a_recurrent_draft_is_read_from_the_start(
     assert count.rereads == 0, count.where
 
 
-def test_a_recurrent_target_without_snapshots_runs_alone(
-    tiny_models: dict[str, Path], baselines: dict[tuple[str, str], list[int]]
+@pytest.mark.parametrize(
+    ("family", "draft", "drafter"),
+    [("recurrent", None, "ngram"), ("recurrent", None, "suffix"), ("recurrent", None, "auto"),
+     ("recurrent", "target", "model"), ("recurrent", "recurrent", "auto"),
+     ("hybrid", "hybrid-draft", "model"), ("hybrid", None, "suffix"), ("mtp", None, "mtp")],
+)  # fmt: skip
+def test_checkpoint_and_replay_gives_the_targets_own_output(
+    tiny_models: dict[str, Path],
+    baselines: dict[tuple[str, str], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    family: str,
+    draft: str | None,
+    drafter: str,
 ) -> None:
-    with load_engine(tiny_models["recurrent"], drafter="auto", n_ctx=512) as e:
-        assert e.target_ctx.recurrent and e.target_ctx.n_rs_seq == 0
-        for _, p, tokens in generate_all(e, (16,)):
-            assert tokens == baselines[("recurrent", p)]
+    """A target whose state llama.cpp keeps no snapshots of (mamba2; the hybrid and MTP
+    files with their snapshots turned off, as qwen3next's are) drafts, and drops rejected
+    drafts by going back to a copy of its state taken before the verification and decoding
+    the kept rows again: greedy output is the target's own at every draft length, and
+    nothing is read again past that copy."""
+    import specgguf.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "target_snapshots", lambda config, info: 0)
+    d = tiny_models[draft] if draft else None
+    with load_engine(tiny_models[family], d, drafter=drafter, n_ctx=512, draft_max=16) as e:
+        assert e.target_ctx.n_rs_seq == 0 and e.target_ctx.replays
+        assert e.decoder.draft_capacity >= 16
+        e.timings()
+        count = Counting(monkeypatch)
+        drafted = 0
+        for k in (1, 4, 16):
+            for p in PROMPTS:
+                res = e.generate(p, GenerationParams(n_predict=200, draft_max=k, sampler=G,
+                                                     ignore_eos=True)).run()  # fmt: skip
+                assert res.tokens == baselines[(family, p)], (k, p)
+                drafted += res.stats.drafted
+    assert count.rereads == 0, count.where
+    if drafter != "auto":
+        assert drafted > 0 and count.replays > 0
+    if drafter in ("model", "mtp"):  # mostly rejected at once: all 16 dropped
+        assert max(count.depths) == 16
+
+
+def test_each_parallel_sequence_replays_from_its_own_checkpoint(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--parallel 3`` on a target without snapshots: each sequence keeps the copy of its
+    own state, and three requests at once give each one's text and counts as alone."""
+    from specgguf.engine import EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.engine.bench import generate_together
+
+    params = GenerationParams(n_predict=60, sampler=G, ignore_eos=True)
+
+    def make(n: int) -> Engine:
+        return Engine(EngineConfig(ModelConfig(tiny_models["recurrent"], n_ctx=512),
+                                   ModelConfig(tiny_models["target"], n_ctx=512),
+                                   SpeculativeConfig(drafter="model", draft_max=4),
+                                   n_parallel=n))  # fmt: skip
+
+    with make(1) as one:
+        alone = [one.generate(p, params).run() for p in PROMPTS]
+    with make(3) as three:
+        three.timings()  # calibrated first: its deep probe reads its prefix again, once
+        count = Counting(monkeypatch)
+        together = generate_together(three, PROMPTS, params)[0]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.stats.accepted for r in together] == [r.stats.accepted for r in alone]
+    assert count.replays > 0 and count.rereads == 0, count.where
+
+
+@pytest.mark.parametrize("family", ["recurrent", "hybrid"])
+def test_a_replayed_state_is_that_of_a_sequence_that_never_saw_the_rejected_tokens(
+    tiny_models: dict[str, Path], family: str
+) -> None:
+    """After a verification of 6 rows of which 2 are kept, the next token's logits are
+    those of a sequence that read only the kept ones, and the rollback decoded the 2 kept
+    rows alone (the state before the verification loaded back, not the whole text)."""
+    prompt, verified, nxt = [3, 14, 15, 9, 2, 6, 5, 3], [5, 8, 9, 7, 9, 3], 2
+    with LlamaModel(tiny_models[family]) as model:
+        with model.new_context(n_ctx=256, n_batch=64, replay=True) as ctx:
+            assert ctx.replays and ctx.rollback_max == ctx.n_batch
+            ctx.eval(prompt, logits="none")
+            ctx.eval(verified, logits="all")
+            assert ctx.rollback_room == len(verified)
+            decoded: list[int] = []
+            decode = ctx._decode
+
+            def spy(chunk: Sequence[int], **kw: object) -> int:
+                decoded.append(len(chunk))
+                return decode(chunk, **kw)  # type: ignore[arg-type]
+
+            ctx._decode = spy  # type: ignore[method-assign]
+            ctx.rollback(len(prompt) + 2)
+            ctx._decode = decode  # type: ignore[method-assign]
+            assert decoded == [2] and ctx.n_past == len(prompt) + 2
+            replayed = np.array(ctx.eval([nxt]))
+        with model.new_context(n_ctx=256, n_batch=64) as fresh:
+            fresh.eval([*prompt, *verified[:2]], logits="none")
+            expected = np.array(fresh.eval([nxt]))
+        with model.new_context(n_ctx=256, n_batch=64) as other:
+            other.eval([*prompt, *verified], logits="none")
+            unrolled = np.array(other.eval([nxt]))
+    assert not np.allclose(unrolled, expected, atol=1e-3)  # the rejected rows would show
+    np.testing.assert_allclose(replayed, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["--drafter", "ngram"], "mamba2 (recurrent state, no rollback"),
-     (["--deterministic"], "deterministic mode is not supported on a recurrent state"),
+    [(["--deterministic"], "deterministic mode is not supported on a recurrent state"),
      (["--drafter", "mtp"], "no multi-token-prediction layers")],
 )  # fmt: skip
 def test_what_an_architecture_cannot_do_is_refused_in_one_line(
@@ -382,9 +491,9 @@ def test_check_reports_the_kind_and_passes(tiny_models: dict[str, Path]) -> None
     out = res.stdout.decode()
     assert res.returncode == 0, out
     assert "hybrid: attention + recurrent state, rolled back by snapshots" in out
-    assert "mamba2 (recurrent state, no rollback in this llama.cpp)" in out
+    assert "mamba2 (recurrent state, rolled back by checkpoint and replay)" in out
     res = run_cli("check", str(tiny_models["recurrent"]), str(tiny_models["hybrid-draft"]))
-    assert res.returncode == 0 and b"[no-rollback]" in res.stdout, res.stdout
+    assert res.returncode == 0 and b"[replay]" in res.stdout, res.stdout
     res = run_cli("info", str(tiny_models["mtp"]))
     assert b"MTP layers" in res.stdout and b"1" in res.stdout.split(b"MTP layers")[1][:40]
 

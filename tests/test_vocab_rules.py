@@ -392,13 +392,16 @@ def test_recurrent_and_hybrid_architectures(
     vocab: Callable[..., VocabInfo], arch: str, rolls_back: bool
 ) -> None:
     # Refused until issue 31: any architecture drafts (a recurrent draft drafts in a copy
-    # of its sequence); a target whose state llama.cpp cannot snapshot is warned about.
+    # of its sequence); a target whose state llama.cpp cannot snapshot is said to roll
+    # back by checkpoint and replay (issue 53).
     r = compare_vocabs(vocab("t"), vocab("d", arch=arch))
     assert messages(r) == [] and r.compatible
     r = compare_vocabs(vocab("t2", arch=arch), vocab("d2"))
     why = (f"the target's architecture {arch!r} keeps no snapshots of its recurrent state in "
-           "this llama.cpp: no draft can be verified on it (it runs alone)")  # fmt: skip
-    assert messages(r) == ([] if rolls_back else [("warning", "no-rollback", why)])
+           "this llama.cpp: rejected drafts are dropped by checkpoint and replay (a copy of "
+           "the state before each verification, the drafts kept decoded again after a "
+           "rejection)")  # fmt: skip
+    assert messages(r) == ([] if rolls_back else [("info", "replay", why)])
     assert r.compatible
 
 
@@ -535,14 +538,14 @@ def test_merges_only_compared_between_bpe_vocabularies_with_same_ids(
 def test_findings_sorted_errors_then_warnings_then_information(
     vocab: Callable[..., VocabInfo],
 ) -> None:
-    # a target that cannot roll back (warning, found first), extra draft ids (warning), a
-    # head difference (information), a changed token (error, found later)
+    # a target without snapshots (information, found first), extra draft ids (warning),
+    # a head difference (information), a changed token (error, found later)
     d = vocab("d", tokens=_changed({3: "A", 6: "D"}, 11))
     r = compare_vocabs(vocab("t", arch="mamba"), d)
     assert [(f.severity, f.code) for f in r.findings] == [
         ("error", "token-text"),
-        ("warning", "no-rollback"),
         ("warning", "draft-extra-ids"),
+        ("info", "replay"),
         ("info", "head-token-text"),
     ]
     assert r.verdict().endswith(r.findings[0].message)

@@ -133,7 +133,7 @@ def _memory(mi: dict[str, Any]) -> str:
              f"{size(mi['recurrent_state_bytes'])} per sequence)")  # fmt: skip
     what = state if mi["memory"] == "recurrent" else f"hybrid: KV cache + {state}"
     how = ("rolled back by snapshots" if mi["rolls_back"]
-           else "no rollback in this llama.cpp: no drafts for it as a target")  # fmt: skip
+           else "no snapshots in this llama.cpp: rolled back by checkpoint and replay")  # fmt: skip
     return f"{what}, {how}"
 
 

@@ -2,7 +2,7 @@
 
 An entry (:class:`DrafterEntry`) says what a drafter is called (its name and llama.cpp's
 ``--spec-type`` names for it), what it needs (:class:`Needs`: a draft model, the target's
-MTP layers, a state that drops rejected drafts), how the engine makes one for each
+MTP layers), how the engine makes one for each
 sequence from what it loaded (:class:`Sources`), its arm in auto mode
 (:mod:`specgguf.speculative.arms`), how it is costed (``evaluated``: a forward pass per
 draft token), whether it drafts for every sequence of ``--parallel``, and its help line.
@@ -43,12 +43,11 @@ AUTO, NONE = "auto", "none"
 @dataclasses.dataclass(frozen=True)
 class Needs:
     """What a drafter needs to run: a draft model (``-md``), the target's multi-token-
-    prediction layers (``nextn_predict_layers``), and a target state that can drop
-    rejected drafts (llama.cpp's snapshots of a recurrent state: ``rollback``)."""
+    prediction layers (``nextn_predict_layers``). (Every target drops rejected drafts:
+    a recurrent state by its snapshots or by checkpoint and replay.)"""
 
     draft_model: bool = False
     mtp_layers: bool = False
-    rollback: bool = True
 
     def describe(self) -> str:
         """What it needs that a target alone does not have, in words ("" for nothing)."""

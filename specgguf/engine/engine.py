@@ -146,7 +146,7 @@ class Engine:
                 # target decodes in sequence 0, nor with parallel sequences)
                 tree_branches=spec.draft_tree if attention and not mtp and n_par == 1 else 0,
                 n_rs_seq=target_snapshots(config, t_info), hidden=mtp, n_parallel=n_par,
-                n_checkpoints=config.cache.ctx_checkpoints,
+                n_checkpoints=config.cache.ctx_checkpoints, replay=True,
             )  # fmt: skip
             if config.deterministic:
                 # K in q8_0: then no lone row needs a throw-away row (specgguf.llama.
@@ -186,9 +186,9 @@ class Engine:
                 self.mtp_head = self.mtp_heads[0]
                 log.info("%s: drafting with its %d multi-token-prediction layer(s)",
                          self.target_model.path.name, self.target_model.n_layer_nextn)  # fmt: skip
-            if not attention and spec.drafter == "auto" and not self.target_ctx.n_rs_seq:
-                log.warning("the target is %s: auto mode runs it without drafts",
-                            describe(t_info.architecture))  # fmt: skip
+            if self.target_ctx.replays and spec.drafter != "none":
+                log.info("the target is %s: rejected drafts are dropped by checkpoint and "
+                         "replay", describe(t_info.architecture))  # fmt: skip
             if config.rpc_servers:
                 from specgguf.llama.rpc import keep_alive, parse_endpoints
 
@@ -398,6 +398,7 @@ class Engine:
         hidden: bool = False,
         n_parallel: int = 1,
         n_checkpoints: int = 0,
+        replay: bool = False,
     ) -> LlamaContext:
         # A gated delta-net target's micro-batches stay below the rows at which llama.cpp
         # changes algorithm (RECURRENT_ROWS_MAX): its state is then the same whatever the
@@ -409,7 +410,7 @@ class Engine:
                 n_ctx=n_ctx, n_batch=m.n_batch, n_threads=m.n_threads, n_outputs_max=outputs,
                 reserve=reserve, tree_branches=tree_branches, type_k=type_k,
                 n_rs_seq=n_rs_seq, scratch=scratch, hidden=hidden, n_parallel=n_parallel,
-                n_checkpoints=n_checkpoints, n_ubatch=ub,
+                n_checkpoints=n_checkpoints, n_ubatch=ub, replay=replay,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
@@ -803,8 +804,10 @@ class Engine:
         det = deterministic and bool(self.deterministic_rows)
         if det in self._timings and not recalibrate:
             return self._timings[det]
-        saved = self.target_ctx.rows_per_decode
+        saved, replays = self.target_ctx.rows_per_decode, self.target_ctx.replays
         self.target_ctx.set_rows_per_decode(self.deterministic_rows if det else None)
+        # the curve is the verification's own; checkpoint and replay is measured apart
+        self.target_ctx.replays = False
         try:
             self._timings[det] = pair_timings(
                 self.calibration_key(det), self.target_ctx, self.draft_ctx,
@@ -812,11 +815,14 @@ class Engine:
             )  # fmt: skip
         finally:
             self.target_ctx.set_rows_per_decode(saved)
+            self.target_ctx.replays = replays
         if det:  # past this a lone row costs two (a throw-away row)
             self._timings[det].lone_max = self.target_ctx.lone_rows_max
             self._timings[det].chunk_rows = self.deterministic_rows
         if self.mtp_head is not None and self.draft_ctx is None:
             self._timings[det].draft = self._mtp_token_seconds()
+        if self.target_ctx.replays:
+            self._timings[det].replay = self.target_ctx.replay_seconds()
         return self._timings[det]
 
     def calibration_needed(self, deterministic: bool = False) -> bool:

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from specgguf.engine.config import EngineConfig, ModelConfig, uses_mtp, verify_draft_max
-from specgguf.engine.drafter_map import AUTO, NONE, check_rules, needs
+from specgguf.engine.drafter_map import check_rules
 from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
 from specgguf.gguf.arch import describe, rolls_back
 from specgguf.gguf.info import ModelInfo, read_model_info
@@ -214,9 +214,8 @@ def draft_snapshots(info: ModelInfo) -> int:
 
 
 def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
-    """Refuse, before anything loads, what the target's architecture cannot do: a fixed
-    drafter on a recurrent state llama.cpp cannot roll back, token trees and
-    deterministic mode on a recurrent state, and the drafter's own rules (its registry
+    """Refuse, before anything loads, what the target's architecture cannot do: token
+    trees and deterministic mode on a recurrent state, and the drafter's own rules (its registry
     entry: :func:`specgguf.engine.drafter_map.check_rules`).
 
     Raises:
@@ -226,15 +225,6 @@ def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
     check_rules(config, target)
     if target.memory == "attention":
         return
-    if (
-        needs(spec.drafter).rollback
-        and spec.drafter not in (AUTO, NONE)
-        and not rolls_back(target.architecture)
-    ):
-        raise UsageError(
-            f"the {spec.drafter} drafter: the target is {arch}: rejected drafts cannot be "
-            "dropped from its state; run it without a drafter (auto mode runs it alone)"
-        )
     if config.deterministic:
         raise UsageError(f"deterministic mode is not supported on a recurrent state; the "
                          f"target is {arch}")  # fmt: skip

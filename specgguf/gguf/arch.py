@@ -5,8 +5,9 @@ vendors: ``llm_arch_is_recurrent``, ``llm_arch_is_hybrid``, ``llm_arch_supports_
 A recurrent state is one value per sequence, not one per position, so a speculative step
 cannot drop its rejected drafts by cutting the cache. llama.cpp keeps per-token snapshots
 of the state (``llama_context_params.n_rs_seq``) for the architectures of
-:data:`ROLLBACK_ARCHS`; the others run here as targets without drafts, and as drafts
-(which draft in a copy of their sequence: ``backend.LlamaContext.scratch``).
+:data:`ROLLBACK_ARCHS`; as targets, the others drop rejected drafts by checkpoint and
+replay (``backend.LlamaContext``'s ``replay``, as llama-server does), and as drafts they
+draft in a copy of their sequence (``backend.LlamaContext.scratch``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def memory_kind(arch: str | None) -> MemoryKind:
 
 
 def rolls_back(arch: str | None) -> bool:
-    """Whether rejected drafts can be dropped from this architecture's memory: always for
-    attention alone, through snapshots for :data:`ROLLBACK_ARCHS`."""
+    """Whether rejected drafts can be dropped from this architecture's memory by cutting
+    it: always for attention alone, through snapshots for :data:`ROLLBACK_ARCHS` (else
+    by checkpoint and replay, which costs a copy of the state per verification)."""
     return memory_kind(arch) == "attention" or arch in ROLLBACK_ARCHS
 
 
@@ -56,5 +58,5 @@ def describe(arch: str | None) -> str:
     if kind == "attention":
         return f"{arch or 'unknown'} (attention)"
     what = "recurrent state" if kind == "recurrent" else "hybrid: attention + recurrent state"
-    how = "rolled back by snapshots" if rolls_back(arch) else "no rollback in this llama.cpp"
+    how = "rolled back by snapshots" if rolls_back(arch) else "rolled back by checkpoint and replay"
     return f"{arch} ({what}, {how})"

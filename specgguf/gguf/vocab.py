@@ -585,10 +585,11 @@ def compare_vocabs(t: VocabInfo, d: VocabInfo, *, started: float | None = None) 
         out.append(Finding(sev, code, msg))
 
     if not rolls_back(t.architecture):
-        add("warning", "no-rollback",
+        add("info", "replay",
             f"the target's architecture {t.architecture!r} keeps no snapshots of its "
-            "recurrent state in this llama.cpp: no draft can be verified on it (it runs "
-            "alone)")  # fmt: skip
+            "recurrent state in this llama.cpp: rejected drafts are dropped by checkpoint "
+            "and replay (a copy of the state before each verification, the drafts kept "
+            "decoded again after a rejection)")  # fmt: skip
     for role, v in (("target", t), ("draft", d)):
         if v.tokens is None:
             add("error", "no-vocabulary", f"the {role} has no tokenizer.ggml.tokens list")

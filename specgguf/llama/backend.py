@@ -20,6 +20,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+import math
 import os
 import re
 import time
@@ -383,17 +384,18 @@ class LlamaModel(_Native):
         n_parallel: int = 1,
         kv_unified: bool = False,
         n_checkpoints: int = 0,
+        replay: bool = False,
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
         deterministic mode's throw-away rows use) on this model; ``tree_branches``,
-        ``type_k``, ``n_rs_seq``, ``scratch``, ``hidden``, ``n_parallel``, ``kv_unified``
-        and ``n_checkpoints``: see :class:`LlamaContext`."""
+        ``type_k``, ``n_rs_seq``, ``scratch``, ``hidden``, ``n_parallel``, ``kv_unified``,
+        ``n_checkpoints`` and ``replay``: see :class:`LlamaContext`."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
             reserve=reserve, tree_branches=tree_branches, type_k=type_k, n_rs_seq=n_rs_seq,
             scratch=scratch, hidden=hidden, n_parallel=n_parallel, kv_unified=kv_unified,
-            n_checkpoints=n_checkpoints,
+            n_checkpoints=n_checkpoints, replay=replay,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -559,6 +561,15 @@ class LlamaContext(_Native):
     :meth:`rollback` clears the sequence and decodes the tokens kept again: correct, and
     as slow as reading them.
 
+    Where llama.cpp keeps no snapshots (``n_rs_seq`` 0: mamba, rwkv, jamba, qwen3next,
+    granitehybrid, falcon-h1 in this build), ``replay`` drops a verification's rejected
+    rows by checkpoint and replay, as llama-server does (#19493): an evaluation of two or
+    more rows with every row's logits (a verification) first copies the recurrent state
+    (llama.cpp's ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``), and a rollback into those rows
+    loads the copy back, cuts the KV cache there and decodes the rows kept again
+    (:meth:`replay_seconds` measures the copies). :attr:`rollback_room` then covers the
+    verification's rows, and :attr:`rollback_max` is the batch.
+
     ``scratch`` gives the context a second sequence for :meth:`scratch` (a draft model's
     own draft tokens, evaluated and then dropped whole, which needs no rollback).
     ``hidden`` keeps the hidden state after every position decoded
@@ -617,6 +628,7 @@ class LlamaContext(_Native):
         n_parallel: int = 1,
         kv_unified: bool = False,
         n_checkpoints: int = 0,
+        replay: bool = False,
     ) -> None:
         if n_parallel > 1 and (tree_branches >= 2 or scratch):
             raise ValueError("parallel sequences have no trees or scratch sequence")
@@ -685,7 +697,15 @@ class LlamaContext(_Native):
         self.recurrent = recurrent
         #: recurrent-state snapshots per sequence llama.cpp keeps (0: none, or no state)
         self.n_rs_seq: int = int(lc.llama_n_rs_seq(ctx)) if recurrent else 0
-        self._room = 0  # positions the latest decode's snapshots can drop
+        #: whether a verification's rejected rows are dropped by checkpoint and replay (a
+        #: recurrent state without snapshots, asked for with ``replay``)
+        self.replays = replay and recurrent and not self.n_rs_seq
+        # The recurrent state before the latest verification (its position, or -1: none
+        # that can be gone back to) and the buffer it is copied into, reused.
+        self._step_at = -1
+        self._step_buf: Any = None
+        self._step_len = 0
+        self._room = 0  # positions the latest decode's snapshots (or _step_at) can drop
         self._scratch_ok = scratch
         self._seq = 0  # the sequence eval() writes: 1 inside scratch()
         self._home = 0  # the sequence of the committed text (see sequence())
@@ -752,7 +772,12 @@ class LlamaContext(_Native):
         if logits == "all" and n > self.n_outputs_max:
             raise ValueError(f"logits='all' allows at most n_outputs_max={self.n_outputs_max}")
         t0 = time.perf_counter()
+        self._step_at = -1
+        # a verification on a state without snapshots: the state before it is kept
+        step = self.replays and logits == "all" and n >= 2 and self._seq == self._home
         try:
+            if step:
+                self._keep_step()
             if self.rows_per_decode and logits != "none" and n:
                 return self._eval_rows(tokens, logits == "all")
             n_out = 0
@@ -771,9 +796,72 @@ class LlamaContext(_Native):
             else:
                 out = np.empty((0, self.n_vocab), np.float32)
             out.flags.writeable = False
+            if step:
+                self._step_at, self._room = self.n_past - n, n
             return out
         finally:
             self.eval_seconds += time.perf_counter() - t0
+
+    def _keep_step(self) -> None:
+        """Copy the recurrent state at ``n_past`` into the step buffer (checkpoint and
+        replay: see the class).
+
+        Raises:
+            BackendError: llama.cpp could not copy it.
+        """
+        lc, ctx = self._lc, self._ctx
+        size = lc.llama_state_seq_get_size_ext(ctx, self._home, _STATE_PARTIAL)
+        if self._step_buf is None or len(self._step_buf) < size:
+            self._step_buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data_ext(ctx, self._step_buf, size, self._home,
+                                                  _STATE_PARTIAL)  # fmt: skip
+        if written == 0 and size:
+            raise BackendError(f"llama.cpp could not copy the state of {self.model.path.name}")
+        self._step_len = written
+
+    def _replay(self, n_keep: int) -> bool:
+        """Go back to the state before the latest verification and decode its rows up to
+        ``n_keep`` again; False where llama.cpp refused the state (nothing changed)."""
+        at = self._step_at
+        self._step_at = -1
+        lc = self._lc
+        if not lc.llama_state_seq_set_data_ext(self._ctx, self._step_buf, self._step_len,
+                                               self._home, _STATE_PARTIAL):  # fmt: skip
+            return False
+        if not lc.llama_memory_seq_rm(self._mem, self._home, at, -1):
+            return False
+        kept = self._held[at:n_keep].tolist()
+        self.n_past = at
+        self._cut_hidden(at)
+        if kept:
+            self._decode(kept, outputs="none")
+        return True
+
+    def replay_seconds(self, repeats: int = 5) -> tuple[float, float]:
+        """Seconds to copy the recurrent state before a verification and to load it back
+        (the least of ``repeats`` of each; the replayed rows cost what decoding them does),
+        measured on a state of a few positions, which it leaves empty. (0, 0) where the
+        context does not replay.
+
+        Raises:
+            BackendError: llama.cpp could not copy or load the state.
+        """
+        if not self.replays:
+            return 0.0, 0.0
+        self.rollback(0)
+        self.eval([0, 0, 0, 0], logits="none")
+        save = restore = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._keep_step()
+            t1 = time.perf_counter()
+            self._step_at = self.n_past
+            if not self._replay(self.n_past):
+                raise BackendError(f"llama.cpp could not load a copied state of "
+                                   f"{self.model.path.name}")  # fmt: skip
+            save, restore = min(save, t1 - t0), min(restore, time.perf_counter() - t1)
+        self.rollback(0)
+        return save, restore
 
     def _decode(
         self, chunk: Sequence[int], *, outputs: Literal["all", "last", "none"], pad: bool = False
@@ -1012,14 +1100,19 @@ class LlamaContext(_Native):
     @property
     def rollback_max(self) -> int | None:
         """The most positions a rollback right after a decode can drop without decoding
-        the rest again: None (any) for a KV cache alone, else :attr:`n_rs_seq`."""
-        return None if not self.recurrent else self.n_rs_seq
+        the rest again: None (any) for a KV cache alone, else :attr:`n_rs_seq`, or the
+        batch with checkpoint and replay (:attr:`replays`)."""
+        if not self.recurrent:
+            return None
+        return self.n_batch if self.replays else self.n_rs_seq
 
     @property
     def rollback_room(self) -> int | None:
         """How many positions :meth:`rollback` can drop now without decoding anything
         again: None (any) for a KV cache alone, else what the recurrent state's snapshots
-        of the latest decode allow (0 after a rollback, until the next decode)."""
+        of the latest decode allow (0 after a rollback, until the next decode); with
+        checkpoint and replay, the latest verification's rows (the kept ones of which
+        are decoded again)."""
         return None if not self.recurrent else self._room
 
     def rollback(self, n_keep: int) -> None:
@@ -1050,10 +1143,14 @@ class LlamaContext(_Native):
         again."""
         self._forget_past(n_keep)
         # (a cut chunk is copied: a view would keep the dropped rows' memory)
-        self._hidden_rows = [(p, h if p + len(h) <= n_keep else h[: n_keep - p].copy())
-                             for p, h in self._hidden_rows if p < n_keep]  # fmt: skip
+        self._cut_hidden(n_keep)
         depth = self.n_past - n_keep
         room = self.rollback_room
+        if self._step_at >= 0:  # checkpoint and replay
+            if not reread and self._step_at <= n_keep and self._replay(n_keep):
+                self._room = 0
+                return
+            room = 0
         if n_keep > 0 and (reread or (room is not None and depth > room)):
             ok = False  # beyond the snapshots: llama.cpp could restore a stale one
         else:
@@ -1142,6 +1239,12 @@ class LlamaContext(_Native):
             self._truncate(n)
         self._forget_past(n)
 
+    def _cut_hidden(self, n: int) -> None:
+        """Drop the hidden states of positions from ``n`` on (a cut chunk is copied: a
+        view would keep the dropped rows' memory)."""
+        self._hidden_rows = [(p, h if p + len(h) <= n else h[: n - p].copy())
+                             for p, h in self._hidden_rows if p < n]  # fmt: skip
+
     def _forget_past(self, n: int) -> None:
         self._checkpoints = [c for c in self._checkpoints if c.n <= n]
         self._exact_to = min(self._exact_to, n)
@@ -1159,8 +1262,8 @@ class LlamaContext(_Native):
                                f"{self.model.path.name} at {n} positions")  # fmt: skip
         self.n_past = n
         self._room = 0
-        self._hidden_rows = [(p, h if p + len(h) <= n else h[: n - p].copy())
-                             for p, h in self._hidden_rows if p < n]  # fmt: skip
+        self._cut_hidden(n)
+        self._step_at = -1
         self._forget_past(n)
 
     def prompt(
@@ -1266,6 +1369,7 @@ class LlamaContext(_Native):
             self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
             self.n_past = 0
             self._room = 0
+            self._step_at = -1
             self._hidden_rows = []
             self._checkpoints = []
             self._exact_to = 0
@@ -1379,6 +1483,7 @@ class LlamaContext(_Native):
         view.n_past = 0
         view.eval_seconds = 0.0
         view._room = 0
+        view._step_at, view._step_buf, view._step_len = -1, None, 0
         view._held = np.zeros_like(self._held)
         view._hidden_rows = []
         view._tree = None
@@ -1457,6 +1562,7 @@ class LlamaContext(_Native):
             row += m
             ctx._held[ctx.n_past : ctx.n_past + m] = tokens
             ctx.n_past += m
+            ctx._step_at = -1
             ctx._room = min(ctx.n_rs_seq, m - 1) if m else 0
             if n_out:
                 out = np.ctypeslib.as_array(ptr, shape=(first + n_out, self.n_vocab))[first:]

@@ -216,6 +216,10 @@ class Timings:
     #: whether no other sequence runs beside this one (a step's time is then its own, and
     #: auto mode refines the timings from it)
     solo: bool = True
+    #: checkpoint and replay (a recurrent target without snapshots): seconds to copy its
+    #: state before a verification and to load it back after a rejection; None: the
+    #: target drops rejected drafts by cutting its cache (:meth:`rollback_time`)
+    replay: tuple[float, float] | None = None
     #: T(n) by n, and T(1) / S (key -1), for the step
     #: of ``_shared_key`` (others, depth, ...): best_k asks for every K of every arm
     _shared_key: tuple[object, ...] = dataclasses.field(
@@ -337,6 +341,23 @@ class Timings:
             n = 2
         return self._at_depth(n, cached) * (self.scale_single if n == 1 else self.scale_batch)
 
+    def rollback_time(self, n: int, a: float, cached: int = 0) -> float:
+        """The expected seconds checkpoint and replay (:attr:`replay`) adds to a
+        verification of ``n`` rows, the last token and n - 1 drafts each accepted with
+        probability ``a`` when those before it are: the copy of the state always, and
+        where draft j + 1 is the first rejected (probability a^j (1 - a)), loading the
+        copy back and decoding the j + 1 rows kept again (the calibrated curve at j + 1
+        rows). 0 without replay, or for a lone row. (llama-server's checkpoints, #19493;
+        a user measured their cost making MTP slower than the target alone, #28118.)"""
+        if self.replay is None or n < 2:
+            return 0.0
+        save, restore = self.replay
+        total, reach = save, 1.0
+        for j in range(n - 1):
+            total += reach * (1.0 - a) * (restore + self._at_depth(j + 1, cached))
+            reach *= a
+        return total
+
     def expected_verify_time(self, n: int, a: float, cached: int = 0) -> float:
         """The expected t_verify of ``n`` rows (the last token, then n - 1 drafts each
         accepted with probability ``a``) when greedy verification is decoded in calls of
@@ -402,7 +423,8 @@ def best_k(
     (tokens/s); K is 0 (no drafts) or between ``k_min`` and ``k_max``. ``draft_cost``
     overrides t_draft (seconds per drafted token; 0 for lookups). ``greedy``: the
     verification's expected cost where it stops at a rejection
-    (:meth:`Timings.expected_verify_time`)."""
+    (:meth:`Timings.expected_verify_time`). C(K) includes what dropping the rejected
+    drafts costs (:meth:`Timings.rollback_time`)."""
     td = timings.draft if draft_cost is None else draft_cost
     best, rate = 0, 1.0 / timings.verify_time(1, cached)
     for k in range(max(1, k_min), max(0, k_max) + 1):
@@ -410,6 +432,7 @@ def best_k(
             verify = timings.expected_verify_time(k + 1, a, cached)
         else:
             verify = timings.verify_time(k + 1, cached)
+        verify += timings.rollback_time(k + 1, a, cached)
         r = expected_tokens(a, k) / (k * td + verify)
         if r > rate:
             best, rate = k, r
