@@ -84,7 +84,7 @@ def test_checkpoint_and_replay_against_hand_computed_numbers() -> None:
     """A target without snapshots (issue 53): each verification copies its state (save),
     and a rejection after j accepted drafts loads it back (restore) and decodes the j + 1
     rows kept again (t(j + 1) on the curve); best_k weighs that against the drafts."""
-    t = Timings(dict(HAND), draft=0.002, replay=(0.001, 0.0005))
+    t = Timings(dict(HAND), draft=0.002, replay=(0.001, 0.0005, False))
     assert t.rollback_time(1, 0.8) == 0.0  # a lone row copies nothing
     # n = 3 rows, a = 0.5: 0.001 + 0.5 * (0.0005 + t(1) 0.010)
     #                            + 0.5 * 0.5 * (0.0005 + t(2) 0.012) = 0.009375
@@ -101,6 +101,13 @@ def test_checkpoint_and_replay_against_hand_computed_numbers() -> None:
     # where without replay K = 1 paid (1.6 / 0.014 = 114.29)
     assert best_k(0.6, Timings(dict(HAND), draft=0.002), 4)[0] == 1
     assert best_k(0.6, t, 4) == (0, pytest.approx(100.0))
+    # Lazily: the kept rows join the next batch (taken as 3 rows too), and a step copies
+    # the state only after one that kept every draft: n = 3, a = 0.5:
+    #   0.001 * 0.5^2 + 0.5 * (0.0005 + t(4) - t(3)) + 0.25 * (0.0005 + t(5) - t(3))
+    #   = 0.00025 + 0.5 * 0.0025 + 0.25 * 0.006 = 0.003
+    lazy = Timings(dict(HAND), draft=0.002, replay=(0.001, 0.0005, True))
+    assert lazy.rollback_time(3, 0.5) == pytest.approx(0.003)
+    assert best_k(0.6, lazy, 4)[0] == 1  # cheap enough to pay at a = 0.6 again
 
 
 def test_acceptance_counts_against_hand_computed_numbers() -> None:

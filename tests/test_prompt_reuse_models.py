@@ -130,6 +130,7 @@ def assert_same_or_near_tie(
         ("target", "model"),
         ("hybrid", "none"),
         ("recurrent", "none"),
+        ("recurrent", "model"),  # checkpoint and replay
         ("mtp", "mtp"),
     ],
 )

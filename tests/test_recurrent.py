@@ -368,13 +368,42 @@ def test_each_parallel_sequence_replays_from_its_own_checkpoint(
     assert count.replays > 0 and count.rereads == 0, count.where
 
 
-@pytest.mark.parametrize("family", ["recurrent", "hybrid"])
-def test_a_replayed_state_is_that_of_a_sequence_that_never_saw_the_rejected_tokens(
-    tiny_models: dict[str, Path], family: str
+def test_a_sequence_saved_after_a_replay_holds_the_rows_kept(
+    tiny_models: dict[str, Path],
 ) -> None:
-    """After a verification of 6 rows of which 2 are kept, the next token's logits are
-    those of a sequence that read only the kept ones, and the rollback decoded the 2 kept
-    rows alone (the state before the verification loaded back, not the whole text)."""
+    """The rows a replay keeps for the next batch are decoded before the sequence's state
+    is copied out (a prompt cache), and before a checkpoint of it is taken."""
+    prompt, verified, nxt = [3, 14, 15, 9, 2, 6, 5, 3], [5, 8, 9, 7, 9, 3], 2
+    with LlamaModel(tiny_models["recurrent"]) as model:
+        with model.new_context(n_ctx=256, n_batch=64, replay=True, n_checkpoints=4) as ctx:
+            ctx.eval(prompt, logits="none")
+            ctx.eval(verified, logits="all")
+            ctx.rollback(len(prompt) + 3)
+            saved = ctx.save_state()
+            ctx.eval(verified, logits="all")
+            ctx.rollback(len(prompt) + 3 + 1)
+            ctx.checkpoint()
+            assert ctx.checkpoints[-1].n == len(prompt) + 4
+        with model.new_context(n_ctx=256, n_batch=64) as other:
+            other.load_state(saved)
+            assert other.n_past == len(prompt) + 3
+            restored = np.array(other.eval([nxt]))
+        with model.new_context(n_ctx=256, n_batch=64) as fresh:
+            fresh.eval([*prompt, *verified[:3]], logits="none")
+            expected = np.array(fresh.eval([nxt]))
+    np.testing.assert_allclose(restored, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["recurrent", "hybrid"])
+@pytest.mark.parametrize("kept", [2, 1, 0])
+def test_a_replayed_state_is_that_of_a_sequence_that_never_saw_the_rejected_tokens(
+    tiny_models: dict[str, Path], family: str, kept: int
+) -> None:
+    """After a verification of 6 rows of which ``kept`` are kept (once 2, then cut again
+    to 1 or 0 before anything else is decoded), the next token's logits are those of a
+    sequence that read only the kept ones; the rollback decodes nothing (the state before
+    the verification is loaded back), and the next evaluation decodes the kept rows in its
+    own batch, ahead of its token."""
     prompt, verified, nxt = [3, 14, 15, 9, 2, 6, 5, 3], [5, 8, 9, 7, 9, 3], 2
     with LlamaModel(tiny_models[family]) as model:
         with model.new_context(n_ctx=256, n_batch=64, replay=True) as ctx:
@@ -391,11 +420,14 @@ def test_a_replayed_state_is_that_of_a_sequence_that_never_saw_the_rejected_toke
 
             ctx._decode = spy  # type: ignore[method-assign]
             ctx.rollback(len(prompt) + 2)
-            ctx._decode = decode  # type: ignore[method-assign]
-            assert decoded == [2] and ctx.n_past == len(prompt) + 2
+            ctx.rollback(len(prompt) + kept)
+            assert decoded == [] and ctx.n_past == len(prompt) + kept
             replayed = np.array(ctx.eval([nxt]))
+            ctx._decode = decode  # type: ignore[method-assign]
+            assert decoded == [kept + 1] and ctx.n_past == len(prompt) + kept + 1
+            assert ctx.cached_prefix([*prompt, *verified[:kept], nxt]) == ctx.n_past
         with model.new_context(n_ctx=256, n_batch=64) as fresh:
-            fresh.eval([*prompt, *verified[:2]], logits="none")
+            fresh.eval([*prompt, *verified[:kept]], logits="none")
             expected = np.array(fresh.eval([nxt]))
         with model.new_context(n_ctx=256, n_batch=64) as other:
             other.eval([*prompt, *verified], logits="none")

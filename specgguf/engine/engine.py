@@ -822,7 +822,8 @@ class Engine:
         if self.mtp_head is not None and self.draft_ctx is None:
             self._timings[det].draft = self._mtp_token_seconds()
         if self.target_ctx.replays:
-            self._timings[det].replay = self.target_ctx.replay_seconds()
+            self._timings[det].replay = (*self.target_ctx.replay_seconds(),
+                                         self.target_ctx.replays_lazily)  # fmt: skip
         return self._timings[det]
 
     def calibration_needed(self, deterministic: bool = False) -> bool:

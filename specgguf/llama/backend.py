@@ -566,7 +566,10 @@ class LlamaContext(_Native):
     rows by checkpoint and replay, as llama-server does (#19493): an evaluation of two or
     more rows with every row's logits (a verification) first copies the recurrent state
     (llama.cpp's ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``), and a rollback into those rows
-    loads the copy back, cuts the KV cache there and decodes the rows kept again
+    loads the copy back, cuts the KV cache there and keeps the rows kept as tokens to
+    decode first in the next evaluation's batch (so that they cost what rows add to a
+    batch, not a decode of their own; at once where the hidden states are kept, which the
+    MTP layers read first), whose verification then needs no copy of its own
     (:meth:`replay_seconds` measures the copies). :attr:`rollback_room` then covers the
     verification's rows, and :attr:`rollback_max` is the batch.
 
@@ -705,6 +708,11 @@ class LlamaContext(_Native):
         self._step_at = -1
         self._step_buf: Any = None
         self._step_len = 0
+        # The last _pending of the n_past positions are kept but not decoded yet (their
+        # tokens in _held): after a rollback by replay, the state and the cache end
+        # before them, the step buffer holds that state, and the next evaluation decodes
+        # them in its own batch.
+        self._pending = 0
         self._room = 0  # positions the latest decode's snapshots (or _step_at) can drop
         self._scratch_ok = scratch
         self._seq = 0  # the sequence eval() writes: 1 inside scratch()
@@ -776,16 +784,25 @@ class LlamaContext(_Native):
         # a verification on a state without snapshots: the state before it is kept
         step = self.replays and logits == "all" and n >= 2 and self._seq == self._home
         try:
-            if step:
+            p = self._pending
+            if p and (self.rows_per_decode or (logits == "all" and p + n > self.n_batch)):
+                self._flush()
+                p = 0
+            if p:  # the rows kept of the last verification go first, without logits
+                self.n_past -= p
+                self._pending = 0
+                tokens = [*self._held[self.n_past : self.n_past + p].tolist(), *tokens]
+            elif step:  # (after a replay, the step buffer already holds this state)
                 self._keep_step()
+            at = self.n_past
             if self.rows_per_decode and logits != "none" and n:
                 return self._eval_rows(tokens, logits == "all")
             n_out = 0
-            for start in range(0, n, self.n_batch):
+            for start in range(0, p + n, self.n_batch):
                 chunk = tokens[start : start + self.n_batch]
-                last = start + len(chunk) == n
+                last = start + len(chunk) == p + n
                 if logits == "all":
-                    n_out = self._decode(chunk, outputs="all")
+                    n_out = self._decode(chunk, outputs="all", skip=p)
                 else:
                     n_out = self._decode(
                         chunk, outputs="last" if logits == "last" and last else "none"
@@ -797,7 +814,7 @@ class LlamaContext(_Native):
                 out = np.empty((0, self.n_vocab), np.float32)
             out.flags.writeable = False
             if step:
-                self._step_at, self._room = self.n_past - n, n
+                self._step_at, self._room = at, p + n
             return out
         finally:
             self.eval_seconds += time.perf_counter() - t0
@@ -820,8 +837,11 @@ class LlamaContext(_Native):
         self._step_len = written
 
     def _replay(self, n_keep: int) -> bool:
-        """Go back to the state before the latest verification and decode its rows up to
-        ``n_keep`` again; False where llama.cpp refused the state (nothing changed)."""
+        """Go back to the state before the latest verification and keep its rows up to
+        ``n_keep``: decoded again at once where the hidden states are kept (the MTP
+        layers read them before the next evaluation), else in the next evaluation's
+        batch (:attr:`_pending`), which costs the rows a batch adds rather than a decode
+        of their own. False where llama.cpp refused the state (nothing changed)."""
         at = self._step_at
         self._step_at = -1
         lc = self._lc
@@ -830,12 +850,26 @@ class LlamaContext(_Native):
             return False
         if not lc.llama_memory_seq_rm(self._mem, self._home, at, -1):
             return False
-        kept = self._held[at:n_keep].tolist()
-        self.n_past = at
         self._cut_hidden(at)
-        if kept:
-            self._decode(kept, outputs="none")
+        self.n_past, self._pending = n_keep, n_keep - at
+        if self._hidden:
+            self._flush()
         return True
+
+    def _flush(self) -> None:
+        """Decode the positions kept but not decoded yet (:attr:`_pending`), now.
+
+        Raises:
+            BackendError: llama_decode failed.
+        """
+        p = self._pending
+        if not p:
+            return
+        self.n_past -= p
+        self._pending = 0
+        kept = self._held[self.n_past : self.n_past + p].tolist()
+        for start in range(0, p, self.n_batch):
+            self._decode(kept[start : start + self.n_batch], outputs="none")
 
     def replay_seconds(self, repeats: int = 5) -> tuple[float, float]:
         """Seconds to copy the recurrent state before a verification and to load it back
@@ -864,10 +898,16 @@ class LlamaContext(_Native):
         return save, restore
 
     def _decode(
-        self, chunk: Sequence[int], *, outputs: Literal["all", "last", "none"], pad: bool = False
+        self,
+        chunk: Sequence[int],
+        *,
+        outputs: Literal["all", "last", "none"],
+        pad: bool = False,
+        skip: int = 0,
     ) -> int:
         """One ``llama_decode`` of ``chunk`` at ``n_past`` (and, with ``pad``, a throw-away
-        row after it, removed again); returns the number of output rows."""
+        row after it, removed again; "all" outputs but the first ``skip`` rows); returns
+        the number of output rows."""
         m = len(chunk)
         rows = m + pad
         if self.n_parallel > 1:  # the batch is shared by the sequences
@@ -879,6 +919,7 @@ class LlamaContext(_Native):
             self._tok[m] = chunk[-1]
         self._pos[:rows] = np.arange(self.n_past, self.n_past + rows, dtype=np.int32)
         self._out[:rows] = 1 if outputs == "all" else 0
+        self._out[:skip] = 0
         if outputs == "last":
             self._out[m - 1] = 1
         if pad:
@@ -905,7 +946,7 @@ class LlamaContext(_Native):
         self._room = min(self.n_rs_seq, rows - 1)
         if pad:
             self._truncate(self.n_past)
-        return m if outputs == "all" else int(outputs == "last")
+        return m - skip if outputs == "all" else int(outputs == "last")
 
     def _eval_rows(self, tokens: Sequence[int], all_rows: bool) -> npt.NDArray[np.float32]:
         """``eval`` in decode calls of 2 to ``rows_per_decode`` rows, sizes as even as
@@ -1098,6 +1139,12 @@ class LlamaContext(_Native):
         self._rows_per_decode = rows
 
     @property
+    def replays_lazily(self) -> bool:
+        """Whether the rows a replay keeps are decoded in the next evaluation's batch
+        (checkpoint and replay without hidden states; with them, at once)."""
+        return self.replays and not self._hidden
+
+    @property
     def rollback_max(self) -> int | None:
         """The most positions a rollback right after a decode can drop without decoding
         the rest again: None (any) for a KV cache alone, else :attr:`n_rs_seq`, or the
@@ -1144,6 +1191,12 @@ class LlamaContext(_Native):
         self._forget_past(n_keep)
         # (a cut chunk is copied: a view would keep the dropped rows' memory)
         self._cut_hidden(n_keep)
+        if self._pending:
+            base = self.n_past - self._pending
+            if n_keep >= base:  # within what is not decoded yet
+                self.n_past, self._pending, self._room = n_keep, n_keep - base, 0
+                return
+            self.n_past, self._pending = base, 0
         depth = self.n_past - n_keep
         room = self.rollback_room
         if self._step_at >= 0:  # checkpoint and replay
@@ -1213,7 +1266,7 @@ class LlamaContext(_Native):
         try:
             # (a KV cache is cut anywhere; a recurrent state at its end or within its
             # snapshots)
-            if not self.recurrent or self.n_past - n <= self._room:
+            if not self.recurrent or n >= self.n_past - max(self._room, self._pending):
                 self._cut(n)
             else:
                 # (deterministic mode is never asked of a recurrent state: preflight
@@ -1263,7 +1316,7 @@ class LlamaContext(_Native):
         self.n_past = n
         self._room = 0
         self._cut_hidden(n)
-        self._step_at = -1
+        self._step_at, self._pending = -1, 0
         self._forget_past(n)
 
     def prompt(
@@ -1369,7 +1422,7 @@ class LlamaContext(_Native):
             self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
             self.n_past = 0
             self._room = 0
-            self._step_at = -1
+            self._step_at, self._pending = -1, 0
             self._hidden_rows = []
             self._checkpoints = []
             self._exact_to = 0
@@ -1388,9 +1441,11 @@ class LlamaContext(_Native):
         """What :meth:`save_state` would copy of llama.cpp's state, in bytes (0: empty)."""
         if not self.n_past:
             return 0
+        self._flush()
         return int(self._lc.llama_state_seq_get_size_ext(self._ctx, self._home, 0))
 
     def _get_state(self, *, partial: bool) -> bytes:
+        self._flush()
         flags = _STATE_PARTIAL if partial else 0
         lc, ctx = self._lc, self._ctx
         size = lc.llama_state_seq_get_size_ext(ctx, self._home, flags)
@@ -1445,6 +1500,7 @@ class LlamaContext(_Native):
         """
         if not self._scratch_ok:
             raise ValueError("this context was created without a scratch sequence")
+        self._flush()
         lc, n_past, hidden = self._lc, self.n_past, self._hidden
         lc.llama_memory_seq_cp(self._mem, 0, 1, -1, -1)
         self._set_seq(1)
@@ -1483,7 +1539,7 @@ class LlamaContext(_Native):
         view.n_past = 0
         view.eval_seconds = 0.0
         view._room = 0
-        view._step_at, view._step_buf, view._step_len = -1, None, 0
+        view._step_at, view._step_buf, view._step_len, view._pending = -1, None, 0, 0
         view._held = np.zeros_like(self._held)
         view._hidden_rows = []
         view._tree = None
@@ -1519,6 +1575,8 @@ class LlamaContext(_Native):
         seqs = [ctx for ctx, _, _ in parts]
         if len({id(c) for c in seqs}) < len(seqs) or any(c.base is not self for c in seqs):
             raise ValueError("each part must be a different sequence of this context")
+        for ctx in seqs:  # (a replayed sequence's kept rows, decoded alone first)
+            ctx._flush()
         for ctx, tokens, _ in parts:
             if ctx.n_past + len(tokens) > ctx.n_ctx:
                 raise ContextOverflowError(

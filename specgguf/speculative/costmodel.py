@@ -217,9 +217,11 @@ class Timings:
     #: auto mode refines the timings from it)
     solo: bool = True
     #: checkpoint and replay (a recurrent target without snapshots): seconds to copy its
-    #: state before a verification and to load it back after a rejection; None: the
-    #: target drops rejected drafts by cutting its cache (:meth:`rollback_time`)
-    replay: tuple[float, float] | None = None
+    #: state before a verification and to load it back after a rejection, and whether
+    #: the rows kept are decoded in the next verification's batch (lazily) rather than
+    #: at once; None: the target drops rejected drafts by cutting its cache
+    #: (:meth:`rollback_time`)
+    replay: tuple[float, float, bool] | None = None
     #: T(n) by n, and T(1) / S (key -1), for the step
     #: of ``_shared_key`` (others, depth, ...): best_k asks for every K of every arm
     _shared_key: tuple[object, ...] = dataclasses.field(
@@ -344,17 +346,22 @@ class Timings:
     def rollback_time(self, n: int, a: float, cached: int = 0) -> float:
         """The expected seconds checkpoint and replay (:attr:`replay`) adds to a
         verification of ``n`` rows, the last token and n - 1 drafts each accepted with
-        probability ``a`` when those before it are: the copy of the state always, and
-        where draft j + 1 is the first rejected (probability a^j (1 - a)), loading the
-        copy back and decoding the j + 1 rows kept again (the calibrated curve at j + 1
-        rows). 0 without replay, or for a lone row. (llama-server's checkpoints, #19493;
-        a user measured their cost making MTP slower than the target alone, #28118.)"""
+        probability ``a`` when those before it are. Where draft j + 1 is the first
+        rejected (probability a^j (1 - a)), the copy is loaded back and the j + 1 rows
+        kept are decoded again: at once (the calibrated curve at j + 1 rows, t(j + 1)),
+        or lazily in the next verification's batch, taken to be of ``n`` rows too
+        (t(n + j + 1) - t(n)), whose state is then the copy's, so that a step copies it
+        only after one that kept every draft (probability a^(n - 1) in the steady state).
+        0 without replay, or for a lone row. (llama-server's checkpoints, #19493; a user
+        measured their cost making MTP slower than the target alone, #28118.)"""
         if self.replay is None or n < 2:
             return 0.0
-        save, restore = self.replay
-        total, reach = save, 1.0
+        save, restore, lazy = self.replay
+        total, reach = save * (a ** (n - 1) if lazy else 1.0), 1.0
+        base = self._at_depth(n, cached) if lazy else 0.0
         for j in range(n - 1):
-            total += reach * (1.0 - a) * (restore + self._at_depth(j + 1, cached))
+            rows = self._at_depth(n + j + 1 if lazy else j + 1, cached) - base
+            total += reach * (1.0 - a) * (restore + rows)
             reach *= a
         return total
 
