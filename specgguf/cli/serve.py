@@ -138,8 +138,15 @@ def serve(
 
             def ready(url: str) -> None:
                 d = engine.describe()
-                draft_name = Path(d["draft"]).name if d["draft"] else (
-                    f"the target's {d['mtp_layers']} MTP layer(s)" if d["mtp_layers"] else "none")
+                draft_name = (
+                    Path(d["draft"]).name
+                    if d["draft"]
+                    else (
+                        f"the target's {d['mtp_layers']} MTP layer(s)"
+                        if d["mtp_layers"]
+                        else "none"
+                    )
+                )
                 servers = "".join(
                     f", {role} over RPC {','.join(d[key])}"
                     for role, key in (("target", "rpc"), ("draft", "rpc_draft"))

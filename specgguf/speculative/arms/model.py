@@ -118,8 +118,12 @@ class ModelArm:
         for k in range(1, k_top + 1):
             evals = proposed  # the k-th proposal needs no evaluation of its own
             proposed += a_pass**k
-            cost = (first + evals * t.draft + verify_time_at(t, 1.0 + proposed, step.cached)
-                    + t.rollback_time(k + 1, c, step.cached))
+            cost = (
+                first
+                + evals * t.draft
+                + verify_time_at(t, 1.0 + proposed, step.cached)
+                + t.rollback_time(k + 1, c, step.cached)
+            )
             rate = expected_tokens(c, k) / cost
             if k >= step.k_min and rate > best[1]:
                 best = (k, rate)
