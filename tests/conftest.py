@@ -153,3 +153,19 @@ def rpc_servers() -> Iterator[list[str]]:
     """Two rpc-servers on 127.0.0.1 for the whole session: their ``host:port``."""
     with rpc_servers_running(2) as procs:
         yield [p.endpoint for p in procs]  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def tools() -> Path:
+    """The folder of llama.cpp's own tools built from the vendored source (the oracle of
+    tests/test_mtp_oracle.py and tests/test_eagle3.py); skipped when they are not built,
+    unless ``SPECGGUF_REQUIRE_LLAMA_TOOLS=1``."""
+    from .test_mtp_oracle import TOOL, llama_tools_dir
+
+    bindir = llama_tools_dir()
+    if bindir is None:
+        why = f"{TOOL} is not built (scripts/bench-llama-cpp --build-only)"
+        if os.environ.get("SPECGGUF_REQUIRE_LLAMA_TOOLS") == "1":
+            pytest.fail(f"SPECGGUF_REQUIRE_LLAMA_TOOLS=1 but {why}")
+        pytest.skip(why)
+    return bindir

@@ -56,6 +56,9 @@ class FakeHead:
         self.rows: list[tuple[int, int, tuple[float, ...]]] = []
         self.n_past = 0
 
+    def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        return inputs
+
     def eval(
         self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:

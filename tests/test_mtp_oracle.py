@@ -124,11 +124,16 @@ def parse_llama_log(stderr: bytes, stdout: bytes) -> LlamaRun:
     return run
 
 
-def run_llama(tools: Path, model: Path, k: int, n: int) -> LlamaRun:
+def run_llama(
+    tools: Path, model: Path, k: int, n: int, *, spec_type: str = "draft-mtp",
+    draft: Path | None = None, prompt: str = PROMPT,
+) -> LlamaRun:  # fmt: skip
+    """``llama-speculative-simple`` greedily, ``--spec-type spec_type`` (``-md draft``)."""
     cmd = [
-        str(tools / TOOL), "-m", str(model), "--spec-type", "draft-mtp",
+        str(tools / TOOL), "-m", str(model), "--spec-type", spec_type,
+        *(["-md", str(draft)] if draft is not None else []),
         "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
-        "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "1", "-c", "512", "--ignore-eos",
+        "-p", prompt, "-n", str(n), "--temp", "0", "-t", "1", "-c", "512", "--ignore-eos",
         "-v", "--log-colors", "off",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
@@ -149,17 +154,6 @@ def one_thread_engine(model: Path, k: int) -> Engine:
             SpeculativeConfig(drafter="mtp", draft_max=k),
         )
     )
-
-
-@pytest.fixture(scope="module")
-def tools() -> Path:
-    bindir = llama_tools_dir()
-    if bindir is None:
-        why = f"{TOOL} is not built (scripts/bench-llama-cpp --build-only)"
-        if os.environ.get("SPECGGUF_REQUIRE_LLAMA_TOOLS") == "1":
-            pytest.fail(f"SPECGGUF_REQUIRE_LLAMA_TOOLS=1 but {why}")
-        pytest.skip(why)
-    return bindir
 
 
 @pytest.mark.parametrize("k", [1, 4, 16])

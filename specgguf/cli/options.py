@@ -47,6 +47,7 @@ from specgguf.engine.drafter_map import (
     NONE,
     drafter_help,
     drafter_kinds,
+    head_of_draft,
     needs,
     spec_types,
 )
@@ -557,6 +558,19 @@ def _mtp_layers(path: Path) -> int:
     return info.nextn_layers if rolls_back(info.architecture) else 0
 
 
+def _draft_kind(path: Path | None) -> str:
+    """The drafter a draft file drafts with by default: the one whose head it is (an
+    EAGLE-3 head: ``eagle3``), else a draft model's (unreadable: loading says why)."""
+    from specgguf.errors import SpecggufError
+    from specgguf.gguf.info import read_model_info
+
+    try:
+        arch = read_model_info(path).architecture if path is not None else None
+    except (SpecggufError, OSError):
+        arch = None
+    return head_of_draft(arch) or "model"
+
+
 def engine_config(
     load: ModelOptions,
     drafting: DraftOptions | None = None,
@@ -638,7 +652,8 @@ def engine_config(
     if draft_path is None and wants_model:
         searched = _find_draft(target_path, model, load.draft_search or (), load.registry, say)
         draft_path = searched
-    kind = drafter or (AUTO if drafting.draft is None else ("model" if draft_path else "ngram"))
+    kind = drafter or (AUTO if drafting.draft is None else
+                       (_draft_kind(draft_path) if draft_path else "ngram"))  # fmt: skip
     uses_model = kind == AUTO or needs(kind).draft_model
     if needs(kind).draft_model and draft_path is None:
         raise UsageError(

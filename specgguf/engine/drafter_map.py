@@ -20,7 +20,7 @@ free drafters first); a fixed drafter (``--drafter NAME``) is a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from specgguf.errors import UsageError
@@ -35,6 +35,7 @@ from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 if TYPE_CHECKING:
     from specgguf.engine.config import EngineConfig
     from specgguf.gguf.info import ModelInfo
+    from specgguf.llama.backend import DraftHead, LlamaContext, LlamaModel
 
 #: Drafter names that are not drafters: auto mode, and the target alone.
 AUTO, NONE = "auto", "none"
@@ -57,18 +58,36 @@ class Needs:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """A drafter that drafts with a context of its own reading the target's hidden states
+    (the target's MTP layers, an EAGLE-3 head): its context for one of the target's
+    sequences (``make``: from the model that holds its weights, and the sequence), which
+    hidden states it reads (``layers``: the target's layers whose inputs, read from that
+    model; empty: the output's), and where its weights are: a draft model file (``-md``)
+    whose ``general.architecture`` is one of ``architectures`` is this drafter's (auto
+    mode and ``--drafter`` take it as that, not as a draft model); none: the target's own
+    layers."""
+
+    make: Callable[[LlamaModel, LlamaContext], DraftHead]
+    layers: Callable[[LlamaModel], tuple[int, ...]] = lambda model: ()
+    architectures: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
 class Sources:
     """What the engine loaded that drafters draft from, for ``n`` sequences (the slots of
     ``--parallel``, or the engine's own one): the target's vocabulary size, the n-gram
     lengths to look up, the draft model's sequence for each (empty: no draft model is
-    loaded), and for each the target's MTP layers with the sequence whose hidden states
-    they read (empty: not loaded)."""
+    loaded), and by drafter name, for each sequence its head's context with the sequence
+    whose hidden states it reads (:class:`HeadSpec`; a name absent: none loaded)."""
 
     n: int
     n_vocab: int
     ngram: tuple[int, int] = (2, 8)
     draft: Sequence[Evaluator] = ()
-    mtp: Sequence[tuple[Head, HiddenStates]] = ()
+    heads: Mapping[str, Sequence[tuple[Head, HiddenStates]]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +132,11 @@ class DrafterEntry:
             at a time, and a server with several is refused it.
         remembers: it keeps what earlier generations saw (a benchmark gives each
             configuration a fresh one, :meth:`specgguf.engine.Engine.fresh_memory`).
-        check: further preflight rules: raises UsageError for a configuration or target
-            it cannot run on, before anything loads.
+        check: further preflight rules: raises UsageError for a configuration, target
+            or draft model file (None: none is loaded) it cannot run on, before anything
+            loads.
+        head: for a drafter with a context of its own that reads the target's hidden
+            states, what the engine loads for it (:class:`HeadSpec`).
     """
 
     name: str
@@ -127,7 +149,8 @@ class DrafterEntry:
     evaluated: bool = False
     parallel: bool = True
     remembers: bool = False
-    check: Callable[[EngineConfig, ModelInfo], None] | None = None
+    check: Callable[[EngineConfig, ModelInfo, ModelInfo | None], None] | None = None
+    head: HeadSpec | None = None
 
 
 def _evaluated_arm(drafter: Drafter, s: DraftSettings, tuning: AutoTuning) -> Arm:
@@ -141,13 +164,29 @@ def _make_model(src: Sources) -> list[Drafter] | None:
     return [ModelDrafter(ctx, src.n_vocab) for ctx in src.draft]
 
 
-def _make_mtp(src: Sources) -> list[Drafter] | None:
-    if not src.mtp:
-        return None
-    return [MtpDrafter(head, target, src.n_vocab) for head, target in src.mtp]
+def _check_model(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
+    if draft is not None and (kind := head_of_draft(draft.architecture)) is not None:
+        raise UsageError(f"the draft {draft.path.name} is an {draft.architecture} head, not a "
+                         f"draft model: it drafts as the {kind} drafter")  # fmt: skip
 
 
-def _check_mtp(config: EngineConfig, target: ModelInfo) -> None:
+def _heads(cls: type[MtpDrafter], name: str) -> Callable[[Sources], list[Drafter] | None]:
+    """``make`` of a drafter of class ``cls`` over the heads of entry ``name``."""
+
+    def make(src: Sources) -> list[Drafter] | None:
+        heads = src.heads.get(name)
+        return [cls(h, target, src.n_vocab) for h, target in heads] if heads else None
+
+    return make
+
+
+def _mtp_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
+    from specgguf.llama.backend import MtpHead
+
+    return MtpHead(seq)
+
+
+def _check_mtp(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
     if not target.nextn_layers:
         raise UsageError(
             f"the mtp drafter: {target.path.name} carries no multi-token-prediction layers "
@@ -179,11 +218,13 @@ DRAFTERS: dict[str, DrafterEntry] = {
         DrafterEntry(
             "model", "the draft model", make=_make_model, arm=_evaluated_arm,
             spec_types=("draft-simple",), needs=Needs(draft_model=True), evaluated=True,
+            check=_check_model,
         ),
         DrafterEntry(
-            "mtp", "the target's multi-token-prediction layers", make=_make_mtp,
-            arm=_evaluated_arm, spec_types=("draft-mtp",), needs=Needs(mtp_layers=True),
-            evaluated=True, check=_check_mtp,
+            "mtp", "the target's multi-token-prediction layers",
+            make=_heads(MtpDrafter, "mtp"), arm=_evaluated_arm, spec_types=("draft-mtp",),
+            needs=Needs(mtp_layers=True), evaluated=True, check=_check_mtp,
+            head=HeadSpec(_mtp_head),
         ),
     )
 }  # fmt: skip
@@ -203,6 +244,13 @@ def entry(name: str) -> DrafterEntry:
 def unknown_drafter(name: str) -> UsageError:
     """The error for a drafter name that names nothing (one line: the names there are)."""
     return UsageError(f"the drafter must be {', '.join(drafter_kinds())}, not {name!r}")
+
+
+def head_of_draft(architecture: str | None) -> str | None:
+    """The drafter whose head a draft model file of ``architecture`` is
+    (:attr:`HeadSpec.architectures`), or None: a draft model."""
+    return next((name for name, e in DRAFTERS.items()
+                 if e.head is not None and architecture in e.head.architectures), None)  # fmt: skip
 
 
 def drafter_kinds() -> tuple[str, ...]:
@@ -229,14 +277,20 @@ def drafter_help() -> str:
     return f"{AUTO} (per step, the fastest drafter loaded), {each} or {NONE} (the target alone)"
 
 
-def check_rules(config: EngineConfig, target: ModelInfo) -> None:
+def check_rules(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None = None) -> None:
     """Preflight's rules of the configured drafter, from its entry: what it needs of the
-    target and of the server, and the entry's own rules.
+    target, of the draft model file (``draft``: None where none is loaded) and of the
+    server, and the entry's own rules; a draft file that is another drafter's head.
 
     Raises:
         UsageError: one line naming the drafter and what it lacks.
     """
     kind = config.speculative.drafter
+    head = head_of_draft(draft.architecture) if draft is not None else None
+    # ("model" says it in its own words)
+    if draft is not None and head not in (None, kind) and kind not in (AUTO, "model"):
+        raise UsageError(f"the draft {draft.path.name} is an {draft.architecture} head: it "
+                         f"drafts as the {head} drafter (or in auto mode)")  # fmt: skip
     if kind not in DRAFTERS:
         return
     e = DRAFTERS[kind]
@@ -246,7 +300,7 @@ def check_rules(config: EngineConfig, target: ModelInfo) -> None:
             "time with it"
         )
     if e.check is not None:
-        e.check(config, target)
+        e.check(config, target, draft)
 
 
 @dataclasses.dataclass

@@ -50,6 +50,7 @@ from specgguf.engine.drafter_map import (
     Drafting,
     DraftSettings,
     Sources,
+    head_of_draft,
     make_drafters,
     make_planner,
     missing,
@@ -59,7 +60,7 @@ from specgguf.engine.prompt_cache import PromptCache, file_fingerprint, identity
 from specgguf.engine.slots import SavedPrompt, Slot, best_slot
 from specgguf.errors import BackendError, ContextOverflowError, SpecggufError, UsageError
 from specgguf.gguf.arch import DELTA_NET_ARCHS, describe
-from specgguf.llama.backend import LlamaContext, LlamaModel, MtpHead, default_threads
+from specgguf.llama.backend import DraftHead, LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import Drafter, Evaluator
@@ -129,10 +130,23 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         spec = config.speculative
-        t_info = self.preflight.target
+        t_info, d_info = self.preflight.target, self.preflight.draft
         mtp = target_mtp(config, t_info)
+        #: the drafter whose head drafts (a context of its own that reads the target's
+        #: hidden states: the MTP layers, an EAGLE-3 head given as -md), or None
+        self.head_kind: str | None = "mtp" if mtp else None
+        if not mtp and config.loads_draft and d_info is not None:
+            self.head_kind = head_of_draft(d_info.architecture)
+        head_spec = DRAFTERS[self.head_kind].head if self.head_kind else None
         try:
             self.target_model = self._load(config.target, load_mtp=mtp)
+            self.draft_model: LlamaModel | None = None
+            if config.loads_draft:
+                assert config.draft is not None
+                self.draft_model = self._load(config.draft)
+            # the model that holds the head's weights, and the hidden states it reads
+            head_model = self.target_model if mtp else self.draft_model
+            layers = head_spec.layers(head_model) if head_spec and head_model else ()
             # A verification needs K + 1 outputs; llama.cpp sizes its logits buffer by this.
             # Token trees need a sequence per branch (SpeculativeConfig.draft_tree); a
             # recurrent state holds none, and keeps a snapshot per draft token instead.
@@ -142,10 +156,12 @@ class Engine:
                 self._context, self.target_model, config.target, self.preflight.n_ctx,
                 (verify_draft_max(spec, self.target_model.memory, t_info.architecture) + 1) * n_par,
                 reserve=int(config.deterministic),
-                # (nor with MTP layers, which read the hidden state of each position the
+                # (nor with a head, which reads the hidden state of each position the
                 # target decodes in sequence 0, nor with parallel sequences)
-                tree_branches=spec.draft_tree if attention and not mtp and n_par == 1 else 0,
-                n_rs_seq=target_snapshots(config, t_info), hidden=mtp, n_parallel=n_par,
+                tree_branches=(spec.draft_tree if attention and not self.head_kind
+                               and n_par == 1 else 0),
+                n_rs_seq=target_snapshots(config, t_info), hidden=self.head_kind is not None,
+                layer_inputs=layers, n_parallel=n_par,
                 n_checkpoints=config.cache.ctx_checkpoints, replay=True,
             )  # fmt: skip
             if config.deterministic:
@@ -161,11 +177,9 @@ class Engine:
                 self._set_up_deterministic()
             else:
                 self.target_ctx = target_ctx()
-            self.draft_model: LlamaModel | None = None
             self.draft_ctx: LlamaContext | None = None
-            if config.loads_draft:
+            if self.draft_model is not None and not (self.head_kind and not mtp):
                 assert config.draft is not None
-                self.draft_model = self._load(config.draft)
                 # The draft only ever needs the logits of its last position; a recurrent
                 # one drafts in a copy of its sequence (ModelDrafter).
                 self.draft_ctx = self._context(
@@ -174,18 +188,18 @@ class Engine:
                     n_parallel=n_par,
                 )  # fmt: skip
             #: the target's sequences (``--parallel``; else the context alone), made once:
-            #: each keeps the hidden states its MTP layers read
+            #: each keeps the hidden states its head reads
             self._seqs = [self.target_ctx.sequence(i) for i in range(n_par)]
-            #: the target's MTP layers, when they draft: a context of them for each
-            #: sequence (each holds its own KV cache and reads its sequence's hidden
-            #: states), and the engine's own sequence's
-            self.mtp_heads: list[MtpHead] = []
-            self.mtp_head: MtpHead | None = None
-            if mtp:
-                self.mtp_heads = [self._stack.enter_context(MtpHead(s)) for s in self._seqs]
-                self.mtp_head = self.mtp_heads[0]
-                log.info("%s: drafting with its %d multi-token-prediction layer(s)",
-                         self.target_model.path.name, self.target_model.n_layer_nextn)  # fmt: skip
+            #: the head's context for each sequence (each holds its own KV cache and reads
+            #: its sequence's hidden states; the first is the engine's own sequence's)
+            self.heads: list[DraftHead] = []
+            if head_spec is not None and head_model is not None:
+                self.heads = [self._stack.enter_context(head_spec.make(head_model, s))
+                              for s in self._seqs]  # fmt: skip
+                what = f"the {self.head_kind} head {head_model.path.name}"
+                if mtp:
+                    what = f"its {self.target_model.n_layer_nextn} multi-token-prediction layer(s)"
+                log.info("%s: drafting with %s", self.target_model.path.name, what)
             if self.target_ctx.replays and spec.drafter != "none":
                 log.info("the target is %s: rejected drafts are dropped by checkpoint and "
                          "replay", describe(t_info.architecture))  # fmt: skip
@@ -211,7 +225,7 @@ class Engine:
             self.drafting = Drafting(own, self.timings)
             #: the engine's own sequence (``generate`` without a slot)
             self.own = Slot(0, self.decoder, self.target_ctx, self.target_ctx, self.drafting,
-                            self.draft_ctx, self.mtp_head)  # fmt: skip
+                            self.draft_ctx, self.heads[0] if self.heads else None)  # fmt: skip
             if n_par > 1 and spec.draft_tree >= 2:
                 log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
                          n_par)  # fmt: skip
@@ -284,9 +298,11 @@ class Engine:
             if batched:
                 draft = [BatchedSequence(self.draft_ctx.sequence(i), lambda: self.batcher)
                          for i in range(n)]  # fmt: skip
-        mtp = [(head, self._seqs[i]) for i, head in enumerate(self.mtp_heads[:n])]
+        heads = {}
+        if self.head_kind is not None:
+            heads[self.head_kind] = [(h, self._seqs[i]) for i, h in enumerate(self.heads[:n])]
         return Sources(n, self.target_model.n_vocab, (spec.ngram_min, spec.ngram_max),
-                       draft, mtp)  # fmt: skip
+                       draft, heads)  # fmt: skip
 
     def _slot(self, i: int, drafters: dict[str, Drafter], draft: Evaluator | None) -> Slot:
         """Sequence ``i`` of ``--parallel``: the loop over its sequence of the target's
@@ -299,7 +315,7 @@ class Engine:
         draft_seq = draft.ctx if isinstance(draft, BatchedSequence) else None
         slot = Slot(i, SpeculativeDecoder(target, self.target_model), target, seq,
                     Drafting(drafters, lambda det: timings(det)), draft_seq,
-                    self.mtp_heads[i] if self.mtp_heads else None)  # fmt: skip
+                    self.heads[i] if self.heads else None)  # fmt: skip
 
         def timings(det: bool) -> Timings:
             if det not in slot.timings:
@@ -399,6 +415,7 @@ class Engine:
         n_parallel: int = 1,
         n_checkpoints: int = 0,
         replay: bool = False,
+        layer_inputs: Sequence[int] = (),
     ) -> LlamaContext:
         # A gated delta-net target's micro-batches stay below the rows at which llama.cpp
         # changes algorithm (RECURRENT_ROWS_MAX): its state is then the same whatever the
@@ -411,6 +428,7 @@ class Engine:
                 reserve=reserve, tree_branches=tree_branches, type_k=type_k,
                 n_rs_seq=n_rs_seq, scratch=scratch, hidden=hidden, n_parallel=n_parallel,
                 n_checkpoints=n_checkpoints, n_ubatch=ub, replay=replay,
+                layer_inputs=layer_inputs,
             )
         )  # fmt: skip
         if ctx.n_ctx_allocated != n_ctx and not reserve:
@@ -695,7 +713,7 @@ class Engine:
             target_context=context(self.target_ctx),
             draft=file_fingerprint(draft.path) if draft is not None else None,
             draft_context=context(self.draft_ctx),
-            mtp=self.mtp_head is not None,
+            head=self.head_kind,
         )
 
     def keep_prompts(self) -> int:
@@ -819,8 +837,8 @@ class Engine:
         if det:  # past this a lone row costs two (a throw-away row)
             self._timings[det].lone_max = self.target_ctx.lone_rows_max
             self._timings[det].chunk_rows = self.deterministic_rows
-        if self.mtp_head is not None and self.draft_ctx is None:
-            self._timings[det].draft = self._mtp_token_seconds()
+        if self.heads and self.draft_ctx is None:
+            self._timings[det].draft = self._head_token_seconds()
         if self.target_ctx.replays:
             self._timings[det].replay = (*self.target_ctx.replay_seconds(),
                                          self.target_ctx.replays_lazily)  # fmt: skip
@@ -834,21 +852,24 @@ class Engine:
         det = deterministic and bool(self.deterministic_rows)
         return det not in self._timings and load_calibration(self.calibration_key(det)) is None
 
-    def _mtp_token_seconds(self, repeats: int = 5) -> float:
-        """Seconds per MTP draft token: the least of ``repeats`` one-row evaluations of
-        the head (the draft time of auto mode's cost model, as a draft model's)."""
-        head = self.mtp_head
-        assert head is not None
-        zeros = np.zeros((1, head.n_embd), np.float32)
+    def _head_token_seconds(self, repeats: int = 5) -> float:
+        """Seconds per draft token of the head (the MTP layers, an EAGLE-3 head): the
+        least of ``repeats`` one-row evaluations at position 1 (the draft time of auto
+        mode's cost model, as a draft model's). Every sequence's drafter of it follows
+        an emptied head afterwards."""
+        head = self.heads[0]
+        zeros = head.encode(np.zeros((2, head.n_embd), np.float32))
         best = math.inf
+        head.rollback(0)
+        head.eval([0], zeros[:1], last=False)  # (an EAGLE-3 head has no row at 0)
         for _ in range(repeats):
-            head.rollback(0)
+            head.rollback(1)
             t0 = time.perf_counter()
-            head.eval([0], zeros, last=True)
+            head.eval([0], zeros[1:], last=True)
             best = min(best, time.perf_counter() - t0)
         head.rollback(0)
-        if (mtp := self.own.drafter(MtpDrafter)) is not None:
-            mtp.follow([], None)  # the head's cache is empty now
+        if (drafter := self.own.drafter(MtpDrafter)) is not None:
+            drafter.follow([], None)  # the head's cache is empty now
         return best
 
     def calibration_key(self, deterministic: bool = False) -> str:
@@ -893,7 +914,9 @@ class Engine:
             "target": str(self.target_model.path),
             "draft": str(self.draft_model.path) if self.draft_model else None,
             #: the target's MTP layers that draft, for each sequence (0: none)
-            "mtp_layers": self.target_model.n_layer_nextn if self.mtp_heads else 0,
+            "mtp_layers": self.target_model.n_layer_nextn if self.head_kind == "mtp" else 0,
+            #: the drafter whose head drafts (mtp, eagle3), or None
+            "head": self.head_kind,
             "rpc": list(self.config.target.rpc),
             "rpc_draft": list(draft_rpc),
             "n_ctx": self.n_ctx,

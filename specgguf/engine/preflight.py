@@ -213,7 +213,9 @@ def draft_snapshots(info: ModelInfo) -> int:
     return 0 if info.memory == "attention" else 1
 
 
-def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
+def check_speculation(
+    config: EngineConfig, target: ModelInfo, draft: ModelInfo | None = None
+) -> None:
     """Refuse, before anything loads, what the target's architecture cannot do: token
     trees and deterministic mode on a recurrent state, and the drafter's own rules (its registry
     entry: :func:`specgguf.engine.drafter_map.check_rules`).
@@ -222,7 +224,7 @@ def check_speculation(config: EngineConfig, target: ModelInfo) -> None:
         UsageError: one line naming the architecture and what to use instead.
     """
     spec, arch = config.speculative, describe(target.architecture)
-    check_rules(config, target)
+    check_rules(config, target, draft)
     if target.memory == "attention":
         return
     if config.deterministic:
@@ -257,7 +259,7 @@ def preflight(config: EngineConfig) -> Preflight:
     t_info = read_model_info(config.target.path)
     d_info = read_model_info(draft.path) if draft is not None else None
     t_info.require_loadable()
-    check_speculation(config, t_info)
+    check_speculation(config, t_info, d_info)
     if d_info is not None and d_info.architecture in MTP_ASSISTANTS:
         raise UsageError(
             f"the draft {d_info.path.name} is an MTP assistant ({d_info.architecture}), "

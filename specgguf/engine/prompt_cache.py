@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.engine.slots import MtpState, SavedPrompt, common_prefix
+from specgguf.engine.slots import HeadState, SavedPrompt, common_prefix
 from specgguf.errors import SpecggufError
 from specgguf.llama.backend import Checkpoint, SequenceState
 
@@ -105,16 +105,16 @@ def write_file(path: Path, saved: SavedPrompt, ident: Mapping[str, Any]) -> int:
     """
     target, t_blobs = _state_parts(saved.target)
     draft, d_blobs = _state_parts(saved.draft)
-    mtp_meta: dict[str, Any] | None = None
-    m_blobs: list[bytes] = []
-    if saved.mtp is not None:
-        m = saved.mtp
-        row = m.row.astype("<f4").tobytes() if m.row is not None else b""
-        mtp_meta = {"n": len(m.tokens), "row_at": m.row_at, "row": len(row) // 4}
-        m_blobs = [m.tokens.astype("<i4").tobytes(), m.data, row]
-    blobs = [*t_blobs, *d_blobs, *m_blobs]
+    head_meta: dict[str, Any] | None = None
+    h_blobs: list[bytes] = []
+    if saved.head is not None:
+        h = saved.head
+        row = h.row.astype("<f4").tobytes() if h.row is not None else b""
+        head_meta = {"n": len(h.tokens), "row_at": h.row_at, "row": len(row) // 4}
+        h_blobs = [h.tokens.astype("<i4").tobytes(), h.data, row]
+    blobs = [*t_blobs, *d_blobs, *h_blobs]
     fields = {"identity": dict(ident), "target": target, "draft": draft,
-              "draft_offset": saved.draft_offset, "mtp": mtp_meta,
+              "draft_offset": saved.draft_offset, "head": head_meta,
               "sizes": [len(b) for b in blobs], "created": time.time()}  # fmt: skip
     header = json.dumps({**fields, "checksum": _checksum(fields, blobs)}).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,8 +198,8 @@ def read_file(path: Path, ident: Mapping[str, Any]) -> SavedPrompt:
         if target is None:
             raise ValueError
         draft = _state(header.get("draft"), parts)
-        mtp = None
-        if (m := header.get("mtp")) is not None:
+        head = None
+        if (m := header.get("head")) is not None:
             tokens = np.frombuffer(next(parts), "<i4").astype(np.int32)
             data = next(parts)
             row_bytes = next(parts)
@@ -207,11 +207,11 @@ def read_file(path: Path, ident: Mapping[str, Any]) -> SavedPrompt:
             row_at = int(m["row_at"])
             if row is not None and row_at != len(tokens) - 1:
                 raise ValueError
-            mtp = MtpState(data, tokens, row_at, row)
+            head = HeadState(data, tokens, row_at, row)
         offset = int(header.get("draft_offset", 0))
         if offset < 0 or offset > len(target.tokens):
             raise ValueError
-        return SavedPrompt(target, draft, offset, mtp)
+        return SavedPrompt(target, draft, offset, head)
     except (KeyError, TypeError, ValueError, StopIteration):
         raise PromptCacheFileError(path, "its header does not describe its data") from None
 

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.engine.drafter_map import Drafting
-from specgguf.llama.backend import LlamaContext, MtpHead, SequenceState
+from specgguf.llama.backend import DraftHead, LlamaContext, SequenceState
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import TargetEvaluator
 from specgguf.speculative.drafters import ModelDrafter, MtpDrafter
@@ -30,10 +30,10 @@ _D = TypeVar("_D")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MtpState:
-    """What the MTP layers held: their KV cache (``data``, llama.cpp's sequence state),
-    the tokens it holds, and the target's hidden state after its last position
-    (``row_at``, ``row``: float32[n_embd]; -1 and None: none)."""
+class HeadState:
+    """What a head (the MTP layers, an EAGLE-3 head) held: its KV cache (``data``,
+    llama.cpp's sequence state), the tokens it holds, and the target's hidden state after
+    its last position (``row_at``, ``row``: float32[n_embd]; -1 and None: none)."""
 
     data: bytes
     tokens: npt.NDArray[np.int32]
@@ -50,12 +50,13 @@ class MtpState:
 class SavedPrompt:
     """Everything one sequence held, out of llama.cpp: the target's sequence state
     (tokens, KV cells, recurrent state and its checkpoints), the draft model's (its
-    tokens start at history position ``draft_offset``) and the MTP layers'."""
+    tokens start at history position ``draft_offset``) and the head's (the MTP layers', an
+    EAGLE-3 head's)."""
 
     target: SequenceState
     draft: SequenceState | None = None
     draft_offset: int = 0
-    mtp: MtpState | None = None
+    head: HeadState | None = None
 
     @property
     def tokens(self) -> npt.NDArray[np.int32]:
@@ -66,7 +67,7 @@ class SavedPrompt:
     def nbytes(self) -> int:
         """Bytes held (states, checkpoints, tokens)."""
         draft = self.draft.nbytes if self.draft is not None else 0
-        return self.target.nbytes + draft + (self.mtp.nbytes if self.mtp is not None else 0)
+        return self.target.nbytes + draft + (self.head.nbytes if self.head is not None else 0)
 
 
 def common_prefix(a: npt.NDArray[np.int32], b: Sequence[int] | npt.NDArray[np.int32]) -> int:
@@ -82,7 +83,8 @@ def common_prefix(a: npt.NDArray[np.int32], b: Sequence[int] | npt.NDArray[np.in
 class Slot:
     """One sequence: its loop (``decoder``, over ``target``: the context itself, or its
     view through the batcher of ``--parallel``), its target sequence (``ctx``), its
-    drafting (a draft model's sequence ``draft_ctx``, the MTP layers ``mtp_head``), its
+    drafting (a draft model's sequence ``draft_ctx``, a head ``head``: the MTP layers or an
+    EAGLE-3 head), its
     timings by deterministic mode (``--parallel``: its own, told which other sequences
     share its batches), and when it last started a generation (``last_used``, by
     :func:`time.monotonic`)."""
@@ -93,7 +95,7 @@ class Slot:
     ctx: LlamaContext
     drafting: Drafting
     draft_ctx: LlamaContext | None = None
-    mtp_head: MtpHead | None = None
+    head: DraftHead | None = None
     timings: dict[bool, Timings] = dataclasses.field(default_factory=dict)
     last_used: float = 0.0
 
@@ -128,7 +130,7 @@ class Slot:
         return next((d for d in self.drafting.drafters.values() if isinstance(d, kind)), None)
 
     def save(self) -> SavedPrompt:
-        """A copy of what the sequence holds (target, draft model, MTP layers).
+        """A copy of what the sequence holds (target, draft model, head).
 
         Raises:
             BackendError: llama.cpp could not copy a state.
@@ -137,13 +139,13 @@ class Slot:
         model = self.drafter(ModelDrafter)
         if self.draft_ctx is not None and model is not None:
             draft, offset = self.draft_ctx.save_state(), model.offset
-        mtp = None
-        head = self.drafter(MtpDrafter)
-        if self.mtp_head is not None and head is not None:
-            held, row = head.held()
+        kept = None
+        drafter = self.drafter(MtpDrafter)
+        if self.head is not None and drafter is not None:
+            held, row = drafter.held()
             at, vec = row if row is not None else (-1, None)
-            mtp = MtpState(self.mtp_head.save_state(), np.asarray(held, np.int32), at, vec)
-        return SavedPrompt(self.ctx.save_state(), draft, offset, mtp)
+            kept = HeadState(self.head.save_state(), np.asarray(held, np.int32), at, vec)
+        return SavedPrompt(self.ctx.save_state(), draft, offset, kept)
 
     def load(self, saved: SavedPrompt) -> None:
         """Make the sequence hold ``saved`` (from :meth:`save` on a slot of this engine,
@@ -162,15 +164,16 @@ class Slot:
             else:
                 self.draft_ctx.rollback(0)
                 model.follow(0, [])
-        mtp = self.drafter(MtpDrafter)
-        if self.mtp_head is not None and mtp is not None:
-            if saved.mtp is not None:
-                self.mtp_head.load_state(saved.mtp.data, len(saved.mtp.tokens))
-                row = (saved.mtp.row_at, saved.mtp.row) if saved.mtp.row is not None else None
-                mtp.follow(saved.mtp.tokens.tolist(), row)
+        drafter = self.drafter(MtpDrafter)
+        if self.head is not None and drafter is not None:
+            if saved.head is not None:
+                self.head.load_state(saved.head.data, len(saved.head.tokens))
+                kept = saved.head
+                row = (kept.row_at, kept.row) if kept.row is not None else None
+                drafter.follow(kept.tokens.tolist(), row)
             else:
-                self.mtp_head.rollback(0)
-                mtp.follow([], None)
+                self.head.rollback(0)
+                drafter.follow([], None)
 
 
 def best_slot(

@@ -40,6 +40,36 @@ from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_p
 log = logging.getLogger("specgguf")
 _warned_repack = False
 
+
+@functools.cache
+def _ext() -> Any:
+    """llama.cpp's staging functions (src/llama-ext.h) that llama-cpp-python 0.3.36 does
+    not bind: a layer's input rows of every decoded token, and a draft head's target
+    layers, by their C++ symbols (llama-ext.h is C++), as ``llama_cpp_ext`` binds its own."""
+    from llama_cpp import llama_cpp
+
+    lib, ctx_p, model_p = (
+        llama_cpp._lib,
+        llama_cpp.llama_context_p_ctypes,
+        llama_cpp.llama_model_p_ctypes,
+    )
+    out = {}
+    for name, symbol, args, res in (
+        ("set_layer_inp", "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+         [ctx_p, ctypes.c_uint32, ctypes.c_bool], None),
+        ("get_layer_inp", "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+         [ctx_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)),
+        ("target_layers", "_Z28llama_model_target_layer_idsPK11llama_model",
+         [model_p], ctypes.POINTER(ctypes.c_int32)),
+        ("target_layers_n", "_Z30llama_model_target_layer_ids_nPK11llama_model",
+         [model_p], ctypes.c_uint32),
+    ):  # fmt: skip
+        fn = getattr(lib, symbol)
+        fn.argtypes, fn.restype = args, res
+        out[name] = fn
+    return out
+
+
 #: K cache data types by llama.cpp's names (``-ctk``) -> ``ggml_type`` values. With a q8_0 K
 #: cache llama.cpp's CPU FlashAttention computes every row, lone or in a batch, the same way
 #: (its split-KV path for a lone row and tiled path for 64+ rows take f16 and f32 caches
@@ -385,17 +415,18 @@ class LlamaModel(_Native):
         kv_unified: bool = False,
         n_checkpoints: int = 0,
         replay: bool = False,
+        layer_inputs: Sequence[int] = (),
     ) -> LlamaContext:
         """A new context (KV cache of ``n_ctx`` positions, and ``reserve`` more that only
         deterministic mode's throw-away rows use) on this model; ``tree_branches``,
         ``type_k``, ``n_rs_seq``, ``scratch``, ``hidden``, ``n_parallel``, ``kv_unified``,
-        ``n_checkpoints`` and ``replay``: see :class:`LlamaContext`."""
+        ``n_checkpoints``, ``replay`` and ``layer_inputs``: see :class:`LlamaContext`."""
         return LlamaContext(
             self, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
             n_threads_batch=n_threads_batch, n_outputs_max=n_outputs_max, n_ubatch=n_ubatch,
             reserve=reserve, tree_branches=tree_branches, type_k=type_k, n_rs_seq=n_rs_seq,
             scratch=scratch, hidden=hidden, n_parallel=n_parallel, kv_unified=kv_unified,
-            n_checkpoints=n_checkpoints, replay=replay,
+            n_checkpoints=n_checkpoints, replay=replay, layer_inputs=layer_inputs,
         )  # fmt: skip
 
     def _live_vocab(self) -> Any:
@@ -579,6 +610,9 @@ class LlamaContext(_Native):
     (``llama_set_embeddings_nextn``) for :meth:`hidden_rows`, which an :class:`MtpHead`
     reads: float32 rows of ``n_embd_out`` values, kept until :meth:`forget_hidden` (at
     most one per cached position: 20 KB a position for a 5120-wide model).
+    ``layer_inputs`` keeps instead the inputs of those layers side by side (rows of
+    ``n_hidden`` values; llama.cpp's ``llama_set_embeddings_layer_inp``; a layer past the
+    last means the output's hidden state), which an :class:`Eagle3Head` reads.
 
     ``n_parallel`` (2 or more) holds that many independent sequences (llama.cpp's
     ``n_seq_max``), each of ``n_ctx`` positions in a KV stream of its own (``kv_unified``
@@ -632,6 +666,7 @@ class LlamaContext(_Native):
         kv_unified: bool = False,
         n_checkpoints: int = 0,
         replay: bool = False,
+        layer_inputs: Sequence[int] = (),
     ) -> None:
         if n_parallel > 1 and (tree_branches >= 2 or scratch):
             raise ValueError("parallel sequences have no trees or scratch sequence")
@@ -719,14 +754,24 @@ class LlamaContext(_Native):
         self._home = 0  # the sequence of the committed text (see sequence())
         # the token at each cached position, to decode again past the snapshots
         self._held = np.zeros(self.n_ctx_allocated, np.int32)
-        self._hidden = hidden
+        self._hidden = hidden or bool(layer_inputs)
         self._hidden_rows: list[tuple[int, npt.NDArray[np.float32]]] = []
         self.n_embd_out: int = int(lc.llama_model_n_embd_out(model.handle))
-        if hidden:
+        #: the layers whose inputs the hidden states are (empty: the output's)
+        self.layer_inputs = tuple(layer_inputs)
+        #: the width of a hidden state (:meth:`hidden_rows`)
+        self.n_hidden = self.n_embd_out * max(1, len(self.layer_inputs))
+        if self._hidden:
             from llama_cpp import llama_cpp_ext
 
-            llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)
+            n_layer = int(lc.llama_model_n_layer(model.handle))
+            for lid in self.layer_inputs or (n_layer,):
+                if lid >= n_layer:  # (past the last layer: the output's hidden state)
+                    llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)
+                else:
+                    _ext()["set_layer_inp"](ctx, lid, True)
             self._nextn = llama_cpp_ext.llama_get_embeddings_nextn
+            self._n_layer = n_layer
         self._batch = lc.llama_batch_init(self.n_batch, 0, n_seq)
         #: a tree evaluated and not yet resolved: (its root's position, the number of
         #: branch sequences, the branch sequence of each node, the root and the nodes)
@@ -818,6 +863,20 @@ class LlamaContext(_Native):
             return out
         finally:
             self.eval_seconds += time.perf_counter() - t0
+
+    def _read_hidden(self, rows: int) -> npt.NDArray[np.float32]:
+        """The hidden states of the latest decode's ``rows`` rows, in the batch's order:
+        float32[rows, n_hidden], a copy (each of :attr:`layer_inputs`' input rows side by
+        side, or the output's)."""
+        parts = []
+        for lid in self.layer_inputs or (self._n_layer,):
+            ptr = (self._nextn(self._ctx) if lid >= self._n_layer
+                   else _ext()["get_layer_inp"](self._ctx, lid))  # fmt: skip
+            if not ptr:
+                raise BackendError(f"llama.cpp kept no hidden states of layer {lid} of "
+                                   f"{self.model.path.name}")  # fmt: skip
+            parts.append(np.ctypeslib.as_array(ptr, shape=(rows, self.n_embd_out)))
+        return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0].copy()
 
     def _keep_step(self) -> None:
         """Copy the recurrent state at ``n_past`` into the step buffer (checkpoint and
@@ -939,9 +998,7 @@ class LlamaContext(_Native):
             )
         self._held[self.n_past : self.n_past + m] = chunk
         if self._hidden:
-            ptr = self._nextn(self._ctx)
-            h = np.ctypeslib.as_array(ptr, shape=(rows, self.n_embd_out))[:m].copy()
-            self._hidden_rows.append((self.n_past, h))
+            self._hidden_rows.append((self.n_past, self._read_hidden(rows)[:m]))
         self.n_past += m
         self._room = min(self.n_rs_seq, rows - 1)
         if pad:
@@ -1463,7 +1520,7 @@ class LlamaContext(_Native):
 
     def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]:
         """The hidden states after positions ``start .. end - 1`` (``hidden`` contexts),
-        float32[end - start, n_embd_out], a copy.
+        float32[end - start, n_hidden], a copy.
 
         Raises:
             ValueError: not a ``hidden`` context, or a position not decoded (or forgotten,
@@ -1471,7 +1528,7 @@ class LlamaContext(_Native):
         """
         if not self._hidden:
             raise ValueError("this context was created without hidden states")
-        out = np.empty((max(0, end - start), self.n_embd_out), np.float32)
+        out = np.empty((max(0, end - start), self.n_hidden), np.float32)
         filled = np.zeros(len(out), bool)
         for p, h in self._hidden_rows:
             lo, hi = max(p, start), min(p + len(h), end)
@@ -1610,8 +1667,7 @@ class LlamaContext(_Native):
                 ctx.eval_seconds += seconds
         # llama.cpp puts the hidden states of every row back in the batch's order
         # (llama_context::output_reorder), whatever micro-batches it split the batch into
-        hidden = (np.ctypeslib.as_array(self._nextn(self._ctx), shape=(rows, self.n_embd_out))
-                  if self._hidden and rows else None)  # fmt: skip
+        hidden = self._read_hidden(rows) if self._hidden and rows else None
         result, first, row = [], 0, 0
         for (ctx, tokens, _), n_out in zip(parts, outs, strict=True):
             m = len(tokens)
@@ -1666,7 +1722,37 @@ class _Sequence(LlamaContext):
         pass
 
 
-class MtpHead(_Native):
+class DraftHead(_Native):
+    """A context that drafts from the target's hidden states (:class:`MtpHead`,
+    :class:`Eagle3Head`): ``encode`` maps the target's hidden states (float32[m, n_embd])
+    to the rows ``eval`` reads; ``eval`` rows of (token, input row) at the next of its
+    ``n_past`` positions; ``rollback`` cuts its cache; ``save_state`` / ``load_state``
+    copy it out and back."""
+
+    n_ctx: int
+    n_vocab: int
+    n_embd: int
+    n_past: int
+
+    def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        raise NotImplementedError
+
+    def eval(
+        self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        raise NotImplementedError
+
+    def rollback(self, n_keep: int) -> None:
+        raise NotImplementedError
+
+    def save_state(self) -> bytes:
+        raise NotImplementedError
+
+    def load_state(self, data: bytes, n_past: int) -> None:
+        raise NotImplementedError
+
+
+class MtpHead(DraftHead):
     """The target's own multi-token-prediction layers (``{arch}.nextn_predict_layers``),
     run in a context of their own (``LLAMA_CONTEXT_TYPE_MTP``) with a KV cache for those
     layers alone, as llama.cpp's ``draft-mtp`` does (common/speculative.cpp).
@@ -1730,6 +1816,11 @@ class MtpHead(_Native):
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
         model._contexts.add(self)  # type: ignore[arg-type]
+
+    def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The rows :meth:`eval` reads for the target's hidden states ``inputs``: the
+        hidden states themselves."""
+        return inputs
 
     def eval(
         self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool

@@ -39,9 +39,11 @@ class HiddenStates(Protocol):
 
 
 class Head(Protocol):
-    """The MTP layers' context (see ``backend.MtpHead``): ``eval`` rows of (token, input
-    hidden state) at the next positions, returning the logits and the head's own hidden
-    state after the last when ``last``; ``rollback`` cuts its cache."""
+    """The MTP layers' context (see ``backend.MtpHead``; an EAGLE-3 head's, see
+    ``backend.Eagle3Head``): ``encode`` maps the target's hidden states (float32[m,
+    n_embd]) to the rows ``eval`` reads for them; ``eval`` rows of (token, input row) at
+    the next positions, returning the logits and the head's own hidden state after the
+    last when ``last`` (None where nothing was decoded); ``rollback`` cuts its cache."""
 
     n_ctx: int
     n_vocab: int
@@ -49,6 +51,8 @@ class Head(Protocol):
 
     @property
     def n_past(self) -> int: ...
+
+    def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...
 
     def eval(
         self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
@@ -69,6 +73,10 @@ class MtpDrafter(Drafter):
     """
 
     name = "mtp"
+    #: whether the row of the last token of the history stays in the head's cache after
+    #: a draft (llama.cpp's draft-mtp decodes it again at the next draft, its draft-eagle3
+    #: keeps it: the same batches as llama.cpp's, and so the same drafts)
+    keep_seed = False
 
     def __init__(self, head: Head, target: HiddenStates, n_vocab_target: int) -> None:
         self.head = head
@@ -187,7 +195,7 @@ class MtpDrafter(Drafter):
             # row for position p reads the hidden state after p - 1 (position 0: zeros)
             rows = self._rows(lo, stop - 1)
             inputs[len(tokens) - len(rows) :] = rows
-        out = self.head.eval(tokens, inputs, last=last)
+        out = self.head.eval(tokens, self.head.encode(inputs), last=last)
         self._held.extend(tokens)
         self._synced = len(self._held)
         # the next catch-up starts at the head's end: it reads from the state before it
@@ -214,7 +222,9 @@ class MtpDrafter(Drafter):
             return Draft([], token_seconds=self._token_seconds)
         t0 = time.perf_counter()
         out = self._catch_up(history, last=True)
-        assert out is not None
+        if out is None:  # (an EAGLE-3 head has no row for a text of one token)
+            self._cut(len(history) - 1)
+            return Draft([], token_seconds=self._token_seconds)
         logits, h = out
         base = len(history)  # the head's rows past this are the draft's own
         t_first = time.perf_counter()
@@ -234,8 +244,9 @@ class MtpDrafter(Drafter):
                 assert step is not None
                 logits, h = step
         # The last history token's row goes too: the target has not evaluated it, and
-        # the head reads it again with the target's hidden state once it has.
-        self._cut(base - 1)
+        # the head reads it again with the target's hidden state once it has (unless
+        # keep_seed: its row reads the state before it, as llama.cpp keeps it).
+        self._cut(base if self.keep_seed else base - 1)
         t_end = time.perf_counter()
         self.seconds += t_end - t0
         if len(tokens) > 1:
