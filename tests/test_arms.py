@@ -131,7 +131,9 @@ def test_a_drafter_added_in_the_test_alone_is_chosen_where_it_pays(
     msgs = [{"role": "user", "content": "hi"}]
     req = ChatCompletionRequest.model_validate({"messages": msgs, "speculative.drafter": "walk"})
     assert req.spec_drafter == "walk"
-    with pytest.raises(ValidationError, match="must be one of auto, model, mtp, ngram, suffix"):
+    with pytest.raises(
+        ValidationError, match="must be one of auto, eagle3, model, mtp, ngram, suffix"
+    ):
         ChatCompletionRequest.model_validate({"messages": msgs, "speculative.drafter": "eagle"})
 
 
@@ -277,7 +279,9 @@ def test_an_unknown_drafter_is_refused_with_the_names_there_are() -> None:
     (drafters,) = make_drafters(Sources(1, V))  # nothing loaded: the lookups only
     assert sorted(drafters) == ["ngram", "suffix"]
     drafting = Drafting(drafters, lambda det: Timings({1: 0.01}))
-    with pytest.raises(UsageError, match="auto, model, mtp, ngram, suffix, none, not 'walk'"):
+    with pytest.raises(
+        UsageError, match="auto, eagle3, model, mtp, ngram, suffix, none, not 'walk'"
+    ):
         make_planner("walk", drafting, DraftSettings(draft_max=4))
     with pytest.raises(UsageError, match="the model drafter needs a draft model, and none"):
         make_planner("model", drafting, DraftSettings(draft_max=4))
@@ -547,7 +551,7 @@ def test_auto_mode_s_defaults_come_from_its_tuning() -> None:
     # a long copy's prior weighs the tokens it expects between breaks
     assert AUTO_TUNING.long_copy_weight == pytest.approx(1 / (1 - AUTO_TUNING.long_copy_prior))
     # --drafter's choices, as its error lists them
-    assert drafter_kinds() == ("auto", "model", "mtp", "ngram", "suffix", "none")
+    assert drafter_kinds() == ("auto", "eagle3", "model", "mtp", "ngram", "suffix", "none")
 
 
 def test_a_match_counts_in_the_longest_bucket_it_reaches() -> None:

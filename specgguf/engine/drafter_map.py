@@ -28,6 +28,7 @@ from specgguf.speculative.arms import Arm, LookupArm, ModelArm, SuffixArm
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import Drafter, Evaluator
 from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.drafters.eagle3 import Eagle3Drafter
 from specgguf.speculative.drafters.mtp import Head, HiddenStates
 from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Planner
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
@@ -194,6 +195,25 @@ def _check_mtp(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None)
         )
 
 
+def _eagle3_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
+    from specgguf.llama.backend import Eagle3Head
+
+    return Eagle3Head(model, seq)
+
+
+def _eagle3_layers(model: LlamaModel) -> tuple[int, ...]:
+    from specgguf.llama.backend import eagle3_target_layers
+
+    return eagle3_target_layers(model)
+
+
+def _check_eagle3(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
+    if draft is None or draft.architecture != "eagle3":
+        what = "none was given" if draft is None else f"{draft.path.name} is {draft.architecture}"
+        raise UsageError(f"the eagle3 drafter needs an EAGLE-3 head as its draft model (a "
+                         f"GGUF of architecture eagle3); {what}")  # fmt: skip
+
+
 #: Drafter name -> its entry, in the order auto mode weighs them (free drafters first).
 DRAFTERS: dict[str, DrafterEntry] = {
     e.name: e
@@ -225,6 +245,12 @@ DRAFTERS: dict[str, DrafterEntry] = {
             make=_heads(MtpDrafter, "mtp"), arm=_evaluated_arm, spec_types=("draft-mtp",),
             needs=Needs(mtp_layers=True), evaluated=True, check=_check_mtp,
             head=HeadSpec(_mtp_head),
+        ),
+        DrafterEntry(
+            "eagle3", "an EAGLE-3 head given as -md", make=_heads(Eagle3Drafter, "eagle3"),
+            arm=_evaluated_arm, spec_types=("draft-eagle3",), needs=Needs(draft_model=True),
+            evaluated=True, check=_check_eagle3,
+            head=HeadSpec(_eagle3_head, _eagle3_layers, frozenset({"eagle3"})),
         ),
     )
 }  # fmt: skip

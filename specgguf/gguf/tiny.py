@@ -253,6 +253,15 @@ class TinySpec:
     #: normalised token embedding (the first half of its input in llama.cpp) when ``e``
     #: dominates.
     nextn_eh_proj: tuple[float, float, float] | None = None
+    #: eagle3 (a draft head, llama.cpp's ``draft-eagle3``): the target's layers whose
+    #: inputs it reads (``eagle3.target_layers``, three), the target's width, the size of
+    #: its own reduced vocabulary mapped onto the target's by ``d2t`` (0: none, the
+    #: target's), and whether it carries its own token embeddings and LM head (else it
+    #: uses the target's, through llama.cpp's ``ctx_other``).
+    target_layers: tuple[int, ...] = ()
+    target_hidden: int = 0
+    draft_vocab: int = 0
+    own_embeddings: bool = True
     #: Variants for tests of what llama.cpp refuses, applied after everything else is
     #: added: keys left out, keys added or replaced as (key, value, GGUF type, element type
     #: of an array or None), tensors left out.
@@ -450,6 +459,39 @@ def _mamba2_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]
     return ts
 
 
+def _eagle3_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """One decoder layer whose attention reads concat(norm(token embedding), norm(g)),
+    g = ``fc`` of the target's three layer inputs (src/models/eagle3.cpp); the LM head over
+    ``draft_vocab`` ids mapped by ``d2t`` (int64 target ids) when it is set."""
+    w = _Weights(spec)
+    d, hd = spec.n_embd, spec.n_embd // spec.n_head
+    dkv = hd * spec.n_head_kv
+    emb, out = _embeddings(spec, n_vocab, w)
+    ts: list[tuple[str, np.ndarray]] = []
+    if spec.own_embeddings:
+        ts.append(("token_embd.weight", emb))
+    wide = 3 * spec.target_hidden
+    ts += [
+        ("fc.weight", w.normal((d, wide), wide**-0.5)),
+        ("blk.0.attn_norm.weight", _ones(d)),
+        ("blk.0.attn_norm_2.weight", _ones(d)),
+        ("blk.0.attn_q.weight", w.normal((d, 2 * d), (2 * d) ** -0.5)),
+        ("blk.0.attn_k.weight", w.normal((dkv, 2 * d), (2 * d) ** -0.5)),
+        ("blk.0.attn_v.weight", w.normal((dkv, 2 * d), (2 * d) ** -0.5)),
+        ("blk.0.attn_output.weight", w.normal((d, d), d**-0.5)),
+        ("blk.0.ffn_norm.weight", _ones(d)),
+        *_ffn(spec, w, "blk.0"),
+        ("output_norm.weight", _ones(d)),
+    ]
+    if spec.draft_vocab:
+        # every other id of the target's, the byte tokens first
+        ids = np.arange(0, 2 * spec.draft_vocab, 2, dtype=np.int64) % n_vocab
+        ts += [("output.weight", out[ids]), ("d2t", ids)]
+    else:
+        ts.append(("output.weight", out))
+    return ts
+
+
 def _check(spec: TinySpec) -> None:
     """The shape constraints llama.cpp asserts (or silently relies on) for ``spec``."""
     if spec.nextn_layers and spec.architecture != "qwen35":
@@ -461,6 +503,10 @@ def _check(spec: TinySpec) -> None:
             raise ValueError("qwen35: ssm_dt_rank (value heads) must be a multiple of ssm_n_group")
         if not 0 < spec.full_attention_interval <= spec.n_layer:
             raise ValueError("qwen35: full_attention_interval must be in 1..n_layer")
+    if spec.architecture == "eagle3" and (
+        len(spec.target_layers) != 3 or spec.n_layer != 1 or spec.target_hidden <= 0
+    ):
+        raise ValueError("eagle3: one layer, three target layers and the target's width")
     if spec.architecture == "mamba2" and (
         spec.ssm_d_inner % spec.ssm_dt_rank or spec.ssm_d_inner % spec.ssm_n_group
     ):
@@ -475,7 +521,8 @@ def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
     return _ARCHITECTURES.get(spec.architecture, _llama_tensors)(spec, n_vocab)
 
 
-_ARCHITECTURES = {"qwen35": _qwen35_tensors, "mamba2": _mamba2_tensors}
+_ARCHITECTURES = {"qwen35": _qwen35_tensors, "mamba2": _mamba2_tensors,
+                  "eagle3": _eagle3_tensors}  # fmt: skip
 
 #: Tensors kept in float32 whatever ``TinySpec.quant`` says (as llama.cpp's converter
 #: does: the SSM kernels read them as float32).
@@ -520,6 +567,10 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
         writer.add_full_attention_interval(spec.full_attention_interval)
         if spec.nextn_layers:
             writer.add_nextn_predict_layers(spec.nextn_layers)
+    if spec.architecture == "eagle3":
+        arch = spec.architecture
+        writer.add_array(f"{arch}.target_layers", list(spec.target_layers))
+        writer.add_uint32(f"{arch}.target_hidden_size", spec.target_hidden)
     if spec.architecture in ("qwen35", "mamba2"):
         writer.add_ssm_conv_kernel(spec.ssm_d_conv)
         writer.add_ssm_inner_size(spec.ssm_d_inner)
@@ -581,7 +632,9 @@ def write_tiny_model(path: Path, spec: TinySpec) -> list[Path]:
     for name, arr in _tensors(spec, n_vocab):
         if name in spec.drop_tensors:
             continue
-        if _quantized(name, arr, spec.quant):
+        if arr.dtype != np.float32:  # (d2t: int64 ids)
+            writer.add_tensor(name, arr)
+        elif _quantized(name, arr, spec.quant):
             writer.add_tensor(name, gguf.quants.quantize(arr, spec.quant), raw_dtype=spec.quant)
         else:
             writer.add_tensor(name, arr)
@@ -672,6 +725,29 @@ def fixture_specs() -> dict[str, TinySpec]:
             nextn_layers=1,
             layer_scale=0.15,
             nextn_eh_proj=(1.0, 0.2, 0.1),
+        ),
+        # EAGLE-3 heads for the target: reading the inputs of its layers 0, 1 and 1 (a
+        # two-layer target has no third), with its own embeddings and LM head, and with
+        # a reduced vocabulary of 256 ids (d2t) and the target's embeddings.
+        "eagle3": dataclasses.replace(
+            target,
+            name="tiny eagle3",
+            architecture="eagle3",
+            n_layer=1,
+            target_layers=(0, 1, 1),
+            target_hidden=target.n_embd,
+            seed=77,
+        ),
+        "eagle3-d2t": dataclasses.replace(
+            target,
+            name="tiny eagle3 d2t",
+            architecture="eagle3",
+            n_layer=1,
+            target_layers=(0, 1, 1),
+            target_hidden=target.n_embd,
+            seed=78,
+            draft_vocab=256,
+            own_embeddings=False,
         ),
     }
 

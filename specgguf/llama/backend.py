@@ -1932,3 +1932,245 @@ class MtpHead(DraftHead):
         if self._ctx is not None:
             self._lc.llama_free(self._ctx)
             self._ctx = None
+
+
+class Eagle3Head(DraftHead):
+    """An EAGLE-3 draft head (a GGUF of architecture ``eagle3``; Li et al. 2025, "EAGLE-3:
+    Scaling up Inference Acceleration of Large Language Models via Training-Time Test"),
+    run as llama.cpp's ``draft-eagle3`` runs it (common/speculative.cpp,
+    ``common_speculative_impl_draft_eagle3``; src/models/eagle3.cpp): its encoder maps the
+    inputs of three of the target's layers at a position P (``target_layers``) to g_P
+    (:meth:`encode`), and its one decoder layer reads (token P + 1, g_P) at position P and
+    gives the logits of the token after P + 1 and its own hidden state before the norm,
+    which stands in for g at the next draft position.
+
+    In :class:`specgguf.speculative.drafters.MtpDrafter`'s terms (a row for position p
+    reads the token at p and a state of position p - 1), the pair (token p, g_(p-1)) is
+    that row, kept at KV position p - 1: so :attr:`n_past` counts the text's positions,
+    one more than the decoder's cache holds, and the row of position 0 (no state before
+    it) is skipped. The decoder's logits are over the target's vocabulary (a head with a
+    reduced vocabulary maps it by its ``d2t`` tensor, the rest at -inf), and it uses the
+    target's token embeddings and LM head where it has none (``ctx_other``).
+
+    Args:
+        draft: the head's model (``eagle3``).
+        target: the target's context (or a sequence of it), created with ``layer_inputs``
+            the head's :attr:`target_layers`.
+
+    Raises:
+        BackendError: not an EAGLE-3 head of three layers, a target whose context keeps
+            other hidden states, or llama.cpp could not create the context.
+    """
+
+    def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
+        from llama_cpp import llama_cpp_ext
+
+        self._lc = lc = target._lc
+        self._ext = llama_cpp_ext
+        self.model = draft
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._enc_batch: Any = None
+        layers = eagle3_target_layers(draft)
+        if len(layers) != 3 or target.layer_inputs != layers:
+            raise BackendError(f"{draft.path.name} is not an EAGLE-3 head for the target's "
+                               f"context (target layers {layers})")  # fmt: skip
+        #: the target's layers whose inputs it reads
+        self.target_layers = layers
+        params = lc.llama_context_default_params()
+        params.ctx_other = target._ctx
+        params.n_ctx = target.n_ctx_allocated
+        params.n_batch = target.n_batch
+        # (its encoder takes a batch in one micro-batch: encode() sends pieces of n_ubatch)
+        params.n_ubatch = min(target.n_batch, 128)
+        params.n_seq_max = 1
+        params.n_outputs_max = params.n_ubatch
+        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(draft.handle, params)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create a context for {draft.path.name}")
+        self._ctx = ctx
+        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
+        self._mem = lc.llama_get_memory(ctx)
+        self.n_ctx: int = target.n_ctx
+        self.n_batch: int = target.n_batch
+        self.n_ubatch: int = int(lc.llama_n_ubatch(ctx))
+        self.n_vocab: int = target.n_vocab
+        #: the width of the target's hidden states it reads (three layers' inputs)
+        self.n_embd: int = target.n_hidden
+        #: the decoder's width (g and its own hidden state)
+        self.n_embd_dec: int = int(lc.llama_model_n_embd(draft.handle))
+        self.n_past = 0
+        self.eval_seconds = 0.0
+        self._batch = lc.llama_batch_init(self.n_batch, self.n_embd_dec, 1)
+        self._tokens = (ctypes.c_int32 * self.n_batch)()
+        self._batch.token = self._tokens
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(self._tokens, shape=(self.n_batch,))
+        self._emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd_dec))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+        self._enc_batch = e = lc.llama_batch_init(self.n_ubatch, self.n_embd, 1)
+        self._enc_emb = np.ctypeslib.as_array(e.embd, shape=(self.n_ubatch, self.n_embd))
+        self._enc_pos = np.ctypeslib.as_array(e.pos, shape=(self.n_ubatch,))
+        np.ctypeslib.as_array(e.n_seq_id, shape=(self.n_ubatch,))[:] = 1
+        np.ctypeslib.as_array(e.logits, shape=(self.n_ubatch,))[:] = 1
+        for i in range(self.n_ubatch):
+            e.seq_id[i][0] = 0
+        draft._contexts.add(self)  # type: ignore[arg-type]
+
+    def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """g for each row of the target's hidden states ``inputs``
+        (float32[m, n_embd] -> float32[m, n_embd_dec]), by the head's encoder.
+
+        Raises:
+            BackendError: llama_encode failed.
+        """
+        m = len(inputs)
+        out = np.empty((m, self.n_embd_dec), np.float32)
+        t0 = time.perf_counter()
+        try:
+            for start in range(0, m, self.n_ubatch):
+                n = min(self.n_ubatch, m - start)
+                self._enc_emb[:n] = inputs[start : start + n]
+                # (the encoder reads no positions, but llama.cpp checks them against the
+                # cache's: placeholders after its last, as common/speculative.cpp does)
+                first = int(self._lc.llama_memory_seq_pos_max(self._mem, 0)) + 1
+                self._enc_pos[:n] = np.arange(first, first + n, dtype=np.int32)
+                self._enc_batch.n_tokens = n
+                if self._lc.llama_encode(self._ctx, self._enc_batch) != 0:
+                    raise BackendError(f"llama_encode failed on {self.model.path.name}")
+                g = np.ctypeslib.as_array(self._ext.llama_get_embeddings_nextn(self._ctx),
+                                          shape=(n, self.n_embd_dec))  # fmt: skip
+                out[start : start + n] = g
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+        return out
+
+    def eval(
+        self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        """Decode the rows of ``tokens`` at the text's positions ``n_past ...``, row i
+        with ``inputs[i]`` (g of the position before it, or the head's own hidden state
+        there: float32[len(tokens), n_embd_dec]); with ``last``, return the logits after
+        the last token (float32[n_vocab], read-only view) and the head's hidden state
+        there (float32[n_embd_dec], a copy), else None (also where only position 0's row
+        was given, which is skipped: see the class).
+
+        Raises:
+            ContextOverflowError: past the context.
+            BackendError: llama_decode failed.
+        """
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(self.n_past + n, self.n_ctx, prompt=False,
+                                       model=self.model.path.name)  # fmt: skip
+        skip = 1 if self.n_past == 0 and n else 0  # position 0: no pair
+        self.n_past += skip
+        tokens, inputs, n = tokens[skip:], inputs[skip:], n - skip
+        if n == 0:
+            return None
+        t0 = time.perf_counter()
+        try:
+            for start in range(0, n, self.n_batch):
+                m = min(self.n_batch, n - start)
+                at = self.n_past - 1  # the decoder's cache position of this row
+                self._tok[:m] = tokens[start : start + m]
+                self._emb[:m] = inputs[start : start + m]
+                self._pos[:m] = np.arange(at, at + m, dtype=np.int32)
+                self._out[:m] = 0
+                if last and start + m == n:
+                    self._out[m - 1] = 1
+                self._batch.n_tokens = m
+                rc = self._lc.llama_decode(self._ctx, self._batch)
+                if rc != 0:
+                    self._lc.llama_memory_seq_rm(self._mem, 0, at, -1)
+                    raise BackendError(f"llama_decode failed with code {rc} on "
+                                       f"{self.model.path.name}")  # fmt: skip
+                self.n_past += m
+            if not last:
+                return None
+            logits = np.ctypeslib.as_array(
+                self._lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,)
+            )
+            logits.flags.writeable = False
+            h = np.ctypeslib.as_array(
+                self._ext.llama_get_embeddings_nextn_ith(self._ctx, -1), shape=(self.n_embd_dec,)
+            ).copy()
+            return logits, h
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def save_state(self) -> bytes:
+        """A copy of the decoder's KV cache (llama.cpp's sequence state).
+
+        Raises:
+            BackendError: llama.cpp could not copy it.
+        """
+        lc = self._lc
+        size = lc.llama_state_seq_get_size_ext(self._ctx, 0, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, 0)
+        if written == 0 and size:
+            raise BackendError(f"llama.cpp could not copy the state of {self.model.path.name}")
+        return ctypes.string_at(buf, written)
+
+    def load_state(self, data: bytes, n_past: int) -> None:
+        """Make the head hold ``data`` (from :meth:`save_state`), of ``n_past`` text
+        positions.
+
+        Raises:
+            BackendError: llama.cpp refused it (the cache is then empty).
+        """
+        lc = self._lc
+        lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        self.n_past = 0
+        if n_past <= 1:
+            self.n_past = n_past
+            return
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if not lc.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, 0):
+            lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+            raise BackendError(f"llama.cpp could not load a saved state into "
+                               f"{self.model.path.name}")  # fmt: skip
+        self.n_past = n_past
+
+    def rollback(self, n_keep: int) -> None:
+        """Keep the text's first ``n_keep`` positions (the decoder's first n_keep - 1).
+
+        Raises:
+            ValueError: ``n_keep`` is negative or beyond ``n_past``.
+        """
+        if not 0 <= n_keep <= self.n_past:
+            raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
+        if n_keep < self.n_past:
+            self._lc.llama_memory_seq_rm(self._mem, 0, max(0, n_keep - 1), -1)
+            self.n_past = n_keep
+
+    def _is_open(self) -> bool:
+        return self._ctx is not None
+
+    def _free(self) -> None:
+        if self._batch is not None:
+            self._batch.token = ctypes.POINTER(ctypes.c_int32)()
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._enc_batch is not None:
+            self._lc.llama_batch_free(self._enc_batch)
+            self._enc_batch = None
+        if self._ctx is not None:
+            self._lc.llama_free(self._ctx)
+            self._ctx = None
+
+
+def eagle3_target_layers(model: LlamaModel) -> tuple[int, ...]:
+    """The target's layers whose inputs an EAGLE-3 head reads (``eagle3.target_layers``;
+    empty for a model that is none)."""
+    ext = _ext()
+    n = int(ext["target_layers_n"](model.handle))
+    ptr = ext["target_layers"](model.handle)
+    return tuple(int(ptr[i]) for i in range(n)) if n and ptr else ()

@@ -1,0 +1,183 @@
+"""EAGLE-3 heads (``--drafter eagle3``, llama.cpp's ``--spec-type draft-eagle3``) on the
+tiny generated heads of :mod:`specgguf.gguf.tiny` for the tiny llama target: ``eagle3``
+(its own token embeddings and LM head) and ``eagle3-d2t`` (the target's embeddings, a
+reduced vocabulary of 256 ids mapped by ``d2t``). Their weights are random: nearly every
+draft is rejected, which makes each step's draft depend only on the head's own decoding
+of the committed text, compared step by step with llama.cpp's (``llama-speculative-simple
+-v``, when ``scripts/bench-llama-cpp --build-only`` built it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+from specgguf.engine.bench import generate_together
+from specgguf.speculative.drafters.eagle3 import Eagle3Drafter
+from specgguf.speculative.loop import GenerationParams
+from specgguf.speculative.sampling import SamplerParams
+
+from .helpers import run_cli
+from .test_mtp_oracle import run_llama
+
+HEADS = ["eagle3", "eagle3-d2t"]
+PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
+GREEDY = SamplerParams(temperature=0.0)
+
+
+def engine(tiny: dict[str, Path], head: str | None, drafter: str, k: int = 4, **kw: Any) -> Engine:
+    threads = kw.pop("n_threads", None)
+    return Engine(EngineConfig(
+        ModelConfig(tiny["target"], n_ctx=512, n_threads=threads),
+        ModelConfig(tiny[head], n_ctx=512, n_threads=threads) if head else None,
+        SpeculativeConfig(drafter=drafter, draft_max=k), **kw,
+    ))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models: dict[str, Path]) -> list[list[int]]:
+    params = GenerationParams(n_predict=80, sampler=GREEDY, ignore_eos=True)
+    with engine(tiny_models, None, "none") as e:
+        return [e.generate(p, params).run().tokens for p in PROMPTS]
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("drafter", ["eagle3", "auto"])
+def test_greedy_output_is_the_targets_own(
+    tiny_models: dict[str, Path], alone: list[list[int]], head: str, drafter: str
+) -> None:
+    with engine(tiny_models, head, drafter, 16) as e:
+        assert e.head_kind == "eagle3" and e.draft_ctx is None  # a head, not a draft model
+        assert e.target_ctx.layer_inputs == (0, 1, 1)
+        drafted = 0
+        for k in (1, 4, 16):
+            for p, want in zip(PROMPTS, alone, strict=True):
+                params = GenerationParams(n_predict=80, draft_max=k, sampler=GREEDY,
+                                          ignore_eos=True)  # fmt: skip
+                res = e.generate(p, params).run()
+                assert res.tokens == want, (k, p)
+                if (st := res.stats.by_drafter.get("eagle3")) is not None:
+                    drafted += st.drafted
+    if drafter == "eagle3":
+        assert drafted > 0
+
+
+def test_a_reduced_vocabulary_drafts_only_its_ids(tiny_models: dict[str, Path]) -> None:
+    """The head with ``d2t`` proposes only the 256 target ids it maps to (every other
+    one: the tiny fixture maps draft id i to target id 2i); the one without proposes
+    others too."""
+    seen: dict[str, set[int]] = {}
+    for head in HEADS:
+        params = GenerationParams(n_predict=60, draft_max=4, sampler=GREEDY, ignore_eos=True)
+        with engine(tiny_models, head, "eagle3") as e:
+            d = e.own.drafter(Eagle3Drafter)
+            assert d is not None
+            tokens: set[int] = set()
+
+            def spy(*a: Any, _propose: Any = d.propose, _seen: set[int] = tokens, **kw: Any) -> Any:
+                draft = _propose(*a, **kw)
+                _seen.update(draft.tokens)
+                return draft
+
+            d.propose = spy  # type: ignore[method-assign]
+            for p in PROMPTS:
+                e.generate(p, params).run()
+        seen[head] = tokens
+    assert seen["eagle3-d2t"] and all(t % 2 == 0 and t < 512 for t in seen["eagle3-d2t"])
+    assert any(t % 2 for t in seen["eagle3"])
+
+
+def test_each_parallel_sequence_drafts_from_its_own_hidden_states(
+    tiny_models: dict[str, Path], alone: list[list[int]]
+) -> None:
+    params = GenerationParams(n_predict=80, sampler=GREEDY, ignore_eos=True)
+    with engine(tiny_models, "eagle3", "eagle3") as one:
+        each = [one.generate(p, params).run() for p in PROMPTS]
+    with engine(tiny_models, "eagle3", "eagle3", n_parallel=3) as three:
+        assert len(three.heads) == 3
+        together = generate_together(three, PROMPTS, params)[0]
+    assert [r.tokens for r in together] == [r.tokens for r in each] == alone
+    assert [r.stats.drafted for r in together] == [r.stats.drafted for r in each]
+
+
+def test_a_head_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
+    """``-md`` an EAGLE-3 head: ``--draft K`` drafts with it (as llama.cpp chooses the
+    drafter from the file), ``--spec-type draft-eagle3`` names it; ``--drafter model``
+    with it, and ``--drafter eagle3`` with a draft model or none, are refused in one line."""
+    t, head = str(tiny_models["target"]), str(tiny_models["eagle3"])
+    base = ["run", "-m", t, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "hi"]
+    for extra in (["-md", head, "--draft", "4"], ["-md", head, "--spec-type", "draft-eagle3"]):
+        res = run_cli(*base, *extra)
+        assert res.returncode == 0, res.stderr
+        assert b'"eagle3"' in res.stdout
+    for extra, needle in (
+        (["-md", head, "--drafter", "model"], "is an eagle3 head, not a draft model"),
+        (["-md", str(tiny_models["draft-partial"]), "--drafter", "eagle3"], "needs an EAGLE-3"),
+        (["--drafter", "eagle3"], "--drafter eagle3 needs a draft model"),
+    ):
+        res = run_cli(*base, *extra)
+        err = res.stderr.decode()
+        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_eagle3_drafts_as_llama_cpp(
+    k: int, head: str, tools: Path, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same tokens as llama.cpp's ``draft-eagle3``, and the same draft at every step
+    (the comparable steps of tests/test_mtp_oracle.py)."""
+    n = 48
+    prompt = "Speculative decoding makes"
+    llama = run_llama(tools, tiny_models["target"], k, n, spec_type="draft-eagle3",
+                      draft=tiny_models[head], prompt=prompt)  # fmt: skip
+    drafts: list[list[int]] = []
+    propose = Eagle3Drafter.propose
+
+    def recording(self: Eagle3Drafter, history: Sequence[int], kk: int, *a: Any, **kw: Any) -> Any:
+        draft = propose(self, history, kk, *a, **kw)
+        if kk > 0:
+            drafts.append(list(draft.tokens))
+        return draft
+
+    monkeypatch.setattr(Eagle3Drafter, "propose", recording)
+    with engine(tiny_models, head, "eagle3", k, n_threads=1) as e:
+        vocab = e.target_model
+        ids = vocab.tokenize(prompt, add_special=True, parse_special=True)
+        assert len(ids) == llama.n_prompt
+        params = GenerationParams(n_predict=n, draft_max=k, sampler=GREEDY, ignore_eos=True)
+        result = e.generate(ids, params).run()
+    assert result.tokens == llama.tokens[:n]
+    comparable = [s for s in llama.steps if s.produced < n - 1]
+    assert sum(len(s.draft) for s in comparable) > n // 2  # it drafted: not a vacuous check
+    for i, (ours, theirs) in enumerate(zip(drafts, comparable, strict=True)):
+        assert ours == theirs.draft, f"step {i} (after {theirs.produced} tokens)"
+    assert result.stats.drafted == sum(len(s.draft) for s in comparable)
+    assert result.stats.accepted == sum(s.accepted for s in comparable)
+
+
+def test_the_heads_rows_are_llama_cpps_encoder_and_decoder(tiny_models: dict[str, Path]) -> None:
+    """The head's encoder output differs per position, and the decoder's logits over a
+    reduced vocabulary are -inf exactly off the ids ``d2t`` maps to."""
+    from specgguf.llama.backend import Eagle3Head, LlamaModel, eagle3_target_layers
+
+    with LlamaModel(tiny_models["target"]) as t, LlamaModel(tiny_models["eagle3-d2t"]) as d:
+        layers = eagle3_target_layers(d)
+        assert layers == (0, 1, 1)
+        with t.new_context(n_ctx=256, n_batch=64, layer_inputs=layers) as ctx:
+            ids = t.tokenize("The quick brown fox")
+            ctx.eval(ids, logits="none")
+            h = ctx.hidden_rows(0, len(ids))
+            assert h.shape == (len(ids), 3 * 64) and np.array_equal(h[:, 64:128], h[:, 128:])
+            with Eagle3Head(d, ctx) as head:
+                g = head.encode(h)
+                assert g.shape == (len(ids), 64) and not np.allclose(g[0], g[1])
+                out = head.eval([*ids[1:], ids[0]], g, last=True)
+                assert out is not None and head.n_past == len(ids)
+                logits = np.array(out[0])  # (a view of llama.cpp's buffer until then)
+    finite = np.flatnonzero(np.isfinite(logits))
+    assert np.array_equal(finite, np.arange(0, 512, 2))
