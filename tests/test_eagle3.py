@@ -181,3 +181,21 @@ def test_the_heads_rows_are_llama_cpps_encoder_and_decoder(tiny_models: dict[str
                 logits = np.array(out[0])  # (a view of llama.cpp's buffer until then)
     finite = np.flatnonzero(np.isfinite(logits))
     assert np.array_equal(finite, np.arange(0, 512, 2))
+
+
+def test_a_target_whose_graph_keeps_no_layer_inputs_is_refused(
+    tiny_models: dict[str, Path],
+) -> None:
+    """llama.cpp records layer inputs only in some architectures' graphs and aborts the
+    process for the others at the first decode: mamba2 (as qwen2) is refused before, in
+    one line, and the backend raises rather than let llama.cpp abort."""
+    from specgguf.errors import BackendError
+    from specgguf.llama.backend import LlamaModel
+
+    res = run_cli("run", "-m", str(tiny_models["recurrent"]), "-md", str(tiny_models["eagle3"]),
+                  "--draft", "4", "-n", "4", "hi")  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "keeps no layer inputs of a mamba2 target" in err, err
+    with LlamaModel(tiny_models["recurrent"]) as m:
+        with pytest.raises(BackendError, match="keeps no layer inputs of a mamba2"):
+            m.new_context(n_ctx=256, layer_inputs=(0, 1, 1))

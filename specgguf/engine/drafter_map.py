@@ -208,10 +208,16 @@ def _eagle3_layers(model: LlamaModel) -> tuple[int, ...]:
 
 
 def _check_eagle3(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
+    from specgguf.llama.backend import LAYER_INPUT_ARCHS
+
     if draft is None or draft.architecture != "eagle3":
         what = "none was given" if draft is None else f"{draft.path.name} is {draft.architecture}"
         raise UsageError(f"the eagle3 drafter needs an EAGLE-3 head as its draft model (a "
                          f"GGUF of architecture eagle3); {what}")  # fmt: skip
+    if target.architecture not in LAYER_INPUT_ARCHS:
+        raise UsageError(f"the eagle3 drafter: llama.cpp keeps no layer inputs of a "
+                         f"{target.architecture} target ({target.path.name}), which an EAGLE-3 "
+                         "head reads")  # fmt: skip
 
 
 #: Drafter name -> its entry, in the order auto mode weighs them (free drafters first).

@@ -247,6 +247,10 @@ class LlamaModel(_Native):
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(model)
         self.n_layer: int = lc.llama_model_n_layer(model)
         self.n_embd: int = lc.llama_model_n_embd(model)
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+        #: ``general.architecture`` ("" where the file gives none)
+        self.architecture: str = buf.value.decode(errors="replace") if n > 0 else ""
         #: what the model's memory holds: "attention" (a KV cache, cut anywhere),
         #: "recurrent" (a state per sequence) or "hybrid" (both)
         self.memory: MemoryKind = (
@@ -765,6 +769,13 @@ class LlamaContext(_Native):
             from llama_cpp import llama_cpp_ext
 
             n_layer = int(lc.llama_model_n_layer(model.handle))
+            if any(lid < n_layer for lid in layer_inputs) and (
+                model.architecture not in LAYER_INPUT_ARCHS
+            ):
+                # (llama.cpp asserts, and aborts the process, at the first decode)
+                self._free()
+                raise BackendError(f"llama.cpp keeps no layer inputs of a {model.architecture} "
+                                   f"model ({model.path.name})")  # fmt: skip
             for lid in self.layer_inputs or (n_layer,):
                 if lid >= n_layer:  # (past the last layer: the output's hidden state)
                     llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)
@@ -2165,6 +2176,16 @@ class Eagle3Head(DraftHead):
         if self._ctx is not None:
             self._lc.llama_free(self._ctx)
             self._ctx = None
+
+
+#: Architectures whose llama.cpp graph keeps the inputs of its layers, which
+#: ``llama_set_embeddings_layer_inp`` asks for (the models of src/models/*.cpp that set
+#: ``res->t_layer_inp``; for any other, llama.cpp asserts and aborts at the first decode).
+LAYER_INPUT_ARCHS = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "hunyuan_vl", "lfm2", "llama", "mimo2",
+    "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "gpt-oss", "qwen3",
+    "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp",
+})  # fmt: skip
 
 
 def eagle3_target_layers(model: LlamaModel) -> tuple[int, ...]:
