@@ -196,6 +196,8 @@ def test_a_target_whose_graph_keeps_no_layer_inputs_is_refused(
                   "--draft", "4", "-n", "4", "hi")  # fmt: skip
     err = res.stderr.decode()
     assert res.returncode == 2 and "keeps no layer inputs of a mamba2 target" in err, err
-    with LlamaModel(tiny_models["recurrent"]) as m:
-        with pytest.raises(BackendError, match="keeps no layer inputs of a mamba2"):
-            m.new_context(n_ctx=256, layer_inputs=(0, 1, 1))
+    with (
+        LlamaModel(tiny_models["recurrent"]) as m,
+        pytest.raises(BackendError, match="keeps no layer inputs of a mamba2"),
+    ):
+        m.new_context(n_ctx=256, layer_inputs=(0, 1, 1))
