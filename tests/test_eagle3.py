@@ -117,7 +117,7 @@ def test_a_head_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
     for extra, needle in (
         (["-md", head, "--drafter", "model"], "is an eagle3 head, not a draft model"),
         (["-md", str(tiny_models["draft-partial"]), "--drafter", "eagle3"], "needs an EAGLE-3"),
-        (["--drafter", "eagle3"], "--drafter eagle3 needs a draft model"),
+        (["--drafter", "eagle3"], "needs an EAGLE-3 head as its draft model: give it with -md"),
     ):
         res = run_cli(*base, *extra)
         err = res.stderr.decode()
@@ -192,12 +192,58 @@ def test_a_target_whose_graph_keeps_no_layer_inputs_is_refused(
     from specgguf.errors import BackendError
     from specgguf.llama.backend import LlamaModel
 
-    res = run_cli("run", "-m", str(tiny_models["recurrent"]), "-md", str(tiny_models["eagle3"]),
-                  "--draft", "4", "-n", "4", "hi")  # fmt: skip
-    err = res.stderr.decode()
-    assert res.returncode == 2 and "keeps no layer inputs of a mamba2 target" in err, err
+    for drafter in ("eagle3", "auto"):
+        target, head = str(tiny_models["recurrent"]), str(tiny_models["eagle3"])
+        res = run_cli("run", "-m", target, "-md", head, "--drafter", drafter, "-n", "4", "hi")
+        err = res.stderr.decode()
+        assert res.returncode == 2 and "keeps no layer inputs of a mamba2 target" in err, err
     with (
         LlamaModel(tiny_models["recurrent"]) as m,
         pytest.raises(BackendError, match="keeps no layer inputs of a mamba2"),
     ):
         m.new_context(n_ctx=256, layer_inputs=(0, 1, 1))
+
+
+def _head_like(src: Path, dst: Path, **keys: object) -> Path:
+    """A copy of the EAGLE-3 head ``src`` with metadata ``keys`` replaced (a head made
+    for another target)."""
+    import dataclasses
+
+    from specgguf.gguf.tiny import fixture_specs, write_tiny_model
+
+    spec = dataclasses.replace(fixture_specs()["eagle3"], **keys)  # type: ignore[arg-type]
+    return write_tiny_model(dst, spec)[0]
+
+
+@pytest.mark.parametrize(
+    ("keys", "needle"),
+    [({"target_hidden": 128}, "made for a target 128 wide, and this one is 64 wide"),
+     ({"target_layers": (0, 1, 7)}, "reads layers [0, 1, 7], and the target has 2")],
+)  # fmt: skip
+def test_a_head_made_for_another_target_is_refused(
+    tiny_models: dict[str, Path], tmp_path: Path, keys: dict[str, object], needle: str
+) -> None:
+    """llama.cpp checks neither the width a head was made for nor its layers: a head for
+    another model would read rows of another width, or layers the target lacks. ``check``
+    says so (exit 4), and ``run`` refuses in one line, in auto mode too."""
+    head = str(_head_like(tiny_models["eagle3"], tmp_path / "other.gguf", **keys))
+    target = str(tiny_models["target"])
+    res = run_cli("check", target, head)
+    assert res.returncode == 4 and needle in res.stdout.decode(), res.stdout
+    for drafter in ("auto", "eagle3"):
+        res = run_cli("run", "-m", target, "-md", head, "--drafter", drafter, "-n", "4", "hi")
+        err = res.stderr.decode()
+        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_head_is_not_a_target(tiny_models: dict[str, Path]) -> None:
+    head, target = str(tiny_models["eagle3"]), str(tiny_models["target"])
+    res = run_cli("run", "-m", head, "-n", "4", "hi")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "is an eagle3 draft head, not a model" in err, err
+    res = run_cli("check", head, target)
+    assert res.returncode == 4 and b"head-as-target" in res.stdout
+    res = run_cli("info", str(tiny_models["eagle3-d2t"]))
+    out = res.stdout.decode()
+    assert "an eagle3 head for a target 64 wide, reading the inputs of its layers 0, 1, 1" in out
+    assert "256 ids of its own mapped onto the target's (d2t)" in out

@@ -398,9 +398,9 @@ def test_recurrent_and_hybrid_architectures(
     assert messages(r) == [] and r.compatible
     r = compare_vocabs(vocab("t2", arch=arch), vocab("d2"))
     why = (f"the target's architecture {arch!r} keeps no snapshots of its recurrent state in "
-           "this llama.cpp: rejected drafts are dropped by checkpoint and replay (a copy of "
-           "the state before each verification, the drafts kept decoded again after a "
-           "rejection)")  # fmt: skip
+           "this llama.cpp: rejected drafts are dropped by checkpoint and replay (the state "
+           "is copied before each verification; after a rejection the copy comes back and "
+           "the accepted drafts are decoded again)")  # fmt: skip
     assert messages(r) == ([] if rolls_back else [("info", "replay", why)])
     assert r.compatible
 

@@ -64,6 +64,7 @@ def info(
         ("architecture", mi["architecture"] or "-"),
         ("memory", _memory(mi)),
         ("MTP layers", str(mi["nextn_layers"]) if mi["nextn_layers"] else "none"),
+        *([("draft head", _head(mi))] if mi["target_layers"] else []),
         ("size label", mi["size_label"] or "-"),
         ("quantization", mi["quantization"] or "-"),
         ("parameters", count(mi["n_params"])),
@@ -122,6 +123,18 @@ def loadable_text(refusal: dict[str, Any] | None) -> str:
     *first, last = refusal["commands"]
     return (f"no: {refusal['reason']}{more}; {', '.join(first)} and {last} exit "
             f"{refusal['exit_code']} for it")  # fmt: skip
+
+
+def _head(mi: dict[str, Any]) -> str:
+    """``an eagle3 head for a target 4096 wide, reading the inputs of its layers 2, 16, 29;
+    32,000 ids of its own (d2t)``: what a draft head needs of its target."""
+    vocab = (f"{mi['draft_vocab']:,} ids of its own mapped onto the target's (d2t)"
+             if mi["draft_vocab"] else "the target's vocabulary")  # fmt: skip
+    return (
+        f"an {mi['architecture']} head for a target {mi['target_width'] or '?'} wide, "
+        f"reading the inputs of its layers {', '.join(map(str, mi['target_layers']))}; "
+        f"{vocab}; give it with -md beside its target"
+    )
 
 
 def _memory(mi: dict[str, Any]) -> str:

@@ -52,6 +52,7 @@ from specgguf.engine.drafter_map import (
     spec_types,
 )
 from specgguf.errors import UsageError
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS
 from specgguf.speculative.sampling import SamplerParams
 
 #: llama.cpp's --spec-type values (common/speculative.cpp, 2026) -> specgguf's drafter, from
@@ -558,17 +559,25 @@ def _mtp_layers(path: Path) -> int:
     return info.nextn_layers if rolls_back(info.architecture) else 0
 
 
+def _architecture(path: Path | None) -> str | None:
+    """A model file's ``general.architecture`` (None: none, or unreadable: loading says
+    why)."""
+    from specgguf.errors import SpecggufError
+    from specgguf.gguf.metadata import GGUFMetadata
+
+    if path is None:
+        return None
+    try:
+        with GGUFMetadata.open(path) as meta:
+            return meta.architecture
+    except (SpecggufError, OSError):
+        return None
+
+
 def _draft_kind(path: Path | None) -> str:
     """The drafter a draft file drafts with by default: the one whose head it is (an
-    EAGLE-3 head: ``eagle3``), else a draft model's (unreadable: loading says why)."""
-    from specgguf.errors import SpecggufError
-    from specgguf.gguf.info import read_model_info
-
-    try:
-        arch = read_model_info(path).architecture if path is not None else None
-    except (SpecggufError, OSError):
-        arch = None
-    return head_of_draft(arch) or "model"
+    EAGLE-3 head: ``eagle3``), else a draft model's."""
+    return head_of_draft(_architecture(path)) or "model"
 
 
 def engine_config(
@@ -641,6 +650,14 @@ def engine_config(
             model_draft = str(pair.draft)
     target_path = model_path(model, load.registry)
     draft_path = model_path(model_draft, load.registry) if model_draft is not None else None
+    if _architecture(target_path) in DRAFT_HEAD_ARCHS:
+        raise UsageError(f"{target_path.name} is an {_architecture(target_path)} draft head, not "
+                         "a model: give it with -md beside its target")  # fmt: skip
+    head = DRAFTERS[drafter].head if drafter is not None and drafter in DRAFTERS else None
+    if drafter is not None and draft_path is None and head is not None and head.architectures:
+        # (the draft search looks for draft models, not heads)
+        raise UsageError(f"--drafter {drafter} needs {needs(drafter).describe()}: give it with "
+                         "-md FILE")  # fmt: skip
     searched = None
     if draft_path is None and wants_model and (drafter or AUTO) == AUTO:
         n_mtp = _mtp_layers(target_path)

@@ -138,15 +138,11 @@ def serve(
 
             def ready(url: str) -> None:
                 d = engine.describe()
-                draft_name = (
-                    Path(d["draft"]).name
-                    if d["draft"]
-                    else (
-                        f"the target's {d['mtp_layers']} MTP layer(s)"
-                        if d["mtp_layers"]
-                        else "none"
-                    )
-                )
+                draft_name = Path(d["draft"]).name if d["draft"] else "none"
+                if d["draft"] and d["head"]:
+                    draft_name += f" (an {d['head']} head)"
+                elif d["mtp_layers"]:
+                    draft_name = f"the target's {d['mtp_layers']} MTP layer(s)"
                 servers = "".join(
                     f", {role} over RPC {','.join(d[key])}"
                     for role, key in (("target", "rpc"), ("draft", "rpc_draft"))

@@ -50,9 +50,13 @@ class Needs:
 
     draft_model: bool = False
     mtp_layers: bool = False
+    #: what it needs, in its own words ("": from the fields)
+    what: str = ""
 
     def describe(self) -> str:
         """What it needs that a target alone does not have, in words ("" for nothing)."""
+        if self.what:
+            return self.what
         parts = ["a draft model"] * self.draft_model
         parts += ["the target's multi-token-prediction layers"] * self.mtp_layers
         return " and ".join(parts)
@@ -208,16 +212,18 @@ def _eagle3_layers(model: LlamaModel) -> tuple[int, ...]:
 
 
 def _check_eagle3(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
-    from specgguf.llama.backend import LAYER_INPUT_ARCHS
+    from specgguf.gguf.arch import head_fit
 
     if draft is None or draft.architecture != "eagle3":
         what = "none was given" if draft is None else f"{draft.path.name} is {draft.architecture}"
         raise UsageError(f"the eagle3 drafter needs an EAGLE-3 head as its draft model (a "
                          f"GGUF of architecture eagle3); {what}")  # fmt: skip
-    if target.architecture not in LAYER_INPUT_ARCHS:
-        raise UsageError(f"the eagle3 drafter: llama.cpp keeps no layer inputs of a "
-                         f"{target.architecture} target ({target.path.name}), which an EAGLE-3 "
-                         "head reads")  # fmt: skip
+    n_layer = (target.block_count or 0) - target.nextn_layers
+    why = head_fit(target.architecture, target.embedding_length, n_layer or None, "eagle3",
+                   draft.target_layers, draft.target_width)  # fmt: skip
+    if why:
+        raise UsageError(f"the eagle3 drafter cannot draft with {draft.path.name} for "
+                         f"{target.path.name}: {why[0]}")  # fmt: skip
 
 
 #: Drafter name -> its entry, in the order auto mode weighs them (free drafters first).
@@ -254,7 +260,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
         ),
         DrafterEntry(
             "eagle3", "an EAGLE-3 head given as -md", make=_heads(Eagle3Drafter, "eagle3"),
-            arm=_evaluated_arm, spec_types=("draft-eagle3",), needs=Needs(draft_model=True),
+            arm=_evaluated_arm, spec_types=("draft-eagle3",),
+            needs=Needs(draft_model=True, what="an EAGLE-3 head as its draft model"),
             evaluated=True, check=_check_eagle3,
             head=HeadSpec(_eagle3_head, _eagle3_layers, frozenset({"eagle3"})),
         ),
@@ -323,6 +330,8 @@ def check_rules(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None
     if draft is not None and head not in (None, kind) and kind not in (AUTO, "model"):
         raise UsageError(f"the draft {draft.path.name} is an {draft.architecture} head: it "
                          f"drafts as the {head} drafter (or in auto mode)")  # fmt: skip
+    if kind == AUTO and head is not None and (check := DRAFTERS[head].check) is not None:
+        check(config, target, draft)  # (auto mode drafts with it)
     if kind not in DRAFTERS:
         return
     e = DRAFTERS[kind]

@@ -60,3 +60,48 @@ def describe(arch: str | None) -> str:
     what = "recurrent state" if kind == "recurrent" else "hybrid: attention + recurrent state"
     how = "rolled back by snapshots" if rolls_back(arch) else "rolled back by checkpoint and replay"
     return f"{arch} ({what}, {how})"
+
+
+#: Architectures that are draft heads, not models: they draft for a target and generate
+#: nothing alone (llama.cpp's ``draft-eagle3``, ``draft-dflash``, Gemma 4's MTP assistant).
+DRAFT_HEAD_ARCHS = frozenset({"eagle3", "dflash", "gemma4-assistant"})
+
+#: Architectures whose llama.cpp graph keeps the inputs of its layers, which
+#: ``llama_set_embeddings_layer_inp`` asks for and an EAGLE-3 head reads (the models of
+#: src/models/*.cpp that set ``res->t_layer_inp``; for any other, llama.cpp asserts and
+#: aborts at the first decode).
+LAYER_INPUT_ARCHS = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "hunyuan_vl", "lfm2", "llama", "mimo2",
+    "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "gpt-oss", "qwen3",
+    "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp",
+})  # fmt: skip
+
+
+def head_fit(
+    target_arch: str | None,
+    target_width: int | None,
+    target_layers: int | None,
+    head_arch: str | None,
+    head_layers: tuple[int, ...],
+    head_width: int | None,
+) -> list[str]:
+    """Why an EAGLE-3 head (``head_arch`` "eagle3", reading the inputs of ``head_layers``
+    of a target ``head_width`` wide) cannot draft for a target of ``target_arch``,
+    ``target_width`` and ``target_layers`` layers, in words; empty where it can, or where
+    the draft is no EAGLE-3 head. (llama.cpp checks none of it: a head made for another
+    model reads rows of another width, or layers the target does not have.)"""
+    if head_arch != "eagle3":
+        return []
+    out = []
+    if target_arch not in LAYER_INPUT_ARCHS:
+        out.append(f"llama.cpp keeps no layer inputs of a {target_arch} target, which an "
+                   "EAGLE-3 head reads")  # fmt: skip
+    if len(head_layers) != 3:
+        out.append(f"the EAGLE-3 head names {len(head_layers)} target layers, not 3")
+    if head_width and target_width and head_width != target_width:
+        out.append(f"the EAGLE-3 head was made for a target {head_width} wide, and this one is "
+                   f"{target_width} wide")  # fmt: skip
+    if target_layers and any(not 0 <= lid < target_layers for lid in head_layers):
+        out.append(f"the EAGLE-3 head reads layers {list(head_layers)}, and the target has "
+                   f"{target_layers}")  # fmt: skip
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 from specgguf.errors import GGUFFormatError, ModelLoadError
 from specgguf.gguf.arch import MemoryKind, memory_kind, rolls_back
 from specgguf.gguf.loadcheck import load_findings
-from specgguf.gguf.metadata import FILE_TYPES, Finding, GGUFMetadata, TensorInfo, shown
+from specgguf.gguf.metadata import FILE_TYPES, ArrayRef, Finding, GGUFMetadata, TensorInfo, shown
 from specgguf.gguf.vocab import VocabInfo, read_vocab
 
 #: Shards of a split model looked for after this many are found missing: none (a split
@@ -124,6 +124,13 @@ class ModelInfo:
     #: (F32, llama.cpp's ``n_embd_r() + n_embd_s()``; 0 for attention alone)
     recurrent_layers: int = 0
     recurrent_state_bytes: int = 0
+    #: a draft head (an EAGLE-3 head): the target layers whose inputs it reads
+    #: (``{arch}.target_layers``), the width of the target it was made for
+    #: (``{arch}.target_hidden_size``), and its reduced vocabulary (the ids of ``d2t``;
+    #: 0: the target's)
+    target_layers: tuple[int, ...] = ()
+    target_width: int = 0
+    draft_vocab: int = 0
 
     @property
     def memory(self) -> MemoryKind:
@@ -160,6 +167,9 @@ class ModelInfo:
             "memory": self.memory,
             "rolls_back": rolls_back(self.architecture),
             "nextn_layers": self.nextn_layers,
+            "target_layers": list(self.target_layers),
+            "target_width": self.target_width,
+            "draft_vocab": self.draft_vocab,
             "recurrent_layers": self.recurrent_layers,
             "recurrent_state_bytes": self.recurrent_state_bytes,
             "name": self.name,
@@ -225,6 +235,17 @@ def _str(v: Any) -> str | None:
 
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _numbers(meta: GGUFMetadata, ref: Any) -> tuple[int, ...]:
+    """An integer array of the metadata (empty where the key is absent or no array of
+    integers)."""
+    if not isinstance(ref, ArrayRef):
+        return ()
+    try:
+        return tuple(int(x) for x in meta.numbers(ref))
+    except (TypeError, ValueError, GGUFFormatError):
+        return ()
 
 
 def read_model_info(path: Path | str) -> ModelInfo:
@@ -302,6 +323,9 @@ def read_model_info(path: Path | str) -> ModelInfo:
             gguf_version=meta.version,
             findings=tuple(findings),
             nextn_layers=nextn,
+            target_layers=_numbers(meta, meta.arch_key("target_layers")),
+            target_width=_int(meta.arch_key("target_hidden_size")) or 0,
+            draft_vocab=next((t.shape[0] for t in tensors if t.name == "d2t"), 0),
             recurrent_layers=n_rec,
             recurrent_state_bytes=n_rec * 4 * _state_values(meta),
         )

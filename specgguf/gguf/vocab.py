@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import ModelLoadError
-from specgguf.gguf.arch import memory_kind, rolls_back
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, head_fit, memory_kind, rolls_back
 from specgguf.gguf.loadcheck import load_findings
 from specgguf.gguf.metadata import ArrayRef, Finding, GGUFMetadata, Severity, shown
 
@@ -556,7 +556,33 @@ def check_compatibility(target: Path | str, draft: Path | str) -> CompatReport:
         _require_loadable(tm, t)
         _require_loadable(dm, d)
         report = compare_vocabs(t, d, started=t0)
+        heads = [Finding("error", code, msg) for code, msg in _head_rules(tm, dm)]
+    if heads:
+        report = dataclasses.replace(report, findings=(*heads, *report.findings))
     return report
+
+
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _head_rules(tm: GGUFMetadata, dm: GGUFMetadata) -> list[tuple[str, str]]:
+    """(code, message) of each reason a draft head cannot be used this way: a head given
+    as the target (``head-as-target``), or an EAGLE-3 head made for another target
+    (``head-fit``: :func:`specgguf.gguf.arch.head_fit`)."""
+    out = []
+    if tm.architecture in DRAFT_HEAD_ARCHS:
+        out.append(("head-as-target", f"the target is an {tm.architecture} draft head, not a "
+                    "model: it drafts for a target, as the draft"))  # fmt: skip
+    layers = dm.arch_key("target_layers")
+    n_layer = (_int(tm.arch_key("block_count")) or 0) - (
+        _int(tm.arch_key("nextn_predict_layers")) or 0)  # fmt: skip
+    fit = head_fit(
+        tm.architecture, _int(tm.arch_key("embedding_length")), n_layer or None,
+        dm.architecture, tuple(int(x) for x in dm.numbers(layers)) if isinstance(
+            layers, ArrayRef) else (), _int(dm.arch_key("target_hidden_size")),
+    )  # fmt: skip
+    return out + [("head-fit", msg) for msg in fit]
 
 
 def _require_loadable(meta: GGUFMetadata, vocab: VocabInfo) -> None:
@@ -588,8 +614,8 @@ def compare_vocabs(t: VocabInfo, d: VocabInfo, *, started: float | None = None) 
         add("info", "replay",
             f"the target's architecture {t.architecture!r} keeps no snapshots of its "
             "recurrent state in this llama.cpp: rejected drafts are dropped by checkpoint "
-            "and replay (a copy of the state before each verification, the drafts kept "
-            "decoded again after a rejection)")  # fmt: skip
+            "and replay (the state is copied before each verification; after a rejection "
+            "the copy comes back and the accepted drafts are decoded again)")  # fmt: skip
     for role, v in (("target", t), ("draft", d)):
         if v.tokens is None:
             add("error", "no-vocabulary", f"the {role} has no tokenizer.ggml.tokens list")

@@ -55,6 +55,7 @@ from typing import Any
 from specgguf import __version__
 from specgguf.cache import cache_dir
 from specgguf.errors import ModelFileError, SpecggufError, UsageError
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS
 from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.metadata import GGUFMetadata
 from specgguf.gguf.vocab import compare_vocabs, read_vocab
@@ -481,9 +482,15 @@ class _Memo:
             return bool(ok), str(why)
         try:
             with GGUFMetadata.open(path) as meta:
+                head = meta.architecture in DRAFT_HEAD_ARCHS
                 report = compare_vocabs(target.vocab(), read_vocab(meta))
-            ok = report.compatible
-            why = "compatible vocabulary" if ok else f"vocabulary: {report.errors[0].message}"
+            ok = report.compatible and not head
+            if head:
+                why = f"an {meta.architecture} draft head, not a draft model (given with -md)"
+            elif ok:
+                why = "compatible vocabulary"
+            else:
+                why = f"vocabulary: {report.errors[0].message}"
             if ok and report.warnings:
                 why += f" ({len(report.warnings)} warning(s))"
         except ModelFileError as e:

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError, UsageError
+from specgguf.gguf.arch import LAYER_INPUT_ARCHS
 from specgguf.llama.hugepages import LoadAdvice
 from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_policy
 
@@ -615,8 +616,10 @@ class LlamaContext(_Native):
     reads: float32 rows of ``n_embd_out`` values, kept until :meth:`forget_hidden` (at
     most one per cached position: 20 KB a position for a 5120-wide model).
     ``layer_inputs`` keeps instead the inputs of those layers side by side (rows of
-    ``n_hidden`` values; llama.cpp's ``llama_set_embeddings_layer_inp``; a layer past the
-    last means the output's hidden state), which an :class:`Eagle3Head` reads.
+    ``n_hidden`` values; llama.cpp's ``llama_set_embeddings_layer_inp``), which an
+    :class:`Eagle3Head` reads: only for architectures whose llama.cpp graph keeps them
+    (:data:`specgguf.gguf.arch.LAYER_INPUT_ARCHS`; a BackendError otherwise, where llama.cpp
+    would abort).
 
     ``n_parallel`` (2 or more) holds that many independent sequences (llama.cpp's
     ``n_seq_max``), each of ``n_ctx`` positions in a KV stream of its own (``kv_unified``
@@ -769,15 +772,17 @@ class LlamaContext(_Native):
             from llama_cpp import llama_cpp_ext
 
             n_layer = int(lc.llama_model_n_layer(model.handle))
-            if any(lid < n_layer for lid in layer_inputs) and (
-                model.architecture not in LAYER_INPUT_ARCHS
-            ):
+            if any(not 0 <= lid < n_layer for lid in layer_inputs):
+                self._free()
+                raise BackendError(f"{model.path.name} has {n_layer} layers, not layers "
+                                   f"{list(layer_inputs)}")  # fmt: skip
+            if layer_inputs and model.architecture not in LAYER_INPUT_ARCHS:
                 # (llama.cpp asserts, and aborts the process, at the first decode)
                 self._free()
                 raise BackendError(f"llama.cpp keeps no layer inputs of a {model.architecture} "
                                    f"model ({model.path.name})")  # fmt: skip
             for lid in self.layer_inputs or (n_layer,):
-                if lid >= n_layer:  # (past the last layer: the output's hidden state)
+                if lid >= n_layer:  # (no layer inputs: the output's hidden state)
                     llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)
                 else:
                     _ext()["set_layer_inp"](ctx, lid, True)
@@ -1986,6 +1991,10 @@ class Eagle3Head(DraftHead):
         if len(layers) != 3 or target.layer_inputs != layers:
             raise BackendError(f"{draft.path.name} is not an EAGLE-3 head for the target's "
                                f"context (target layers {layers})")  # fmt: skip
+        width = _meta_int(draft, "eagle3.target_hidden_size")
+        if width != target.n_hidden // 3:
+            raise BackendError(f"{draft.path.name} was made for a target {width} wide, and "
+                               f"this one is {target.n_hidden // 3} wide")  # fmt: skip
         #: the target's layers whose inputs it reads
         self.target_layers = layers
         params = lc.llama_context_default_params()
@@ -2178,14 +2187,14 @@ class Eagle3Head(DraftHead):
             self._ctx = None
 
 
-#: Architectures whose llama.cpp graph keeps the inputs of its layers, which
-#: ``llama_set_embeddings_layer_inp`` asks for (the models of src/models/*.cpp that set
-#: ``res->t_layer_inp``; for any other, llama.cpp asserts and aborts at the first decode).
-LAYER_INPUT_ARCHS = frozenset({
-    "bailingmoe3", "deepseek4", "gemma4", "hunyuan_vl", "lfm2", "llama", "mimo2",
-    "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "gpt-oss", "qwen3",
-    "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp",
-})  # fmt: skip
+def _meta_int(model: LlamaModel, key: str) -> int:
+    """An integer of ``model``'s metadata (0 where it has none)."""
+    buf = ctypes.create_string_buffer(32)
+    n = model._lc.llama_model_meta_val_str(model.handle, key.encode(), buf, len(buf))
+    try:
+        return int(buf.value) if n > 0 else 0
+    except ValueError:
+        return 0
 
 
 def eagle3_target_layers(model: LlamaModel) -> tuple[int, ...]:

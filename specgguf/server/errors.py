@@ -94,7 +94,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         return bad_request(f"the request body is not valid JSON: {msg}")
     params = list(dict.fromkeys(_param(e.get("loc", ())) for e in errors))
     param = params[0]
-    msg = str(first.get("msg", "invalid value"))
+    # (a validator's own ValueError comes back as "Value error, <its words>")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
         return bad_request(f"the request body: {msg}")
     more = f" (and {len(params) - 1} more)" if len(params) > 1 else ""

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specgguf.engine.chat import call_arguments
-from specgguf.engine.drafter_map import drafter_kinds
+from specgguf.engine.drafter_map import drafter_kinds, spec_types
 from specgguf.server.errors import bad_request, unsupported
 from specgguf.server.tools import ToolSet
 from specgguf.speculative.grammar import GrammarSpec
@@ -187,6 +187,8 @@ class _Generation(_Strict):
     @classmethod
     def _known_drafter(cls, v: str | None) -> str | None:
         if v is not None and v not in drafter_kinds():
+            if v in (types := spec_types()):  # llama.cpp's name of one (draft-mtp)
+                return types[v]
             raise ValueError(f"must be one of {', '.join(drafter_kinds())}")
         return v
 
