@@ -289,6 +289,26 @@ def test_an_unknown_drafter_is_refused_with_the_names_there_are() -> None:
         UsageError, match="the mtp drafter needs the target's multi-token-prediction layers"
     ):
         make_planner("mtp", drafting, DraftSettings(draft_max=4))
+    with pytest.raises(UsageError, match="the eagle3 drafter needs an EAGLE-3 head as its"):
+        make_planner("eagle3", drafting, DraftSettings(draft_max=4))
+
+
+def test_a_request_names_a_drafter_as_llama_cpp_does_and_hears_why_not_in_plain_words() -> None:
+    """``speculative.drafter`` takes llama.cpp's ``--spec-type`` names too; an unknown one
+    is a 400 whose message is the rule, without pydantic's "Value error," in front."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from specgguf.server.errors import validation_error
+    from specgguf.server.schemas import CompletionRequest
+
+    for name, kind in (("draft-mtp", "mtp"), ("draft-eagle3", "eagle3"), ("ngram-mod", "ngram")):
+        req = CompletionRequest.model_validate({"prompt": "x", "speculative.drafter": name})
+        assert req.spec_drafter == kind
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "x", "speculative.drafter": "bogus"})
+    err = validation_error(RequestValidationError(e.value.errors()).errors())
+    assert str(err.message).startswith("speculative.drafter: must be one of auto, eagle3"), err
 
 
 class Recording(Drafter):
