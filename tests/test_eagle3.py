@@ -247,3 +247,23 @@ def test_a_head_is_not_a_target(tiny_models: dict[str, Path]) -> None:
     out = res.stdout.decode()
     assert "an eagle3 head for a target 64 wide, reading the inputs of its layers 0, 1, 1" in out
     assert "256 ids of its own mapped onto the target's (d2t)" in out
+
+
+def test_the_memory_plan_counts_the_layer_inputs_a_head_reads(
+    tiny_models: dict[str, Path],
+) -> None:
+    """The target keeps the inputs of the head's three layers at every position (F32),
+    for each sequence: 3 x n_ctx x 64 x 4 bytes more on the tiny target, per sequence."""
+    from specgguf.engine import preflight
+
+    def kv(head: str | None, drafter: str, n_parallel: int = 1) -> int:
+        config = EngineConfig(
+            ModelConfig(tiny_models["target"], n_ctx=512),
+            ModelConfig(tiny_models[head], n_ctx=512) if head else None,
+            SpeculativeConfig(drafter=drafter), n_parallel=n_parallel,
+        )  # fmt: skip
+        return preflight(config).memory[0].kv_cache
+
+    assert kv("eagle3", "eagle3") - kv(None, "none") == 3 * 512 * 64 * 4
+    assert kv("eagle3", "auto", 2) - kv(None, "none", 2) == 2 * 3 * 512 * 64 * 4
+    assert kv("draft-partial", "model") == kv(None, "none")  # a draft model: nothing kept

@@ -394,6 +394,41 @@ def test_a_sequence_saved_after_a_replay_holds_the_rows_kept(
     np.testing.assert_allclose(restored, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_rejections_in_a_row_never_pile_up_the_rows_kept(tiny_models: dict[str, Path]) -> None:
+    """Every verification rejected at its first draft: the row kept joins the next
+    verification's batch once; a second rejection in a row decodes the rows kept at
+    once, so that the next verification copies the state afresh. (Deferred again, each
+    verification would decode every row since the last step that kept all its drafts.)"""
+    prompt = [3, 14, 15, 9, 2, 6, 5, 3]
+    with LlamaModel(tiny_models["recurrent"]) as model:
+        with model.new_context(n_ctx=256, n_batch=64, replay=True) as ctx:
+            ctx.eval(prompt, logits="none")
+            held = list(prompt)
+            decoded: list[int] = []
+            decode = ctx._decode
+
+            def spy(chunk: Sequence[int], **kw: object) -> int:
+                decoded.append(len(chunk))
+                return decode(chunk, **kw)  # type: ignore[arg-type]
+
+            ctx._decode = spy  # type: ignore[method-assign]
+            for i in range(12):
+                root = 20 + i
+                ctx.eval([root, 7, 7, 7], logits="all")  # the last token and three drafts
+                ctx.rollback(ctx.n_past - 3)  # all three rejected: the root stays
+                held.append(root)
+            ctx._decode = decode  # type: ignore[method-assign]
+            assert ctx.n_past == len(held)
+            after = np.array(ctx.eval([2]))
+        with model.new_context(n_ctx=256, n_batch=64) as fresh:
+            fresh.eval(held, logits="none")
+            expected = np.array(fresh.eval([2]))
+    # a fresh verification (4 rows), one carrying the row kept (5), then the two rows
+    # kept of both decoded at once (2), and again
+    assert decoded == [4, 5, 2] * 6, decoded
+    np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["recurrent", "hybrid"])
 @pytest.mark.parametrize("kept", [2, 1, 0])
 def test_a_replayed_state_is_that_of_a_sequence_that_never_saw_the_rejected_tokens(

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from specgguf.engine.config import EngineConfig, ModelConfig, uses_mtp, verify_draft_max
-from specgguf.engine.drafter_map import check_rules
+from specgguf.engine.drafter_map import check_rules, head_of_draft
 from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
 from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, describe, rolls_back
 from specgguf.gguf.info import ModelInfo, read_model_info
@@ -150,7 +150,8 @@ def memory_plan(
         places.update({d.name: d for d in devices})
         if info is target:
             mem = model_memory(info, n_ctx=ctx, snapshots=target_snapshots(config, info),
-                               mtp=target_mtp(config, info), n_seq=config.n_parallel)  # fmt: skip
+                               mtp=target_mtp(config, info), n_seq=config.n_parallel,
+                               hidden_layers=len(head_layers(config, draft)))  # fmt: skip
         else:
             mem = model_memory(info, n_ctx=ctx, snapshots=draft_snapshots(info),
                                n_seq=config.n_parallel)  # fmt: skip
@@ -206,6 +207,14 @@ def target_snapshots(config: EngineConfig, info: ModelInfo) -> int:
 def target_mtp(config: EngineConfig, info: ModelInfo) -> bool:
     """Whether the target's MTP layers are loaded to draft (:func:`uses_mtp`)."""
     return uses_mtp(config, info.nextn_layers, rolls_back=rolls_back(info.architecture))
+
+
+def head_layers(config: EngineConfig, draft: ModelInfo | None) -> tuple[int, ...]:
+    """The target's layers whose inputs a draft head reads at every position (an EAGLE-3
+    head loaded as the draft: its ``target_layers``), else none."""
+    if draft is None or not config.loads_draft or head_of_draft(draft.architecture) is None:
+        return ()
+    return draft.target_layers
 
 
 def draft_snapshots(info: ModelInfo) -> int:
@@ -297,7 +306,8 @@ def preflight(config: EngineConfig) -> Preflight:
     n_ctx_draft = n_ctx
     n_seq = config.n_parallel
     parts = [model_memory(t_info, n_ctx=n_ctx, snapshots=target_snapshots(config, t_info),
-                          mtp=target_mtp(config, t_info), n_seq=n_seq)]  # fmt: skip
+                          mtp=target_mtp(config, t_info), n_seq=n_seq,
+                          hidden_layers=len(head_layers(config, d_info)))]  # fmt: skip
     if d_info is not None and draft is not None:
         n_ctx_draft = draft.n_ctx or n_ctx
         parts.append(model_memory(d_info, n_ctx=n_ctx_draft, snapshots=draft_snapshots(d_info),

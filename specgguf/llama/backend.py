@@ -65,7 +65,13 @@ def _ext() -> Any:
         ("target_layers_n", "_Z30llama_model_target_layer_ids_nPK11llama_model",
          [model_p], ctypes.c_uint32),
     ):  # fmt: skip
-        fn = getattr(lib, symbol)
+        try:
+            fn = getattr(lib, symbol)
+        except AttributeError:
+            raise BackendError(
+                f"this llama.cpp build has no {symbol} (llama-ext.h): "
+                "EAGLE-3 heads need llama-cpp-python 0.3.36"
+            ) from None
         fn.argtypes, fn.restype = args, res
         out[name] = fn
     return out
@@ -605,7 +611,8 @@ class LlamaContext(_Native):
     loads the copy back, cuts the KV cache there and keeps the rows kept as tokens to
     decode first in the next evaluation's batch (so that they cost what rows add to a
     batch, not a decode of their own; at once where the hidden states are kept, which the
-    MTP layers read first), whose verification then needs no copy of its own
+    MTP layers read first, and after a second rejection in a row), whose verification
+    then needs no copy of its own
     (:meth:`replay_seconds` measures the copies). :attr:`rollback_room` then covers the
     verification's rows, and :attr:`rollback_max` is the batch.
 
@@ -748,6 +755,7 @@ class LlamaContext(_Native):
         # The recurrent state before the latest verification (its position, or -1: none
         # that can be gone back to) and the buffer it is copied into, reused.
         self._step_at = -1
+        self._step_joined = False  # whether that verification began with _pending rows
         self._step_buf: Any = None
         self._step_len = 0
         # The last _pending of the n_past positions are kept but not decoded yet (their
@@ -875,7 +883,7 @@ class LlamaContext(_Native):
                 out = np.empty((0, self.n_vocab), np.float32)
             out.flags.writeable = False
             if step:
-                self._step_at, self._room = at, p + n
+                self._step_at, self._room, self._step_joined = at, p + n, p > 0
             return out
         finally:
             self.eval_seconds += time.perf_counter() - t0
@@ -913,10 +921,12 @@ class LlamaContext(_Native):
 
     def _replay(self, n_keep: int) -> bool:
         """Go back to the state before the latest verification and keep its rows up to
-        ``n_keep``: decoded again at once where the hidden states are kept (the MTP
-        layers read them before the next evaluation), else in the next evaluation's
-        batch (:attr:`_pending`), which costs the rows a batch adds rather than a decode
-        of their own. False where llama.cpp refused the state (nothing changed)."""
+        ``n_keep``: in the next evaluation's batch (:attr:`_pending`), which costs the rows
+        a batch adds rather than a decode of their own; decoded again at once where the
+        hidden states are kept (the MTP layers read them before the next evaluation), or
+        where that verification itself began with rows kept so (a second rejection in a
+        row: deferred again, the rows since the copy would pile up, each verification
+        decoding them all). False where llama.cpp refused the state (nothing changed)."""
         at = self._step_at
         self._step_at = -1
         lc = self._lc
@@ -927,7 +937,7 @@ class LlamaContext(_Native):
             return False
         self._cut_hidden(at)
         self.n_past, self._pending = n_keep, n_keep - at
-        if self._hidden:
+        if self._hidden or self._step_joined:
             self._flush()
         return True
 
@@ -1514,7 +1524,7 @@ class LlamaContext(_Native):
         """What :meth:`save_state` would copy of llama.cpp's state, in bytes (0: empty)."""
         if not self.n_past:
             return 0
-        self._flush()
+        # (rows kept for the next batch are not in it yet: a few cells less)
         return int(self._lc.llama_state_seq_get_size_ext(self._ctx, self._home, 0))
 
     def _get_state(self, *, partial: bool) -> bytes:
@@ -1613,6 +1623,7 @@ class LlamaContext(_Native):
         view.eval_seconds = 0.0
         view._room = 0
         view._step_at, view._step_buf, view._step_len, view._pending = -1, None, 0, 0
+        view._step_joined = False
         view._held = np.zeros_like(self._held)
         view._hidden_rows = []
         view._tree = None
@@ -2001,8 +2012,9 @@ class Eagle3Head(DraftHead):
         params.ctx_other = target._ctx
         params.n_ctx = target.n_ctx_allocated
         params.n_batch = target.n_batch
-        # (its encoder takes a batch in one micro-batch: encode() sends pieces of n_ubatch)
-        params.n_ubatch = min(target.n_batch, 128)
+        # (its encoder takes a batch in one micro-batch: encode() sends pieces of n_ubatch,
+        # each an output, which sizes a logits buffer over the target's vocabulary)
+        params.n_ubatch = min(target.n_batch, 32)
         params.n_seq_max = 1
         params.n_outputs_max = params.n_ubatch
         params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)

@@ -70,18 +70,21 @@ def model_memory(
     snapshots: int = 0,
     mtp: bool = False,
     n_seq: int = 1,
+    hidden_layers: int = 0,
 ) -> ModelMemory:
     """The estimate for one model loaded with a context of ``n_ctx`` positions (and
     ``snapshots`` of a recurrent state, see :func:`kv_cache_bytes`) for each of ``n_seq``
     sequences (``serve --parallel``: their logits too); with ``mtp``, its MTP layers
     drafting: their own KV cache and the target's hidden state of every position (F32),
-    which they read, for each sequence."""
+    which they read, for each sequence; with ``hidden_layers``, the inputs of that many
+    of its layers at every position (F32, host memory), which an EAGLE-3 head reads."""
     activations = n_ubatch * (info.embedding_length or 0) * 4 * 16
     kv = kv_cache_bytes(info, n_ctx, snapshots=snapshots) * n_seq
     n_outputs_max *= n_seq
     if mtp and info.attention_layers:
         per_layer = _attention_bytes(info, n_ctx) // info.attention_layers
         kv += (info.nextn_layers * per_layer + n_ctx * (info.embedding_length or 0) * 4) * n_seq
+    kv += hidden_layers * n_ctx * (info.embedding_length or 0) * 4 * n_seq
     return ModelMemory(
         name=info.path.name,
         weights=info.file_size,

@@ -347,23 +347,42 @@ class Timings:
         """The expected seconds checkpoint and replay (:attr:`replay`) adds to a
         verification of ``n`` rows, the last token and n - 1 drafts each accepted with
         probability ``a`` when those before it are. Where draft j + 1 is the first
-        rejected (probability a^j (1 - a)), the copy is loaded back and the j + 1 rows
-        kept are decoded again: at once (the calibrated curve at j + 1 rows, t(j + 1)),
-        or lazily in the next verification's batch, taken to be of ``n`` rows too
-        (t(n + j + 1) - t(n)), whose state is then the copy's, so that a step copies it
-        only after one that kept every draft (probability a^(n - 1) in the steady state).
-        0 without replay, or for a lone row. (llama-server's checkpoints, #19493; a user
-        measured their cost making MTP slower than the target alone, #28118.)"""
+        rejected (probability a^j (1 - a); some draft is, r = 1 - a^(n - 1)), the copy is
+        loaded back and the j + 1 rows kept are decoded again.
+
+        At once (:attr:`replay`'s third field False): every step copies the state, and a
+        rejection costs t(j + 1) on the calibrated curve. Lazily: the rows kept join the
+        next verification's batch, which then needs no copy of its own (t(n + j + 1) -
+        t(n), that batch taken to be of ``n`` rows too); a rejection of such a joined step
+        decodes its kept rows and the earlier ones at once (t(j + 1 + p), p the rows a
+        rejection keeps on average), so that the next step copies afresh. A step is a
+        joined one with probability x = r / (1 + r) (after a fresh step that was
+        rejected), and only the others copy the state. 0 without replay, or for a lone
+        row. (llama-server's checkpoints, #19493; a user measured their cost making MTP
+        slower than the target alone, #28118.)"""
         if self.replay is None or n < 2:
             return 0.0
         save, restore, lazy = self.replay
-        total, reach = save * (a ** (n - 1) if lazy else 1.0), 1.0
-        base = self._at_depth(n, cached) if lazy else 0.0
-        for j in range(n - 1):
-            rows = self._at_depth(n + j + 1 if lazy else j + 1, cached) - base
-            total += reach * (1.0 - a) * (restore + rows)
-            reach *= a
+        weights = [a**j * (1.0 - a) for j in range(n - 1)]
+        r = sum(weights)
+        if not lazy:
+            return save + sum(w * (restore + self._at_depth(j + 1, cached))
+                              for j, w in enumerate(weights))  # fmt: skip
+        x = r / (1.0 + r)
+        kept = sum(w * (j + 1) for j, w in enumerate(weights)) / r if r else 0.0
+        base = self._at_depth(n, cached)
+        total = (1.0 - x) * save
+        for j, w in enumerate(weights):
+            joined = self._rows_at(j + 1 + kept, cached)
+            total += w * (restore + (1.0 - x) * (self._at_depth(n + j + 1, cached) - base)
+                          + x * joined)  # fmt: skip
         return total
+
+    def _rows_at(self, m: float, cached: int) -> float:
+        """The calibrated curve at a fractional number of rows, linearly between."""
+        lo = max(1, int(m))
+        t = self._at_depth(lo, cached)
+        return t + (m - lo) * (self._at_depth(lo + 1, cached) - t) if m > lo else t
 
     def expected_verify_time(self, n: int, a: float, cached: int = 0) -> float:
         """The expected t_verify of ``n`` rows (the last token, then n - 1 drafts each
