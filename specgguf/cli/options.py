@@ -505,7 +505,6 @@ def is_model_file(name: str) -> bool:
 #: llama.cpp's drafters that need a model specgguf cannot drive yet (a head inside or
 #: beside the target), and what they are: refused unless a registry entry names them.
 _HEADS = {
-    "draft-eagle3": "an EAGLE-3 head",
     "draft-dflash": "a DFlash drafter",
 }
 
