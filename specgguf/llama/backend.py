@@ -1753,13 +1753,36 @@ class DraftHead(_Native):
     """A context that drafts from the target's hidden states (:class:`MtpHead`,
     :class:`Eagle3Head`): ``encode`` maps the target's hidden states (float32[m, n_embd])
     to the rows ``eval`` reads; ``eval`` rows of (token, input row) at the next of its
-    ``n_past`` positions; ``rollback`` cuts its cache; ``save_state`` / ``load_state``
-    copy it out and back."""
+    ``n_past`` positions of the text, of which its KV cache holds all but the first
+    ``_offset``; ``rollback`` cuts its cache; ``save_state`` / ``load_state`` copy it out
+    and back."""
 
     n_ctx: int
     n_vocab: int
     n_embd: int
     n_past: int
+    model: LlamaModel
+    _lc: Any
+    _ctx: Any
+    _mem: Any
+    _batch: Any
+    #: text positions before the first the KV cache holds (an EAGLE-3 head's row 0)
+    _offset = 0
+
+    def _init_batch(self, n_batch: int, width: int) -> None:
+        """A batch of token ids and input rows of ``width`` values together:
+        llama_batch_init allocates either, so the token array is ours (and detached again
+        before the batch is freed, :meth:`_free`)."""
+        self._batch = b = self._lc.llama_batch_init(n_batch, width, 1)
+        self._tokens = (ctypes.c_int32 * n_batch)()
+        b.token = self._tokens
+        self._tok = np.ctypeslib.as_array(self._tokens, shape=(n_batch,))
+        self._emb = np.ctypeslib.as_array(b.embd, shape=(n_batch, width))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(n_batch,))[:] = 1
+        for i in range(n_batch):
+            b.seq_id[i][0] = 0
 
     def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         raise NotImplementedError
@@ -1769,14 +1792,65 @@ class DraftHead(_Native):
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
         raise NotImplementedError
 
-    def rollback(self, n_keep: int) -> None:
-        raise NotImplementedError
-
     def save_state(self) -> bytes:
-        raise NotImplementedError
+        """A copy of the head's KV cache (llama.cpp's sequence state), for
+        :meth:`load_state`.
+
+        Raises:
+            BackendError: llama.cpp could not copy it.
+        """
+        lc = self._lc
+        size = lc.llama_state_seq_get_size_ext(self._ctx, 0, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, 0)
+        if written == 0 and size:
+            raise BackendError(f"llama.cpp could not copy the state of {self.model.path.name}")
+        return ctypes.string_at(buf, written)
 
     def load_state(self, data: bytes, n_past: int) -> None:
-        raise NotImplementedError
+        """Make the head's cache hold ``data`` (from :meth:`save_state`), of ``n_past``
+        positions of the text.
+
+        Raises:
+            BackendError: llama.cpp refused it (the cache is then empty).
+        """
+        lc = self._lc
+        lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        self.n_past = 0
+        if n_past <= self._offset:
+            self.n_past = n_past
+            return
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if not lc.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, 0):
+            lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
+            raise BackendError(f"llama.cpp could not load a saved state into "
+                               f"{self.model.path.name}")  # fmt: skip
+        self.n_past = n_past
+
+    def rollback(self, n_keep: int) -> None:
+        """Keep the text's first ``n_keep`` positions (the head's layers are attention:
+        any position can be cut).
+
+        Raises:
+            ValueError: ``n_keep`` is negative or beyond ``n_past``.
+        """
+        if not 0 <= n_keep <= self.n_past:
+            raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
+        if n_keep < self.n_past:
+            self._lc.llama_memory_seq_rm(self._mem, 0, max(0, n_keep - self._offset), -1)
+            self.n_past = n_keep
+
+    def _is_open(self) -> bool:
+        return self._ctx is not None
+
+    def _free(self) -> None:
+        if self._batch is not None:
+            self._batch.token = ctypes.POINTER(ctypes.c_int32)()
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            self._lc.llama_free(self._ctx)
+            self._ctx = None
 
 
 class MtpHead(DraftHead):
@@ -1829,19 +1903,7 @@ class MtpHead(DraftHead):
         self.n_embd: int = target.n_embd_out
         self.n_past = 0
         self.eval_seconds = 0.0
-        # A batch of token ids and input rows together: llama_batch_init allocates either,
-        # so the token array is ours (and detached again before the batch is freed).
-        self._batch = lc.llama_batch_init(self.n_batch, self.n_embd, 1)
-        self._tokens = (ctypes.c_int32 * self.n_batch)()
-        self._batch.token = self._tokens
-        b = self._batch
-        self._tok = np.ctypeslib.as_array(self._tokens, shape=(self.n_batch,))
-        self._emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd))
-        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
-        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
-        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
-        for i in range(self.n_batch):
-            b.seq_id[i][0] = 0
+        self._init_batch(self.n_batch, self.n_embd)
         model._contexts.add(self)  # type: ignore[arg-type]
 
     def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
@@ -1901,65 +1963,6 @@ class MtpHead(DraftHead):
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
-    def save_state(self) -> bytes:
-        """A copy of the head's KV cache (llama.cpp's sequence state), for
-        :meth:`load_state`.
-
-        Raises:
-            BackendError: llama.cpp could not copy it.
-        """
-        lc = self._lc
-        size = lc.llama_state_seq_get_size_ext(self._ctx, 0, 0)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, 0)
-        if written == 0 and size:
-            raise BackendError(f"llama.cpp could not copy the MTP state of {self.model.path.name}")
-        return ctypes.string_at(buf, written)
-
-    def load_state(self, data: bytes, n_past: int) -> None:
-        """Make the head's cache hold ``data`` (from :meth:`save_state`), of ``n_past``
-        positions.
-
-        Raises:
-            BackendError: llama.cpp refused it (the cache is then empty).
-        """
-        lc = self._lc
-        lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
-        self.n_past = 0
-        if not n_past:
-            return
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if not lc.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, 0):
-            lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
-            raise BackendError(f"llama.cpp could not load a saved MTP state into "
-                               f"{self.model.path.name}")  # fmt: skip
-        self.n_past = n_past
-
-    def rollback(self, n_keep: int) -> None:
-        """Drop the head's cache from position ``n_keep`` on (its layers are attention:
-        any position can be cut).
-
-        Raises:
-            ValueError: ``n_keep`` is negative or beyond ``n_past``.
-        """
-        if not 0 <= n_keep <= self.n_past:
-            raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
-        if n_keep < self.n_past:
-            self._lc.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
-            self.n_past = n_keep
-
-    def _is_open(self) -> bool:
-        return self._ctx is not None
-
-    def _free(self) -> None:
-        if self._batch is not None:
-            self._batch.token = ctypes.POINTER(ctypes.c_int32)()
-            self._lc.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx is not None:
-            self._lc.llama_free(self._ctx)
-            self._ctx = None
-
 
 class Eagle3Head(DraftHead):
     """An EAGLE-3 draft head (a GGUF of architecture ``eagle3``; Li et al. 2025, "EAGLE-3:
@@ -1988,6 +1991,8 @@ class Eagle3Head(DraftHead):
         BackendError: not an EAGLE-3 head of three layers, a target whose context keeps
             other hidden states, or llama.cpp could not create the context.
     """
+
+    _offset = 1  # (the row of position 0 is skipped)
 
     def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
         from llama_cpp import llama_cpp_ext
@@ -2035,17 +2040,7 @@ class Eagle3Head(DraftHead):
         self.n_embd_dec: int = int(lc.llama_model_n_embd(draft.handle))
         self.n_past = 0
         self.eval_seconds = 0.0
-        self._batch = lc.llama_batch_init(self.n_batch, self.n_embd_dec, 1)
-        self._tokens = (ctypes.c_int32 * self.n_batch)()
-        self._batch.token = self._tokens
-        b = self._batch
-        self._tok = np.ctypeslib.as_array(self._tokens, shape=(self.n_batch,))
-        self._emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd_dec))
-        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
-        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
-        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
-        for i in range(self.n_batch):
-            b.seq_id[i][0] = 0
+        self._init_batch(self.n_batch, self.n_embd_dec)
         self._enc_batch = e = lc.llama_batch_init(self.n_ubatch, self.n_embd, 1)
         self._enc_emb = np.ctypeslib.as_array(e.embd, shape=(self.n_ubatch, self.n_embd))
         self._enc_pos = np.ctypeslib.as_array(e.pos, shape=(self.n_ubatch,))
@@ -2137,66 +2132,11 @@ class Eagle3Head(DraftHead):
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
-    def save_state(self) -> bytes:
-        """A copy of the decoder's KV cache (llama.cpp's sequence state).
-
-        Raises:
-            BackendError: llama.cpp could not copy it.
-        """
-        lc = self._lc
-        size = lc.llama_state_seq_get_size_ext(self._ctx, 0, 0)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data_ext(self._ctx, buf, size, 0, 0)
-        if written == 0 and size:
-            raise BackendError(f"llama.cpp could not copy the state of {self.model.path.name}")
-        return ctypes.string_at(buf, written)
-
-    def load_state(self, data: bytes, n_past: int) -> None:
-        """Make the head hold ``data`` (from :meth:`save_state`), of ``n_past`` text
-        positions.
-
-        Raises:
-            BackendError: llama.cpp refused it (the cache is then empty).
-        """
-        lc = self._lc
-        lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
-        self.n_past = 0
-        if n_past <= 1:
-            self.n_past = n_past
-            return
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if not lc.llama_state_seq_set_data_ext(self._ctx, buf, len(data), 0, 0):
-            lc.llama_memory_seq_rm(self._mem, 0, -1, -1)
-            raise BackendError(f"llama.cpp could not load a saved state into "
-                               f"{self.model.path.name}")  # fmt: skip
-        self.n_past = n_past
-
-    def rollback(self, n_keep: int) -> None:
-        """Keep the text's first ``n_keep`` positions (the decoder's first n_keep - 1).
-
-        Raises:
-            ValueError: ``n_keep`` is negative or beyond ``n_past``.
-        """
-        if not 0 <= n_keep <= self.n_past:
-            raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
-        if n_keep < self.n_past:
-            self._lc.llama_memory_seq_rm(self._mem, 0, max(0, n_keep - 1), -1)
-            self.n_past = n_keep
-
-    def _is_open(self) -> bool:
-        return self._ctx is not None
-
     def _free(self) -> None:
-        if self._batch is not None:
-            self._batch.token = ctypes.POINTER(ctypes.c_int32)()
-            self._lc.llama_batch_free(self._batch)
-            self._batch = None
         if self._enc_batch is not None:
             self._lc.llama_batch_free(self._enc_batch)
             self._enc_batch = None
-        if self._ctx is not None:
-            self._lc.llama_free(self._ctx)
-            self._ctx = None
+        super()._free()
 
 
 def _meta_int(model: LlamaModel, key: str) -> int:
