@@ -163,10 +163,10 @@ def test_eagle3_drafts_as_llama_cpp(
 def test_the_heads_rows_are_llama_cpps_encoder_and_decoder(tiny_models: dict[str, Path]) -> None:
     """The head's encoder output differs per position, and the decoder's logits over a
     reduced vocabulary are -inf exactly off the ids ``d2t`` maps to."""
-    from specgguf.llama.backend import Eagle3Head, LlamaModel, eagle3_target_layers
+    from specgguf.llama.backend import Eagle3Head, LlamaModel, head_target_layers
 
     with LlamaModel(tiny_models["target"]) as t, LlamaModel(tiny_models["eagle3-d2t"]) as d:
-        layers = eagle3_target_layers(d)
+        layers = head_target_layers(d)
         assert layers == (0, 1, 1)
         with t.new_context(n_ctx=256, n_batch=64, layer_inputs=layers) as ctx:
             ids = t.tokenize("The quick brown fox")

@@ -114,6 +114,7 @@ def test_draft_min_keeps_short_drafts_from_verification(tiny_models: dict[str, P
         ("draft-simple,ngram-mod", "auto", "auto mode"),
         ("draft-mtp", "mtp", None),
         ("draft-eagle3", "eagle3", None),
+        ("draft-dflash", "dflash", None),
         ("draft-mtp,ngram-mod", "auto", "mtp with ngram is auto mode"),
         ("none", "none", None),
         ("none,draft-simple", "model", None),
@@ -130,7 +131,7 @@ def test_spec_type_maps_to_a_drafter(value: str, drafter: str, note: str | None)
 
 @pytest.mark.parametrize(
     ("value", "needle"),
-    [("draft-dflash", "DFlash"), ("draft-dspark", "a drafting head"),
+    [("draft-dspark", "not with a DSpark drafter"), ("draft-foo", "a drafting head"),
      ("ngram-magic", "unknown type"), ("", "needs a type")],
 )  # fmt: skip
 def test_spec_type_refuses_what_specgguf_cannot_run(value: str, needle: str) -> None:

@@ -18,6 +18,7 @@ from specgguf.cli.output import (
     stdout_console,
     tok,
 )
+from specgguf.gguf.arch import article
 
 if TYPE_CHECKING:
     from specgguf.gguf.info import ModelInfo
@@ -131,7 +132,8 @@ def _head(mi: dict[str, Any]) -> str:
     vocab = (f"{mi['draft_vocab']:,} ids of its own mapped onto the target's (d2t)"
              if mi["draft_vocab"] else "the target's vocabulary")  # fmt: skip
     return (
-        f"an {mi['architecture']} head for a target {mi['target_width'] or '?'} wide, "
+        f"{article(arch := mi['architecture'])} {arch} head for a target "
+        f"{mi['target_width'] or '?'} wide, "
         f"reading the inputs of its layers {', '.join(map(str, mi['target_layers']))}; "
         f"{vocab}; give it with -md beside its target"
     )

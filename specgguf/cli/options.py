@@ -52,7 +52,7 @@ from specgguf.engine.drafter_map import (
     spec_types,
 )
 from specgguf.errors import UsageError
-from specgguf.gguf.arch import DRAFT_HEAD_ARCHS
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article
 from specgguf.speculative.sampling import SamplerParams
 
 #: llama.cpp's --spec-type values (common/speculative.cpp, 2026) -> specgguf's drafter, from
@@ -505,7 +505,7 @@ def is_model_file(name: str) -> bool:
 #: llama.cpp's drafters that need a model specgguf cannot drive yet (a head inside or
 #: beside the target), and what they are: refused unless a registry entry names them.
 _HEADS = {
-    "draft-dflash": "a DFlash drafter",
+    "draft-dspark": "a DSpark drafter (a DFlash draft with a Markov head)",
 }
 
 
@@ -649,8 +649,8 @@ def engine_config(
             model_draft = str(pair.draft)
     target_path = model_path(model, load.registry)
     draft_path = model_path(model_draft, load.registry) if model_draft is not None else None
-    if _architecture(target_path) in DRAFT_HEAD_ARCHS:
-        raise UsageError(f"{target_path.name} is an {_architecture(target_path)} draft head, not "
+    if (arch := _architecture(target_path)) in DRAFT_HEAD_ARCHS:
+        raise UsageError(f"{target_path.name} is {article(arch)} {arch} draft head, not "
                          "a model: give it with -md beside its target")  # fmt: skip
     head = DRAFTERS[drafter].head if drafter is not None and drafter in DRAFTERS else None
     if drafter is not None and draft_path is None and head is not None and head.architectures:

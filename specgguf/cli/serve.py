@@ -19,6 +19,7 @@ from specgguf.cli.app import GroupedCommand, app, handled, setup_logging
 from specgguf.cli.flags import config_args, takes
 from specgguf.cli.output import say_calibration, stderr_say
 from specgguf.errors import EXIT_INTERRUPTED
+from specgguf.gguf.arch import article
 
 if TYPE_CHECKING:
     from specgguf.engine import EngineConfig
@@ -140,7 +141,7 @@ def serve(
                 d = engine.describe()
                 draft_name = Path(d["draft"]).name if d["draft"] else "none"
                 if d["draft"] and d["head"]:
-                    draft_name += f" (an {d['head']} head)"
+                    draft_name += f" ({article(d['head'])} {d['head']} head)"
                 elif d["mtp_layers"]:
                     draft_name = f"the target's {d['mtp_layers']} MTP layer(s)"
                 servers = "".join(

@@ -24,10 +24,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from specgguf.errors import UsageError
+from specgguf.gguf.arch import article
 from specgguf.speculative.arms import Arm, LookupArm, ModelArm, SuffixArm
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import Drafter, Evaluator
 from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.drafters.dflash import DFlashDrafter
 from specgguf.speculative.drafters.eagle3 import Eagle3Drafter
 from specgguf.speculative.drafters.mtp import Head, HiddenStates
 from specgguf.speculative.planner import AutoPlanner, FixedPlanner, Planner
@@ -171,7 +173,8 @@ def _make_model(src: Sources) -> list[Drafter] | None:
 
 def _check_model(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
     if draft is not None and (kind := head_of_draft(draft.architecture)) is not None:
-        raise UsageError(f"the draft {draft.path.name} is an {draft.architecture} head, not a "
+        arch = draft.architecture
+        raise UsageError(f"the draft {draft.path.name} is {article(arch)} {arch} head, not a "
                          f"draft model: it drafts as the {kind} drafter")  # fmt: skip
 
 
@@ -205,25 +208,43 @@ def _eagle3_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
     return Eagle3Head(model, seq)
 
 
-def _eagle3_layers(model: LlamaModel) -> tuple[int, ...]:
-    from specgguf.llama.backend import eagle3_target_layers
+def _target_layers(model: LlamaModel) -> tuple[int, ...]:
+    from specgguf.llama.backend import head_target_layers
 
-    return eagle3_target_layers(model)
+    return head_target_layers(model)
 
 
-def _check_eagle3(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
-    from specgguf.gguf.arch import head_fit
+def _check_layer_head(
+    arch: str, what: str
+) -> Callable[[EngineConfig, ModelInfo, ModelInfo | None], None]:
+    """``check`` of a drafter whose head is a draft file of architecture ``arch``
+    (``what``: it in words) reading the inputs of the target's layers."""
 
-    if draft is None or draft.architecture != "eagle3":
-        what = "none was given" if draft is None else f"{draft.path.name} is {draft.architecture}"
-        raise UsageError(f"the eagle3 drafter needs an EAGLE-3 head as its draft model (a "
-                         f"GGUF of architecture eagle3); {what}")  # fmt: skip
-    n_layer = (target.block_count or 0) - target.nextn_layers
-    why = head_fit(target.architecture, target.embedding_length, n_layer or None, "eagle3",
-                   draft.target_layers, draft.target_width)  # fmt: skip
-    if why:
-        raise UsageError(f"the eagle3 drafter cannot draft with {draft.path.name} for "
-                         f"{target.path.name}: {why[0]}")  # fmt: skip
+    def check(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
+        from specgguf.gguf.arch import head_fit
+
+        if draft is None or draft.architecture != arch:
+            got = ("none was given" if draft is None
+                   else f"{draft.path.name} is {draft.architecture}")  # fmt: skip
+            raise UsageError(f"the {arch} drafter needs {what} as its draft model (a GGUF "
+                             f"of architecture {arch}); {got}")  # fmt: skip
+        if draft.head_variant:
+            raise UsageError(f"the {arch} drafter cannot draft with {draft.path.name}: it is "
+                             f"{draft.head_variant}, which specgguf does not run yet")  # fmt: skip
+        n_layer = (target.block_count or 0) - target.nextn_layers
+        why = head_fit(target.architecture, target.embedding_length, n_layer or None, arch,
+                       draft.target_layers, draft.target_width)  # fmt: skip
+        if why:
+            raise UsageError(f"the {arch} drafter cannot draft with {draft.path.name} for "
+                             f"{target.path.name}: {why[0]}")  # fmt: skip
+
+    return check
+
+
+def _dflash_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
+    from specgguf.llama.backend import DFlashHead
+
+    return DFlashHead(model, seq)
 
 
 #: Drafter name -> its entry, in the order auto mode weighs them (free drafters first).
@@ -262,8 +283,16 @@ DRAFTERS: dict[str, DrafterEntry] = {
             "eagle3", "an EAGLE-3 head given as -md", make=_heads(Eagle3Drafter, "eagle3"),
             arm=_evaluated_arm, spec_types=("draft-eagle3",),
             needs=Needs(draft_model=True, what="an EAGLE-3 head as its draft model"),
-            evaluated=True, check=_check_eagle3,
-            head=HeadSpec(_eagle3_head, _eagle3_layers, frozenset({"eagle3"})),
+            evaluated=True, check=_check_layer_head("eagle3", "an EAGLE-3 head"),
+            head=HeadSpec(_eagle3_head, _target_layers, frozenset({"eagle3"})),
+        ),
+        DrafterEntry(
+            "dflash", "a DFlash block-diffusion draft given as -md",
+            make=_heads(DFlashDrafter, "dflash"), arm=_evaluated_arm,
+            spec_types=("draft-dflash",),
+            needs=Needs(draft_model=True, what="a DFlash draft as its draft model"),
+            evaluated=True, check=_check_layer_head("dflash", "a DFlash draft"),
+            head=HeadSpec(_dflash_head, _target_layers, frozenset({"dflash"})),
         ),
     )
 }  # fmt: skip
@@ -328,7 +357,8 @@ def check_rules(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None
     head = head_of_draft(draft.architecture) if draft is not None else None
     # ("model" says it in its own words)
     if draft is not None and head not in (None, kind) and kind not in (AUTO, "model"):
-        raise UsageError(f"the draft {draft.path.name} is an {draft.architecture} head: it "
+        arch = draft.architecture
+        raise UsageError(f"the draft {draft.path.name} is {article(arch)} {arch} head: it "
                          f"drafts as the {head} drafter (or in auto mode)")  # fmt: skip
     if kind == AUTO and head is not None and (check := DRAFTERS[head].check) is not None:
         check(config, target, draft)  # (auto mode drafts with it)

@@ -21,14 +21,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from specgguf.engine.batching import BatchedSequence, Batcher
 from specgguf.engine.calibration import calibrate, calibration_key, load_calibration, pair_timings
@@ -853,21 +850,11 @@ class Engine:
         return det not in self._timings and load_calibration(self.calibration_key(det)) is None
 
     def _head_token_seconds(self, repeats: int = 5) -> float:
-        """Seconds per draft token of the head (the MTP layers, an EAGLE-3 head): the
-        least of ``repeats`` one-row evaluations at position 1 (the draft time of auto
-        mode's cost model, as a draft model's). Every sequence's drafter of it follows
+        """Seconds per draft token of the head (the MTP layers, an EAGLE-3 head, a DFlash
+        draft: :meth:`specgguf.llama.backend.DraftHead.token_seconds`), the draft time of
+        auto mode's cost model, as a draft model's. Every sequence's drafter of it follows
         an emptied head afterwards."""
-        head = self.heads[0]
-        zeros = head.encode(np.zeros((2, head.n_embd), np.float32))
-        best = math.inf
-        head.rollback(0)
-        head.eval([0], zeros[:1], last=False)  # (an EAGLE-3 head has no row at 0)
-        for _ in range(repeats):
-            head.rollback(1)
-            t0 = time.perf_counter()
-            head.eval([0], zeros[1:], last=True)
-            best = min(best, time.perf_counter() - t0)
-        head.rollback(0)
+        best = self.heads[0].token_seconds(repeats)
         if (drafter := self.own.drafter(MtpDrafter)) is not None:
             drafter.follow([], None)  # the head's cache is empty now
         return best

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from specgguf.engine.config import EngineConfig, ModelConfig, uses_mtp, verify_draft_max
 from specgguf.engine.drafter_map import check_rules, head_of_draft
 from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
-from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, describe, rolls_back
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article, describe, rolls_back
 from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.vocab import CompatReport, check_compatibility
 from specgguf.llama.memory import (
@@ -269,7 +269,8 @@ def preflight(config: EngineConfig) -> Preflight:
     d_info = read_model_info(draft.path) if draft is not None else None
     t_info.require_loadable()
     if t_info.architecture in DRAFT_HEAD_ARCHS:
-        raise UsageError(f"{t_info.path.name} is an {t_info.architecture} draft head, not a "
+        arch = t_info.architecture
+        raise UsageError(f"{t_info.path.name} is {article(arch)} {arch} draft head, not a "
                          "model: it drafts for a target, as its draft model")  # fmt: skip
     check_speculation(config, t_info, d_info)
     if d_info is not None and d_info.architecture in MTP_ASSISTANTS:

@@ -62,6 +62,11 @@ def describe(arch: str | None) -> str:
     return f"{arch} ({what}, {how})"
 
 
+def article(word: str | None) -> str:
+    """``a`` or ``an`` before ``word`` as written (an eagle3 head, a dflash head)."""
+    return "an" if (word or "")[:1].lower() in ("a", "e", "i", "o", "u") else "a"
+
+
 #: Architectures that are draft heads, not models: they draft for a target and generate
 #: nothing alone (llama.cpp's ``draft-eagle3``, ``draft-dflash``, Gemma 4's MTP assistant).
 DRAFT_HEAD_ARCHS = frozenset({"eagle3", "dflash", "gemma4-assistant"})
@@ -85,23 +90,28 @@ def head_fit(
     head_layers: tuple[int, ...],
     head_width: int | None,
 ) -> list[str]:
-    """Why an EAGLE-3 head (``head_arch`` "eagle3", reading the inputs of ``head_layers``
-    of a target ``head_width`` wide) cannot draft for a target of ``target_arch``,
-    ``target_width`` and ``target_layers`` layers, in words; empty where it can, or where
-    the draft is no EAGLE-3 head. (llama.cpp checks none of it: a head made for another
-    model reads rows of another width, or layers the target does not have.)"""
-    if head_arch != "eagle3":
+    """Why a draft head that reads the inputs of the target's layers (``head_arch``
+    "eagle3" or "dflash", reading ``head_layers`` of a target ``head_width`` wide: an
+    EAGLE-3 head's ``target_hidden_size``, a DFlash draft's own width) cannot draft for a
+    target of ``target_arch``, ``target_width`` and ``target_layers`` layers, in words;
+    empty where it can, or where the draft is no such head. (llama.cpp checks none of it: a
+    head made for another model reads rows of another width, or layers the target does not
+    have.)"""
+    name = {"eagle3": "EAGLE-3 head", "dflash": "DFlash draft"}.get(head_arch or "")
+    if name is None:
         return []
     out = []
     if target_arch not in LAYER_INPUT_ARCHS:
-        out.append(f"llama.cpp keeps no layer inputs of a {target_arch} target, which an "
-                   "EAGLE-3 head reads")  # fmt: skip
-    if len(head_layers) != 3:
+        out.append(f"llama.cpp keeps no layer inputs of a {target_arch} target, which "
+                   f"{'an' if head_arch == 'eagle3' else 'a'} {name} reads")  # fmt: skip
+    if head_arch == "eagle3" and len(head_layers) != 3:
         out.append(f"the EAGLE-3 head names {len(head_layers)} target layers, not 3")
+    if not head_layers:
+        out.append(f"the {name} names no target layers")
     if head_width and target_width and head_width != target_width:
-        out.append(f"the EAGLE-3 head was made for a target {head_width} wide, and this one is "
+        out.append(f"the {name} was made for a target {head_width} wide, and this one is "
                    f"{target_width} wide")  # fmt: skip
     if target_layers and any(not 0 <= lid < target_layers for lid in head_layers):
-        out.append(f"the EAGLE-3 head reads layers {list(head_layers)}, and the target has "
+        out.append(f"the {name} reads layers {list(head_layers)}, and the target has "
                    f"{target_layers}")  # fmt: skip
     return out

@@ -124,13 +124,16 @@ class ModelInfo:
     #: (F32, llama.cpp's ``n_embd_r() + n_embd_s()``; 0 for attention alone)
     recurrent_layers: int = 0
     recurrent_state_bytes: int = 0
-    #: a draft head (an EAGLE-3 head): the target layers whose inputs it reads
-    #: (``{arch}.target_layers``), the width of the target it was made for
-    #: (``{arch}.target_hidden_size``), and its reduced vocabulary (the ids of ``d2t``;
-    #: 0: the target's)
+    #: a draft head (an EAGLE-3 head, a DFlash draft): the target layers whose inputs it
+    #: reads (``{arch}.target_layers``), the width of the target it was made for
+    #: (``{arch}.target_hidden_size``; a DFlash draft's own), its reduced vocabulary (the
+    #: ids of ``d2t``; 0: the target's), and a variant of its kind that specgguf does not
+    #: run, in words ("": none; a DFlash file with a Markov head is DSpark, one with a
+    #: selector DFlash2, as llama.cpp tells them apart by those tensors)
     target_layers: tuple[int, ...] = ()
     target_width: int = 0
     draft_vocab: int = 0
+    head_variant: str = ""
 
     @property
     def memory(self) -> MemoryKind:
@@ -170,6 +173,7 @@ class ModelInfo:
             "target_layers": list(self.target_layers),
             "target_width": self.target_width,
             "draft_vocab": self.draft_vocab,
+            "head_variant": self.head_variant,
             "recurrent_layers": self.recurrent_layers,
             "recurrent_state_bytes": self.recurrent_state_bytes,
             "name": self.name,
@@ -324,8 +328,24 @@ def read_model_info(path: Path | str) -> ModelInfo:
             findings=tuple(findings),
             nextn_layers=nextn,
             target_layers=_numbers(meta, meta.arch_key("target_layers")),
-            target_width=_int(meta.arch_key("target_hidden_size")) or 0,
+            # (a DFlash draft reads a target as wide as itself)
+            target_width=_int(meta.arch_key("target_hidden_size"))
+            or (
+                _int(meta.arch_key("embedding_length")) or 0 if meta.architecture == "dflash" else 0
+            ),
             draft_vocab=next((t.shape[0] for t in tensors if t.name == "d2t"), 0),
+            head_variant=_head_variant(meta.architecture, {t.name for t in tensors}),
             recurrent_layers=n_rec,
             recurrent_state_bytes=n_rec * 4 * _state_values(meta),
         )
+
+
+def _head_variant(architecture: str | None, tensors: set[str]) -> str:
+    """See :attr:`ModelInfo.head_variant`."""
+    if architecture != "dflash":
+        return ""
+    if "markov_w1.weight" in tensors:
+        return "a DSpark draft (a Markov head)"
+    if "selector_hidden.weight" in tensors:
+        return "a DFlash2 draft (a selector)"
+    return ""

@@ -262,12 +262,23 @@ class TinySpec:
     target_hidden: int = 0
     draft_vocab: int = 0
     own_embeddings: bool = True
+    #: dflash (a block-diffusion draft, llama.cpp's ``draft-dflash``): ``target_layers``
+    #: (any number) of a target as wide as itself, the trained block size
+    #: (``dflash.block_size``: it drafts at most one less) and its mask token's id
+    #: (``tokenizer.ggml.mask_token_id``); ``draft_vocab`` and ``own_embeddings`` as above.
+    block_size: int = 0
+    mask_token: int = 0
+    #: dflash: rope sections [n_rot / 2, 0, 0, 0], which make llama.cpp run it with M-RoPE
+    #: (as the drafts for qwen35 targets are written)
+    mrope: bool = False
     #: Variants for tests of what llama.cpp refuses, applied after everything else is
     #: added: keys left out, keys added or replaced as (key, value, GGUF type, element type
     #: of an array or None), tensors left out.
     drop_keys: frozenset[str] = frozenset()
     set_keys: tuple[tuple[str, object, GGUFValueType, GGUFValueType | None], ...] = ()
     drop_tensors: frozenset[str] = frozenset()
+    #: tensors added (float32 zeros of these shapes, numpy order) by name
+    add_tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class _Weights:
@@ -492,6 +503,42 @@ def _eagle3_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]
     return ts
 
 
+def _dflash_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """``fc`` of the target's layer inputs and its norm (``enc.output_norm``), whose K/V
+    every layer writes into its cache at the target's positions, and ``n_layer`` decoder
+    layers with Q/K norms that attend over those and the block without a causal mask
+    (src/models/dflash.cpp); the LM head over ``draft_vocab`` ids mapped by ``d2t``."""
+    w = _Weights(spec)
+    d, hd = spec.n_embd, spec.n_embd // spec.n_head
+    dkv = hd * spec.n_head_kv
+    emb, out = _embeddings(spec, n_vocab, w)
+    ts: list[tuple[str, np.ndarray]] = []
+    if spec.own_embeddings:
+        ts.append(("token_embd.weight", emb))
+    wide = len(spec.target_layers) * d
+    ts += [("fc.weight", w.normal((d, wide), wide**-0.5)), ("enc.output_norm.weight", _ones(d))]
+    for il in range(spec.n_layer):
+        p = f"blk.{il}"
+        ts += [
+            (f"{p}.attn_norm.weight", _ones(d)),
+            (f"{p}.attn_q.weight", w.normal((d, d), d**-0.5)),
+            (f"{p}.attn_k.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_v.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_output.weight", w.normal((d, d), d**-0.5)),
+            (f"{p}.attn_q_norm.weight", _ones(hd)),
+            (f"{p}.attn_k_norm.weight", _ones(hd)),
+            (f"{p}.ffn_norm.weight", _ones(d)),
+            *_ffn(spec, w, p),
+        ]
+    ts.append(("output_norm.weight", _ones(d)))
+    if spec.draft_vocab:
+        ids = np.arange(0, 2 * spec.draft_vocab, 2, dtype=np.int64) % n_vocab
+        ts += [("output.weight", out[ids]), ("d2t", ids)]
+    elif spec.own_embeddings:
+        ts.append(("output.weight", out))
+    return ts
+
+
 def _check(spec: TinySpec) -> None:
     """The shape constraints llama.cpp asserts (or silently relies on) for ``spec``."""
     if spec.nextn_layers and spec.architecture != "qwen35":
@@ -507,6 +554,8 @@ def _check(spec: TinySpec) -> None:
         len(spec.target_layers) != 3 or spec.n_layer != 1 or spec.target_hidden <= 0
     ):
         raise ValueError("eagle3: one layer, three target layers and the target's width")
+    if spec.architecture == "dflash" and (not spec.target_layers or spec.block_size < 2):
+        raise ValueError("dflash: target layers and a block of two or more")
     if spec.architecture == "mamba2" and (
         spec.ssm_d_inner % spec.ssm_dt_rank or spec.ssm_d_inner % spec.ssm_n_group
     ):
@@ -522,7 +571,7 @@ def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
 
 
 _ARCHITECTURES = {"qwen35": _qwen35_tensors, "mamba2": _mamba2_tensors,
-                  "eagle3": _eagle3_tensors}  # fmt: skip
+                  "eagle3": _eagle3_tensors, "dflash": _dflash_tensors}  # fmt: skip
 
 #: Tensors kept in float32 whatever ``TinySpec.quant`` says (as llama.cpp's converter
 #: does: the SSM kernels read them as float32).
@@ -571,6 +620,11 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
         arch = spec.architecture
         writer.add_array(f"{arch}.target_layers", list(spec.target_layers))
         writer.add_uint32(f"{arch}.target_hidden_size", spec.target_hidden)
+    if spec.architecture == "dflash":
+        writer.add_array("dflash.target_layers", list(spec.target_layers))
+        writer.add_uint32("dflash.block_size", spec.block_size)
+        if spec.mrope:
+            writer.add_rope_dimension_sections([spec.n_embd // spec.n_head // 2, 0, 0, 0])
     if spec.architecture in ("qwen35", "mamba2"):
         writer.add_ssm_conv_kernel(spec.ssm_d_conv)
         writer.add_ssm_inner_size(spec.ssm_d_inner)
@@ -625,11 +679,14 @@ def write_tiny_model(path: Path, spec: TinySpec) -> list[Path]:
     writer.add_add_eos_token(v.add_eos)
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
+    if spec.architecture == "dflash":
+        writer.add_mask_token_id(spec.mask_token)
     for key in spec.drop_keys:
         writer.kv_data[0].pop(key, None)
     for key, value, vtype, sub_type in spec.set_keys:
         writer.kv_data[0][key] = GGUFValue(value=value, type=vtype, sub_type=sub_type)
-    for name, arr in _tensors(spec, n_vocab):
+    added = [(name, np.zeros(shape, np.float32)) for name, shape in spec.add_tensors]
+    for name, arr in _tensors(spec, n_vocab) + added:
         if name in spec.drop_tensors:
             continue
         if arr.dtype != np.float32:  # (d2t: int64 ids)
@@ -747,6 +804,39 @@ def fixture_specs() -> dict[str, TinySpec]:
             target_hidden=target.n_embd,
             seed=78,
             draft_vocab=256,
+            own_embeddings=False,
+        ),
+        # DFlash drafts for the target: two layers reading the inputs of its layers 0 and
+        # 1, blocks of 8 (7 draft tokens), the mask token <|im_start|>; with its own
+        # embeddings and LM head, and with the target's (llama.cpp's ctx_other).
+        "dflash": dataclasses.replace(
+            target,
+            name="tiny dflash",
+            architecture="dflash",
+            target_layers=(0, 1),
+            block_size=8,
+            mask_token=1,
+            seed=79,
+        ),
+        # A DFlash draft for the hybrid (qwen35, M-RoPE) target, reading its layers 1 and 3.
+        "dflash-mrope": dataclasses.replace(
+            target,
+            name="tiny dflash mrope",
+            architecture="dflash",
+            target_layers=(1, 3),
+            block_size=8,
+            mask_token=1,
+            seed=81,
+            mrope=True,
+        ),
+        "dflash-shared": dataclasses.replace(
+            target,
+            name="tiny dflash shared",
+            architecture="dflash",
+            target_layers=(1,),
+            block_size=8,
+            mask_token=1,
+            seed=80,
             own_embeddings=False,
         ),
     }

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import ModelLoadError
-from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, head_fit, memory_kind, rolls_back
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article, head_fit, memory_kind, rolls_back
 from specgguf.gguf.loadcheck import load_findings
 from specgguf.gguf.metadata import ArrayRef, Finding, GGUFMetadata, Severity, shown
 
@@ -572,7 +572,8 @@ def _head_rules(tm: GGUFMetadata, dm: GGUFMetadata) -> list[tuple[str, str]]:
     (``head-fit``: :func:`specgguf.gguf.arch.head_fit`)."""
     out = []
     if tm.architecture in DRAFT_HEAD_ARCHS:
-        out.append(("head-as-target", f"the target is an {tm.architecture} draft head, not a "
+        arch = tm.architecture
+        out.append(("head-as-target", f"the target is {article(arch)} {arch} draft head, not a "
                     "model: it drafts for a target, as the draft"))  # fmt: skip
     layers = dm.arch_key("target_layers")
     n_layer = (_int(tm.arch_key("block_count")) or 0) - (
@@ -580,7 +581,8 @@ def _head_rules(tm: GGUFMetadata, dm: GGUFMetadata) -> list[tuple[str, str]]:
     fit = head_fit(
         tm.architecture, _int(tm.arch_key("embedding_length")), n_layer or None,
         dm.architecture, tuple(int(x) for x in dm.numbers(layers)) if isinstance(
-            layers, ArrayRef) else (), _int(dm.arch_key("target_hidden_size")),
+            layers, ArrayRef) else (), _int(dm.arch_key("target_hidden_size")) or (
+                _int(dm.arch_key("embedding_length")) if dm.architecture == "dflash" else None),
     )  # fmt: skip
     return out + [("head-fit", msg) for msg in fit]
 

@@ -55,7 +55,7 @@ from typing import Any
 from specgguf import __version__
 from specgguf.cache import cache_dir
 from specgguf.errors import ModelFileError, SpecggufError, UsageError
-from specgguf.gguf.arch import DRAFT_HEAD_ARCHS
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article
 from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.metadata import GGUFMetadata
 from specgguf.gguf.vocab import compare_vocabs, read_vocab
@@ -486,7 +486,8 @@ class _Memo:
                 report = compare_vocabs(target.vocab(), read_vocab(meta))
             ok = report.compatible and not head
             if head:
-                why = f"an {meta.architecture} draft head, not a draft model (given with -md)"
+                arch = meta.architecture
+                why = f"{article(arch)} {arch} draft head, not a draft model (given with -md)"
             elif ok:
                 why = "compatible vocabulary"
             else:

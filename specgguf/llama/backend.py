@@ -1792,6 +1792,22 @@ class DraftHead(_Native):
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
         raise NotImplementedError
 
+    def token_seconds(self, repeats: int = 5) -> float:
+        """Seconds per draft token: the least of ``repeats`` one-row evaluations at
+        position 1 (the draft time of auto mode's cost model, as a draft model's). The
+        head's cache is empty afterwards."""
+        zeros = self.encode(np.zeros((2, self.n_embd), np.float32))
+        best = math.inf
+        self.rollback(0)
+        self.eval([0], zeros[:1], last=False)  # (an EAGLE-3 head has no row at 0)
+        for _ in range(repeats):
+            self.rollback(1)
+            t0 = time.perf_counter()
+            self.eval([0], zeros[1:], last=True)
+            best = min(best, time.perf_counter() - t0)
+        self.rollback(0)
+        return best
+
     def save_state(self) -> bytes:
         """A copy of the head's KV cache (llama.cpp's sequence state), for
         :meth:`load_state`.
@@ -2003,7 +2019,7 @@ class Eagle3Head(DraftHead):
         self._ctx: Any = None
         self._batch: Any = None
         self._enc_batch: Any = None
-        layers = eagle3_target_layers(draft)
+        layers = head_target_layers(draft)
         if len(layers) != 3 or target.layer_inputs != layers:
             raise BackendError(f"{draft.path.name} is not an EAGLE-3 head for the target's "
                                f"context (target layers {layers})")  # fmt: skip
@@ -2139,6 +2155,223 @@ class Eagle3Head(DraftHead):
         super()._free()
 
 
+class DFlashHead(DraftHead):
+    """A DFlash block-diffusion draft (a GGUF of architecture ``dflash``; Chen et al. 2026,
+    "DFlash: Block Diffusion for Flash Speculative Decoding"), run as llama.cpp's
+    ``draft-dflash`` runs it (common/speculative.cpp, ``common_speculative_impl_draft_dflash``;
+    src/models/dflash.cpp).
+
+    Its cache holds, at each position the target committed, K/V computed from the inputs
+    of the target's layers there (``target_layers``: :meth:`eval` with those rows, fused
+    by its ``fc``); a draft is one decode of a block [last token, mask, ..., mask] at the
+    next positions with attention over the cache and the whole block (no causal mask, unless
+    the GGUF says ``dflash.attention.causal``), whose rows after the first give the draft's
+    logits all at once (:meth:`block`); the block leaves the cache again. It uses the
+    target's token embeddings and LM head where it has none (``ctx_other``), and a reduced
+    vocabulary maps onto the target's by ``d2t``.
+
+    Args:
+        draft: the draft's model (``dflash``).
+        target: the target's context (or a sequence of it), created with ``layer_inputs``
+            the draft's :attr:`target_layers`.
+
+    Raises:
+        BackendError: not a DFlash draft for the target's context, a DFlash2 or DSpark
+            draft by its metadata (a selector's, a confidence head's; preflight refuses
+            them by their tensors too: ``ModelInfo.head_variant``), no mask token, or
+            llama.cpp could not create the context.
+    """
+
+    def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
+        from llama_cpp import llama_cpp_ext
+
+        self._lc = lc = target._lc
+        self.model = draft
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._blk: Any = None
+        layers = head_target_layers(draft)
+        width = int(lc.llama_model_n_embd(draft.handle))
+        if not layers or target.layer_inputs != layers or width * len(layers) != target.n_hidden:
+            raise BackendError(f"{draft.path.name} is not a DFlash draft for the target's "
+                               f"context (target layers {layers}, {width} wide)")  # fmt: skip
+        if _meta_int(draft, "dflash.selector_top_k") or _meta_str(
+            draft, "dflash.has_confidence_head"
+        ):
+            raise BackendError(f"{draft.path.name} is a DFlash2 or DSpark draft, which "
+                               "specgguf cannot run")  # fmt: skip
+        #: the target's layers whose inputs it reads
+        self.target_layers = layers
+        #: the block it was trained on (a draft of at most one less)
+        self.block_size: int = _meta_int(draft, "dflash.block_size") or 16
+        vocab = lc.llama_model_get_vocab(draft.handle)
+        #: the token the block's rows after the first read
+        self.mask_token: int = int(lc.llama_vocab_mask(vocab))
+        if self.mask_token < 0:
+            raise BackendError(
+                f"{draft.path.name} has no mask token (tokenizer.ggml.mask_token_id)"
+            )
+        params = lc.llama_context_default_params()
+        params.ctx_other = target._ctx
+        params.n_ctx = target.n_ctx_allocated
+        params.n_batch = target.n_batch
+        params.n_ubatch = min(target.n_batch, 512)
+        params.n_seq_max = 1
+        params.n_outputs_max = self.block_size
+        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(draft.handle, params)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create a context for {draft.path.name}")
+        self._ctx = ctx
+        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
+        lc.llama_set_causal_attn(ctx, _meta_str(draft, "dflash.attention.causal") == "true")
+        self._mem = lc.llama_get_memory(ctx)
+        self.n_ctx: int = target.n_ctx
+        self.n_batch: int = target.n_batch
+        self.n_vocab: int = draft.n_vocab
+        #: the width of the target's rows it reads (its layers' inputs side by side)
+        self.n_embd: int = target.n_hidden
+        self.n_past = 0
+        self.eval_seconds = 0.0
+        # (two batches: llama.cpp reads a batch's tokens or its rows, not both)
+        self._batch = b = lc.llama_batch_init(self.n_batch, self.n_embd, 1)
+        self._emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd))
+        # A draft for an M-RoPE target reads 4 positions per row of target rows, section by
+        # section (pos[j * n_rows + i]: {p, p, p, 0}, as common/speculative.cpp gives them):
+        # our own array, detached again before the batch is freed
+        self._n_pos = 4 if lc.llama_model_rope_type(draft.handle) == lc.LLAMA_ROPE_TYPE_MROPE else 1
+        self._positions = (ctypes.c_int32 * (self._n_pos * self.n_batch))()
+        # (its address: a pointer field read back is a view of the struct)
+        self._own_pos: int = ctypes.cast(b.pos, ctypes.c_void_p).value or 0
+        b.pos = self._positions
+        self._pos = np.ctypeslib.as_array(self._positions, shape=(self._n_pos * self.n_batch,))
+        np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))[:] = 0
+        self._blk = k = lc.llama_batch_init(self.block_size, 0, 1)
+        self._blk_tok = np.ctypeslib.as_array(k.token, shape=(self.block_size,))
+        self._blk_pos = np.ctypeslib.as_array(k.pos, shape=(self.block_size,))
+        # (every row an output: the graph selects none, so llama.cpp's rows are the
+        # batch's first n_outputs)
+        np.ctypeslib.as_array(k.logits, shape=(self.block_size,))[:] = 1
+        for batch, n in ((b, self.n_batch), (k, self.block_size)):
+            np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
+            for i in range(n):
+                batch.seq_id[i][0] = 0
+        draft._contexts.add(self)  # type: ignore[arg-type]
+
+    def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The rows :meth:`eval` reads: the target's layer inputs themselves (its ``fc``
+        runs inside llama.cpp's decode)."""
+        return inputs
+
+    def eval(
+        self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        """Write the K/V of the target's rows ``inputs`` (float32[len(tokens), n_embd], the
+        target's layer inputs at the positions of ``tokens``) at positions ``n_past ...``;
+        returns None (``last`` is refused: a DFlash draft gives logits only for a block,
+        :meth:`block`).
+
+        Raises:
+            ValueError: ``last``.
+            ContextOverflowError: past the context.
+            BackendError: llama_decode failed.
+        """
+        if last:
+            raise ValueError("a DFlash draft gives logits for a block only")
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(self.n_past + n, self.n_ctx, prompt=False,
+                                       model=self.model.path.name)  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            for start in range(0, n, self.n_batch):
+                m = min(self.n_batch, n - start)
+                self._emb[:m] = inputs[start : start + m]
+                pos = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
+                for j in range(self._n_pos):
+                    self._pos[j * m : (j + 1) * m] = pos if j < 3 else 0
+                self._batch.n_tokens = m
+                rc = self._lc.llama_decode(self._ctx, self._batch)
+                if rc != 0:
+                    self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+                    raise BackendError(f"llama_decode failed with code {rc} on "
+                                       f"{self.model.path.name}")  # fmt: skip
+                self.n_past += m
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+        return None
+
+    def block(self, first: int, n: int) -> npt.NDArray[np.float32]:
+        """The logits of ``n`` draft tokens after the last committed token ``first``
+        (float32[n, n_vocab], read-only view of llama.cpp's buffer until the next decode):
+        one decode of [first, mask x n] at positions ``n_past ...``, which leave the
+        cache again (``n_past`` is unchanged).
+
+        Raises:
+            ValueError: ``n`` is not in 1 .. block_size - 1.
+            ContextOverflowError: past the context.
+            BackendError: llama_decode failed.
+        """
+        if not 0 < n < self.block_size:
+            raise ValueError(f"a block of {self.block_size} drafts 1 to {self.block_size - 1} "
+                             f"tokens, not {n}")  # fmt: skip
+        if self.n_past + n + 1 > self.n_ctx:
+            raise ContextOverflowError(self.n_past + n + 1, self.n_ctx, prompt=False,
+                                       model=self.model.path.name)  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            self._blk_tok[0] = first
+            self._blk_tok[1 : n + 1] = self.mask_token
+            self._blk_pos[: n + 1] = np.arange(self.n_past, self.n_past + n + 1, dtype=np.int32)
+            self._blk.n_tokens = n + 1
+            rc = self._lc.llama_decode(self._ctx, self._blk)
+            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+            if rc != 0:
+                raise BackendError(f"llama_decode failed with code {rc} on "
+                                   f"{self.model.path.name}")  # fmt: skip
+            logits = np.ctypeslib.as_array(self._lc.llama_get_logits(self._ctx),
+                                           shape=(n + 1, self.n_vocab))[1:]  # fmt: skip
+            logits.flags.writeable = False
+            return logits
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def token_seconds(self, repeats: int = 5) -> float:
+        """Seconds per draft token of a draft of 4 (or the block less one, if shorter):
+        the least of ``repeats`` blocks at position 1, over its tokens. A block costs one
+        decode whatever it drafts, so the cost model's time per token is right at that
+        length, pessimistic for longer drafts and optimistic for shorter ones (each draft
+        then reports its own). The cache is empty afterwards."""
+        k = min(4, self.block_size - 1)
+        self.rollback(0)
+        self.eval([0], np.zeros((1, self.n_embd), np.float32), last=False)
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.block(0, k)
+            best = min(best, time.perf_counter() - t0)
+        self.rollback(0)
+        return best / k
+
+    def _free(self) -> None:
+        if self._blk is not None:
+            self._lc.llama_batch_free(self._blk)
+            self._blk = None
+        if self._batch is not None:
+            self._batch.pos = ctypes.cast(self._own_pos, ctypes.POINTER(ctypes.c_int32))
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        super()._free()
+
+
+def _meta_str(model: LlamaModel, key: str) -> str:
+    """A string of ``model``'s metadata ("" where it has none)."""
+    buf = ctypes.create_string_buffer(64)
+    n = model._lc.llama_model_meta_val_str(model.handle, key.encode(), buf, len(buf))
+    return buf.value.decode(errors="replace") if n >= 0 else ""
+
+
 def _meta_int(model: LlamaModel, key: str) -> int:
     """An integer of ``model``'s metadata (0 where it has none)."""
     buf = ctypes.create_string_buffer(32)
@@ -2149,9 +2382,9 @@ def _meta_int(model: LlamaModel, key: str) -> int:
         return 0
 
 
-def eagle3_target_layers(model: LlamaModel) -> tuple[int, ...]:
-    """The target's layers whose inputs an EAGLE-3 head reads (``eagle3.target_layers``;
-    empty for a model that is none)."""
+def head_target_layers(model: LlamaModel) -> tuple[int, ...]:
+    """The target's layers whose inputs a draft head reads (an EAGLE-3 head's or a DFlash
+    draft's ``{arch}.target_layers``; empty for a model that is none)."""
     ext = _ext()
     n = int(ext["target_layers_n"](model.handle))
     ptr = ext["target_layers"](model.handle)

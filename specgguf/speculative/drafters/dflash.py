@@ -1,0 +1,133 @@
+"""Drafting with a DFlash block-diffusion draft (Chen et al. 2026, "DFlash: Block
+Diffusion for Flash Speculative Decoding"), as llama.cpp's ``--spec-type draft-dflash``
+does (common/speculative.cpp, ``common_speculative_impl_draft_dflash``).
+
+The draft's cache holds, at each position the target committed, K/V made from the inputs
+of some of the target's layers there (the target's own rows of that position: no
+shift, unlike the MTP layers and EAGLE-3). A draft of K tokens is one decode of the block
+[last token, mask x K] at the next positions, attending over the cache and the whole
+block at once; the logits of the block's rows 1..K are the draft's, taken greedily
+(llama.cpp's top-1) or sampled, each row's distribution the acceptance rule's q. So a
+draft costs one decode whatever K (up to the trained block size less one), where the MTP
+layers and EAGLE-3 pay one per token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from specgguf.speculative.draft import Draft
+from specgguf.speculative.drafters.model import pick_token
+from specgguf.speculative.drafters.mtp import Head, HiddenStates, MtpDrafter
+from specgguf.speculative.sampling import Distribution, SamplerParams
+
+
+class BlockHead(Head, Protocol):
+    """A DFlash draft's context (see ``backend.DFlashHead``): :meth:`Head.eval` writes the
+    target's rows at the next positions; ``block`` gives the logits of ``n`` draft tokens
+    after ``first`` (float32[n, n_vocab]) and leaves the cache as it was."""
+
+    block_size: int
+
+    def block(self, first: int, n: int) -> npt.NDArray[np.float32]: ...
+
+
+class DFlashDrafter(MtpDrafter):
+    """Drafts up to ``block_size - 1`` tokens per step with a DFlash draft, one decode per
+    draft (see the module).
+
+    Args:
+        head: the draft's context.
+        target: the target's context, keeping the inputs of the draft's target layers.
+        n_vocab_target: ids at or beyond this are never proposed.
+    """
+
+    name = "dflash"
+
+    def __init__(self, head: BlockHead, target: HiddenStates, n_vocab_target: int) -> None:
+        super().__init__(head, target, n_vocab_target)
+        self.block_head = head
+
+    def reset(self) -> None:
+        """A new generation: the draft's cache is kept (a prompt that shares a prefix with
+        it is read from there on)."""
+        self._synced = 0
+
+    def follow(
+        self, tokens: Sequence[int], row: tuple[int, npt.NDArray[np.float32]] | None
+    ) -> None:
+        """The draft's context was made to hold ``tokens`` (``row`` is not used: each
+        position reads the target's rows of its own)."""
+        self._held = list(tokens)
+        self._synced = 0
+        self._row = None
+
+    def reuse_limit(self, history: Sequence[int]) -> int | None:
+        """The target keeps at most the prefix of ``history`` the draft holds (H): it
+        computes the rows of the positions after again, which the draft reads."""
+        return min(self.cached_tokens(history), len(history) - 1)
+
+    def _catch_up(
+        self, history: Sequence[int], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        """Write the rows of the committed positions the draft has not read (``last`` has
+        no meaning here: the last token is read by :meth:`propose`'s block)."""
+        end = self.target.n_past  # committed and evaluated by the target: history[:end]
+        keep = min(self.cached_tokens(history), end)
+        if keep < self.head.n_past:
+            self._cut(keep)
+        if end > keep:
+            tokens = list(history[keep:end])
+            self.head.eval(tokens, self.target.hidden_rows(keep, end), last=False)
+            self._held.extend(tokens)
+        self._synced = len(self._held)
+        self.target.forget_hidden(end)
+        return None
+
+    def propose(
+        self,
+        history: Sequence[int],
+        k: int,
+        sampler: SamplerParams,
+        rng: np.random.Generator,
+        *,
+        p_min: float = 0.0,
+        p_path_min: float = 0.0,
+    ) -> Draft:
+        """Up to ``k`` draft tokens after ``history`` (whose all but last token the target
+        has evaluated), at most ``block_size - 1``, from a block of k + 1 rows (llama.cpp
+        decodes its configured draft length's block even where a step keeps fewer: the
+        rows attend to each other, so such a step's drafts differ); greedy drafting stops
+        early at a token whose probability under the draft is below ``p_min``, or at which
+        the product of the probabilities along the draft falls below ``p_path_min``, and
+        the draft's ``stopped`` says so. ``token_seconds`` is the latest draft's time over its
+        tokens."""
+        head = self.block_head
+        room = head.n_ctx - len(history)
+        k = min(k, head.block_size - 1, room)
+        if k <= 0 or not history:
+            return Draft([], token_seconds=self._token_seconds)
+        t0 = time.perf_counter()
+        self._catch_up(history, last=False)
+        t_block = time.perf_counter()
+        logits = head.block(history[-1], k)
+        tokens: list[int] = []
+        dists: list[Distribution] | None = None if sampler.greedy else []
+        stopped = False
+        path = 1.0
+        for row in logits:
+            tok, path = pick_token(row[: self.n_vocab], sampler, rng, p_min, dists,
+                                   path=path, p_path_min=p_path_min)  # fmt: skip
+            if tok is None:
+                stopped = True
+                break
+            tokens.append(tok)
+        t_end = time.perf_counter()
+        self.seconds += t_end - t0
+        self._token_seconds = (t_end - t_block) / k
+        return Draft(tokens, dists, stopped=stopped, token_seconds=self._token_seconds)

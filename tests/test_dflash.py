@@ -1,0 +1,262 @@
+"""DFlash drafts (``--drafter dflash``, llama.cpp's ``--spec-type draft-dflash``) on the
+tiny generated drafts of :mod:`specgguf.gguf.tiny` for the tiny llama target: ``dflash``
+(its own token embeddings and LM head, reading the inputs of the target's layers 0 and 1)
+and ``dflash-shared`` (the target's, through llama.cpp's ``ctx_other``; layer 1 only),
+both trained, as it were, on blocks of 8. Their weights are random: nearly every draft is
+rejected, which makes each step's draft depend only on the draft's own reading of the
+committed text, compared step by step with llama.cpp's (``llama-speculative-simple -v``,
+when ``scripts/bench-llama-cpp --build-only`` built it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+from specgguf.engine.bench import generate_together
+from specgguf.gguf.arch import head_fit
+from specgguf.speculative.drafters.dflash import DFlashDrafter
+from specgguf.speculative.loop import GenerationParams
+from specgguf.speculative.sampling import SamplerParams
+
+from .helpers import run_cli
+from .test_mtp_oracle import run_llama
+
+DRAFTS = ["dflash", "dflash-shared"]
+PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
+GREEDY = SamplerParams(temperature=0.0)
+
+
+def engine(tiny: dict[str, Path], draft: str | None, drafter: str, k: int = 4, **kw: Any) -> Engine:
+    threads = kw.pop("n_threads", None)
+    return Engine(EngineConfig(
+        ModelConfig(tiny["target"], n_ctx=512, n_threads=threads),
+        ModelConfig(tiny[draft], n_ctx=512, n_threads=threads) if draft else None,
+        SpeculativeConfig(drafter=drafter, draft_max=k), **kw,
+    ))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models: dict[str, Path]) -> list[list[int]]:
+    params = GenerationParams(n_predict=80, sampler=GREEDY, ignore_eos=True)
+    with engine(tiny_models, None, "none") as e:
+        return [e.generate(p, params).run().tokens for p in PROMPTS]
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("drafter", ["dflash", "auto"])
+def test_greedy_output_is_the_targets_own(
+    tiny_models: dict[str, Path], alone: list[list[int]], draft: str, drafter: str
+) -> None:
+    with engine(tiny_models, draft, drafter, 16) as e:
+        assert e.head_kind == "dflash" and e.draft_ctx is None  # a head, not a draft model
+        assert e.target_ctx.layer_inputs == ((0, 1) if draft == "dflash" else (1,))
+        drafted, long_steps = 0, 0
+        for k in (1, 4, 16):
+            for p, want in zip(PROMPTS, alone, strict=True):
+                params = GenerationParams(n_predict=80, draft_max=k, sampler=GREEDY,
+                                          ignore_eos=True)  # fmt: skip
+                res = e.generate(p, params).run()
+                assert res.tokens == want, (k, p)
+                if (st := res.stats.by_drafter.get("dflash")) is not None:
+                    drafted += st.drafted
+                    assert st.drafted <= 7 * st.steps  # (a block of 8 drafts at most 7)
+                    long_steps += k == 16 and st.drafted > 6 * st.steps
+    if drafter == "dflash":
+        assert drafted > 0 and long_steps == len(PROMPTS)
+
+
+@pytest.mark.parametrize(
+    ("target", "draft"),
+    [("target", "dflash"), ("target", "dflash-shared"), ("hybrid", "dflash-mrope")],
+)
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_dflash_drafts_as_llama_cpp(
+    k: int,
+    target: str,
+    draft: str,
+    tools: Path,
+    tiny_models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same tokens as llama.cpp's ``draft-dflash``, and the same draft at every step
+    (the comparable steps of tests/test_mtp_oracle.py) that drafts the configured K: near
+    the end, where a step keeps fewer, llama.cpp still decodes a block of K + 1 rows and
+    specgguf one of the draft's length, whose rows attend to each other. ``dflash-mrope``
+    runs with M-RoPE (4 positions per row of target rows) on the hybrid target."""
+    n = 48
+    prompt = "Speculative decoding makes"
+    llama = run_llama(tools, tiny_models[target], k, n, spec_type="draft-dflash",
+                      draft=tiny_models[draft], prompt=prompt)  # fmt: skip
+    drafts: list[list[int]] = []
+    propose = DFlashDrafter.propose
+
+    def recording(self: DFlashDrafter, history: Sequence[int], kk: int, *a: Any, **kw: Any) -> Any:
+        out = propose(self, history, kk, *a, **kw)
+        if kk > 0:
+            drafts.append(list(out.tokens))
+        return out
+
+    monkeypatch.setattr(DFlashDrafter, "propose", recording)
+    config = EngineConfig(
+        ModelConfig(tiny_models[target], n_ctx=512, n_threads=1),
+        ModelConfig(tiny_models[draft], n_ctx=512, n_threads=1),
+        SpeculativeConfig(drafter="dflash", draft_max=k),
+    )
+    with Engine(config) as e:
+        ids = e.target_model.tokenize(prompt, add_special=True, parse_special=True)
+        assert len(ids) == llama.n_prompt
+        params = GenerationParams(n_predict=n, draft_max=k, sampler=GREEDY, ignore_eos=True)
+        result = e.generate(ids, params).run()
+    assert result.tokens == llama.tokens[:n]
+    comparable = [s for s in llama.steps if s.produced < n - 1]
+    assert sum(len(s.draft) for s in comparable) > n // 2  # it drafted: not a vacuous check
+    assert len(drafts) == len(comparable)
+    full = 0
+    for i, (ours, theirs) in enumerate(zip(drafts, comparable, strict=True)):
+        assert len(ours) == len(theirs.draft), f"step {i}"
+        if theirs.produced + k < n:  # (room for the configured K)
+            assert ours == theirs.draft, f"step {i} (after {theirs.produced} tokens)"
+            full += 1
+    assert full >= len(comparable) - k  # (only the last steps lack the room)
+    assert result.stats.drafted == sum(len(s.draft) for s in comparable)
+
+
+def test_each_parallel_sequence_drafts_from_its_own_rows(
+    tiny_models: dict[str, Path], alone: list[list[int]]
+) -> None:
+    params = GenerationParams(n_predict=80, sampler=GREEDY, ignore_eos=True)
+    with engine(tiny_models, "dflash", "dflash") as one:
+        each = [one.generate(p, params).run() for p in PROMPTS]
+    with engine(tiny_models, "dflash", "dflash", n_parallel=3) as three:
+        assert len(three.heads) == 3
+        together = generate_together(three, PROMPTS, params)[0]
+    assert [r.tokens for r in together] == [r.tokens for r in each] == alone
+    assert [r.stats.drafted for r in together] == [r.stats.drafted for r in each]
+    assert [r.stats.accepted for r in together] == [r.stats.accepted for r in each]
+
+
+def test_a_block_leaves_the_cache_as_it_was(tiny_models: dict[str, Path]) -> None:
+    """The block's rows attend to each other (a draft of 2 from a block of 3 differs from
+    the first 2 of a block of 8), and leave nothing behind: the same block again gives
+    the same logits, and rows written after it equal rows written without it."""
+    from specgguf.llama.backend import DFlashHead, LlamaModel, head_target_layers
+
+    with (
+        LlamaModel(tiny_models["target"]) as t,
+        LlamaModel(tiny_models["dflash"]) as d,
+        t.new_context(n_ctx=256, n_batch=64, layer_inputs=head_target_layers(d)) as ctx,
+    ):
+        ids = t.tokenize("The quick brown fox jumps")
+        ctx.eval(ids, logits="none")
+        h = ctx.hidden_rows(0, len(ids))
+        assert h.shape == (len(ids), 2 * 64)
+        with DFlashHead(d, ctx) as head:
+            assert (head.block_size, head.mask_token) == (8, 1)
+            head.eval(ids[:3], h[:3], last=False)
+            short = np.array(head.block(ids[3], 2))
+            full = np.array(head.block(ids[3], 7))
+            again = np.array(head.block(ids[3], 7))
+            assert head.n_past == 3
+            head.eval(ids[3:], h[3:], last=False)
+            after = np.array(head.block(ids[-1], 7))
+            head.rollback(0)
+            head.eval(ids, h, last=False)
+            fresh = np.array(head.block(ids[-1], 7))
+            with pytest.raises(ValueError, match="drafts 1 to 7 tokens, not 8"):
+                head.block(ids[-1], 8)
+    assert short.shape == (2, 512) and full.shape == (7, 512)
+    assert not np.allclose(short, full[:2]) and np.array_equal(full, again)
+    assert np.array_equal(after, fresh)
+
+
+def test_a_draft_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
+    """``-md`` a DFlash draft: ``--draft K`` drafts with it (as llama.cpp chooses the
+    drafter from the file), ``--spec-type draft-dflash`` names it; ``--drafter model`` or
+    ``eagle3`` with it, and ``--drafter dflash`` with an EAGLE-3 head or none, are refused
+    in one line."""
+    t, draft = str(tiny_models["target"]), str(tiny_models["dflash"])
+    base = ["run", "-m", t, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "hi"]
+    for extra in (["-md", draft, "--draft", "4"], ["-md", draft, "--spec-type", "draft-dflash"]):
+        res = run_cli(*base, *extra)
+        assert res.returncode == 0, res.stderr
+        assert b'"dflash"' in res.stdout
+    for extra, needle in (
+        (["-md", draft, "--drafter", "model"], "is a dflash head, not a draft model"),
+        (["-md", draft, "--drafter", "eagle3"], "is a dflash head: it drafts as the dflash"),
+        (["-md", str(tiny_models["eagle3"]), "--drafter", "dflash"], "is an eagle3 head: it"),
+        (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md"),
+    ):
+        res = run_cli(*base, *extra)
+        err = res.stderr.decode()
+        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_draft_made_for_another_target_is_refused(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A DFlash draft reads the inputs of the target's layers at its own width: one as
+    wide as another target, or reading layers this one lacks, is refused by ``check``
+    (exit 4) and ``run`` (exit 2, one line)."""
+    import dataclasses
+
+    from specgguf.gguf.tiny import fixture_specs, write_tiny_model
+
+    spec = fixture_specs()["dflash"]
+    for name, changes, needle in (
+        ("wide", {"n_embd": 128, "n_ff": 256}, "made for a target 128 wide, and this one is 64"),
+        ("deep", {"target_layers": (0, 5)}, "reads layers [0, 5], and the target has 2"),
+    ):
+        other = write_tiny_model(tmp_path / f"{name}.gguf", dataclasses.replace(spec, **changes))
+        res = run_cli("check", str(tiny_models["target"]), str(other[0]))
+        assert res.returncode == 4 and needle in res.stdout.decode(), res.stdout
+        res = run_cli("run", "-m", str(tiny_models["target"]), "-md", str(other[0]), "-n", "4",
+                      "hi")  # fmt: skip
+        err = res.stderr.decode()
+        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("tensor", "what"),
+    [("markov_w1.weight", "a DSpark draft (a Markov head)"),
+     ("selector_hidden.weight", "a DFlash2 draft (a selector)")],
+)  # fmt: skip
+def test_dspark_and_dflash2_drafts_are_refused_before_they_load(
+    tiny_models: dict[str, Path], tmp_path: Path, tensor: str, what: str
+) -> None:
+    """llama.cpp tells a DSpark draft (anchor-first blocks, a Markov head in the graph)
+    and a DFlash2 one (a selector lattice) from a DFlash draft by these tensors: specgguf
+    runs neither, and says so in one line before anything loads, in auto mode too."""
+    import dataclasses
+
+    from specgguf.gguf.tiny import fixture_specs, write_tiny_model
+
+    spec = dataclasses.replace(fixture_specs()["dflash"], add_tensors=((tensor, (64, 8)),))
+    other = str(write_tiny_model(tmp_path / "variant.gguf", spec)[0])
+    for drafter in ("dflash", "auto"):
+        res = run_cli("run", "-m", str(tiny_models["target"]), "-md", other, "--drafter",
+                      drafter, "-n", "4", "hi")  # fmt: skip
+        err = res.stderr.decode()
+        assert res.returncode == 2 and f"it is {what}" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_head_fit_words() -> None:
+    assert head_fit("llama", 64, 2, "dflash", (0, 1), 64) == []
+    assert head_fit("mamba2", 64, 2, "dflash", (0, 1), 64) == [
+        "llama.cpp keeps no layer inputs of a mamba2 target, which a DFlash draft reads"
+    ]
+    assert head_fit("llama", 64, 2, "dflash", (), 64) == ["the DFlash draft names no target layers"]
+    assert head_fit("llama", 64, 2, "dflash", (0, 1, 1, 1, 1), 64) == []  # (any number)
+    assert head_fit("llama", 64, 2, "qwen3", (0,), 32) == []  # (no head)
+
+
+def test_info_says_what_the_draft_needs(tiny_models: dict[str, Path]) -> None:
+    res = run_cli("info", str(tiny_models["dflash-shared"]))
+    out = res.stdout.decode()
+    assert res.returncode == 0, res.stderr
+    assert "a dflash head for a target 64 wide, reading the inputs of its layers 1" in out
