@@ -132,7 +132,8 @@ def test_a_drafter_added_in_the_test_alone_is_chosen_where_it_pays(
     req = ChatCompletionRequest.model_validate({"messages": msgs, "speculative.drafter": "walk"})
     assert req.spec_drafter == "walk"
     with pytest.raises(
-        ValidationError, match="must be one of auto, dflash, eagle3, model, mtp, ngram, suffix"
+        ValidationError,
+        match="must be one of auto, assistant, dflash, eagle3, model, mtp, ngram, suffix",
     ):
         ChatCompletionRequest.model_validate({"messages": msgs, "speculative.drafter": "eagle"})
 
@@ -280,7 +281,8 @@ def test_an_unknown_drafter_is_refused_with_the_names_there_are() -> None:
     assert sorted(drafters) == ["ngram", "suffix"]
     drafting = Drafting(drafters, lambda det: Timings({1: 0.01}))
     with pytest.raises(
-        UsageError, match="auto, dflash, eagle3, model, mtp, ngram, suffix, none, not 'walk'"
+        UsageError,
+        match="auto, assistant, dflash, eagle3, model, mtp, ngram, suffix, none, not 'walk'",
     ):
         make_planner("walk", drafting, DraftSettings(draft_max=4))
     with pytest.raises(UsageError, match="the model drafter needs a draft model, and none"):
@@ -308,7 +310,7 @@ def test_a_request_names_a_drafter_as_llama_cpp_does_and_hears_why_not_in_plain_
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate({"prompt": "x", "speculative.drafter": "bogus"})
     err = validation_error(RequestValidationError(e.value.errors()).errors())
-    want = "speculative.drafter: must be one of auto, dflash, eagle3"
+    want = "speculative.drafter: must be one of auto, assistant, dflash, eagle3"
     assert str(err.message).startswith(want), err
 
 
@@ -573,7 +575,8 @@ def test_auto_mode_s_defaults_come_from_its_tuning() -> None:
     assert AUTO_TUNING.long_copy_weight == pytest.approx(1 / (1 - AUTO_TUNING.long_copy_prior))
     # --drafter's choices, as its error lists them
     assert drafter_kinds() == (
-        "auto", "dflash", "eagle3", "model", "mtp", "ngram", "suffix", "none")  # fmt: skip
+        "auto", "assistant", "dflash", "eagle3", "model", "mtp", "ngram", "suffix", "none",
+    )  # fmt: skip
 
 
 def test_a_match_counts_in_the_longest_bucket_it_reaches() -> None:

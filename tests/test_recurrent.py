@@ -590,17 +590,15 @@ def test_bench_measures_the_mtp_layers(tiny_models: dict[str, Path]) -> None:
     assert {"target", "mtp-K1", "mtp-K2", "ngram-K1", "auto"} <= configs, configs
 
 
-def test_a_separate_mtp_assistant_is_refused_in_one_line(
-    tiny_models: dict[str, Path], tmp_path: Path
+def test_an_mtp_assistant_for_another_target_is_refused_in_one_line(
+    tiny_models: dict[str, Path],
 ) -> None:
-    from specgguf.gguf.tiny import TinySpec, gpt2_vocab, write_tiny_model
-
-    # metadata only: refused before anything loads
-    [assistant] = write_tiny_model(tmp_path / "assistant.gguf", TinySpec(
-        vocab=gpt2_vocab(), architecture="gemma4-assistant"))  # fmt: skip
-    res = run_cli("run", "-m", str(tiny_models["mtp"]), "-md", str(assistant), "-n", "4", "hi")
+    """Gemma 4's assistant reads a gemma4 target's cache: beside the qwen35 MTP file it is
+    refused before anything loads (tests/test_assistant.py: beside its own target)."""
+    res = run_cli("run", "-m", str(tiny_models["mtp"]), "-md",
+                  str(tiny_models["gemma4-assistant"]), "-n", "4", "hi")  # fmt: skip
     err = res.stderr.decode()
-    assert res.returncode == 2 and "MTP assistant (gemma4-assistant)" in err, err
+    assert res.returncode == 2 and "drafts for a gemma4 target, and tiny-mtp.gguf is" in err, err
     assert len(err.strip().splitlines()) == 1
 
 

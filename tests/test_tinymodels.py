@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS
 from specgguf.gguf.info import read_model_info
 from specgguf.gguf.metadata import GGUFMetadata
 from specgguf.gguf.tiny import CHANGED_TOKEN_ID, fixture_specs, gpt2_vocab
@@ -36,8 +37,9 @@ def greedy(path: Path, prompt: str, n: int) -> tuple[list[int], list[np.ndarray]
 
 @pytest.mark.parametrize(
     "name",
-    sorted(n for n, s in fixture_specs().items() if s.architecture not in ("eagle3", "dflash")),
-)  # (a draft head generates only beside its target: tests/test_eagle3.py, test_dflash.py)
+    sorted(n for n, s in fixture_specs().items() if s.architecture not in DRAFT_HEAD_ARCHS),
+)  # (a draft head generates only beside its target: tests/test_eagle3.py, test_dflash.py,
+# test_assistant.py)
 def test_every_fixture_loads_and_generates(tiny_models: dict[str, Path], name: str) -> None:
     tokens, rows = greedy(tiny_models[name], PROMPT, 6)
     assert len(tokens) == 6

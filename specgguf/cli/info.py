@@ -65,7 +65,7 @@ def info(
         ("architecture", mi["architecture"] or "-"),
         ("memory", _memory(mi)),
         ("MTP layers", str(mi["nextn_layers"]) if mi["nextn_layers"] else "none"),
-        *([("draft head", _head(mi))] if mi["target_layers"] else []),
+        *([("draft head", _head(mi))] if mi["target_layers"] or mi["target_width"] else []),
         ("size label", mi["size_label"] or "-"),
         ("quantization", mi["quantization"] or "-"),
         ("parameters", count(mi["n_params"])),
@@ -131,11 +131,12 @@ def _head(mi: dict[str, Any]) -> str:
     32,000 ids of its own (d2t)``: what a draft head needs of its target."""
     vocab = (f"{mi['draft_vocab']:,} ids of its own mapped onto the target's (d2t)"
              if mi["draft_vocab"] else "the target's vocabulary")  # fmt: skip
+    reads = (f"reading the inputs of its layers {', '.join(map(str, mi['target_layers']))}"
+             if mi["target_layers"] else "reading its KV cache and hidden states")  # fmt: skip
     return (
         f"{article(arch := mi['architecture'])} {arch} head for a target "
-        f"{mi['target_width'] or '?'} wide, "
-        f"reading the inputs of its layers {', '.join(map(str, mi['target_layers']))}; "
-        f"{vocab}; give it with -md beside its target"
+        f"{mi['target_width'] or '?'} wide, {reads}; {vocab}; give it with -md beside its "
+        "target"
     )
 
 

@@ -649,6 +649,8 @@ def engine_config(
             model_draft = str(pair.draft)
     target_path = model_path(model, load.registry)
     draft_path = model_path(model_draft, load.registry) if model_draft is not None else None
+    if drafter == "mtp" and draft_path is not None and _draft_kind(draft_path) == "assistant":
+        drafter = "assistant"  # (llama.cpp's draft-mtp, with an MTP assistant as -md)
     if (arch := _architecture(target_path)) in DRAFT_HEAD_ARCHS:
         raise UsageError(f"{target_path.name} is {article(arch)} {arch} draft head, not "
                          "a model: give it with -md beside its target")  # fmt: skip

@@ -29,6 +29,7 @@ from specgguf.speculative.arms import Arm, LookupArm, ModelArm, SuffixArm
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import Drafter, Evaluator
 from specgguf.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter
+from specgguf.speculative.drafters.assistant import AssistantDrafter
 from specgguf.speculative.drafters.dflash import DFlashDrafter
 from specgguf.speculative.drafters.eagle3 import Eagle3Drafter
 from specgguf.speculative.drafters.mtp import Head, HiddenStates
@@ -241,6 +242,34 @@ def _check_layer_head(
     return check
 
 
+def _assistant_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
+    from specgguf.llama.backend import AssistantHead
+
+    return AssistantHead(model, seq)
+
+
+#: A target an MTP assistant can draft for: its architecture, whose last two layers are a
+#: sliding-window and a full-attention one (whose cache the assistant reads)
+ASSISTANT_TARGETS = {"gemma4-assistant": "gemma4"}
+
+
+def _check_assistant(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
+    if draft is None or draft.architecture not in ASSISTANT_TARGETS:
+        got = ("none was given" if draft is None
+               else f"{draft.path.name} is {draft.architecture}")  # fmt: skip
+        raise UsageError("the assistant drafter needs an MTP assistant as its draft model (a "
+                         f"GGUF of architecture gemma4-assistant); {got}")  # fmt: skip
+    want = ASSISTANT_TARGETS[draft.architecture]
+    if target.architecture != want:
+        raise UsageError(f"the assistant drafter: {draft.path.name} drafts for a {want} "
+                         f"target, and {target.path.name} is {target.architecture}")  # fmt: skip
+    if draft.target_width and target.embedding_length != draft.target_width:
+        raise UsageError(f"the assistant drafter cannot draft with {draft.path.name} for "
+                         f"{target.path.name}: it was made for a target "
+                         f"{draft.target_width} wide, and this one is "
+                         f"{target.embedding_length} wide")  # fmt: skip
+
+
 def _dflash_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
     from specgguf.llama.backend import DFlashHead
 
@@ -285,6 +314,13 @@ DRAFTERS: dict[str, DrafterEntry] = {
             needs=Needs(draft_model=True, what="an EAGLE-3 head as its draft model"),
             evaluated=True, check=_check_layer_head("eagle3", "an EAGLE-3 head"),
             head=HeadSpec(_eagle3_head, _target_layers, frozenset({"eagle3"})),
+        ),
+        DrafterEntry(
+            "assistant", "an MTP assistant model given as -md (Gemma 4's)",
+            make=_heads(AssistantDrafter, "assistant"), arm=_evaluated_arm,
+            needs=Needs(draft_model=True, what="an MTP assistant as its draft model"),
+            evaluated=True, check=_check_assistant,
+            head=HeadSpec(_assistant_head, architectures=frozenset(ASSISTANT_TARGETS)),
         ),
         DrafterEntry(
             "dflash", "a DFlash block-diffusion draft given as -md",

@@ -191,11 +191,6 @@ def prompt_cache_bytes(config: EngineConfig, target: ModelInfo) -> int:
     return config.cache.ram + checkpoints * config.n_parallel
 
 
-#: Draft architectures that are MTP assistants reading the target's memory (llama.cpp's
-#: ``ctx_other``), not models of their own.
-MTP_ASSISTANTS = frozenset({"gemma4-assistant"})
-
-
 def target_snapshots(config: EngineConfig, info: ModelInfo) -> int:
     """Recurrent-state snapshots the target's context keeps (``n_rs_seq``): one per draft
     token a verification may reject, for an architecture llama.cpp snapshots; else 0."""
@@ -273,11 +268,6 @@ def preflight(config: EngineConfig) -> Preflight:
         raise UsageError(f"{t_info.path.name} is {article(arch)} {arch} draft head, not a "
                          "model: it drafts for a target, as its draft model")  # fmt: skip
     check_speculation(config, t_info, d_info)
-    if d_info is not None and d_info.architecture in MTP_ASSISTANTS:
-        raise UsageError(
-            f"the draft {d_info.path.name} is an MTP assistant ({d_info.architecture}), "
-            "which drafts from the target's own KV cache: specgguf does not support it yet"
-        )
     if d_info is not None:
         d_info.require_loadable()
         if config.n_parallel > 1 and d_info.memory != "attention":

@@ -328,11 +328,7 @@ def read_model_info(path: Path | str) -> ModelInfo:
             findings=tuple(findings),
             nextn_layers=nextn,
             target_layers=_numbers(meta, meta.arch_key("target_layers")),
-            # (a DFlash draft reads a target as wide as itself)
-            target_width=_int(meta.arch_key("target_hidden_size"))
-            or (
-                _int(meta.arch_key("embedding_length")) or 0 if meta.architecture == "dflash" else 0
-            ),
+            target_width=_target_width(meta),
             draft_vocab=next((t.shape[0] for t in tensors if t.name == "d2t"), 0),
             head_variant=_head_variant(meta.architecture, {t.name for t in tensors}),
             recurrent_layers=n_rec,
@@ -349,3 +345,15 @@ def _head_variant(architecture: str | None, tensors: set[str]) -> str:
     if "selector_hidden.weight" in tensors:
         return "a DFlash2 draft (a selector)"
     return ""
+
+
+def _target_width(meta: GGUFMetadata) -> int:
+    """See :attr:`ModelInfo.target_width`: an EAGLE-3 head's ``target_hidden_size``, an MTP
+    assistant's ``embedding_length_out``, a DFlash draft's own width; 0 for a model."""
+    if meta.architecture == "eagle3":
+        return _int(meta.arch_key("target_hidden_size")) or 0
+    if meta.architecture == "gemma4-assistant":
+        return _int(meta.arch_key("embedding_length_out")) or 0
+    if meta.architecture == "dflash":
+        return _int(meta.arch_key("embedding_length")) or 0
+    return 0

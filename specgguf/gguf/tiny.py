@@ -271,6 +271,11 @@ class TinySpec:
     #: dflash: rope sections [n_rot / 2, 0, 0, 0], which make llama.cpp run it with M-RoPE
     #: (as the drafts for qwen35 targets are written)
     mrope: bool = False
+    #: gemma4 and gemma4-assistant: which layers use sliding-window attention (as many as
+    #: ``n_layer``), and the assistant's own width (its ``embedding_length``; the target's,
+    #: ``n_embd``, is its ``embedding_length_out``)
+    gemma4_swa: tuple[bool, ...] = ()
+    assistant_embd: int = 0
     #: Variants for tests of what llama.cpp refuses, applied after everything else is
     #: added: keys left out, keys added or replaced as (key, value, GGUF type, element type
     #: of an array or None), tensors left out.
@@ -539,6 +544,70 @@ def _dflash_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]
     return ts
 
 
+def _gemma4_layer(
+    spec: TinySpec, w: _Weights, p: str, d: int, n_head: int, *, kv: bool
+) -> list[tuple[str, np.ndarray]]:
+    """A Gemma 4 block (src/models/gemma4.cpp, gemma4-assistant.cpp): Q (and K, V) with
+    their norms, post-attention and post-FFN norms, a GELU FFN; the assistant's blocks
+    have no K or V (they read the target's cache) and scale their output."""
+    hd = spec.n_embd // spec.n_head  # (the target's head size: the assistant reads its cache)
+    dkv = hd * spec.n_head_kv
+    ts = [
+        (f"{p}.attn_norm.weight", _ones(d)),
+        (f"{p}.attn_q.weight", w.normal((n_head * hd, d), d**-0.5)),
+        (f"{p}.attn_output.weight", w.normal((d, n_head * hd), (n_head * hd) ** -0.5)),
+        (f"{p}.attn_q_norm.weight", _ones(hd)),
+        (f"{p}.post_attention_norm.weight", _ones(d)),
+        (f"{p}.ffn_norm.weight", _ones(d)),
+        (f"{p}.ffn_gate.weight", w.normal((spec.n_ff, d), d**-0.5)),
+        (f"{p}.ffn_up.weight", w.normal((spec.n_ff, d), d**-0.5)),
+        (f"{p}.ffn_down.weight", w.normal((d, spec.n_ff), spec.n_ff**-0.5)),
+        (f"{p}.post_ffw_norm.weight", _ones(d)),
+    ]
+    if kv:
+        ts += [
+            (f"{p}.attn_k.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_v.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_k_norm.weight", _ones(hd)),
+        ]
+    else:
+        ts.append((f"{p}.layer_output_scale.weight", np.full(1, spec.layer_scale, np.float32)))
+    return ts
+
+
+def _gemma4_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """A dense Gemma 4 target without per-layer embeddings: sliding-window and full
+    attention layers by ``gemma4_swa``, the LM head tied to the token embeddings."""
+    w = _Weights(spec)
+    d, hd = spec.n_embd, spec.n_embd // spec.n_head
+    emb, _ = _embeddings(spec, n_vocab, w)
+    ts = [("token_embd.weight", emb), ("output_norm.weight", _ones(d)),
+          ("rope_freqs.weight", _ones(hd // 2))]  # fmt: skip
+    for il in range(spec.n_layer):
+        ts += _gemma4_layer(spec, w, f"blk.{il}", d, spec.n_head, kv=True)
+    return ts
+
+
+def _gemma4_assistant_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """Gemma 4's MTP assistant (src/models/gemma4-assistant.cpp) of width
+    ``assistant_embd`` for a target ``n_embd`` wide: (token embedding, the target's hidden
+    state) projected in, ``n_layer`` blocks attending over the target's cache, its own tied
+    LM head, and the hidden state projected back out."""
+    w = _Weights(spec)
+    d, big = spec.assistant_embd, spec.n_embd
+    hd = big // spec.n_head
+    ts = [
+        ("token_embd.weight", w.normal((n_vocab, d), 1.0)),
+        ("output_norm.weight", _ones(d)),
+        ("rope_freqs.weight", _ones(hd // 2)),
+        ("nextn.pre_projection.weight", w.normal((d, 2 * big), (2 * big) ** -0.5)),
+        ("nextn.post_projection.weight", w.normal((big, d), d**-0.5)),
+    ]
+    for il in range(spec.n_layer):
+        ts += _gemma4_layer(spec, w, f"blk.{il}", d, spec.n_head, kv=False)
+    return ts
+
+
 def _check(spec: TinySpec) -> None:
     """The shape constraints llama.cpp asserts (or silently relies on) for ``spec``."""
     if spec.nextn_layers and spec.architecture != "qwen35":
@@ -571,7 +640,9 @@ def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
 
 
 _ARCHITECTURES = {"qwen35": _qwen35_tensors, "mamba2": _mamba2_tensors,
-                  "eagle3": _eagle3_tensors, "dflash": _dflash_tensors}  # fmt: skip
+                  "eagle3": _eagle3_tensors, "dflash": _dflash_tensors,
+                  "gemma4": _gemma4_tensors,
+                  "gemma4-assistant": _gemma4_assistant_tensors}  # fmt: skip
 
 #: Tensors kept in float32 whatever ``TinySpec.quant`` says (as llama.cpp's converter
 #: does: the SSM kernels read them as float32).
@@ -587,10 +658,30 @@ def _quantized(name: str, arr: np.ndarray, quant: GGMLQuantizationType) -> bool:
     )
 
 
+def _gemma4_keys(writer: GGUFWriter, spec: TinySpec) -> None:
+    """The Gemma 4 keys (conversion/gemma.py, ``Gemma4Model``, ``Gemma4AssistantModel``)."""
+    hd = spec.n_embd // spec.n_head
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_key_length_swa(hd)
+    writer.add_value_length_swa(hd)
+    writer.add_rope_dimension_count_swa(hd)
+    writer.add_rope_freq_base_swa(10000.0)
+    writer.add_sliding_window(64)
+    writer.add_sliding_window_pattern(list(spec.gemma4_swa))
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_shared_kv_layers(0)
+    if spec.architecture == "gemma4-assistant":
+        writer.add_embedding_length_out(spec.n_embd)
+        writer.add_nextn_predict_layers(spec.n_layer)
+
+
 def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
     """The ``{arch}.*`` hyperparameters before the vocabulary size."""
     writer.add_context_length(spec.n_ctx_train)
-    writer.add_embedding_length(spec.n_embd)
+    writer.add_embedding_length(
+        spec.assistant_embd if spec.architecture == "gemma4-assistant" else spec.n_embd
+    )
     writer.add_block_count(spec.n_layer + spec.nextn_layers)
     if spec.architecture == "mamba2":
         # As llama.cpp's converter writes Mamba-2: no attention, no feed-forward.
@@ -616,6 +707,8 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
         writer.add_full_attention_interval(spec.full_attention_interval)
         if spec.nextn_layers:
             writer.add_nextn_predict_layers(spec.nextn_layers)
+    if spec.architecture.startswith("gemma4"):
+        _gemma4_keys(writer, spec)
     if spec.architecture == "eagle3":
         arch = spec.architecture
         writer.add_array(f"{arch}.target_layers", list(spec.target_layers))
@@ -828,6 +921,20 @@ def fixture_specs() -> dict[str, TinySpec]:
             mask_token=1,
             seed=81,
             mrope=True,
+        ),
+        # Gemma 4: a dense target of a sliding-window and a full-attention layer, and its
+        # MTP assistant (two blocks reading those layers' cache, half its width).
+        "gemma4": dataclasses.replace(
+            target, name="tiny gemma4", architecture="gemma4", gemma4_swa=(True, False), seed=82
+        ),
+        "gemma4-assistant": dataclasses.replace(
+            target,
+            name="tiny gemma4 assistant",
+            architecture="gemma4-assistant",
+            gemma4_swa=(True, False),
+            assistant_embd=32,
+            n_ff=64,
+            seed=83,
         ),
         "dflash-shared": dataclasses.replace(
             target,

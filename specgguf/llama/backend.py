@@ -708,6 +708,9 @@ class LlamaContext(_Native):
         # sequences each get a stream of their own (n_ctx_seq = n_ctx / n_seq_max) unless
         # asked to share.
         params.kv_unified = n_seq > 1 and (self.n_parallel == 1 or kv_unified)
+        #: whether its sequences share one KV stream (a context over its cache, such as
+        #: :class:`AssistantHead`'s, lays it out alike)
+        self.kv_unified = bool(params.kv_unified)
         recurrent = model.memory != "attention"
         if recurrent and n_rs_seq > 0:
             # llama.cpp keeps a sequence's last n_rs_seq + 1 tokens in one micro-batch and
@@ -2363,6 +2366,164 @@ class DFlashHead(DraftHead):
             self._lc.llama_batch_free(self._batch)
             self._batch = None
         super()._free()
+
+
+class AssistantHead(DraftHead):
+    """Gemma 4's multi-token-prediction assistant (a GGUF of architecture
+    ``gemma4-assistant``), run as llama.cpp's ``draft-mtp`` runs a separate MTP model
+    (common/speculative.cpp, ``common_speculative_impl_draft_mtp`` with ``is_mem_shared``;
+    src/models/gemma4-assistant.cpp): a few blocks without K or V of their own, whose
+    queries attend over the target's KV cache (its last sliding-window and last full
+    layer's, through ``ctx_other``).
+
+    A row reads a token and a hidden state (the target's after the position before it,
+    or the assistant's own from the row before, projected back to the target's width) and
+    gives the logits of the next token. It holds nothing of the text: every draft row of
+    a step sits at the step's first draft position (the target's cache holds the text
+    before it), so :meth:`eval` decodes only the last row it is given, and rows that the
+    text has committed only count (:attr:`n_past` follows the text as the MTP layers'
+    does). The assistant's decodes leave cells at that position in the target's sequence,
+    which :meth:`rollback` removes.
+
+    Args:
+        draft: the assistant's model.
+        target: the target's context (or a sequence of it), created with ``hidden=True``.
+
+    Raises:
+        BackendError: not an assistant for the target's context (its
+            ``embedding_length_out`` is the target's width), or llama.cpp could not create
+            the context.
+    """
+
+    def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
+        from llama_cpp import llama_cpp_ext
+
+        self._lc = lc = target._lc
+        self._ext = llama_cpp_ext
+        self.model = draft
+        self._ctx: Any = None
+        self._batch: Any = None
+        width = _meta_int(draft, "gemma4-assistant.embedding_length_out")
+        if width != target.n_embd_out or not target._hidden or target.layer_inputs:
+            raise BackendError(f"{draft.path.name} is not an MTP assistant for the target's "
+                               f"context (made for a target {width} wide)")  # fmt: skip
+        self._target = target
+        self._seq = target._home  # (its sequence of the target's cache)
+        params = lc.llama_context_default_params()
+        params.ctx_other = target._ctx
+        # (its cache is the target's: laid out alike)
+        params.n_ctx = lc.llama_n_ctx(target._ctx)
+        params.n_seq_max = lc.llama_n_seq_max(target._ctx)
+        params.kv_unified = target.kv_unified
+        params.type_k = KV_CACHE_TYPES[target.type_k]
+        params.n_batch = params.n_ubatch = 8
+        params.n_outputs_max = max(1, params.n_seq_max)
+        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(draft.handle, params)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create a context for {draft.path.name}")
+        self._ctx = ctx
+        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
+        self._mem = lc.llama_get_memory(ctx)
+        self.n_ctx: int = target.n_ctx
+        self.n_vocab: int = draft.n_vocab
+        #: the width of the hidden states it reads and gives (the target's)
+        self.n_embd: int = target.n_embd_out
+        self.n_past = 0
+        self.eval_seconds = 0.0
+        self._anchor: int | None = None  # the position its rows sit at, since a rollback
+        self._init_batch(1, self.n_embd)
+        self._batch.seq_id[0][0] = self._seq  # type: ignore[attr-defined]
+        draft._contexts.add(self)  # type: ignore[arg-type]
+
+    def encode(self, inputs: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The rows :meth:`eval` reads: the target's hidden states themselves."""
+        return inputs
+
+    def eval(
+        self, tokens: Sequence[int], inputs: npt.NDArray[np.float32], *, last: bool
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        """Count ``tokens`` as the text's next positions; with ``last``, decode the last
+        one with the last row of ``inputs`` (float32[len(tokens), n_embd]) at the step's
+        draft position and return the logits after it (float32[n_vocab], read-only view)
+        and the assistant's hidden state there (float32[n_embd], a copy), else None.
+
+        Raises:
+            ContextOverflowError: past the context.
+            BackendError: llama_decode failed.
+        """
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(self.n_past + n, self.n_ctx, prompt=False,
+                                       model=self.model.path.name)  # fmt: skip
+        if not last or n == 0:
+            self.n_past += n
+            return None
+        self.n_past += n - 1
+        if self._anchor is None:
+            self._anchor = self.n_past
+        t0 = time.perf_counter()
+        try:
+            self._tok[0] = tokens[-1]
+            self._emb[0] = inputs[-1]
+            self._pos[0] = self._anchor
+            self._out[0] = 1
+            self._batch.n_tokens = 1
+            rc = self._lc.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                self._lc.llama_memory_seq_rm(self._mem, self._seq, self._anchor, -1)
+                raise BackendError(f"llama_decode failed with code {rc} on "
+                                   f"{self.model.path.name}")  # fmt: skip
+            self.n_past += 1
+            logits = np.ctypeslib.as_array(
+                self._lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,)
+            )
+            logits.flags.writeable = False
+            h = np.ctypeslib.as_array(
+                self._ext.llama_get_embeddings_nextn_ith(self._ctx, -1), shape=(self.n_embd,)
+            ).copy()
+            return logits, h
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def rollback(self, n_keep: int) -> None:
+        """Keep the text's first ``n_keep`` positions, and remove the cells its rows left
+        in the target's sequence.
+
+        Raises:
+            ValueError: ``n_keep`` is negative or beyond ``n_past``.
+        """
+        if not 0 <= n_keep <= self.n_past:
+            raise ValueError(f"cannot roll back to {n_keep} with {self.n_past} positions")
+        if self._anchor is not None:
+            self._lc.llama_memory_seq_rm(self._mem, self._seq, self._anchor, -1)
+            self._anchor = None
+        self.n_past = n_keep
+
+    def save_state(self) -> bytes:
+        """Nothing: it holds nothing of its own (its cache is the target's)."""
+        return b""
+
+    def load_state(self, data: bytes, n_past: int) -> None:
+        """Follow a text of ``n_past`` positions (the target's state holds them)."""
+        self.rollback(min(self.n_past, n_past))
+        self.n_past = n_past
+
+    def token_seconds(self, repeats: int = 5) -> float:
+        """Seconds per draft token: the least of ``repeats`` rows at the position after
+        the target's sequence (whose cells they leave are removed again). It follows a
+        text of that length afterwards."""
+        end = int(self._lc.llama_memory_seq_pos_max(self._mem, self._seq)) + 1
+        row = np.zeros((1, self.n_embd), np.float32)
+        best = math.inf
+        for _ in range(repeats):
+            self.n_past = end
+            t0 = time.perf_counter()
+            self.eval([0], row, last=True)
+            best = min(best, time.perf_counter() - t0)
+            self.rollback(end)
+        return best
 
 
 def _meta_str(model: LlamaModel, key: str) -> str:
