@@ -280,3 +280,35 @@ def llama_cpp_chain(logits: npt.NDArray[np.float32], params: SamplerParams) -> d
     p = np.exp(z - z.max())
     p /= p.sum()
     return dict(zip(ids, p.tolist(), strict=True))
+
+
+def record_drafts(monkeypatch: Any, cls: type) -> list[list[int]]:
+    """Every draft ``cls.propose`` makes from now on (a step that asked for none left
+    out), in order: the list fills as the drafter drafts."""
+    drafts: list[list[int]] = []
+    propose = cls.propose
+
+    def recording(self: Any, history: Any, k: int, *a: Any, **kw: Any) -> Any:
+        draft = propose(self, history, k, *a, **kw)
+        if k > 0:
+            drafts.append(list(draft.tokens))
+        return draft
+
+    monkeypatch.setattr(cls, "propose", recording)
+    return drafts
+
+
+def check_head_choice(
+    base: list[str], drafter: str, taken: list[list[str]], refused: list[tuple[list[str], str]]
+) -> None:
+    """``run`` with ``base`` and each of ``taken``'s flags drafts with ``drafter`` (its
+    ``--json`` says so); with each of ``refused``'s it exits 2 with the needle in one
+    line of stderr."""
+    for extra in taken:
+        res = run_cli(*base, *extra)
+        assert res.returncode == 0, res.stderr
+        assert f'"{drafter}"'.encode() in res.stdout, res.stdout
+    for extra, needle in refused:
+        res = run_cli(*base, *extra)
+        err = res.stderr.decode()
+        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err

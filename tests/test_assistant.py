@@ -8,7 +8,6 @@ state, compared step by step with llama.cpp's (``llama-speculative-simple -v``, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from specgguf.speculative.drafters.assistant import AssistantDrafter
 from specgguf.speculative.loop import GenerationParams
 from specgguf.speculative.sampling import SamplerParams
 
-from .helpers import run_cli
+from .helpers import check_head_choice, record_drafts, run_cli
 from .test_mtp_oracle import run_llama
 
 PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
@@ -74,17 +73,7 @@ def test_the_assistant_drafts_as_llama_cpp(
     prompt = "Speculative decoding makes"
     llama = run_llama(tools, tiny_models["gemma4"], k, n, spec_type="draft-mtp",
                       draft=tiny_models["gemma4-assistant"], prompt=prompt)  # fmt: skip
-    drafts: list[list[int]] = []
-    propose = AssistantDrafter.propose
-
-    def recording(self: AssistantDrafter, history: Sequence[int], kk: int, *a: Any,
-                  **kw: Any) -> Any:  # fmt: skip
-        out = propose(self, history, kk, *a, **kw)
-        if kk > 0:
-            drafts.append(list(out.tokens))
-        return out
-
-    monkeypatch.setattr(AssistantDrafter, "propose", recording)
+    drafts = record_drafts(monkeypatch, AssistantDrafter)
     with engine(tiny_models, "assistant", k, n_threads=1) as e:
         ids = e.target_model.tokenize(prompt, add_special=True, parse_special=True)
         assert len(ids) == llama.n_prompt
@@ -121,19 +110,14 @@ def test_an_assistant_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> N
     are refused in one line (exit 2); ``info`` says what it needs."""
     t, a = str(tiny_models["gemma4"]), str(tiny_models["gemma4-assistant"])
     base = ["run", "-m", t, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "hi"]
-    for extra in (["-md", a, "--draft", "4"], ["-md", a, "--spec-type", "draft-mtp"]):
-        res = run_cli(*base, *extra)
-        assert res.returncode == 0, res.stderr
-        assert b'"assistant"' in res.stdout
-    for extra, needle in (
-        (["-md", a, "--drafter", "model"], "is a gemma4-assistant head, not a draft model"),
-        (["-md", a, "--drafter", "eagle3"], "it drafts as the assistant drafter"),
-        (["--drafter", "assistant"], "needs an MTP assistant as its draft model: give it"),
-        (["-md", str(tiny_models["eagle3"]), "--drafter", "assistant"], "is an eagle3 head"),
-    ):
-        res = run_cli(*base, *extra)
-        err = res.stderr.decode()
-        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    check_head_choice(
+        base, "assistant",
+        [["-md", a, "--draft", "4"], ["-md", a, "--spec-type", "draft-mtp"]],
+        [(["-md", a, "--drafter", "model"], "is a gemma4-assistant head, not a draft model"),
+         (["-md", a, "--drafter", "eagle3"], "it drafts as the assistant drafter"),
+         (["--drafter", "assistant"], "needs an MTP assistant as its draft model: give it"),
+         (["-md", str(tiny_models["eagle3"]), "--drafter", "assistant"], "is an eagle3 head")],
+    )  # fmt: skip
     res = run_cli("run", "-m", str(tiny_models["target"]), "-md", a, "-n", "4", "hi")
     err = res.stderr.decode()
     assert (

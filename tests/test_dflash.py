@@ -9,7 +9,6 @@ when ``scripts/bench-llama-cpp --build-only`` built it)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from specgguf.speculative.drafters.dflash import DFlashDrafter
 from specgguf.speculative.loop import GenerationParams
 from specgguf.speculative.sampling import SamplerParams
 
-from .helpers import run_cli
+from .helpers import check_head_choice, record_drafts, run_cli
 from .test_mtp_oracle import run_llama
 
 DRAFTS = ["dflash", "dflash-shared"]
@@ -92,16 +91,7 @@ def test_dflash_drafts_as_llama_cpp(
     prompt = "Speculative decoding makes"
     llama = run_llama(tools, tiny_models[target], k, n, spec_type="draft-dflash",
                       draft=tiny_models[draft], prompt=prompt)  # fmt: skip
-    drafts: list[list[int]] = []
-    propose = DFlashDrafter.propose
-
-    def recording(self: DFlashDrafter, history: Sequence[int], kk: int, *a: Any, **kw: Any) -> Any:
-        out = propose(self, history, kk, *a, **kw)
-        if kk > 0:
-            drafts.append(list(out.tokens))
-        return out
-
-    monkeypatch.setattr(DFlashDrafter, "propose", recording)
+    drafts = record_drafts(monkeypatch, DFlashDrafter)
     config = EngineConfig(
         ModelConfig(tiny_models[target], n_ctx=512, n_threads=1),
         ModelConfig(tiny_models[draft], n_ctx=512, n_threads=1),
@@ -181,19 +171,14 @@ def test_a_draft_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
     in one line."""
     t, draft = str(tiny_models["target"]), str(tiny_models["dflash"])
     base = ["run", "-m", t, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "hi"]
-    for extra in (["-md", draft, "--draft", "4"], ["-md", draft, "--spec-type", "draft-dflash"]):
-        res = run_cli(*base, *extra)
-        assert res.returncode == 0, res.stderr
-        assert b'"dflash"' in res.stdout
-    for extra, needle in (
-        (["-md", draft, "--drafter", "model"], "is a dflash head, not a draft model"),
-        (["-md", draft, "--drafter", "eagle3"], "is a dflash head: it drafts as the dflash"),
-        (["-md", str(tiny_models["eagle3"]), "--drafter", "dflash"], "is an eagle3 head: it"),
-        (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md"),
-    ):
-        res = run_cli(*base, *extra)
-        err = res.stderr.decode()
-        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    check_head_choice(
+        base, "dflash",
+        [["-md", draft, "--draft", "4"], ["-md", draft, "--spec-type", "draft-dflash"]],
+        [(["-md", draft, "--drafter", "model"], "is a dflash head, not a draft model"),
+         (["-md", draft, "--drafter", "eagle3"], "is a dflash head: it drafts as the dflash"),
+         (["-md", str(tiny_models["eagle3"]), "--drafter", "dflash"], "is an eagle3 head: it"),
+         (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md")],
+    )  # fmt: skip
 
 
 def test_a_draft_made_for_another_target_is_refused(

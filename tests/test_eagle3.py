@@ -8,7 +8,6 @@ of the committed text, compared step by step with llama.cpp's (``llama-speculati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from specgguf.speculative.drafters.eagle3 import Eagle3Drafter
 from specgguf.speculative.loop import GenerationParams
 from specgguf.speculative.sampling import SamplerParams
 
-from .helpers import run_cli
+from .helpers import check_head_choice, record_drafts, run_cli
 from .test_mtp_oracle import run_llama
 
 HEADS = ["eagle3", "eagle3-d2t"]
@@ -110,18 +109,13 @@ def test_a_head_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
     with it, and ``--drafter eagle3`` with a draft model or none, are refused in one line."""
     t, head = str(tiny_models["target"]), str(tiny_models["eagle3"])
     base = ["run", "-m", t, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "hi"]
-    for extra in (["-md", head, "--draft", "4"], ["-md", head, "--spec-type", "draft-eagle3"]):
-        res = run_cli(*base, *extra)
-        assert res.returncode == 0, res.stderr
-        assert b'"eagle3"' in res.stdout
-    for extra, needle in (
-        (["-md", head, "--drafter", "model"], "is an eagle3 head, not a draft model"),
-        (["-md", str(tiny_models["draft-partial"]), "--drafter", "eagle3"], "needs an EAGLE-3"),
-        (["--drafter", "eagle3"], "needs an EAGLE-3 head as its draft model: give it with -md"),
-    ):
-        res = run_cli(*base, *extra)
-        err = res.stderr.decode()
-        assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    check_head_choice(
+        base, "eagle3",
+        [["-md", head, "--draft", "4"], ["-md", head, "--spec-type", "draft-eagle3"]],
+        [(["-md", head, "--drafter", "model"], "is an eagle3 head, not a draft model"),
+         (["-md", str(tiny_models["draft-partial"]), "--drafter", "eagle3"], "needs an EAGLE-3"),
+         (["--drafter", "eagle3"], "needs an EAGLE-3 head as its draft model: give it with -md")],
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -135,16 +129,7 @@ def test_eagle3_drafts_as_llama_cpp(
     prompt = "Speculative decoding makes"
     llama = run_llama(tools, tiny_models["target"], k, n, spec_type="draft-eagle3",
                       draft=tiny_models[head], prompt=prompt)  # fmt: skip
-    drafts: list[list[int]] = []
-    propose = Eagle3Drafter.propose
-
-    def recording(self: Eagle3Drafter, history: Sequence[int], kk: int, *a: Any, **kw: Any) -> Any:
-        draft = propose(self, history, kk, *a, **kw)
-        if kk > 0:
-            drafts.append(list(draft.tokens))
-        return draft
-
-    monkeypatch.setattr(Eagle3Drafter, "propose", recording)
+    drafts = record_drafts(monkeypatch, Eagle3Drafter)
     with engine(tiny_models, head, "eagle3", k, n_threads=1) as e:
         vocab = e.target_model
         ids = vocab.tokenize(prompt, add_special=True, parse_special=True)

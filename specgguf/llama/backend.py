@@ -1772,6 +1772,53 @@ class DraftHead(_Native):
     #: text positions before the first the KV cache holds (an EAGLE-3 head's row 0)
     _offset = 0
 
+    def _open(self, model: LlamaModel, target: LlamaContext, what: str, **params: Any) -> None:
+        """Create the head's context for ``model`` beside ``target`` (its ``ctx_other``:
+        the target's embeddings, LM head or cache where the head reads them), as large as
+        the target's sequence, one sequence, the target's threads, with llama.cpp's
+        context ``params`` given (n_ubatch, n_outputs_max, ...), and its own hidden state
+        kept for the rows it outputs (``llama_set_embeddings_nextn``). Sets the context,
+        its memory, ``model``, ``n_ctx`` and ``n_batch``.
+
+        Raises:
+            BackendError: llama.cpp could not create it (``what``: the context, in words).
+        """
+        from llama_cpp import llama_cpp_ext
+
+        lc = self._lc
+        cp = lc.llama_context_default_params()
+        cp.ctx_other = target._ctx
+        cp.n_ctx = target.n_ctx_allocated
+        cp.n_batch = target.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = lc.llama_n_threads(target._ctx)
+        cp.no_perf = True
+        for name, value in params.items():
+            setattr(cp, name, value)
+        ctx = lc.llama_init_from_model(model.handle, cp)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create {what} for {model.path.name}")
+        self._ctx = ctx
+        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
+        self._mem = lc.llama_get_memory(ctx)
+        self.n_ctx = target.n_ctx
+        self.n_batch = target.n_batch
+
+    def _last_output(self, width: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """The logits after the latest decode's last output row (float32[n_vocab],
+        read-only view of llama.cpp's buffer until the next decode) and the head's hidden
+        state there (float32[width], a copy)."""
+        from llama_cpp import llama_cpp_ext
+
+        logits = np.ctypeslib.as_array(
+            self._lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,)
+        )
+        logits.flags.writeable = False
+        h = np.ctypeslib.as_array(
+            llama_cpp_ext.llama_get_embeddings_nextn_ith(self._ctx, -1), shape=(width,)
+        ).copy()
+        return logits, h
+
     def _init_batch(self, n_batch: int, width: int) -> None:
         """A batch of token ids and input rows of ``width`` values together:
         llama_batch_init allocates either, so the token array is ours (and detached again
@@ -1891,33 +1938,14 @@ class MtpHead(DraftHead):
     """
 
     def __init__(self, target: LlamaContext) -> None:
-        from llama_cpp import llama_cpp_ext
-
         self._lc = lc = target._lc
-        self._ext = llama_cpp_ext
         self.model = model = target.model
         self._ctx: Any = None
         self._batch: Any = None
         if not model.n_layer_nextn:
             raise BackendError(f"{model.path.name} has no multi-token-prediction layers loaded")
-        params = lc.llama_context_default_params()
-        params.ctx_type = lc.LLAMA_CONTEXT_TYPE_MTP
-        params.ctx_other = target._ctx
-        params.n_ctx = target.n_ctx_allocated
-        params.n_batch = target.n_batch
-        params.n_ubatch = min(target.n_batch, 128)
-        params.n_seq_max = 1
-        params.n_outputs_max = 1
-        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
-        params.no_perf = True
-        ctx = lc.llama_init_from_model(model.handle, params)
-        if not ctx:
-            raise BackendError(f"llama.cpp could not create an MTP context for {model.path.name}")
-        self._ctx = ctx
-        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
-        self._mem = lc.llama_get_memory(ctx)
-        self.n_ctx: int = target.n_ctx
-        self.n_batch: int = target.n_batch
+        self._open(model, target, "an MTP context", ctx_type=lc.LLAMA_CONTEXT_TYPE_MTP,
+                   n_ubatch=min(target.n_batch, 128), n_outputs_max=1)  # fmt: skip
         self.n_vocab: int = model.n_vocab
         self.n_embd: int = target.n_embd_out
         self.n_past = 0
@@ -1971,14 +1999,7 @@ class MtpHead(DraftHead):
                 self.n_past += m
             if not last:
                 return None
-            logits = np.ctypeslib.as_array(
-                self._lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,)
-            )
-            logits.flags.writeable = False
-            h = np.ctypeslib.as_array(
-                self._ext.llama_get_embeddings_nextn_ith(self._ctx, -1), shape=(self.n_embd,)
-            ).copy()
-            return logits, h
+            return self._last_output(self.n_embd)
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
@@ -2032,26 +2053,11 @@ class Eagle3Head(DraftHead):
                                f"this one is {target.n_hidden // 3} wide")  # fmt: skip
         #: the target's layers whose inputs it reads
         self.target_layers = layers
-        params = lc.llama_context_default_params()
-        params.ctx_other = target._ctx
-        params.n_ctx = target.n_ctx_allocated
-        params.n_batch = target.n_batch
         # (its encoder takes a batch in one micro-batch: encode() sends pieces of n_ubatch,
         # each an output, which sizes a logits buffer over the target's vocabulary)
-        params.n_ubatch = min(target.n_batch, 32)
-        params.n_seq_max = 1
-        params.n_outputs_max = params.n_ubatch
-        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
-        params.no_perf = True
-        ctx = lc.llama_init_from_model(draft.handle, params)
-        if not ctx:
-            raise BackendError(f"llama.cpp could not create a context for {draft.path.name}")
-        self._ctx = ctx
-        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
-        self._mem = lc.llama_get_memory(ctx)
-        self.n_ctx: int = target.n_ctx
-        self.n_batch: int = target.n_batch
-        self.n_ubatch: int = int(lc.llama_n_ubatch(ctx))
+        n_ubatch = min(target.n_batch, 32)
+        self._open(draft, target, "a context", n_ubatch=n_ubatch, n_outputs_max=n_ubatch)
+        self.n_ubatch: int = int(lc.llama_n_ubatch(self._ctx))
         self.n_vocab: int = target.n_vocab
         #: the width of the target's hidden states it reads (three layers' inputs)
         self.n_embd: int = target.n_hidden
@@ -2140,14 +2146,7 @@ class Eagle3Head(DraftHead):
                 self.n_past += m
             if not last:
                 return None
-            logits = np.ctypeslib.as_array(
-                self._lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,)
-            )
-            logits.flags.writeable = False
-            h = np.ctypeslib.as_array(
-                self._ext.llama_get_embeddings_nextn_ith(self._ctx, -1), shape=(self.n_embd_dec,)
-            ).copy()
-            return logits, h
+            return self._last_output(self.n_embd_dec)
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
@@ -2186,7 +2185,6 @@ class DFlashHead(DraftHead):
     """
 
     def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
-        from llama_cpp import llama_cpp_ext
 
         self._lc = lc = target._lc
         self.model = draft
@@ -2214,24 +2212,10 @@ class DFlashHead(DraftHead):
             raise BackendError(
                 f"{draft.path.name} has no mask token (tokenizer.ggml.mask_token_id)"
             )
-        params = lc.llama_context_default_params()
-        params.ctx_other = target._ctx
-        params.n_ctx = target.n_ctx_allocated
-        params.n_batch = target.n_batch
-        params.n_ubatch = min(target.n_batch, 512)
-        params.n_seq_max = 1
-        params.n_outputs_max = self.block_size
-        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
-        params.no_perf = True
-        ctx = lc.llama_init_from_model(draft.handle, params)
-        if not ctx:
-            raise BackendError(f"llama.cpp could not create a context for {draft.path.name}")
-        self._ctx = ctx
-        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
-        lc.llama_set_causal_attn(ctx, _meta_str(draft, "dflash.attention.causal") == "true")
-        self._mem = lc.llama_get_memory(ctx)
-        self.n_ctx: int = target.n_ctx
-        self.n_batch: int = target.n_batch
+        self._open(draft, target, "a context", n_ubatch=min(target.n_batch, 512),
+                   n_outputs_max=self.block_size)  # fmt: skip
+        causal = _meta_str(draft, "dflash.attention.causal") == "true"
+        lc.llama_set_causal_attn(self._ctx, causal)
         self.n_vocab: int = draft.n_vocab
         #: the width of the target's rows it reads (its layers' inputs side by side)
         self.n_embd: int = target.n_hidden
@@ -2396,10 +2380,7 @@ class AssistantHead(DraftHead):
     """
 
     def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
-        from llama_cpp import llama_cpp_ext
-
         self._lc = lc = target._lc
-        self._ext = llama_cpp_ext
         self.model = draft
         self._ctx: Any = None
         self._batch: Any = None
@@ -2409,24 +2390,12 @@ class AssistantHead(DraftHead):
                                f"context (made for a target {width} wide)")  # fmt: skip
         self._target = target
         self._seq = target._home  # (its sequence of the target's cache)
-        params = lc.llama_context_default_params()
-        params.ctx_other = target._ctx
         # (its cache is the target's: laid out alike)
-        params.n_ctx = lc.llama_n_ctx(target._ctx)
-        params.n_seq_max = lc.llama_n_seq_max(target._ctx)
-        params.kv_unified = target.kv_unified
-        params.type_k = KV_CACHE_TYPES[target.type_k]
-        params.n_batch = params.n_ubatch = 8
-        params.n_outputs_max = max(1, params.n_seq_max)
-        params.n_threads = params.n_threads_batch = lc.llama_n_threads(target._ctx)
-        params.no_perf = True
-        ctx = lc.llama_init_from_model(draft.handle, params)
-        if not ctx:
-            raise BackendError(f"llama.cpp could not create a context for {draft.path.name}")
-        self._ctx = ctx
-        llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, True)
-        self._mem = lc.llama_get_memory(ctx)
-        self.n_ctx: int = target.n_ctx
+        n_seq = lc.llama_n_seq_max(target._ctx)
+        self._open(draft, target, "a context", n_ctx=lc.llama_n_ctx(target._ctx),
+                   n_seq_max=n_seq, kv_unified=target.kv_unified,
+                   type_k=KV_CACHE_TYPES[target.type_k], n_batch=8, n_ubatch=8,
+                   n_outputs_max=max(1, n_seq))  # fmt: skip
         self.n_vocab: int = draft.n_vocab
         #: the width of the hidden states it reads and gives (the target's)
         self.n_embd: int = target.n_embd_out
@@ -2476,14 +2445,7 @@ class AssistantHead(DraftHead):
                 raise BackendError(f"llama_decode failed with code {rc} on "
                                    f"{self.model.path.name}")  # fmt: skip
             self.n_past += 1
-            logits = np.ctypeslib.as_array(
-                self._lc.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,)
-            )
-            logits.flags.writeable = False
-            h = np.ctypeslib.as_array(
-                self._ext.llama_get_embeddings_nextn_ith(self._ctx, -1), shape=(self.n_embd,)
-            ).copy()
-            return logits, h
+            return self._last_output(self.n_embd)
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
