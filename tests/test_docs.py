@@ -16,10 +16,11 @@ import pytest
 import typer
 import typer.core
 
-import specgguf.cli  # noqa: F401  (importing it registers every command on the app)
-from specgguf.cli.app import app
+from specgguf.cli import full_app
 
 from .helpers import ROOT
+
+app = full_app()
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 

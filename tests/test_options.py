@@ -14,14 +14,15 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specgguf.cli import bench, plan, run, serve
+from specgguf.cli import bench, full_app, plan, run, serve
 from specgguf.cli import options as o
-from specgguf.cli.app import app
 from specgguf.cli.flags import Options, config_args, flags, option, takes
 from specgguf.engine.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from specgguf.speculative.sampling import SamplerParams
 
 from .helpers import run_cli
+
+app = full_app()
 
 COMMANDS = {"run": run.run, "serve": serve.serve, "bench": bench.bench, "plan": plan.plan}
 CONCERNS = (o.ModelOptions, o.DraftOptions, o.SamplingOptions, o.ServerOptions, o.CacheOptions)

@@ -747,8 +747,9 @@ def test_warns_when_listening_beyond_loopback_without_a_key(
 
     import specgguf.server
     import specgguf.server.listen
-    from specgguf.cli import app
+    from specgguf.cli import full_app
 
+    app = full_app()
     served: list[Any] = []
     monkeypatch.setattr(specgguf.server.listen, "is_loopback", lambda sock: False)
     monkeypatch.setattr(specgguf.server, "serve", lambda *a, **kw: served.append(a[1]))
