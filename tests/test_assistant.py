@@ -120,10 +120,31 @@ def test_an_assistant_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> N
     )  # fmt: skip
     res = run_cli("run", "-m", str(tiny_models["target"]), "-md", a, "-n", "4", "hi")
     err = res.stderr.decode()
-    assert (
-        res.returncode == 2 and "drafts for a gemma4 target, and tiny-target.gguf is llama" in err
-    )
+    assert res.returncode == 2 and "drafts for a gemma4 target, and this one is llama" in err
     res = run_cli("info", a)
     assert (
         "a gemma4-assistant head for a target 64 wide, reading its KV cache" in res.stdout.decode()
     )
+
+
+def test_check_says_which_target_an_assistant_drafts_for(tiny_models: dict[str, Path]) -> None:
+    """``check`` finds what ``run`` refuses: an assistant beside a llama target."""
+    res = run_cli("check", str(tiny_models["target"]), str(tiny_models["gemma4-assistant"]))
+    out = res.stdout.decode()
+    assert res.returncode == 4 and "[head-fit]" in out, out
+    assert "the MTP assistant drafts for a gemma4 target, and this one is llama" in out
+    res = run_cli("check", str(tiny_models["gemma4"]), str(tiny_models["gemma4-assistant"]))
+    assert res.returncode == 0, res.stdout
+
+
+def test_mtp_means_the_assistant_where_one_was_loaded(
+    tiny_models: dict[str, Path], alone: list[list[int]]
+) -> None:
+    """llama.cpp's draft-mtp drafts with an MTP assistant given as -md: a request's
+    ``speculative.drafter`` ``mtp`` (or ``draft-mtp``) does here too, as ``--drafter mtp``."""
+    params = GenerationParams(n_predict=80, sampler=GREEDY, ignore_eos=True, drafter="mtp")
+    with engine(tiny_models, "auto") as e:
+        assert e.missing("mtp") is None
+        res = e.generate(PROMPTS[0], params).run()
+    assert res.tokens == alone[0]
+    assert set(res.stats.by_drafter) <= {"assistant", "none"} and res.stats.drafted > 0

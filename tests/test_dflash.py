@@ -177,8 +177,13 @@ def test_a_draft_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
         [(["-md", draft, "--drafter", "model"], "is a dflash head, not a draft model"),
          (["-md", draft, "--drafter", "eagle3"], "is a dflash head: it drafts as the dflash"),
          (["-md", str(tiny_models["eagle3"]), "--drafter", "dflash"], "is an eagle3 head: it"),
-         (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md")],
+         (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md"),
+         (["-md", draft, "--drafter", "mtp"], "is a dflash head: it drafts as the dflash")],
     )  # fmt: skip
+    # a draft length past the block is said, and drafts what the block holds
+    res = run_cli(*base, "-md", draft, "--draft", "16")
+    assert res.returncode == 0, res.stderr
+    assert b"a draft length of 16 does not fit tiny-dflash.gguf's blocks of 8" in res.stderr
 
 
 def test_a_draft_made_for_another_target_is_refused(
@@ -244,4 +249,5 @@ def test_info_says_what_the_draft_needs(tiny_models: dict[str, Path]) -> None:
     res = run_cli("info", str(tiny_models["dflash-shared"]))
     out = res.stdout.decode()
     assert res.returncode == 0, res.stderr
-    assert "a dflash head for a target 64 wide, reading the inputs of its layers 1" in out
+    assert "a dflash head for a target 64 wide, reading the inputs of its layer 1;" in out
+    assert "blocks of 8 (drafts of at most 7 tokens)" in out

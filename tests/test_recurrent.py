@@ -598,7 +598,7 @@ def test_an_mtp_assistant_for_another_target_is_refused_in_one_line(
     res = run_cli("run", "-m", str(tiny_models["mtp"]), "-md",
                   str(tiny_models["gemma4-assistant"]), "-n", "4", "hi")  # fmt: skip
     err = res.stderr.decode()
-    assert res.returncode == 2 and "drafts for a gemma4 target, and tiny-mtp.gguf is" in err, err
+    assert res.returncode == 2 and "drafts for a gemma4 target, and this one is qwen35" in err, err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -18,7 +18,7 @@ from specgguf.cli.output import (
     stdout_console,
     tok,
 )
-from specgguf.gguf.arch import article
+from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article
 
 if TYPE_CHECKING:
     from specgguf.gguf.info import ModelInfo
@@ -64,7 +64,8 @@ def info(
         ("name", mi["name"] or "-"),
         ("architecture", mi["architecture"] or "-"),
         ("memory", _memory(mi)),
-        ("MTP layers", str(mi["nextn_layers"]) if mi["nextn_layers"] else "none"),
+        *([] if mi["architecture"] in DRAFT_HEAD_ARCHS else [
+            ("MTP layers", str(mi["nextn_layers"]) if mi["nextn_layers"] else "none")]),
         *([("draft head", _head(mi))] if mi["target_layers"] or mi["target_width"] else []),
         ("size label", mi["size_label"] or "-"),
         ("quantization", mi["quantization"] or "-"),
@@ -131,18 +132,24 @@ def _head(mi: dict[str, Any]) -> str:
     32,000 ids of its own (d2t)``: what a draft head needs of its target."""
     vocab = (f"{mi['draft_vocab']:,} ids of its own mapped onto the target's (d2t)"
              if mi["draft_vocab"] else "the target's vocabulary")  # fmt: skip
-    reads = (f"reading the inputs of its layers {', '.join(map(str, mi['target_layers']))}"
-             if mi["target_layers"] else "reading its KV cache and hidden states")  # fmt: skip
+    layers = mi["target_layers"]
+    reads = (f"reading the inputs of its layer{'s' * (len(layers) > 1)} "
+             f"{', '.join(map(str, layers))}" if layers
+             else "reading its KV cache and hidden states")  # fmt: skip
+    block = (f"; blocks of {mi['draft_block']} (drafts of at most {mi['draft_block'] - 1} "
+             "tokens)" if mi["draft_block"] else "")  # fmt: skip
     return (
         f"{article(arch := mi['architecture'])} {arch} head for a target "
-        f"{mi['target_width'] or '?'} wide, {reads}; {vocab}; give it with -md beside its "
-        "target"
+        f"{mi['target_width'] or '?'} wide, {reads}; {vocab}{block}; give it with -md beside "
+        "its target"
     )
 
 
 def _memory(mi: dict[str, Any]) -> str:
     """``KV cache``, or ``hybrid: KV cache + recurrent state (2 layers, 11.0 KiB per
     sequence), rolled back by snapshots``."""
+    if mi["architecture"] == "gemma4-assistant":
+        return "none of its own: it reads the target's KV cache"
     if mi["memory"] == "attention":
         return "KV cache"
     state = (f"recurrent state ({mi['recurrent_layers']} layers, "

@@ -153,8 +153,9 @@ class ModelOptions:
     )  # fmt: skip
     model_draft: str | None = option(
         None, "-md", "-d", "--model-draft", "--spec-draft-model", panel=SPEC,
-        help="Draft model: a .gguf file, an alias, or org/name:QUANT when cached. Default: "
-        "the best compatible one already on disk (see --no-draft).",
+        help="Draft model, or a draft head (an EAGLE-3 head, a DFlash draft, an MTP "
+        "assistant: its drafter then drafts): a .gguf file, an alias, or org/name:QUANT when "
+        "cached. Default: the best compatible draft model already on disk (see --no-draft).",
     )  # fmt: skip
     hf_repo: str | None = option(
         None, "-hf", "-hfr", "--hf-repo", metavar="REPO[:QUANT]",
@@ -296,7 +297,7 @@ class DraftOptions:
         help="llama.cpp's name for --drafter: "
         + "; ".join(f"{', '.join(t for t, k in SPEC_TYPES.items() if k == kind)} = {kind}"
                     for kind in dict.fromkeys(SPEC_TYPES.values()) if kind != NONE)
-        + "; several kinds = auto; none.",
+        + " (assistant with an MTP assistant as -md); several kinds = auto; none.",
     )  # fmt: skip
 
 
@@ -649,8 +650,17 @@ def engine_config(
             model_draft = str(pair.draft)
     target_path = model_path(model, load.registry)
     draft_path = model_path(model_draft, load.registry) if model_draft is not None else None
-    if drafter == "mtp" and draft_path is not None and _draft_kind(draft_path) == "assistant":
+    head_kind = _draft_kind(draft_path) if draft_path is not None else "model"
+    if drafter == "mtp" and head_kind == "assistant":
         drafter = "assistant"  # (llama.cpp's draft-mtp, with an MTP assistant as -md)
+    if (
+        draft_path is not None
+        and drafter not in (None, AUTO, "model")
+        and head_kind not in ("model", drafter)
+    ):
+        arch = _architecture(draft_path)
+        raise UsageError(f"the draft {draft_path.name} is {article(arch)} {arch} head: it "
+                         f"drafts as the {head_kind} drafter (or in auto mode)")  # fmt: skip
     if (arch := _architecture(target_path)) in DRAFT_HEAD_ARCHS:
         raise UsageError(f"{target_path.name} is {article(arch)} {arch} draft head, not "
                          "a model: give it with -md beside its target")  # fmt: skip

@@ -248,26 +248,23 @@ def _assistant_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
     return AssistantHead(model, seq)
 
 
-#: A target an MTP assistant can draft for: its architecture, whose last two layers are a
-#: sliding-window and a full-attention one (whose cache the assistant reads)
-ASSISTANT_TARGETS = {"gemma4-assistant": "gemma4"}
+#: MTP assistants' architectures (each drafts for its target's architecture: ``head_fit``)
+ASSISTANT_ARCHS = frozenset({"gemma4-assistant"})
 
 
 def _check_assistant(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None) -> None:
-    if draft is None or draft.architecture not in ASSISTANT_TARGETS:
+    from specgguf.gguf.arch import head_fit
+
+    if draft is None or draft.architecture not in ASSISTANT_ARCHS:
         got = ("none was given" if draft is None
                else f"{draft.path.name} is {draft.architecture}")  # fmt: skip
         raise UsageError("the assistant drafter needs an MTP assistant as its draft model (a "
                          f"GGUF of architecture gemma4-assistant); {got}")  # fmt: skip
-    want = ASSISTANT_TARGETS[draft.architecture]
-    if target.architecture != want:
-        raise UsageError(f"the assistant drafter: {draft.path.name} drafts for a {want} "
-                         f"target, and {target.path.name} is {target.architecture}")  # fmt: skip
-    if draft.target_width and target.embedding_length != draft.target_width:
+    why = head_fit(target.architecture, target.embedding_length, None, draft.architecture, (),
+                   draft.target_width)  # fmt: skip
+    if why:
         raise UsageError(f"the assistant drafter cannot draft with {draft.path.name} for "
-                         f"{target.path.name}: it was made for a target "
-                         f"{draft.target_width} wide, and this one is "
-                         f"{target.embedding_length} wide")  # fmt: skip
+                         f"{target.path.name}: {why[0]}")  # fmt: skip
 
 
 def _dflash_head(model: LlamaModel, seq: LlamaContext) -> DraftHead:
@@ -320,7 +317,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
             make=_heads(AssistantDrafter, "assistant"), arm=_evaluated_arm,
             needs=Needs(draft_model=True, what="an MTP assistant as its draft model"),
             evaluated=True, check=_check_assistant,
-            head=HeadSpec(_assistant_head, architectures=frozenset(ASSISTANT_TARGETS)),
+            head=HeadSpec(_assistant_head, architectures=ASSISTANT_ARCHS),
         ),
         DrafterEntry(
             "dflash", "a DFlash block-diffusion draft given as -md",

@@ -197,6 +197,13 @@ class Engine:
                 if mtp:
                     what = f"its {self.target_model.n_layer_nextn} multi-token-prediction layer(s)"
                 log.info("%s: drafting with %s", self.target_model.path.name, what)
+                block = getattr(self.heads[0], "block_size", 0)
+                if block and spec.draft_max >= block and (
+                    spec.draft_max != default_draft_max(spec.drafter)  # asked for
+                ):
+                    log.warning("a draft length of %d does not fit %s's blocks of %d: its "
+                                "drafts have at most %d tokens", spec.draft_max,
+                                head_model.path.name, block, block - 1)  # fmt: skip
             if self.target_ctx.replays and spec.drafter != "none":
                 log.info("the target is %s: rejected drafts are dropped by checkpoint and "
                          "replay", describe(t_info.architecture))  # fmt: skip
@@ -562,7 +569,12 @@ class Engine:
             UsageError: no drafter has that name.
         """
         check_drafter(kind)
-        return missing(kind, self.slots[0].drafting)
+        return missing(self._drafter_named(kind), self.slots[0].drafting)
+
+    def _drafter_named(self, kind: str) -> str:
+        """The drafter ``kind`` means here: ``mtp`` is an MTP assistant where one was
+        loaded as the draft (llama.cpp's draft-mtp drafts with either)."""
+        return "assistant" if kind == "mtp" and self.head_kind == "assistant" else kind
 
     def planner(self, params: GenerationParams, slot: int | None = None) -> Planner:
         """The planner of one generation: the drafter, draft length, minimum draft length
@@ -576,6 +588,7 @@ class Engine:
         spec = self.config.speculative
         kind = params.drafter or spec.drafter
         check_drafter(kind)
+        kind = self._drafter_named(kind)
         draft_max = spec.draft_max if params.draft_max is None else params.draft_max
         if params.draft_max is None and spec.drafter == "auto" and kind != "auto":
             # auto's largest draft is for its lookup copies; a fixed drafter asked for per

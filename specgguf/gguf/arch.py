@@ -12,6 +12,7 @@ draft in a copy of their sequence (``backend.LlamaContext.scratch``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 MemoryKind = Literal["attention", "recurrent", "hybrid"]
@@ -82,6 +83,16 @@ LAYER_INPUT_ARCHS = frozenset({
 })  # fmt: skip
 
 
+def head_width(head_arch: str | None, key: Callable[[str], int | None]) -> int:
+    """The width of the target a draft head of ``head_arch`` was made for, from its
+    ``{arch}.*`` integers (``key("embedding_length")``): an EAGLE-3 head's
+    ``target_hidden_size``, an MTP assistant's ``embedding_length_out``, a DFlash draft's
+    own width (it reads a target as wide as itself); 0 for a model."""
+    name = {"eagle3": "target_hidden_size", "gemma4-assistant": "embedding_length_out",
+            "dflash": "embedding_length"}.get(head_arch or "")  # fmt: skip
+    return (key(name) or 0) if name else 0
+
+
 def head_fit(
     target_arch: str | None,
     target_width: int | None,
@@ -90,13 +101,23 @@ def head_fit(
     head_layers: tuple[int, ...],
     head_width: int | None,
 ) -> list[str]:
-    """Why a draft head that reads the inputs of the target's layers (``head_arch``
-    "eagle3" or "dflash", reading ``head_layers`` of a target ``head_width`` wide: an
-    EAGLE-3 head's ``target_hidden_size``, a DFlash draft's own width) cannot draft for a
+    """Why a draft head (``head_arch``: "eagle3" or "dflash", reading the inputs of
+    ``head_layers`` of a target ``head_width`` wide: an EAGLE-3 head's
+    ``target_hidden_size``, a DFlash draft's own width; "gemma4-assistant", reading a gemma4
+    target's cache, ``head_width`` its ``embedding_length_out``) cannot draft for a
     target of ``target_arch``, ``target_width`` and ``target_layers`` layers, in words;
     empty where it can, or where the draft is no such head. (llama.cpp checks none of it: a
     head made for another model reads rows of another width, or layers the target does not
     have.)"""
+    if head_arch == "gemma4-assistant":
+        out = []
+        if target_arch != "gemma4":
+            out.append(f"the MTP assistant drafts for a gemma4 target, and this one is "
+                       f"{target_arch}")  # fmt: skip
+        if head_width and target_width and head_width != target_width:
+            out.append(f"the MTP assistant was made for a target {head_width} wide, and this "
+                       f"one is {target_width} wide")  # fmt: skip
+        return out
     name = {"eagle3": "EAGLE-3 head", "dflash": "DFlash draft"}.get(head_arch or "")
     if name is None:
         return []
@@ -113,5 +134,5 @@ def head_fit(
                    f"{target_width} wide")  # fmt: skip
     if target_layers and any(not 0 <= lid < target_layers for lid in head_layers):
         out.append(f"the {name} reads layers {list(head_layers)}, and the target has "
-                   f"{target_layers}")  # fmt: skip
+                   f"{target_layers} layers")  # fmt: skip
     return out

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import GGUFFormatError, ModelLoadError
-from specgguf.gguf.arch import MemoryKind, memory_kind, rolls_back
+from specgguf.gguf.arch import MemoryKind, head_width, memory_kind, rolls_back
 from specgguf.gguf.loadcheck import load_findings
 from specgguf.gguf.metadata import FILE_TYPES, ArrayRef, Finding, GGUFMetadata, TensorInfo, shown
 from specgguf.gguf.vocab import VocabInfo, read_vocab
@@ -134,6 +134,8 @@ class ModelInfo:
     target_width: int = 0
     draft_vocab: int = 0
     head_variant: str = ""
+    #: a DFlash draft's trained block (``dflash.block_size``: it drafts at most one less)
+    draft_block: int = 0
 
     @property
     def memory(self) -> MemoryKind:
@@ -174,6 +176,7 @@ class ModelInfo:
             "target_width": self.target_width,
             "draft_vocab": self.draft_vocab,
             "head_variant": self.head_variant,
+            "draft_block": self.draft_block,
             "recurrent_layers": self.recurrent_layers,
             "recurrent_state_bytes": self.recurrent_state_bytes,
             "name": self.name,
@@ -328,8 +331,11 @@ def read_model_info(path: Path | str) -> ModelInfo:
             findings=tuple(findings),
             nextn_layers=nextn,
             target_layers=_numbers(meta, meta.arch_key("target_layers")),
-            target_width=_target_width(meta),
+            target_width=head_width(meta.architecture, lambda key: _int(meta.arch_key(key))),
             draft_vocab=next((t.shape[0] for t in tensors if t.name == "d2t"), 0),
+            draft_block=(_int(meta.arch_key("block_size")) or 0)
+            if meta.architecture == "dflash"
+            else 0,
             head_variant=_head_variant(meta.architecture, {t.name for t in tensors}),
             recurrent_layers=n_rec,
             recurrent_state_bytes=n_rec * 4 * _state_values(meta),
@@ -345,15 +351,3 @@ def _head_variant(architecture: str | None, tensors: set[str]) -> str:
     if "selector_hidden.weight" in tensors:
         return "a DFlash2 draft (a selector)"
     return ""
-
-
-def _target_width(meta: GGUFMetadata) -> int:
-    """See :attr:`ModelInfo.target_width`: an EAGLE-3 head's ``target_hidden_size``, an MTP
-    assistant's ``embedding_length_out``, a DFlash draft's own width; 0 for a model."""
-    if meta.architecture == "eagle3":
-        return _int(meta.arch_key("target_hidden_size")) or 0
-    if meta.architecture == "gemma4-assistant":
-        return _int(meta.arch_key("embedding_length_out")) or 0
-    if meta.architecture == "dflash":
-        return _int(meta.arch_key("embedding_length")) or 0
-    return 0

@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from specgguf.errors import ModelLoadError
-from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article, head_fit, memory_kind, rolls_back
+from specgguf.gguf.arch import (
+    DRAFT_HEAD_ARCHS,
+    article,
+    head_fit,
+    head_width,
+    memory_kind,
+    rolls_back,
+)
 from specgguf.gguf.loadcheck import load_findings
 from specgguf.gguf.metadata import ArrayRef, Finding, GGUFMetadata, Severity, shown
 
@@ -581,8 +588,8 @@ def _head_rules(tm: GGUFMetadata, dm: GGUFMetadata) -> list[tuple[str, str]]:
     fit = head_fit(
         tm.architecture, _int(tm.arch_key("embedding_length")), n_layer or None,
         dm.architecture, tuple(int(x) for x in dm.numbers(layers)) if isinstance(
-            layers, ArrayRef) else (), _int(dm.arch_key("target_hidden_size")) or (
-                _int(dm.arch_key("embedding_length")) if dm.architecture == "dflash" else None),
+            layers, ArrayRef) else (),
+        head_width(dm.architecture, lambda key: _int(dm.arch_key(key))),
     )  # fmt: skip
     return out + [("head-fit", msg) for msg in fit]
 
