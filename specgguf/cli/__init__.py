@@ -26,9 +26,11 @@ COMMANDS = {
 
 
 def register(argv: list[str] | None = None) -> None:
-    """Register the command that ``argv`` (the arguments after the program name) runs, or
-    every command where its first argument names none."""
+    """Register the command that ``argv`` (the arguments after the program name) runs, none
+    for ``--version`` alone, or every command where its first argument names none."""
     first = argv[0] if argv else None
+    if argv == ["--version"]:
+        return  # (the app's own option: no command is needed)
     names = [COMMANDS[first]] if first in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
     for name in names:
         importlib.import_module(f"specgguf.cli.{name}")
