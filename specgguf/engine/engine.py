@@ -198,9 +198,8 @@ class Engine:
                     what = f"its {self.target_model.n_layer_nextn} multi-token-prediction layer(s)"
                 log.info("%s: drafting with %s", self.target_model.path.name, what)
                 block = getattr(self.heads[0], "block_size", 0)
-                if block and spec.draft_max >= block and (
-                    spec.draft_max != default_draft_max(spec.drafter)  # asked for
-                ):
+                asked = spec.draft_max != default_draft_max(spec.drafter)
+                if block and asked and spec.draft_max >= block:
                     log.warning("a draft length of %d does not fit %s's blocks of %d: its "
                                 "drafts have at most %d tokens", spec.draft_max,
                                 head_model.path.name, block, block - 1)  # fmt: skip
