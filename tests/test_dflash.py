@@ -180,6 +180,9 @@ def test_a_draft_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
          (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md"),
          (["-md", draft, "--drafter", "mtp"], "is a dflash head: it drafts as the dflash")],
     )  # fmt: skip
+    # a lookup or none leaves the head unloaded, as a draft model, with a note
+    res = run_cli(*base, "-md", draft, "--drafter", "ngram")
+    assert res.returncode == 0 and b"drafts without the draft model" in res.stderr, res.stderr
     # a draft length past the block is said, and drafts what the block holds
     res = run_cli(*base, "-md", draft, "--draft", "16")
     assert res.returncode == 0, res.stderr

@@ -653,11 +653,10 @@ def engine_config(
     head_kind = _draft_kind(draft_path) if draft_path is not None else "model"
     if drafter == "mtp" and head_kind == "assistant":
         drafter = "assistant"  # (llama.cpp's draft-mtp, with an MTP assistant as -md)
-    if (
-        draft_path is not None
-        and drafter not in (None, AUTO, "model")
-        and head_kind not in ("model", drafter)
-    ):
+    # (a drafter with a head of its own, given another drafter's head: lookups and none
+    # leave any draft unloaded, and the draft model's entry says it in its own words)
+    own_head = drafter in DRAFTERS and DRAFTERS[drafter].head is not None
+    if draft_path is not None and own_head and head_kind not in ("model", drafter):
         arch = _architecture(draft_path)
         raise UsageError(f"the draft {draft_path.name} is {article(arch)} {arch} head: it "
                          f"drafts as the {head_kind} drafter (or in auto mode)")  # fmt: skip
