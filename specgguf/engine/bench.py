@@ -239,20 +239,33 @@ def select_prompts(
 
 
 def run_one(
-    engine: Engine, ids: Sequence[int], kind: str, k: int, n: int, *, deterministic: bool = False
+    engine: Engine,
+    ids: Sequence[int],
+    kind: str,
+    k: int,
+    n: int,
+    *,
+    deterministic: bool = False,
+    ignore_eos: bool = False,
 ) -> GenerationStats:
     """One greedy generation of ``n`` tokens with the drafter ``kind`` and draft length
-    (or, for auto, the largest) ``k``, in deterministic mode or not; returns its
-    statistics."""
-    return _generate(engine, ids, kind, k, n, deterministic).stats
+    (or, for auto, the largest) ``k``, in deterministic mode or not, with ``ignore_eos``
+    all ``n`` of them; returns its statistics."""
+    return _generate(engine, ids, kind, k, n, deterministic, ignore_eos).stats
 
 
 def _generate(
-    engine: Engine, prompt: Any, kind: str, k: int, n: int, deterministic: bool
+    engine: Engine,
+    prompt: Any,
+    kind: str,
+    k: int,
+    n: int,
+    deterministic: bool,
+    ignore_eos: bool = False,
 ) -> GenerationResult:
     params = GenerationParams(
         n_predict=n, sampler=SamplerParams(temperature=0), drafter=kind, draft_max=k,
-        deterministic=deterministic,
+        deterministic=deterministic, ignore_eos=ignore_eos,
     )  # fmt: skip
     return engine.generate(prompt, params).run()
 

@@ -811,6 +811,12 @@ class LlamaContext(_Native):
         self._exact_to = 0
         self._exact_unit = self.n_ubatch if self.n_batch % self.n_ubatch == 0 else self.n_batch
         b = self._batch
+        #: rows llama.cpp's logits buffer holds (see :meth:`_logits`), and its views
+        self._logits_rows = params.n_outputs_max
+        self._logits_views: dict[int, npt.NDArray[np.float32]] = {}
+        self._no_logits = np.empty((0, self.n_vocab), np.float32)
+        self._no_logits.flags.writeable = False
+        self._iota = np.arange(self.n_batch, dtype=np.int32)
         self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
         self._nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
@@ -879,17 +885,28 @@ class LlamaContext(_Native):
                     n_out = self._decode(
                         chunk, outputs="last" if logits == "last" and last else "none"
                     )
-            if n_out:
-                ptr = self._lc.llama_get_logits(self._ctx)
-                out = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
-            else:
-                out = np.empty((0, self.n_vocab), np.float32)
-            out.flags.writeable = False
+            out = self._logits(0, n_out)
             if step:
                 self._step_at, self._room, self._step_joined = at, p + n, p > 0
             return out
         finally:
             self.eval_seconds += time.perf_counter() - t0
+
+    def _logits(self, first: int, n_out: int) -> npt.NDArray[np.float32]:
+        """Output rows ``first`` to ``first + n_out`` of the latest decode: a read-only
+        view of llama.cpp's logits buffer, valid until the next decode. The buffer's view
+        is made once per address it has had (a view made afresh cost more than the rest
+        of a lone row's reading)."""
+        if not n_out:
+            return self._no_logits
+        ptr = self._lc.llama_get_logits(self._ctx)
+        address = ctypes.addressof(ptr.contents)
+        view = self._logits_views.get(address)
+        if view is None:
+            view = np.ctypeslib.as_array(ptr, shape=(self._logits_rows, self.n_vocab))
+            view.flags.writeable = False
+            self._logits_views[address] = view
+        return view[first : first + n_out]
 
     def _read_hidden(self, rows: int) -> npt.NDArray[np.float32]:
         """The hidden states of the latest decode's ``rows`` rows, in the batch's order:
@@ -1002,16 +1019,21 @@ class LlamaContext(_Native):
             seq_id = self._batch.seq_id
             for i in range(rows):
                 seq_id[i][0] = self._seq
-        self._tok[:m] = chunk
-        if pad:
-            self._tok[m] = chunk[-1]
-        self._pos[:rows] = np.arange(self.n_past, self.n_past + rows, dtype=np.int32)
-        self._out[:rows] = 1 if outputs == "all" else 0
-        self._out[:skip] = 0
-        if outputs == "last":
-            self._out[m - 1] = 1
-        if pad:
-            self._out[m] = 0
+        if rows == 1:  # (a step of the target alone: numpy's slicing costs more)
+            self._tok[0] = chunk[0]
+            self._pos[0] = self.n_past
+            self._out[0] = outputs != "none" and not skip
+        else:
+            self._tok[:m] = chunk
+            if pad:
+                self._tok[m] = chunk[-1]
+            np.add(self._iota[:rows], self.n_past, out=self._pos[:rows])
+            self._out[:rows] = 1 if outputs == "all" else 0
+            self._out[:skip] = 0
+            if outputs == "last":
+                self._out[m - 1] = 1
+            if pad:
+                self._out[m] = 0
         self._batch.n_tokens = rows
         rc = self._lc.llama_decode(self._ctx, self._batch)
         if rc != 0:
@@ -1025,7 +1047,10 @@ class LlamaContext(_Native):
                 f"llama_decode failed with code {rc} on {self.model.path.name} "
                 f"({m} tokens at position {self.n_past})"
             )
-        self._held[self.n_past : self.n_past + m] = chunk
+        if m == 1:
+            self._held[self.n_past] = chunk[0]
+        else:
+            self._held[self.n_past : self.n_past + m] = chunk
         if self._hidden:
             self._hidden_rows.append((self.n_past, self._read_hidden(rows)[:m]))
         self.n_past += m
@@ -1049,11 +1074,10 @@ class LlamaContext(_Native):
             want: Literal["all", "last", "none"] = "all" if all_rows else "last" if last else "none"
             pad = size == 1 and self.n_past + 1 > self.lone_rows_max
             self._decode(chunk, outputs=want, pad=pad)
-            ptr = self._lc.llama_get_logits(self._ctx)
             if all_rows:
-                out[done : done + size] = np.ctypeslib.as_array(ptr, shape=(size, self.n_vocab))
+                out[done : done + size] = self._logits(0, size)
             elif last:
-                out[0] = np.ctypeslib.as_array(ptr, shape=(1, self.n_vocab))[0]
+                out[0] = self._logits(0, 1)[0]
             done += size
         out.flags.writeable = False
         return out
@@ -1149,10 +1173,7 @@ class LlamaContext(_Native):
                 )
             # The branch sequence under each node: its first id (the root: any leaf's).
             self._tree = (self.n_past, n_seq, [ids[0] for ids in seqs], [root, *tokens])
-            ptr = lc.llama_get_logits(self._ctx)
-            out = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
-            out.flags.writeable = False
-            return out
+            return self._logits(0, rows)
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
@@ -1690,7 +1711,6 @@ class LlamaContext(_Native):
                 raise BackendError(f"llama_decode failed with code {rc} on "
                                    f"{self.model.path.name} ({rows} tokens of {len(parts)} "
                                    "sequences)")  # fmt: skip
-            ptr = self._lc.llama_get_logits(self._ctx) if sum(outs) else None
         finally:
             seconds = time.perf_counter() - t0
             for ctx in seqs:
@@ -1708,12 +1728,7 @@ class LlamaContext(_Native):
             ctx.n_past += m
             ctx._step_at = -1
             ctx._room = min(ctx.n_rs_seq, m - 1) if m else 0
-            if n_out:
-                out = np.ctypeslib.as_array(ptr, shape=(first + n_out, self.n_vocab))[first:]
-            else:
-                out = np.empty((0, self.n_vocab), np.float32)
-            out.flags.writeable = False
-            result.append(out)
+            result.append(self._logits(first, n_out))
             first += n_out
         return result
 

@@ -193,6 +193,7 @@ class _Run:
     deferred_s0: float = 0.0
     prompt_seconds: float = 0.0
     t_gen: float = 0.0
+    softmax_buf: npt.NDArray[np.float32] | None = None
 
     @property
     def remaining(self) -> float:
@@ -289,8 +290,7 @@ class SpeculativeDecoder:
             if not forced:
                 confidence = None
                 if gen.planner.wants_confidence:  # the target's top-1 probability of its token
-                    row = logits[verdict.row]
-                    confidence = 1.0 / float(np.exp(row - row.max()).sum())
+                    confidence = _top_probability(logits[verdict.row], run)
                 # a draft cut by the grammar counts as rejected at the cut: its rows and
                 # acceptance are the cut draft's
                 gen.planner.observe(plan, len(verdict.accepted), seconds, confidence, rows=rows)
@@ -417,6 +417,18 @@ class SpeculativeDecoder:
         stats.seconds = time.perf_counter() - run.t_gen - deferred
         stats.target_seconds = self.target.eval_seconds - run.target_s0
         stats.draft_seconds = sum(d.seconds for d in drafters) - run.draft_s0 - deferred
+
+
+def _top_probability(row: npt.NDArray[np.float32], run: _Run) -> float:
+    """softmax(row).max() for a float32[n_vocab] row of logits, in ``run``'s buffer: the
+    same float32 arithmetic as ``1 / exp(row - row.max()).sum()``, without allocating two
+    rows a step (on 151,936 logits, 135 against 171 us)."""
+    buf = run.softmax_buf
+    if buf is None or buf.shape != row.shape:
+        buf = run.softmax_buf = np.empty(row.shape, np.float32)
+    np.subtract(row, row.max(), out=buf)
+    np.exp(buf, out=buf)
+    return 1.0 / float(buf.sum())
 
 
 def _without(

@@ -97,7 +97,10 @@ def top_k_ids(logits: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
     the last whole block): every one of the k largest logits lies in a block whose
     maximum is at least the k-th largest, so no more than k blocks hold a larger one
     (where more blocks reach the k-th largest, the ties are read from the whole row, by
-    smallest id). For 151,936 logits and top-k 40 the search
+    smallest id). A block is every (n // 64)-th id, not 64 neighbours: its maxima are
+    then one vectorised maximum over 64 rows, where numpy reduces 2,374 rows of 64 one
+    by one (19 against 239 us on 151,936 logits); which ids share a block changes no
+    result. For 151,936 logits and top-k 40 the search
     reads about 2,600 (``scripts/bench-sampling``: :func:`distribution` about 4.5x
     faster, and 40x on a row a grammar masks 95% of to -inf, whose many equal logits slow
     ``np.argpartition`` down). Sampling runs this on every verified row.
@@ -105,7 +108,9 @@ def top_k_ids(logits: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
     n = logits.shape[0]
     whole = n // _BLOCK * _BLOCK
     small = k * _BLOCK * 4 > n
-    maxima = None if small else logits[:whole].reshape(-1, _BLOCK).max(axis=1)
+    nb = whole // _BLOCK
+    # block b: ids b, b + nb, b + 2 nb, ... (see above)
+    maxima = None if small else logits[:whole].reshape(_BLOCK, nb).max(axis=0)
     # (a NaN anywhere is NaN in its block's maximum, or in the tail)
     nan = np.isnan(logits).any() if maxima is None else (
         np.isnan(maxima).any() or np.isnan(logits[whole:]).any())  # fmt: skip
@@ -113,9 +118,8 @@ def top_k_ids(logits: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
         return np.sort(np.argpartition(logits, n - k)[n - k :]).astype(np.int64)
     if maxima is None:
         return _largest(np.arange(n, dtype=np.int64), logits, k)
-    nb = maxima.shape[0]
     blocks = np.argpartition(maxima, nb - k)[nb - k :]
-    cand = (blocks[:, None] * _BLOCK + np.arange(_BLOCK)).ravel().astype(np.int64)
+    cand = (blocks[None, :] + np.arange(0, whole, nb)[:, None]).ravel().astype(np.int64)
     if whole < n:  # the tail, shorter than a block, is always searched
         cand = np.concatenate([cand, np.arange(whole, n, dtype=np.int64)])
     vals = logits[cand]

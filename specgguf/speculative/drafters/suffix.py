@@ -208,26 +208,28 @@ class SuffixDrafter(Drafter):
         probs: list[float] = []
         confidence = 1.0
         share_min = max(self.min_share, p_min)
+        sep = self.SEPARATOR
         while occ and len(tokens) < k:
-            counts: dict[int, int] = {}
+            # the occurrences by the token they continue with: the majority's are the
+            # next position's occurrences
+            d = len(tokens)
+            groups: dict[int, list[int]] = {}
             for pos in occ:
-                t = c[pos + len(tokens)] if pos + len(tokens) < end else self.SEPARATOR
-                if t != self.SEPARATOR:
-                    counts[t] = counts.get(t, 0) + 1
-            if not counts:
+                if pos + d < end and (t := c[pos + d]) != sep:
+                    if (g := groups.get(t)) is None:
+                        groups[t] = [pos]
+                    else:
+                        g.append(pos)
+            if not groups:
                 break
-            best = max(counts, key=lambda t: (counts[t], t))
-            share = counts[best] / len(occ)
+            best = max(groups, key=lambda t: (len(groups[t]), t))
+            share = len(groups[best]) / len(occ)
             if share <= share_min and tokens:
                 break
             confidence *= share
             tokens.append(best)
             probs.append(confidence)
-            occ = [
-                pos
-                for pos in occ
-                if pos + len(tokens) - 1 < end and c[pos + len(tokens) - 1] == best
-            ]
+            occ = groups[best]
         self.seconds += time.perf_counter() - t0
         return Draft(tokens, probs=probs, match=match)
 
