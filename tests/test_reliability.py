@@ -5,6 +5,7 @@ its right value, through the real entry point."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +176,24 @@ def test_a_forced_configuration_slower_than_the_target_alone_is_reported(
     assert s["target_alone_tokens_per_s"] < 1e5  # not the bare planted 10^6 tokens/s
     assert s["tokens_per_s"] < 0.8 * s["target_alone_tokens_per_s"]
     save_calibration(key, Timings({1: 10.0}, 0.0))  # a target alone at 0.1 tokens/s
-    assert "speculation made this run slower" not in run_cli(*args).stderr.decode()
-    # auto mode is not compared: it never speculates where it loses
-    auto = run_cli(*[a if a != "model" else "auto" for a in args]).stderr.decode()
+    won = run_cli(*args).stderr.decode()
+    assert "speculation made this run slower" not in won
+    assert "x the target alone here (about 0.1 tokens/s, from the pair's calibration)" in won
+    # auto mode is not told it lost (it never speculates where it loses, by its timings),
+    # but says its speed against the target alone's, as a forced drafter that won does
+    auto_args = [a if a != "model" else "auto" for a in args]
+    auto = run_cli(*auto_args).stderr.decode()
     assert "speculation made this run slower" not in auto
+    m = re.search(r"specgguf: ([\d.]+)x the target alone here \(about ([\d.]+) tokens/s, "
+                  r"from the pair's calibration\)\n", auto)  # fmt: skip
+    rate = re.search(r"([\d.]+) tokens/s;", auto)
+    assert m and rate, auto
+    # the ratio is the run's rate over the target alone's (each printed rounded)
+    assert abs(float(m[1]) - float(rate[1]) / float(m[2])) <= 0.01 + float(m[1]) * 0.002, auto
+    # auto mode's run corrected the planted lone row by what its steps measured
+    assert float(m[2]) > 1.0, auto
+    none = [a if a != "model" else "none" for a in args]
+    assert "the target alone here" not in run_cli(*none).stderr.decode()
 
 
 def test_the_live_panel_says_when_speculation_loses() -> None:

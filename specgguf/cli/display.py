@@ -59,6 +59,17 @@ def loss_line(stats: GenerationStats, target_alone: float) -> str:
     )
 
 
+def gain_line(stats: GenerationStats, target_alone: float) -> str:
+    """The run's rate against the target alone's here (``target_alone`` tokens/s: the pair's
+    calibration, see :meth:`specgguf.engine.Engine.target_alone_rate`), e.g.
+    ``specgguf: 1.21x the target alone here (about 11.9 tokens/s, from the pair's
+    calibration)``."""
+    return (
+        f"specgguf: {stats.tokens_per_s / target_alone:.2f}x the target alone here "
+        f"(about {target_alone:.1f} tokens/s, from the pair's calibration)"
+    )
+
+
 def summary_line(stats: GenerationStats, finish_reason: str | None = None) -> str:
     """One line with everything that matters, e.g. ``128 tokens in 10.3 s, 12.4 tokens/s;
     acceptance 78% (90/115), 3.27 per step, K=4; target 5.7 s, draft 4.8 s, other 0.1 s``."""

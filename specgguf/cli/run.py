@@ -109,7 +109,9 @@ def run(
     llama.cpp error (an RPC server lost), 130 interrupted, 141 stdout closed.
     """
     from specgguf.cli.display import (
+        LOSS_MIN_TOKENS,
         LoadProgress,
+        gain_line,
         live_allowed,
         loss_line,
         speculation_lost,
@@ -166,8 +168,11 @@ def run(
         if prompt_cache is not None and not prompt_cache_ro and not interrupted:
             # saved before anything else evaluates on the target (a rate measured below)
             keep_prompt(engine, prompt_cache, say)
-        if forced and alone is None and not interrupted:
-            alone = engine.target_alone_rate()
+        if config.speculative.drafter != "none" and not interrupted:
+            # at the run's mean depth, and for auto mode with what its run learned of the
+            # timings; a forced drafter measures it now where nothing is calibrated
+            depth = len(ids) + result.stats.generated // 2
+            alone = engine.target_alone_rate(measure=forced, cached=depth) or alone
         if alone and result.stats.steps:
             # The target alone pays this run's Python time per step too (on tiny models
             # it is most of the time).
@@ -200,8 +205,10 @@ def run(
             say(f"specgguf: prompt cache {prompt_cache}: {s.prompt_cached} of {s.prompt_tokens} "
                 f"prompt tokens reused, {s.prompt_read} read")  # fmt: skip
         say(summary_line(result.stats, result.finish_reason))
-        if alone is not None and speculation_lost(result.stats, alone):
+        if forced and alone is not None and speculation_lost(result.stats, alone):
             say(loss_line(result.stats, alone))
+        elif alone and result.stats.generated >= LOSS_MIN_TOKENS:
+            say(gain_line(result.stats, alone))
         if interrupted:
             raise Interrupted()
 

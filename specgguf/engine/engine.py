@@ -888,12 +888,13 @@ class Engine:
     def _calibration_ids(self) -> list[int]:
         return self.target_model.tokenize(_CALIBRATION_TEXT, add_special=False)
 
-    def target_alone_rate(self, *, measure: bool = True) -> float | None:
+    def target_alone_rate(self, *, measure: bool = True, cached: int = 0) -> float | None:
         """Tokens/s the target alone reaches on this machine (1 / its one-token decode
-        time): from the pair's timings when known (auto mode, the calibration cache), else
-        measured now when ``measure`` (three decode steps, a fraction of a second; the KV
-        cache ends empty), else None. Python's share of a real run is not counted, so a
-        real target-alone run is a few percent slower.
+        time after ``cached`` positions): from the pair's timings when known (auto mode, with
+        what its run learned of them; the calibration cache), else measured now when
+        ``measure`` (three decode steps, a fraction of a second; the KV cache ends empty),
+        else None. Python's share of a real run is not counted, so a real target-alone run
+        is a few percent slower.
 
         Raises:
             BackendError: an evaluation failed.
@@ -903,7 +904,7 @@ class Engine:
             if not measure:
                 return None
             t = calibrate(self.target_ctx, None, self._calibration_ids(), sizes=(1,), repeats=3)
-        return 1.0 / t.verify_time(1)
+        return 1.0 / t.verify_time(1, cached)
 
     def describe(self) -> dict[str, Any]:
         """What is loaded, JSON-able: model files, context sizes, drafter defaults."""
