@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from specgguf.version import __version__
 
 #: Public name -> the module that defines it.
 _EXPORTS = {

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-from specgguf.engine.bench import generate_together
+from specgguf.measure.bench import generate_together
 from specgguf.speculative.drafters.assistant import AssistantDrafter
 from specgguf.speculative.loop import GenerationParams
 from specgguf.speculative.sampling import SamplerParams

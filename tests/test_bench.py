@@ -189,7 +189,7 @@ def test_suffix_configurations_never_see_the_same_question_answered_before(
     # Suffix matching remembers earlier generations. In a bench, each configuration and
     # round must start without this question's answer from another run: two suffix
     # configurations over two rounds then draft and accept exactly alike.
-    from specgguf.engine.bench import BenchPrompt, run_bench, run_conversation
+    from specgguf.measure.bench import BenchPrompt, run_bench, run_conversation
 
     from .helpers import load_engine
 
@@ -216,7 +216,7 @@ def test_parallel_bench_gives_each_pass_a_suffix_corpus_of_its_own(
     # tokens accepted on a question that accepts none afresh). With a corpus per
     # configuration, width and round, one question drafts and accepts alike in all.
     from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-    from specgguf.engine.bench import BenchPrompt, generate_together, run_parallel_bench
+    from specgguf.measure.bench import BenchPrompt, generate_together, run_parallel_bench
     from specgguf.speculative.loop import GenerationParams
     from specgguf.speculative.sampling import SamplerParams
 
@@ -255,7 +255,7 @@ def test_parallel_sequences_draft_from_what_the_others_generated(
     # answer is copied. The corpus is one: the second asking, on the other sequence,
     # copies the first's answer.
     from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-    from specgguf.engine.bench import generate_together
+    from specgguf.measure.bench import generate_together
     from specgguf.speculative.loop import GenerationParams
     from specgguf.speculative.sampling import SamplerParams
 
@@ -278,7 +278,7 @@ def test_parallel_sequences_draft_from_what_the_others_generated(
 
 
 def test_a_cells_mean_depth_is_its_generations_prompts_and_half_their_output() -> None:
-    from specgguf.engine.bench import Cell
+    from specgguf.measure.bench import Cell
     from specgguf.speculative.loop import GenerationStats
 
     cell = Cell("multi-turn", "auto")
@@ -448,7 +448,7 @@ def test_a_categorys_sample_is_the_same_whichever_categories_are_asked_for() -> 
     # `bench --categories summarization --per-category 10 --seed 2` measured other
     # questions than the summarization column of `--per-category 10 --seed 2`: it sampled
     # after filtering, and the sample draws every category from one generator in turn.
-    from specgguf.engine.bench import BenchPrompt, sample_per_category, select_prompts
+    from specgguf.measure.bench import BenchPrompt, sample_per_category, select_prompts
 
     cats3 = ("writing", "translation", "summarization")
     prompts = [BenchPrompt(c, (f"{c} {i}",), f"{c}-{i}") for c in cats3 for i in range(8)]
@@ -473,7 +473,7 @@ def test_a_configuration_given_a_tuning_runs_auto_mode_with_it(
     # auto mode's drafting off: the control drafts on the same question.
     import dataclasses
 
-    from specgguf.engine.bench import BenchPrompt, run_bench
+    from specgguf.measure.bench import BenchPrompt, run_bench
     from specgguf.speculative.tuning import AUTO_TUNING
 
     from .helpers import load_engine

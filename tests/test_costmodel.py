@@ -893,8 +893,8 @@ def test_bench_reports_a_busy_calibration_as_not_saved_and_why(
 
     from specgguf.cli.bench import _print_calibration
     from specgguf.engine import calibration as module
-    from specgguf.engine.bench import calibrate_pair
     from specgguf.engine.calibration import pair_timings
+    from specgguf.measure.bench import calibrate_pair
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     clock = Clock()

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-from specgguf.engine.bench import generate_together
 from specgguf.gguf.arch import head_fit
+from specgguf.measure.bench import generate_together
 from specgguf.speculative.drafters.dflash import DFlashDrafter
 from specgguf.speculative.loop import GenerationParams
 from specgguf.speculative.sampling import SamplerParams

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-from specgguf.engine.bench import generate_together
+from specgguf.measure.bench import generate_together
 from specgguf.speculative.drafters.eagle3 import Eagle3Drafter
 from specgguf.speculative.loop import GenerationParams
 from specgguf.speculative.sampling import SamplerParams

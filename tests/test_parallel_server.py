@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-from specgguf.engine.bench import generate_together
+from specgguf.measure.bench import generate_together
 from specgguf.speculative.loop import GenerationParams, GenerationResult
 from specgguf.speculative.sampling import SamplerParams
 

@@ -227,7 +227,7 @@ def test_slots_take_the_prompts_that_share_most_with_them(tiny_models: dict[str,
     config = EngineConfig(ModelConfig(tiny_models["target"], n_ctx=2048),
                           speculative=SpeculativeConfig(drafter="none"), n_parallel=3)  # fmt: skip
     with Engine(config) as e:
-        from specgguf.engine.bench import generate_together
+        from specgguf.measure.bench import generate_together
 
         a = e.tokenize("alpha " * 60, add_special=False)
         b = e.tokenize("beta " * 60, add_special=False)

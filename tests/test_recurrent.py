@@ -347,7 +347,7 @@ def test_each_parallel_sequence_replays_from_its_own_checkpoint(
     """``--parallel 3`` on a target without snapshots: each sequence keeps the copy of its
     own state, and three requests at once give each one's text and counts as alone."""
     from specgguf.engine import EngineConfig, ModelConfig, SpeculativeConfig
-    from specgguf.engine.bench import generate_together
+    from specgguf.measure.bench import generate_together
 
     params = GenerationParams(n_predict=60, sampler=G, ignore_eos=True)
 
@@ -661,7 +661,7 @@ def test_parallel_sequences_on_a_hybrid_target_equal_each_alone(
     tiny_models: dict[str, Path],
 ) -> None:
     from specgguf.engine import EngineConfig, ModelConfig, SpeculativeConfig
-    from specgguf.engine.bench import generate_together
+    from specgguf.measure.bench import generate_together
 
     hybrid = tiny_models["hybrid"]
     prompts = [[{"role": "user", "content": p}] for p in (LONG, PROMPTS[1], LONG[:150])]

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgguf.engine.simulate import (
+from specgguf.errors import UsageError
+from specgguf.llama.backend import LlamaModel
+from specgguf.measure.simulate import (
     GPU_LIKE,
     GREEDY,
     TraceDraftModel,
@@ -28,15 +30,13 @@ from specgguf.engine.simulate import (
     simulate_parallel,
     table,
 )
-from specgguf.engine.traces import (
+from specgguf.measure.traces import (
     Trace,
     TracedGeneration,
     load_trace,
     record_trace,
     save_trace,
 )
-from specgguf.errors import UsageError
-from specgguf.llama.backend import LlamaModel
 from specgguf.speculative.draft import Draft
 from specgguf.speculative.tuning import AUTO_TUNING
 

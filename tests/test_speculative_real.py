@@ -195,7 +195,7 @@ def test_real_pair_requests_together_equal_each_alone_up_to_near_ties(
     flipped: at a first difference, the target alone's two tokens are within
     :data:`NEAR_TIE` of each other."""
     from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-    from specgguf.engine.bench import generate_together
+    from specgguf.measure.bench import generate_together
 
     target, draft = real_models[testmodels.TARGET], real_models[testmodels.DRAFT]
     config = EngineConfig(ModelConfig(target, n_ctx=512), ModelConfig(draft, n_ctx=512),

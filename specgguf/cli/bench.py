@@ -90,14 +90,14 @@ def bench(
     target alone in the same run."""
     from specgguf.cli.display import LoadProgress
     from specgguf.engine import DRAFTERS, Engine
-    from specgguf.engine.bench import (
+    from specgguf.errors import UsageError
+    from specgguf.measure.bench import (
         builtin_prompts,
         load_prompts,
         run_bench,
         run_parallel_bench,
         select_prompts,
     )
-    from specgguf.errors import UsageError
     from specgguf.speculative.tuning import AUTO_TUNING
 
     say = stderr_say()
@@ -197,7 +197,7 @@ def _print_bench(report: dict[str, Any], *, stderr: bool) -> None:
 
 def _print_calibration(con: Any, entries: list[dict[str, Any]]) -> None:
     """One line per calibration: reused from which file, or measured in this run."""
-    from specgguf.engine.bench import busier_note
+    from specgguf.measure.bench import busier_note
 
     for c in entries:
         label = "calibration" + (" of deterministic mode" if c["mode"] == "deterministic" else "")

@@ -1,8 +1,8 @@
 """The engine: one configuration (:mod:`.config`), checks before loading
 (:mod:`.preflight`), chat prompts (:mod:`.chat`), drafters by name (:mod:`.drafter_map`),
-loading and starting generations (:mod:`.engine`), timing calibration
-(:mod:`.calibration`) and the benchmark (:mod:`.bench`). The command line and a server are
-faces over this package.
+loading and starting generations (:mod:`.engine`) and timing calibration
+(:mod:`.calibration`). The command line, a server and the measuring instruments
+(:mod:`specgguf.measure`: the benchmark, the simulator) are over this package.
 
 The loop's names are imported on first use (``from specgguf.engine import Engine``): a
 command that reads only the configuration or plans does not import llama.cpp's context

@@ -52,7 +52,6 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from specgguf import __version__
 from specgguf.cache import cache_dir
 from specgguf.errors import ModelFileError, SpecggufError, UsageError
 from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article
@@ -62,6 +61,7 @@ from specgguf.gguf.vocab import compare_vocabs, read_vocab
 from specgguf.hub.download import cached_model_path, hub_cache_dir, sha256_file
 from specgguf.hub.hfref import is_model_file, split_info
 from specgguf.hub.registry import ModelEntry, Registry
+from specgguf.version import __version__
 
 #: A draft token that costs this many target rows or more (c of Leviathan et al. 2023,
 #: section 3.4) can never pay: a gain needs an acceptance rate above c, and acceptance is

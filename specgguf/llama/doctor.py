@@ -59,9 +59,9 @@ def report(smoke: bool = True) -> dict[str, Any]:
     Raises:
         BackendError: llama-cpp-python cannot be imported.
     """
-    import specgguf
     from specgguf.llama import rpc
     from specgguf.llama.buildconfig import detect_backend
+    from specgguf.version import __version__
 
     info = build_info()
     policy = repack_policy()
@@ -69,7 +69,7 @@ def report(smoke: bool = True) -> dict[str, Any]:
     compiled = {b.lower() for b in info.backends}
     names = {"cuda": "CUDA", "metal": "Metal", "rocm": "ROCm", "vulkan": "Vulkan", "cpu": "CPU"}
     out: dict[str, Any] = {
-        "specgguf": specgguf.__version__,
+        "specgguf": __version__,
         "llama_cpp_python": info.llama_cpp_python,
         "ggml_version": info.ggml_version,
         "ggml_commit": info.ggml_commit,

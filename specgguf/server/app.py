@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specgguf import __version__
 from specgguf.server import completions, status
 from specgguf.server.errors import APIError, install_handlers, refused
 from specgguf.server.guard import LOCAL_ORIGIN, Guard, normal_origins
 from specgguf.server.metrics import Metrics
 from specgguf.server.scheduler import Scheduler
 from specgguf.server.service import ServerSettings, Service
+from specgguf.version import __version__
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor

@@ -26,7 +26,6 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from specgguf import __version__
 from specgguf.errors import (
     BackendError,
     ChatInputError,
@@ -43,6 +42,7 @@ from specgguf.server.tools import ToolSet, output_constraint, parameters_schema
 from specgguf.speculative.grammar import GrammarSpec
 from specgguf.speculative.loop import GenerationParams, GenerationResult, GenerationStats
 from specgguf.speculative.sampling import SamplerParams
+from specgguf.version import __version__
 
 if TYPE_CHECKING:
     from specgguf.engine import Engine, Prompt

@@ -9,7 +9,7 @@ and gives the reason the value was chosen. Most values came from no sweep: each
 measurement compared one change with the code before it, on one machine, within that
 machine's noise of about 10%. Since 2026-12-04 a change is first replayed on recorded
 traces against every measured machine's cost curve and a GPU-like one
-(``scripts/simulate-planner``, :mod:`specgguf.engine.simulate`), which is where
+(``scripts/simulate-planner``, :mod:`specgguf.measure.simulate`), which is where
 ``p_stop_cost``, ``p_stop_min`` and ``prior_floor`` come from. ``docs/auto-mode.md``
 describes how auto mode uses them.
 

@@ -1,5 +1,5 @@
 """Traces of what the drafters would propose, for the planner simulator
-(:mod:`specgguf.engine.simulate`).
+(:mod:`specgguf.measure.simulate`).
 
 A trace holds, per generation (a prompt of a benchmark column), the target's greedy output,
 the target's confidence at each output position (the top-1 probability, which auto mode

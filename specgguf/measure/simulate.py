@@ -1,4 +1,4 @@
-"""The planner simulator: a recorded trace (:mod:`specgguf.engine.traces`) replayed against a
+"""The planner simulator: a recorded trace (:mod:`specgguf.measure.traces`) replayed against a
 machine's cost curve, with the real planner (the :class:`AutoPlanner` and arms ``run``
 builds, through :func:`specgguf.engine.drafter_map.make_planner`), the real n-gram and
 suffix drafters over the text, and a draft model answered from the trace's chains.
@@ -47,8 +47,8 @@ from specgguf.engine.drafter_map import (
     make_drafters,
     make_planner,
 )
-from specgguf.engine.traces import Trace, TracedGeneration
 from specgguf.errors import UsageError
+from specgguf.measure.traces import Trace, TracedGeneration
 from specgguf.speculative.costmodel import Timings, cheapest_micro_batches, micro_batches
 from specgguf.speculative.draft import Draft, Drafter
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
