@@ -16,6 +16,11 @@ from specgguf.speculative.drafters.ngram import LONG_MATCH, match_length
 from specgguf.speculative.sampling import SamplerParams
 
 
+def _by_size(group: tuple[int, list[int]]) -> tuple[int, int]:
+    """The order of a node's children: the most occurrences first, ties to the larger id."""
+    return -len(group[1]), -group[0]
+
+
 class SuffixDrafter(Drafter):
     """Suffix matching over everything seen, with counts: the prompt, the output so far,
     and the earlier generations drafted for (a server's earlier responses, a benchmark's
@@ -148,16 +153,19 @@ class SuffixDrafter(Drafter):
         # Index n-grams that end before the last token: the current suffix must find
         # only earlier occurrences.
         c, limit = self._corpus, len(self._corpus) - 1
+        index, sep, most = self._index, self.SEPARATOR, self.max_occurrences
         for j in range(max(self._indexed, 1), limit + 1):
             for n in self.LENGTHS:
                 if j < n:
                     break
                 gram = tuple(c[j - n : j])
-                if self.SEPARATOR in gram:
+                if sep in gram:
                     continue
-                occ = self._index.setdefault(hash(gram), [])
+                if (occ := index.get(h := hash(gram))) is None:
+                    index[h] = [j]
+                    continue
                 occ.append(j)
-                if len(occ) > self.max_occurrences:
+                if len(occ) > most:
                     del occ[0]
         self._indexed = max(self._indexed, limit + 1)
 
@@ -263,14 +271,20 @@ class SuffixDrafter(Drafter):
         heap: list[tuple[float, int, int, int, int, list[int]]] = []
         order = 0
 
+        sep = self.SEPARATOR
+
         def expand(parent: int, depth: int, prob: float, occs: list[int]) -> None:
             nonlocal order
             groups: dict[int, list[int]] = {}
             for pos in occs:
-                t = c[pos + depth] if pos + depth < end else self.SEPARATOR
-                if t != self.SEPARATOR:
-                    groups.setdefault(t, []).append(pos)
-            for t, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), -kv[0])):
+                if pos + depth < end and (t := c[pos + depth]) != sep:
+                    if (g := groups.get(t)) is None:
+                        groups[t] = [pos]
+                    else:
+                        g.append(pos)
+            # (one continuation, the usual case, needs no ordering)
+            items = groups.items() if len(groups) < 2 else sorted(groups.items(), key=_by_size)
+            for t, g in items:
                 p = prob * len(g) / len(occs)
                 if p >= min_prob:
                     heapq.heappush(heap, (-p, order, parent, depth + 1, t, g))

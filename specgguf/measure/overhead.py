@@ -1,0 +1,201 @@
+"""Python's time per speculative step, with llama.cpp's decode taken out
+(``scripts/bench-overhead``): what a GPU's 2-10 ms steps pay on top of their own decodes.
+
+The engine runs as it runs any pair, calibration included, but every ``llama_decode`` of
+the target and the draft model goes to :class:`FreeDecode`, which reads the batch and
+writes one-hot logits (the next token of a fixed text after each row's token) into a
+buffer of its own. Its own time is subtracted: what is left per step is the loop, the
+planner, the drafters, the samplers, the grammar and the backend's Python, with
+llama.cpp's KV-cache calls (which stay real).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from specgguf.engine.engine import Engine
+from specgguf.llama.backend import LlamaContext
+from specgguf.measure.bench import generate_together
+from specgguf.speculative.loop import GenerationParams, GenerationResult
+
+#: The text FreeDecode's logits follow (the draft model's differs at every fourth token).
+TEXT = (
+    "def is_palindrome(s: str) -> bool:\n    s = s.lower()\n    return s == s[::-1]\n\n"
+    "The quick brown fox jumps over the lazy dog, and the dog sleeps on.\n"
+)
+
+#: The logit of a row's next token (the others are 0): at temperature 0.8 the rest of a
+#: vocabulary of thousands of tokens is drawn about once in 10^8 draws.
+PEAK = 20.0
+
+
+class FreeDecode:
+    """``llama_cpp``'s functions, but ``llama_decode`` decodes nothing: the logits of each
+    output row are :data:`PEAK` at ``table[token]`` (the row's next token) and 0 elsewhere,
+    in a buffer of ``rows`` rows that ``llama_get_logits`` returns; every other function is
+    the real one. ``seconds``: the time spent in its ``llama_decode``; ``calls``: how many.
+
+    Args:
+        real: the ``llama_cpp`` module (or what stands for it).
+        table: int64[n_vocab]: the token after each token.
+        rows: the most output rows of a decode.
+    """
+
+    def __init__(self, real: Any, table: npt.NDArray[np.int64], rows: int) -> None:
+        self._real = real
+        self.table = table
+        self.buf = np.zeros((rows, len(table)), np.float32)
+        self._ptr = self.buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def llama_decode(self, ctx: Any, batch: Any) -> int:
+        t0 = time.perf_counter()
+        n = batch.n_tokens
+        tokens = np.ctypeslib.as_array(batch.token, shape=(n,))
+        wanted = np.ctypeslib.as_array(batch.logits, shape=(n,)) != 0
+        nxt = self.table[tokens[wanted]]
+        self.buf[: len(nxt)] = 0.0
+        self.buf[np.arange(len(nxt)), nxt] = PEAK
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return 0
+
+    def llama_get_logits(self, ctx: Any) -> Any:
+        return self._ptr
+
+
+def next_token_tables(
+    ids: Sequence[int], n_vocab: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The target's table (int64[n_vocab]: each token of ``ids`` followed by the next,
+    cyclically, where a token occurs twice the later; every other token by ``ids[0]``) and
+    the draft model's (every fourth token of ``ids`` followed by the token after its
+    target's next instead)."""
+    target = np.full(n_vocab, ids[0], np.int64)
+    for a, b in zip(ids, [*ids[1:], ids[0]], strict=True):
+        target[a] = b
+    draft = target.copy()
+    for a in ids[::4]:
+        draft[a] = ids[(list(ids).index(int(target[a])) + 1) % len(ids)]
+    return target, draft
+
+
+def _contexts(engine: Engine) -> list[LlamaContext]:
+    """The engine's target and draft-model contexts, its parallel sequences' views too."""
+    found: dict[int, LlamaContext] = {}
+    for ctx in (engine.target_ctx, engine.draft_ctx,
+                *(c for s in engine.slots for c in (s.ctx, s.draft_ctx))):  # fmt: skip
+        if ctx is not None:
+            found[id(ctx)] = ctx
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def free_decodes(engine: Engine) -> Iterator[list[FreeDecode]]:
+    """Every context of ``engine`` on a :class:`FreeDecode` (one per model, the target's
+    first) following :data:`TEXT`; the real functions back after.
+
+    Raises:
+        ValueError: the engine drafts with a head (MTP, EAGLE-3, DFlash, an assistant),
+            whose contexts this does not reach.
+    """
+    if engine.head_kind:
+        raise ValueError(f"a {engine.head_kind} head's decodes cannot be taken out")
+    ids = engine.tokenize(TEXT, add_special=False)
+    target_table, draft_table = next_token_tables(ids, engine.target_ctx.n_vocab)
+    target_model = engine.target_ctx.model
+    fakes: dict[int, FreeDecode] = {}
+    swapped: list[tuple[LlamaContext, Any]] = []
+    for ctx in _contexts(engine):
+        table = target_table if ctx.model is target_model else draft_table
+        fake = fakes.setdefault(id(ctx.model), FreeDecode(ctx._lc, table, ctx._logits_rows))
+        swapped.append((ctx, ctx._lc))
+        ctx._lc = fake  # type: ignore[assignment]  # (it stands for the module)
+    try:
+        yield sorted(fakes.values(), key=lambda f: f.table is not target_table)
+    finally:
+        for ctx, real in swapped:
+            ctx._lc = real
+
+
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+    """Python's time of a run with free decodes: ``us_step`` microseconds a step (with
+    several sequences: a sequence's step), ``us_token`` a generated token, ``steps``,
+    ``tokens``, ``acceptance`` (accepted over drafted; 0 without drafts)."""
+
+    us_step: float
+    us_token: float
+    steps: int
+    tokens: int
+    acceptance: float
+
+
+def _overhead(seconds: float, results: Sequence[GenerationResult]) -> Overhead:
+    steps = sum(r.stats.steps for r in results)
+    tokens = sum(r.stats.generated for r in results)
+    drafted = sum(r.stats.drafted for r in results)
+    accepted = sum(r.stats.accepted for r in results)
+    return Overhead(1e6 * seconds / max(1, steps), 1e6 * seconds / max(1, tokens), steps,
+                    tokens, accepted / drafted if drafted else 0.0)  # fmt: skip
+
+
+def _check(fakes: Sequence[FreeDecode], calls: int, results: Sequence[GenerationResult],
+           followed: bool) -> None:  # fmt: skip
+    if sum(f.calls for f in fakes) == calls:
+        raise RuntimeError("no decode went through FreeDecode: the engine calls llama.cpp "
+                           "some other way, and its decodes would be timed")  # fmt: skip
+    table = fakes[0].table
+    for r in results:
+        pairs = zip(r.tokens, r.tokens[1:], strict=False)
+        if followed and any(table[a] != b for a, b in pairs):
+            raise RuntimeError("the output does not follow FreeDecode's text: something "
+                               "other than it gave the logits")  # fmt: skip
+
+
+def measure(
+    engine: Engine, fakes: Sequence[FreeDecode], ids: Sequence[int], params: GenerationParams
+) -> Overhead:
+    """One generation of ``params`` after the prompt ``ids`` on an engine under
+    :func:`free_decodes` (``fakes``): Python's time per step, FreeDecode's subtracted.
+
+    Raises:
+        RuntimeError: no decode went through ``fakes``, or (without a grammar) the output
+            does not follow their text: the figure would not be Python's alone.
+    """
+    spent, calls = sum(f.seconds for f in fakes), sum(f.calls for f in fakes)
+    t0 = time.perf_counter()
+    res = engine.generate(list(ids), params).run()
+    seconds = time.perf_counter() - t0 - (sum(f.seconds for f in fakes) - spent)
+    _check(fakes, calls, [res], params.grammar is None)
+    return _overhead(seconds, [res])
+
+
+def measure_together(
+    engine: Engine, fakes: Sequence[FreeDecode], ids: Sequence[int], params: GenerationParams
+) -> Overhead:
+    """As :func:`measure`, the same prompt in every one of the engine's ``--parallel``
+    sequences at once (:func:`specgguf.measure.bench.generate_together`): per sequence
+    and step.
+
+    Raises:
+        RuntimeError: as :func:`measure`.
+        UsageError: the engine was loaded for one sequence.
+    """
+    spent, calls = sum(f.seconds for f in fakes), sum(f.calls for f in fakes)
+    results, seconds = generate_together(engine, [list(ids)] * engine.n_parallel, params)
+    seconds -= sum(f.seconds for f in fakes) - spent
+    _check(fakes, calls, results, params.grammar is None)
+    return _overhead(seconds, results)
