@@ -306,6 +306,25 @@ def test_auto_mode_gains_where_copies_pay(machines: dict) -> None:
     assert rows[("gpu-like", "all")].auto > 1.5
 
 
+def test_the_target_alone_may_pay_a_python_time_of_its_own(machines: dict) -> None:
+    # (scripts/simulate-planner --alone-overhead-ms: auto mode's Python per step is about
+    # ten times the target alone's, scripts/bench-overhead.) The same for both: the target
+    # alone's own figure; a smaller one for it: auto's rate over it falls, by exactly what
+    # the target alone's steps no longer pay.
+    tr = _copying(2, n_gen=2)
+    t = machines["gpu-like"]
+    same = table(tr, {"g": t}, overhead=2e-3, fixed_ks=(4,))
+    given = table(tr, {"g": t}, overhead=2e-3, overhead_alone=2e-3, fixed_ks=(4,))
+    less = table(tr, {"g": t}, overhead=2e-3, overhead_alone=0.0, fixed_ks=(4,))
+    assert [r.auto for r in same] == [r.auto for r in given]
+    alone_with = simulate(tr, t, "none", 0, overhead=2e-3).rate()
+    alone_without = simulate(tr, t, "none", 0).rate()
+    assert alone_without > alone_with
+    for a, b in zip(same, less, strict=True):
+        if a.category == "all":
+            assert b.auto == pytest.approx(a.auto * alone_with / alone_without)
+
+
 def test_a_gpu_like_curve_is_what_the_issue_says() -> None:
     t = machine_timings(GPU_LIKE)
     assert t.verify_time(17) / t.verify_time(1) == pytest.approx(1.1)

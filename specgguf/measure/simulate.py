@@ -599,16 +599,19 @@ def table(
     fixed_ks: Iterable[int] = FIXED_KS,
     drafters: Sequence[str] = FIXED_DRAFTERS,
     variant: AutoTuning | None = None,
+    overhead_alone: float | None = None,
 ) -> list[Row]:
     """Per machine, per category, Spec-Bench's columns pooled ("spec-bench", where bench's
     categories ("bench/...") are there too) and overall ("all"): auto, the best fixed drafter and
     length, and the oracle, each relative to the target alone (and auto with the
-    ``variant`` tuning, when given)."""
+    ``variant`` tuning, when given). Every step costs ``overhead`` seconds more (Python's
+    time), the target alone's ``overhead_alone`` (default: the same)."""
     rows: list[Row] = []
     has_model = any(g.chains for g in trace.generations)
     kinds = [d for d in drafters if d != "model" or has_model]
     for name, truth in machines.items():
-        alone = simulate(trace, truth, "none", 0, overhead=overhead)
+        own = overhead if overhead_alone is None else overhead_alone
+        alone = simulate(trace, truth, "none", 0, overhead=own)
         auto = simulate(trace, truth, "auto", tuning=tuning, overhead=overhead)
         orc = oracle(trace, truth, overhead=overhead)
         var = (
