@@ -303,3 +303,32 @@ def test_tree_seconds_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
     d.seconds = 1.0
     d.propose_tree([1, 2, 1], 4, 2)
     assert d.seconds == 1.25
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_tree_stopped_early_is_a_prefix_of_the_whole_tree(seed: int) -> None:
+    # wanted(match) nodes and a first branch of `branch` nodes: a prefix of the tree that
+    # is not stopped, as long as both (what SuffixArm reads of it: the nodes best_tree
+    # weighs and the shadow's first branch)
+    from specgguf.speculative.tree import first_branch
+
+    rng = np.random.default_rng(seed)
+    text = [int(t) for t in rng.integers(0, 6, 300)]  # 6 tokens: many occurrences
+    for end in range(40, 300, 23):
+        whole = SuffixDrafter().propose_tree(text[:end], 16, 4)
+        asked: list[int] = []
+
+        def wanted(match: int) -> int:
+            asked.append(match)
+            return int(rng.integers(1, 17))
+
+        d = SuffixDrafter()
+        cut = d.propose_tree(text[:end], 16, 4, wanted=wanted, branch=3)
+        assert asked == [whole.match]
+        n = len(cut.tokens)
+        assert cut.tokens == whole.tokens[:n] and cut.parents == whole.parents[:n]
+        assert cut.probs == whole.probs[:n] and cut.match == whole.match
+        if asked:
+            full_branch = first_branch(whole.parents or [])
+            assert n >= min(len(whole.tokens), asked[0])
+            assert first_branch(cut.parents or [])[:3] == full_branch[:3]

@@ -58,7 +58,7 @@ class RandomTreeDrafter(Drafter):
     def propose(self, history, k, sampler, rng, *, p_min=0.0):  # type: ignore[no-untyped-def]
         return Draft([])
 
-    def propose_tree(self, history: Sequence[int], k: int, branches: int) -> Draft:
+    def propose_tree(self, history: Sequence[int], k: int, branches: int, **_: object) -> Draft:
         tokens: list[int] = []
         parents: list[int] = []
         n_nodes = int(self.rng.integers(1, k + 1)) if k > 0 else 0
@@ -228,7 +228,7 @@ class FixedTreeSuffix(Drafter):
     def __init__(self, tree: Draft) -> None:
         self.tree = dataclasses.replace(tree, match=8)
 
-    def propose_tree(self, history: Sequence[int], k: int, branches: int) -> Draft:
+    def propose_tree(self, history: Sequence[int], k: int, branches: int, **_: object) -> Draft:
         return self.tree
 
     def propose(self, history: Sequence[int], k: int, *args: object, **kw: object) -> Draft:

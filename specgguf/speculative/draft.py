@@ -13,7 +13,7 @@ cost.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Literal, Protocol, runtime_checkable
 
@@ -232,4 +232,16 @@ class Drafter(Protocol):
 class TreeDrafter(Drafter, Protocol):
     """A drafter that also proposes token trees (:mod:`specgguf.speculative.tree`)."""
 
-    def propose_tree(self, history: Sequence[int], max_nodes: int, max_leaves: int) -> Draft: ...
+    def propose_tree(
+        self,
+        history: Sequence[int],
+        max_nodes: int,
+        max_leaves: int,
+        *,
+        wanted: Callable[[int], int] | None = None,
+        branch: int = 0,
+    ) -> Draft:
+        """A tree of at most ``max_nodes`` nodes and ``max_leaves`` leaves, its nodes in an
+        order where parents come first; ``wanted`` and ``branch`` allow it to stop early
+        (see :meth:`specgguf.speculative.drafters.SuffixDrafter.propose_tree`)."""
+        ...

@@ -250,7 +250,12 @@ class SuffixArm(LookupArm):
         if not (self.tree_branches and step.sampler.greedy):
             return super()._offer(step)
         t = self.tuning
-        tree = self.trees.propose_tree(step.history, step.k_max, self.tree_branches)
+
+        def wanted(match: int) -> int:  # the nodes read below, for a match this long
+            return min(step.k_max, max(step.k_min, t.cap(self.lengths[t.bucket(match)])))
+
+        tree = self.trees.propose_tree(step.history, step.k_max, self.tree_branches,
+                                       wanted=wanted, branch=t.shadow_len)  # fmt: skip
         if len(tree.tokens) < step.k_min or tree.parents is None or not tree.probs:
             return None
         bucket = t.bucket(tree.match)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -242,7 +242,14 @@ class SuffixDrafter(Drafter):
         return Draft(tokens, probs=probs, match=match)
 
     def propose_tree(
-        self, history: Sequence[int], max_nodes: int, max_leaves: int, *, min_prob: float = 0.05
+        self,
+        history: Sequence[int],
+        max_nodes: int,
+        max_leaves: int,
+        *,
+        min_prob: float = 0.05,
+        wanted: Callable[[int], int] | None = None,
+        branch: int = 0,
     ) -> Draft:
         """A token tree of the continuations of the longest earlier occurrences of the
         text's suffix, branching where they split (SuffixDecoding, Oliaro et al. 2024,
@@ -254,6 +261,11 @@ class SuffixDrafter(Drafter):
         candidate), while their probability is at least ``min_prob``, up to ``max_nodes``
         and ``max_leaves`` leaves; so ``probs`` never increases along the list and every
         prefix of the tree is the best tree of its size by these estimates.
+
+        ``wanted(match)``: the nodes the caller will read of a tree whose match is ``match``
+        tokens long; the tree stops growing once it has that many and its first branch
+        (:func:`~specgguf.speculative.tree.first_branch`) has ``branch`` nodes: what it
+        returns is then a prefix of the whole tree, the same in every node read.
 
         Returns:
             a :class:`Draft` with ``parents``, ``probs`` and ``match`` (the matched suffix
@@ -290,6 +302,9 @@ class SuffixDrafter(Drafter):
                     heapq.heappush(heap, (-p, order, parent, depth + 1, t, g))
                     order += 1
 
+        enough = max_nodes if wanted is None else min(max_nodes, wanted(match))
+        # the first branch's last node (-1: the root) and its length
+        first, first_len = -1, 0
         if occ and max_nodes > 0 and max_leaves > 0:
             expand(-1, 0, 1.0, occ)
         while heap and len(tokens) < max_nodes:
@@ -304,6 +319,10 @@ class SuffixDrafter(Drafter):
             parents.append(parent)
             probs.append(-neg)
             has_child.append(False)
+            if parent == first:
+                first, first_len = len(tokens) - 1, first_len + 1
+            if len(tokens) >= enough and first_len >= branch:
+                break  # (the rest is read by no one)
             expand(len(tokens) - 1, depth, -neg, g)
         self.seconds += time.perf_counter() - t0
         return Draft(tokens, parents=parents, probs=probs, match=match)
