@@ -318,7 +318,7 @@ def test_a_tree_stopped_early_is_a_prefix_of_the_whole_tree(seed: int) -> None:
         whole = SuffixDrafter().propose_tree(text[:end], 16, 4)
         asked: list[int] = []
 
-        def wanted(match: int) -> int:
+        def wanted(match: int, asked: list[int] = asked) -> int:
             asked.append(match)
             return int(rng.integers(1, 17))
 
