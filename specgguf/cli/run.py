@@ -159,8 +159,8 @@ def run(
         if prompt_cache is not None:
             recall_prompt(engine, prompt_cache, say, read_only=prompt_cache_ro)
         gen = engine.generate(ids, params)
-        # A forced drafter is compared with the target alone; auto mode weighs the target
-        # alone at every step itself.
+        # The live panel compares a forced drafter with the target alone (auto mode weighs
+        # it at every step itself); the last line compares both.
         forced = config.speculative.drafter not in ("auto", "none")
         alone = engine.target_alone_rate(measure=False) if forced else None
         live = not quiet and not json_out and live_allowed()
