@@ -60,3 +60,17 @@ def test_a_measure_that_went_around_the_fake_is_refused(tiny_models: dict[str, P
         unused = FreeDecode(None, np.zeros(e.target_ctx.n_vocab, np.int64), 4)
         with pytest.raises(RuntimeError, match="no decode went through FreeDecode"):
             measure(e, [unused], ids, params)
+
+
+def test_a_measure_leaves_auto_modes_timings_as_they_were(tiny_models: dict[str, Path]) -> None:
+    # a free decode's time would teach auto mode that batches cost nothing: every path
+    # measured after would follow that
+    params = GenerationParams(n_predict=32, sampler=GREEDY, drafter="auto", draft_max=4,
+                              ignore_eos=True)  # fmt: skip
+    with load_engine(tiny_models["target"], tiny_models["draft-partial"], drafter="auto",
+                     n_ctx=512) as e:  # fmt: skip
+        t = e.timings()
+        before = (t.scale_single, t.scale_batch, t.draft, dict(t.verify))
+        with free_decodes(e) as fakes:
+            measure(e, fakes, e.tokenize("hello world"), params)
+        assert (t.scale_single, t.scale_batch, t.draft, dict(t.verify)) == before

@@ -175,8 +175,10 @@ def run(
             alone = engine.target_alone_rate(measure=forced, cached=depth) or alone
         if alone and result.stats.steps:
             # The target alone pays this run's Python time per step too (on tiny models
-            # it is most of the time).
-            alone = 1.0 / (1.0 / alone + result.stats.python_seconds / result.stats.steps)
+            # a good part of the time), but not the planner's.
+            s = result.stats
+            own = max(0.0, s.python_seconds - s.plan_seconds)
+            alone = 1.0 / (1.0 / alone + own / s.steps)
         if json_out:
             print_json({
                 "text": result.text,

@@ -12,6 +12,7 @@ llama.cpp's KV-cache calls (which stay real).
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import time
@@ -165,20 +166,40 @@ def _check(fakes: Sequence[FreeDecode], calls: int, results: Sequence[Generation
                                "other than it gave the logits")  # fmt: skip
 
 
+@contextlib.contextmanager
+def _as_before(engine: Engine) -> Iterator[None]:
+    """A generation from the engine's timings and drafters' memories as they are now, which
+    it leaves as they were: a free decode's time would teach auto mode that every batch is
+    free (its next choices would follow), and a suffix corpus grown by the paths measured
+    before would copy their answers."""
+    timings = [*engine._timings.values(), *(t for s in engine.slots for t in s.timings.values())]
+    saved = [copy.deepcopy(t) for t in timings]
+    try:
+        with engine.fresh_memory():
+            yield
+    finally:
+        for t, before in zip(timings, saved, strict=True):
+            for f in dataclasses.fields(t):
+                setattr(t, f.name, getattr(before, f.name))
+
+
 def measure(
     engine: Engine, fakes: Sequence[FreeDecode], ids: Sequence[int], params: GenerationParams
 ) -> Overhead:
     """One generation of ``params`` after the prompt ``ids`` on an engine under
-    :func:`free_decodes` (``fakes``): Python's time per step, FreeDecode's subtracted.
+    :func:`free_decodes` (``fakes``): Python's time per step, FreeDecode's subtracted. Each
+    starts from the same timings and an empty suffix corpus (:func:`_as_before`).
 
     Raises:
         RuntimeError: no decode went through ``fakes``, or (without a grammar) the output
             does not follow their text: the figure would not be Python's alone.
     """
     spent, calls = sum(f.seconds for f in fakes), sum(f.calls for f in fakes)
-    t0 = time.perf_counter()
-    res = engine.generate(list(ids), params).run()
-    seconds = time.perf_counter() - t0 - (sum(f.seconds for f in fakes) - spent)
+    with _as_before(engine):
+        t0 = time.perf_counter()
+        res = engine.generate(list(ids), params).run()
+        seconds = time.perf_counter() - t0
+    seconds -= sum(f.seconds for f in fakes) - spent
     _check(fakes, calls, [res], params.grammar is None)
     return _overhead(seconds, [res])
 
@@ -195,7 +216,8 @@ def measure_together(
         UsageError: the engine was loaded for one sequence.
     """
     spent, calls = sum(f.seconds for f in fakes), sum(f.calls for f in fakes)
-    results, seconds = generate_together(engine, [list(ids)] * engine.n_parallel, params)
+    with _as_before(engine):
+        results, seconds = generate_together(engine, [list(ids)] * engine.n_parallel, params)
     seconds -= sum(f.seconds for f in fakes) - spent
     _check(fakes, calls, results, params.grammar is None)
     return _overhead(seconds, results)

@@ -657,16 +657,19 @@ def parallel_table(
     *,
     tuning: AutoTuning = AUTO_TUNING,
     overhead: float = 0.0,
+    overhead_alone: float | None = None,
 ) -> list[ParallelRow]:
     """Per machine, :class:`ParallelRow` (micro-batches of 512 rows on the GPU-like
-    curve, as on builds that offload; else 128, as on CPU builds)."""
+    curve, as on builds that offload; else 128, as on CPU builds); Python's time per step
+    as :func:`table` takes it."""
     rows = []
+    own = overhead if overhead_alone is None else overhead_alone
     for name, truth in machines.items():
         ub = 512 if name == "gpu-like" else 128
 
         def rate(kind: str, n: int, ub: int = ub, truth: Timings = truth) -> float:
             res = simulate_parallel(trace, truth, kind, n, tuning=tuning, n_ubatch=ub,
-                                    overhead=overhead)  # fmt: skip
+                                    overhead=own if kind == "none" else overhead)  # fmt: skip
             return res.rate()
 
         base = rate("none", 1)

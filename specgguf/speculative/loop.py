@@ -271,7 +271,9 @@ class SpeculativeDecoder:
             if forced:  # jump-forward: the grammar's own tokens, no drafter asked
                 plan = StepPlan(None, Draft(forced), math.nan)
             else:
+                t0, d0 = time.perf_counter(), _drafting_seconds(gen)
                 plan = gen.planner.plan(run.history, k, run.draft_sampler, run.rng)
+                _count_planning(gen, t0, d0)
             draft = verifiable(plan.draft, k, run.max_leaves)
             allowed = None
             if grammar is not None:
@@ -293,7 +295,9 @@ class SpeculativeDecoder:
                     confidence = _top_probability(logits[verdict.row], run)
                 # a draft cut by the grammar counts as rejected at the cut: its rows and
                 # acceptance are the cut draft's
+                t0, d0 = time.perf_counter(), _drafting_seconds(gen)
                 gen.planner.observe(plan, len(verdict.accepted), seconds, confidence, rows=rows)
+                _count_planning(gen, t0, d0)
             piece, finish = self._commit(gen, run, plan, draft, verdict, forced=bool(forced))
             if piece:
                 yield piece
@@ -417,6 +421,17 @@ class SpeculativeDecoder:
         stats.seconds = time.perf_counter() - run.t_gen - deferred
         stats.target_seconds = self.target.eval_seconds - run.target_s0
         stats.draft_seconds = sum(d.seconds for d in drafters) - run.draft_s0 - deferred
+
+
+def _drafting_seconds(gen: Generation) -> float:
+    return sum(d.seconds for d in gen.planner.drafters)
+
+
+def _count_planning(gen: Generation, t0: float, d0: float) -> None:
+    """Count the time since ``t0`` as the planner's own (``plan_seconds``), its drafters'
+    time since they had spent ``d0`` left out (theirs is ``draft_seconds``)."""
+    spent = time.perf_counter() - t0 - (_drafting_seconds(gen) - d0)
+    gen.stats.plan_seconds += max(0.0, spent)
 
 
 def _top_probability(row: npt.NDArray[np.float32], run: _Run) -> float:

@@ -35,7 +35,9 @@ class GenerationStats:
     ``prompt_cached``: prompt tokens the target's cache held from earlier generations (not
     read again; ``prompt_tokens`` counts them too, ``prompt_read`` the rest);
     ``draft_max``: the largest draft length this generation could use; ``last_draft``,
-    ``last_drafter``: the latest step's. Several generations' statistics pool with :meth:`add`.
+    ``last_drafter``: the latest step's; ``plan_seconds``: the planner's own part of
+    :attr:`python_seconds` (choosing and learning; its drafters' time is theirs). Several
+    generations' statistics pool with :meth:`add`.
     """
 
     prompt_tokens: int = 0
@@ -48,6 +50,7 @@ class GenerationStats:
     seconds: float = 0.0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
+    plan_seconds: float = 0.0
     draft_max: int = 0
     last_draft: int = 0
     last_drafter: str = "none"
@@ -87,7 +90,7 @@ class GenerationStats:
         ``last_*`` are left as they are)."""
         for f in ("prompt_tokens", "prompt_cached", "prompt_seconds", "generated", "steps",
                   "drafted", "accepted", "seconds", "target_seconds", "draft_seconds",
-                  "rejected_steps", "tree_steps", "grammar_cut"):  # fmt: skip
+                  "plan_seconds", "rejected_steps", "tree_steps", "grammar_cut"):  # fmt: skip
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.draft_max = max(self.draft_max, other.draft_max)
         self.constrained = self.constrained or other.constrained
@@ -107,7 +110,7 @@ class GenerationStats:
             tokens_per_s=round(self.tokens_per_s, 3),
             python_seconds=round(self.python_seconds, 4),
         )
-        for k in ("prompt_seconds", "seconds", "target_seconds", "draft_seconds"):
+        for k in ("prompt_seconds", "seconds", "target_seconds", "draft_seconds", "plan_seconds"):
             d[k] = round(d[k], 4)
         return d
 
