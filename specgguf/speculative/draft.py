@@ -232,16 +232,17 @@ class Drafter(Protocol):
 class TreeDrafter(Drafter, Protocol):
     """A drafter that also proposes token trees (:mod:`specgguf.speculative.tree`)."""
 
+    # A tree of at most max_nodes nodes and max_leaves leaves, its nodes in an order where
+    # parents come first; wanted and branch (None, 0: none) allow it to stop early (see
+    # SuffixDrafter.propose_tree). No defaults and no docstring here: mutation testing would
+    # wrap the method, and the runtime check of the protocol would then ask every tree
+    # drafter for the wrapper's names.
     def propose_tree(
         self,
         history: Sequence[int],
         max_nodes: int,
         max_leaves: int,
         *,
-        wanted: Callable[[int], int] | None = None,
-        branch: int = 0,
-    ) -> Draft:
-        """A tree of at most ``max_nodes`` nodes and ``max_leaves`` leaves, its nodes in an
-        order where parents come first; ``wanted`` and ``branch`` allow it to stop early
-        (see :meth:`specgguf.speculative.drafters.SuffixDrafter.propose_tree`)."""
-        ...
+        wanted: Callable[[int], int] | None,
+        branch: int,
+    ) -> Draft: ...

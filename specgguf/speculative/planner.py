@@ -116,7 +116,9 @@ class FixedPlanner:
         if self.drafter is None or k_max <= 0 or k_max < self.draft_min:
             return _ALONE
         if self.trees is not None and sampler.greedy:
-            draft = self.trees.propose_tree(history, k_max, self.tree_branches)
+            draft = self.trees.propose_tree(
+                history, k_max, self.tree_branches, wanted=None, branch=0
+            )
         else:
             draft = self.drafter.propose(history, k_max, sampler, rng, p_min=self.p_min)
         if len(draft.tokens) < self.draft_min:
