@@ -765,3 +765,81 @@ def test_draft_time_counts_the_drafts_not_the_prompt() -> None:
     dec, _ = make(drafter)
     res = run(dec, [3, 4], n_predict=9, draft_max=2)
     assert res.stats.steps == 3 and res.stats.draft_seconds == pytest.approx(0.75)
+
+
+class _GeneralPlanner(FixedPlanner):
+    """The target alone through the loop's general steps (the lean path takes only a
+    FixedPlanner itself): the reference the lean path must equal."""
+
+
+def _hashed_rule(prefix: Sequence[int]) -> np.ndarray:
+    """Varied logits, a function of the last two tokens: draws matter when sampled, and
+    the end of generation (EOS) comes up now and then."""
+    rng = np.random.default_rng(prefix[-1] * 131 + (prefix[-2] if len(prefix) > 1 else 0))
+    row = rng.integers(0, 12, V).astype(np.float32)
+    row[EOS] += 5 * (prefix[-1] % 9 == 3)  # (often the top token there)
+    return row
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"sampler": GREEDY},
+        {"sampler": GREEDY, "ignore_eos": True},
+        {"sampler": GREEDY, "stop": ("ei", "q")},
+        {"sampler": SamplerParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=7)},
+        {"sampler": SamplerParams(temperature=1.5, top_k=5, top_p=0.9, min_p=0.0, seed=3),
+         "ignore_eos": True},
+        {"sampler": SamplerParams(temperature=1.0, seed=11), "stop": ("c",)},
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("n_predict,n_ctx", [(60, 256), (-1, 40), (1, 256)])
+def test_the_target_alones_lean_steps_equal_its_general_steps(
+    kw: dict[str, object], n_predict: int, n_ctx: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lean_runs = []
+    lean = SpeculativeDecoder._run_alone
+
+    def counted(self, gen, run):  # type: ignore[no-untyped-def]
+        lean_runs.append(gen)
+        return (yield from lean(self, gen, run))
+
+    monkeypatch.setattr(SpeculativeDecoder, "_run_alone", counted)
+    results = []
+    for planner in (FixedPlanner(None, 0), _GeneralPlanner(None, 0)):
+        ctx = FakeContext(_hashed_rule, V, n_ctx=n_ctx)
+        dec = SpeculativeDecoder(ctx, FakeVocab(V, eog_ids=[EOS]))  # type: ignore[arg-type]
+        params = GenerationParams(n_predict=n_predict, **kw)  # type: ignore[arg-type]
+        gen = dec.generate([5, 9, 2], params, planner)
+        pieces = list(gen)
+        assert gen.result is not None
+        res, s = gen.result, gen.result.stats
+        assert "".join(pieces) == res.text
+        results.append((res.tokens, res.text, res.finish_reason, s.steps, s.generated,
+                         s.drafted, ctx.kv, [e for e in ctx.log if e[0] == "eval"]))  # fmt: skip
+    assert len(lean_runs) == 1  # the first took the lean path, the second did not
+    assert results[0] == results[1]
+    tokens, _, finish, steps, generated, *_ = results[0]
+    assert steps == generated + (finish == "stop" and EOS not in tokens and steps > generated)
+    if kw.get("ignore_eos"):
+        assert EOS not in tokens and finish == "length"
+
+
+class _TimedContext(FakeContext):
+    """Each evaluation takes a millisecond of the target's time (``eval_seconds``)."""
+
+    def eval(self, tokens, *, logits="last"):  # type: ignore[no-untyped-def]
+        self.eval_seconds += 0.001
+        return super().eval(tokens, logits=logits)
+
+
+def test_the_lean_path_counts_its_time_as_the_general_one_does() -> None:
+    ctx = _TimedContext(_hashed_rule, V)
+    dec = SpeculativeDecoder(ctx, FakeVocab(V, eog_ids=[EOS]))  # type: ignore[arg-type]
+    res = dec.generate([1, 2], GenerationParams(n_predict=30, sampler=GREEDY,
+                                                ignore_eos=True)).run()  # fmt: skip
+    s = res.stats
+    assert s.generated == s.steps == 30 and s.drafted == 0
+    assert s.by_drafter["none"].steps == 30
+    # 30 steps of one evaluation each; the prompt's (before them) is the prompt's time
+    assert s.target_seconds == pytest.approx(0.030) and s.seconds > 0
