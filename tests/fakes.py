@@ -290,7 +290,8 @@ def auto_planner(
 ) -> AutoPlanner:
     """Auto mode over the arms of the drafters given, in the engine's order (n-gram lookup,
     suffix matching, the draft model): :func:`specgguf.engine.drafter_map.make_planner`
-    without an engine. ``tuning``: default :data:`TUNING`, which a test may replace."""
+    without an engine, its asking the arms costing nothing (``plan_cost`` 0). ``tuning``:
+    default :data:`TUNING`, which a test may replace."""
     arms: list[Arm] = []
     if ngram is not None:
         arms.append(LookupArm(ngram))
@@ -298,8 +299,12 @@ def auto_planner(
         arms.append(SuffixArm(suffix, tree_branches=tree_branches))
     if model is not None:
         arms.append(ModelArm(model, draft_max=draft_max_model, p_min=p_min))
-    return AutoPlanner(timings, arms, draft_max=draft_max, draft_min=draft_min,
-                       learn_timings=learn_timings, tuning=tuning or TUNING)  # fmt: skip
+    planner = AutoPlanner(timings, arms, draft_max=draft_max, draft_min=draft_min,
+                          learn_timings=learn_timings, tuning=tuning or TUNING)  # fmt: skip
+    # asking the arms costs nothing here: no step is let pass for this machine's own time
+    # (tests of letting steps pass set it)
+    planner.plan_cost = 0.0
+    return planner
 
 
 #: The tuning of :func:`auto_planner` when none is given (a fixture may replace it with

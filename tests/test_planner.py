@@ -1177,3 +1177,82 @@ def test_a_lone_row_never_costs_more_per_cached_position_than_a_row_of_a_batch()
     p.confidence = 0.99
     plan = p.plan(text, 16, GREEDY, RNG)
     assert plan.drafter is None and plan.expected_rate == pytest.approx(1 / t.verify_time(1, 779))
+
+
+def test_steps_pass_without_asking_while_asking_costs_more_than_its_budget() -> None:
+    # Asking costs 1 ms, a lone row 10 ms: 10% of a step against a budget of 3%, so the
+    # planner asks once in ceil(0.1 / 0.03) = 4 steps, ramping up: 1, 2, 3, 3, ... passed.
+    p = ngram_planner(HAND)
+    p.plan_cost = 0.001
+    history = [1, 2, 3, 4, 5]  # (no repeated n-gram: nothing to draft)
+    asked, passed = [], []
+    for _ in range(6):
+        plan = p.plan(history, 16, GREEDY, RNG)
+        assert plan.drafter is None and not p.skipped and p.wants_confidence
+        asked.append(len(history))
+        n = p.pass_steps()
+        passed.append(n)
+        history = [*history, *range(100 + len(history), 100 + len(history) + n + 1)]
+    assert passed == [1, 2, 3, 3, 3, 3]
+    assert p.pass_steps() == 0  # taken by the loop
+    # Steps the loop does not take are let pass by plan() itself, without confidence.
+    p.plan(history, 16, GREEDY, RNG)
+    assert [p.plan(history, 16, GREEDY, RNG).drafter for _ in range(3)] == [None] * 3
+    assert p.skipped and not p.wants_confidence
+    p.plan(history, 16, GREEDY, RNG)
+    assert not p.skipped and p.wants_confidence  # asked again
+
+
+@pytest.mark.parametrize("cost,budget", [(0.0003, 0.03), (0.001, 0.0), (0.0, 0.03)])
+def test_no_step_passes_when_asking_is_within_its_budget(cost: float, budget: float) -> None:
+    p = ngram_planner(HAND, tuning=tuned(plan_budget=budget))
+    p.plan_cost = cost  # 0.0003 is 3% of the 10 ms lone row: within
+    for n in range(5, 40):
+        p.plan(list(range(n)), 16, GREEDY, RNG)
+        assert not p.skipped and p.pass_steps() == 0
+
+
+def test_steps_passed_are_at_most_plan_skip_max_and_start_over_after_a_draft() -> None:
+    p = ngram_planner(HAND, tuning=tuned(plan_skip_max=2))
+    p.plan_cost = 0.05  # five lone rows: would let 166 steps pass
+    history = [1, 2, 3, 4, 5]
+    p.plan(history, 16, GREEDY, RNG)
+    assert p.pass_steps() == 1
+    p.plan(history + [6], 16, GREEDY, RNG)
+    assert p.pass_steps() == 2
+    p.plan(history + [7, 8, 9], 16, GREEDY, RNG)
+    assert p.pass_steps() == 2
+    # A repeated 4-gram at full confidence pays: drafted, and the run of vain asks ends.
+    p.confidence = 1.0
+    plan = p.plan([5, 6, 7, 8, 9, 5, 6, 7, 8], 16, GREEDY, RNG)
+    assert plan.drafter is not None and p.pass_steps() == 0
+    p.plan(history + [10, 11], 16, GREEDY, RNG)
+    assert p.pass_steps() == 1
+
+
+def test_the_planners_own_time_is_measured_when_not_given() -> None:
+    p = ngram_planner({1: 1e-7, 2: 1.2e-7})  # a lone row of 0.1 us: asking costs more
+    p.plan_cost = None
+    p.plan([1, 2, 3, 4, 5], 16, GREEDY, RNG)
+    assert p.pass_steps() == 1 and p._measured_cost > 3e-9
+
+
+def test_auto_mode_letting_steps_pass_gives_the_target_alones_output() -> None:
+    # A fast target (a lone row of 20 us) and asking at 100 us: most steps pass, in the
+    # loop's lean steps; every token is the target's own.
+    ctx = FakeContext(one_hot_rule(target_next, V), V)
+    p = auto_planner(Timings({1: 2e-5, 2: 2.4e-5}), ngram=NgramDrafter(1, 8), learn_timings=False)
+    p.plan_cost = 1e-4
+    asked = []
+    plan = p.plan
+
+    def counted(history, *a):  # type: ignore[no-untyped-def]
+        asked.append(len(history))
+        return plan(history, *a)
+
+    p.plan = counted  # type: ignore[method-assign]
+    dec = SpeculativeDecoder(ctx, FakeVocab(V))  # type: ignore[arg-type]
+    res = dec.generate([1, 2], GenerationParams(n_predict=60, sampler=GREEDY), p).run()
+    assert res.tokens == truth([1, 2], 60)
+    assert res.stats.generated == 60 and res.stats.steps <= 60
+    assert len(asked) < res.stats.steps / 2  # the rest were the loop's lean steps

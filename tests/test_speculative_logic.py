@@ -800,9 +800,9 @@ def test_the_target_alones_lean_steps_equal_its_general_steps(
     lean_runs = []
     lean = SpeculativeDecoder._run_alone
 
-    def counted(self, gen, run):  # type: ignore[no-untyped-def]
+    def counted(self, gen, run, steps):  # type: ignore[no-untyped-def]
         lean_runs.append(gen)
-        return (yield from lean(self, gen, run))
+        return (yield from lean(self, gen, run, steps))
 
     monkeypatch.setattr(SpeculativeDecoder, "_run_alone", counted)
     results = []

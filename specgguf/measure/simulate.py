@@ -52,7 +52,7 @@ from specgguf.measure.traces import Trace, TracedGeneration
 from specgguf.speculative.costmodel import Timings, cheapest_micro_batches, micro_batches
 from specgguf.speculative.draft import Draft, Drafter
 from specgguf.speculative.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
-from specgguf.speculative.planner import Planner
+from specgguf.speculative.planner import AutoPlanner, Planner
 from specgguf.speculative.sampling import SamplerParams
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 from specgguf.speculative.verification import verifiable
@@ -335,13 +335,16 @@ def simulate(
     tree_branches: int | None = None,
     overhead: float = 0.0,
     n_batch: int = 512,
+    overhead_alone: float | None = None,
 ) -> SimResult:
     """Replay ``trace`` on a machine whose costs are ``truth`` with drafter ``kind``
     ("auto", "none", "ngram", "suffix", "model") and draft length ``draft_max`` (None:
     the default of ``run``), the planner given ``truth`` as its calibration (a copy it
     refines); ``tree_branches`` (None: the drafter's default) as ``--draft-tree``;
-    ``overhead`` seconds added per step. The suffix drafter's memory runs across the
-    trace's generations, in order, as in one ``bench``.
+    ``overhead`` seconds added per step, ``overhead_alone`` (None: the same) per step
+    auto mode's planner let pass without asking its arms, the difference being the cost
+    of asking it weighs (``AutoPlanner.plan_cost``). The suffix drafter's memory runs
+    across the trace's generations, in order, as in one ``bench``.
 
     Raises:
         UsageError: the model drafter without chains in the trace.
@@ -362,6 +365,9 @@ def simulate(
     rng = np.random.default_rng(0)
     for gen in trace.generations:
         planner, history = _start(gen, model, drafting, kind, settings)
+        own = overhead if overhead_alone is None else overhead_alone
+        if isinstance(planner, AutoPlanner):  # (never this machine's own time)
+            planner.plan_cost = max(0.0, overhead - own)
         out, pos, seconds = gen.output, 0, 0.0
         k_cap = min(planner.draft_max, n_batch - 1)
         # An output that ended at an end-of-generation token had n_predict left to draft
@@ -380,7 +386,7 @@ def simulate(
             # trace does not hold)
             conf = gen.confidence[pos + acc] if pos + acc < len(out) else None
             planner.observe(plan, acc, verify, conf, rows=rows)
-            seconds += verify + drafted + overhead
+            seconds += verify + drafted + (own if getattr(planner, "skipped", False) else overhead)
             name = plan.drafter.name if plan.drafter is not None and draft.tokens else "none"
             res.by_drafter[name] = res.by_drafter.get(name, 0) + 1
             res.steps += 1
@@ -523,6 +529,10 @@ def simulate_parallel(
                 gen = queue.pop(0)
                 model, _, drafting = seqs[i]
                 planner, history = _start(gen, model, drafting, kind, settings)
+                if isinstance(planner, AutoPlanner):
+                    # (``overhead`` is the batch's step's, not a sequence's asking: no step
+                    # is let pass for it, nor for this machine's own time)
+                    planner.plan_cost = 0.0
                 running[i] = _Running(gen, planner, history, max(n_predict or 0, len(gen.output)))
         steps = []
         for i, run in sorted(running.items()):
@@ -612,12 +622,14 @@ def table(
     for name, truth in machines.items():
         own = overhead if overhead_alone is None else overhead_alone
         alone = simulate(trace, truth, "none", 0, overhead=own)
-        auto = simulate(trace, truth, "auto", tuning=tuning, overhead=overhead)
+        auto = simulate(trace, truth, "auto", tuning=tuning, overhead=overhead, overhead_alone=own)
         orc = oracle(trace, truth, overhead=overhead)
         var = (
             None
             if variant is None
-            else simulate(trace, truth, "auto", tuning=variant, overhead=overhead)
+            else simulate(
+                trace, truth, "auto", tuning=variant, overhead=overhead, overhead_alone=own
+            )
         )
         fixed = {f"{d} K={k}": simulate(trace, truth, d, k, overhead=overhead)
                  for d in kinds for k in fixed_ks}  # fmt: skip

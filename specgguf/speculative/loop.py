@@ -253,9 +253,14 @@ class SpeculativeDecoder:
         """Plan, verify, accept, commit, roll back, until a finish reason; yields text."""
         run = self._start(gen)
         finish: FinishReason | None = None
-        if _alone(gen, run):
-            finish = yield from self._run_alone(gen, run)
+        lean = _lean(gen, run)
+        if lean and type(gen.planner) is FixedPlanner and gen.planner.drafter is None:
+            finish = yield from self._run_alone(gen, run, math.inf)
         while finish is None:
+            if lean and (passing := gen.planner.pass_steps()):
+                finish = yield from self._run_alone(gen, run, passing)
+                if finish is not None:
+                    break
             if gen.cancelled:
                 finish = "interrupted"
                 break
@@ -311,17 +316,22 @@ class SpeculativeDecoder:
         if tail:
             yield tail
 
-    def _run_alone(self, gen: Generation, run: _Run) -> Generator[str, None, FinishReason]:
-        """The target alone, one token a step: what :meth:`_run`'s steps do with no draft
-        (an empty plan, a verification of one row, its commit), without their general
-        case, whose Python costs a fifth of a step of a fast target (see
-        docs/performance.md). Yields text; returns the finish reason."""
+    def _run_alone(
+        self, gen: Generation, run: _Run, steps: float
+    ) -> Generator[str, None, FinishReason | None]:
+        """Up to ``steps`` steps of the target alone, one token each: what :meth:`_run`'s
+        steps do with no draft (an empty plan, a verification of one row, its commit),
+        without their general case, whose Python costs a fifth of a step of a fast target
+        (see docs/performance.md). Yields text; returns the finish reason (None: the
+        steps were run and the generation goes on)."""
         target, stats, stream = self.target, gen.stats, gen.stream
         history, tokens, piece_of = run.history, gen.tokens, self.vocab.token_to_piece
         eog, banned, sampler = self.vocab.eog_ids, run.banned, gen.params.sampler
         n_ctx, limit, n_prompt = target.n_ctx, run.limit, run.n_prompt
         greedy = sampler.greedy
-        while True:
+        done = 0
+        while done < steps:
+            done += 1
             if gen.cancelled:
                 return "interrupted"
             n = len(history)
@@ -355,6 +365,7 @@ class SpeculativeDecoder:
             stats.target_seconds = target.eval_seconds - run.target_s0
             if piece:
                 yield piece
+        return None
 
     def _start(self, gen: Generation) -> _Run:
         """Process the prompt (the target's KV cache holds all but its last token; a draft
@@ -473,14 +484,11 @@ class SpeculativeDecoder:
 _NO_DRAFT = Draft([])
 
 
-def _alone(gen: Generation, run: _Run) -> bool:
-    """Whether every step of ``gen`` is the target's alone, of one row, committed whole:
-    no drafter, no grammar, no deterministic mode (whose lone rows are padded)."""
-    planner = gen.planner
-    return (
-        type(planner) is FixedPlanner and planner.drafter is None and gen.constraint is None
-        and not gen.params.deterministic and not run.lazy_rows
-    )  # fmt: skip
+def _lean(gen: Generation, run: _Run) -> bool:
+    """Whether a step of the target alone in ``gen`` is one row, committed whole (the
+    lean steps of :meth:`SpeculativeDecoder._run_alone`): no grammar, no deterministic
+    mode (whose lone rows are padded)."""
+    return gen.constraint is None and not gen.params.deterministic and not run.lazy_rows
 
 
 def _masked_rows(

@@ -15,6 +15,7 @@ arm listed first. Every number of the rule is a field of
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -38,7 +39,9 @@ class Planner(Protocol):
     ``draft_max``: the largest draft length it proposes (the loop clamps it further to the
     room left); ``drafters``: the drafters it may use (the loop lets them read the prompt
     ahead and sums their time); ``wants_confidence``: whether :meth:`observe` needs the
-    target's top-1 probability (costs a softmax per step).
+    target's top-1 probability (costs a softmax per step); ``pass_steps()``: the steps it
+    lets pass now as the target's alone without being asked (0: none), which the loop runs
+    as such, neither planned nor observed.
     """
 
     draft_max: int
@@ -54,6 +57,8 @@ class Planner(Protocol):
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> StepPlan: ...
+
+    def pass_steps(self) -> int: ...
 
     def observe(
         self,
@@ -109,6 +114,9 @@ class FixedPlanner:
         """The drafter drafts at every step: it reads the prompt now."""
         if self.drafter:
             self.drafter.prefill(history)
+
+    def pass_steps(self) -> int:
+        return 0
 
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
@@ -178,6 +186,11 @@ class AutoPlanner:
         self.tuning = tuning
         #: the positions cached at the step last planned
         self.cached = 0
+        #: seconds of Python a step the arms' offers cost (None: measured, a moving
+        #: average of the steps whose offers all came to nothing; a number: taken as it
+        #: is, as the simulator gives it)
+        self.plan_cost: float | None = None
+        self._measured_cost, self._n_costs = 0.0, 0
         self.reset()
 
     def arm(self, name: str) -> Arm:
@@ -196,6 +209,12 @@ class AutoPlanner:
         timings as they are now."""
         self.confidence = self.tuning.confidence_start
         self._n_confidence = 0
+        #: whether the latest step was let pass as the target's alone without asking the
+        #: arms (:meth:`plan`); its verification reads no confidence
+        self.skipped = False
+        self.wants_confidence = True
+        self._idle = 0  # steps asked in a row whose offers all came to nothing
+        self._skip = 0  # steps still to let pass
         self.active = [arm for arm in self.arms if arm.reset(self.timings, self.tuning)]
         self.drafters: list[Drafter] = [arm.drafter for arm in self.active]
 
@@ -209,25 +228,53 @@ class AutoPlanner:
     def plan(
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> StepPlan:
+        self.cached = len(history) - 1  # the last token is evaluated with the drafts
+        if self._skip > 0:  # (see _idle_step)
+            self._skip -= 1
+            self.skipped, self.wants_confidence = True, False
+            return _ALONE
+        self.skipped, self.wants_confidence = False, True
+        t0 = time.perf_counter()
         for arm in self.arms:
             arm.tick()
-        self.cached = len(history) - 1  # the last token is evaluated with the drafts
-        base_rate = 1.0 / self.timings.verify_time(1, self.cached)
-        alone = StepPlan(None, Draft([]), base_rate)
+        lone_row = self.timings.verify_time(1, self.cached)
+        alone = StepPlan(None, Draft([]), 1.0 / lone_row)
         if k_max < self.draft_min:
             return alone
         step = Step(history, self.draft_min, k_max, sampler, rng, self.timings, self.cached,
-                    self.confidence, base_rate, self.tuning)  # fmt: skip
+                    self.confidence, 1.0 / lone_row, self.tuning)  # fmt: skip
         offers = [offer for arm in self.active if (offer := arm.offer(step)) is not None]
         taken = self._choose(offers, step)
         for arm in self.active:
             arm.settle(step, taken)
-        if taken is None:
-            return alone
-        draft = taken.arm.draft(taken, step)
-        if len(draft.tokens) < step.k_min:
-            return alone
-        return StepPlan(taken.arm.drafter, draft, taken.rate, taken.arm, taken.bucket)
+        if taken is not None:
+            draft = taken.arm.draft(taken, step)
+            if len(draft.tokens) >= step.k_min:
+                self._idle = 0
+                return StepPlan(taken.arm.drafter, draft, taken.rate, taken.arm, taken.bucket)
+        self._idle_step(time.perf_counter() - t0, lone_row)
+        return alone
+
+    def pass_steps(self) -> int:
+        """The steps still to let pass (see :meth:`_idle_step`), now the loop's to run."""
+        n, self._skip = self._skip, 0
+        return n
+
+    def _idle_step(self, seconds: float, lone_row: float) -> None:
+        """The offers of a step came to nothing after ``seconds``: let the next steps pass
+        without asking while asking would cost more than ``plan_budget`` of the target
+        alone's steps (``lone_row`` seconds each), one more for each step in a row asked in
+        vain, at most ``plan_skip_max``."""
+        t = self.tuning
+        if self.plan_cost is None:  # a running mean over ten steps, then a moving average
+            self._n_costs += 1
+            self._measured_cost += (seconds - self._measured_cost) / min(self._n_costs, 10)
+        cost = self._measured_cost if self.plan_cost is None else self.plan_cost
+        self._idle += 1
+        if t.plan_budget > 0 and cost > t.plan_budget * lone_row:
+            # asking once in n + 1 steps costs cost / (n + 1) a step
+            wanted = math.ceil(cost / (t.plan_budget * lone_row)) - 1
+            self._skip = min(wanted, self._idle, t.plan_skip_max)
 
     def _choose(self, offers: Sequence[Offer], step: Step) -> Offer | None:
         """The offer taken (see the module): admitted, and the fastest, an arm in step

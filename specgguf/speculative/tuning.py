@@ -240,6 +240,22 @@ class AutoTuning:
     #: that one wild measurement cannot run away. Was (0.5, 3.0); no measurement recorded.
     timing_clamp: tuple[float, float] = (0.8, 1.5)
 
+    # -- the planner's own time ----------------------------------------------------------
+
+    #: While no arm pays, asking the arms for offers may cost at most this share of the
+    #: target alone's step (``AutoPlanner.plan_cost`` against the calibrated lone row):
+    #: where it costs more (a fast target, whose steps take hundreds of microseconds), the
+    #: planner lets steps pass as the target's alone without asking (0: it always asks).
+    #: On the tiny generated pair (steps of 180-370 us) auto mode ran at 0.66-0.73x the
+    #: target alone, asking at every step for 105 us (2-core Xeon, 2026-12-06); 3% is the
+    #: bar issue 56 sets for Python's share of a GPU's step.
+    plan_budget: float = 0.03
+    #: ... letting one more step pass for every step in a row that it asked in vain (1, 2,
+    #: 3, ...: a run of drafts that pay is not missed for long), at most this many. Only
+    #: value; the tiny pair's code generation loses its suffix drafts at 64 (see
+    #: docs/performance.md).
+    plan_skip_max: int = 16
+
     # -- draft lengths -----------------------------------------------------------------
 
     #: The longest draft of the draft model: its tokens cost a forward pass each and its
