@@ -1218,15 +1218,15 @@ def test_steps_passed_are_at_most_plan_skip_max_and_start_over_after_a_draft() -
     history = [1, 2, 3, 4, 5]
     p.plan(history, 16, GREEDY, RNG)
     assert p.pass_steps() == 1
-    p.plan(history + [6], 16, GREEDY, RNG)
+    p.plan([*history, 6], 16, GREEDY, RNG)
     assert p.pass_steps() == 2
-    p.plan(history + [7, 8, 9], 16, GREEDY, RNG)
+    p.plan([*history, 7, 8, 9], 16, GREEDY, RNG)
     assert p.pass_steps() == 2
     # A repeated 4-gram at full confidence pays: drafted, and the run of vain asks ends.
     p.confidence = 1.0
     plan = p.plan([5, 6, 7, 8, 9, 5, 6, 7, 8], 16, GREEDY, RNG)
     assert plan.drafter is not None and p.pass_steps() == 0
-    p.plan(history + [10, 11], 16, GREEDY, RNG)
+    p.plan([*history, 10, 11], 16, GREEDY, RNG)
     assert p.pass_steps() == 1
 
 
