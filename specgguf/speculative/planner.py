@@ -266,14 +266,16 @@ class AutoPlanner:
         alone's steps (``lone_row`` seconds each), one more for each step in a row asked in
         vain, at most ``plan_skip_max``."""
         t = self.tuning
-        if self.plan_cost is None:  # a running mean over ten steps, then a moving average
+        if self.plan_cost is None:  # a running mean at first, then a moving average
             self._n_costs += 1
-            self._measured_cost += (seconds - self._measured_cost) / min(self._n_costs, 10)
+            w = max(t.plan_cost_weight, 1.0 / self._n_costs)
+            self._measured_cost += w * (seconds - self._measured_cost)
         cost = self._measured_cost if self.plan_cost is None else self.plan_cost
         self._idle += 1
         if t.plan_budget > 0 and cost > t.plan_budget * lone_row:
             # asking once in n + 1 steps costs cost / (n + 1) a step
-            wanted = math.ceil(cost / (t.plan_budget * lone_row)) - 1
+            budget = t.plan_budget * lone_row
+            wanted = math.ceil(cost / budget) - 1 if budget > 0 else t.plan_skip_max
             self._skip = min(wanted, self._idle, t.plan_skip_max)
 
     def _choose(self, offers: Sequence[Offer], step: Step) -> Offer | None:

@@ -251,10 +251,14 @@ class AutoTuning:
     #: bar issue 56 sets for Python's share of a GPU's step.
     plan_budget: float = 0.03
     #: ... letting one more step pass for every step in a row that it asked in vain (1, 2,
-    #: 3, ...: a run of drafts that pay is not missed for long), at most this many. Only
-    #: value; the tiny pair's code generation loses its suffix drafts at 64 (see
-    #: docs/performance.md).
+    #: 3, ...: a run of drafts that pay is not missed for long), at most this many. No
+    #: measurement recorded; only value (the reason: a draft that starts to pay is found
+    #: within 16 steps of the target alone).
     plan_skip_max: int = 16
+    #: The weight of a step's measured cost of asking in its average (``AutoPlanner``'s
+    #: measured ``plan_cost``): a running mean while 1/n is above it. No measurement
+    #: recorded; only value.
+    plan_cost_weight: float = 0.1
 
     # -- draft lengths -----------------------------------------------------------------
 
