@@ -1256,3 +1256,16 @@ def test_auto_mode_letting_steps_pass_gives_the_target_alones_output() -> None:
     assert res.tokens == truth([1, 2], 60)
     assert res.stats.generated == 60 and res.stats.steps <= 60
     assert len(asked) < res.stats.steps / 2  # the rest were the loop's lean steps
+
+
+def test_a_lone_row_of_almost_no_time_lets_the_most_steps_pass() -> None:
+    # (found in review: a ratio too large for math.ceil raised OverflowError)
+    p = ngram_planner({1: 1e-300, 2: 1.2e-300})
+    p.plan_cost = 1e-4
+    p.plan([1, 2, 3, 4, 5], 16, GREEDY, RNG)
+    assert p.pass_steps() == 1  # the ramp's first step: min(plan_skip_max, 1)
+    for n in range(6, 40):
+        p.plan(list(range(n)), 16, GREEDY, RNG)
+        p.pass_steps()
+    p.plan(list(range(40)), 16, GREEDY, RNG)
+    assert p.pass_steps() == AUTO_TUNING.plan_skip_max

@@ -512,3 +512,24 @@ def test_the_tuning_benchmark_runs_both_tunings_and_says_what_is_wrong(
                for c in ("auto", "auto-set")}  # fmt: skip
     assert drafted["auto"] > 0 and drafted["auto-set"] == 0, drafted
     assert "| chat |" in r.stdout and "| overall |" in r.stdout and "auto-set / auto" in r.stdout
+
+
+def test_steps_let_pass_cost_the_target_alones_python_where_nothing_pays(machines: dict) -> None:
+    # Asking costs 2 ms of Python a step, the target alone's steps none, on the GPU-like
+    # curve's 15 ms rows (13% of a row, against plan_budget's 3%). Where nothing pays,
+    # auto mode lets most steps pass: nearer the target alone than when it asks at every
+    # step (plan_budget 0).
+    import dataclasses
+
+    tr, t = _hopeless(3), machines["gpu-like"]
+    alone = simulate(tr, t, "none", 0, overhead=0.0).rate()
+    asking = simulate(tr, t, "auto", overhead=2e-3, overhead_alone=0.0,
+                      tuning=dataclasses.replace(AUTO_TUNING, plan_budget=0.0))  # fmt: skip
+    passing = simulate(tr, t, "auto", overhead=2e-3, overhead_alone=0.0)
+    assert asking.rate() < passing.rate() <= alone
+    assert passing.rate() > 0.93 * alone > asking.rate()
+    # the same trace and costs with nothing to pay for asking: every step asks, as before
+    free = simulate(tr, t, "auto", overhead=2e-3, overhead_alone=2e-3)
+    same = simulate(tr, t, "auto", overhead=2e-3, overhead_alone=2e-3,
+                    tuning=dataclasses.replace(AUTO_TUNING, plan_budget=0.0))  # fmt: skip
+    assert free.rate() == same.rate() and free.steps == same.steps

@@ -781,12 +781,19 @@ def _hashed_rule(prefix: Sequence[int]) -> np.ndarray:
     return row
 
 
+#: pieces that split a UTF-8 character (4, 5: "€"), end in a stop string's first
+#: character (6) or spell one across tokens (7, 8): text held back and released
+SPLIT_PIECES = {4: b"\xe2\x82", 5: b"\xac!", 6: b"x.", 7: b"\nU", 8: b"ser:", 9: b"\n"}
+
+
 @pytest.mark.parametrize(
     "kw",
     [
         {"sampler": GREEDY},
         {"sampler": GREEDY, "ignore_eos": True},
         {"sampler": GREEDY, "stop": ("ei", "q")},
+        {"sampler": GREEDY, "stop": (".", "\nUser:")},
+        {"sampler": GREEDY, "stop": ("!",), "ignore_eos": True},
         {"sampler": SamplerParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=7)},
         {"sampler": SamplerParams(temperature=1.5, top_k=5, top_p=0.9, min_p=0.0, seed=3),
          "ignore_eos": True},
@@ -794,8 +801,13 @@ def _hashed_rule(prefix: Sequence[int]) -> np.ndarray:
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("n_predict,n_ctx", [(60, 256), (-1, 40), (1, 256)])
+@pytest.mark.parametrize("pieces", [None, SPLIT_PIECES])
 def test_the_target_alones_lean_steps_equal_its_general_steps(
-    kw: dict[str, object], n_predict: int, n_ctx: int, monkeypatch: pytest.MonkeyPatch
+    kw: dict[str, object],
+    n_predict: int,
+    n_ctx: int,
+    pieces: dict[int, bytes] | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     lean_runs = []
     lean = SpeculativeDecoder._run_alone
@@ -808,13 +820,14 @@ def test_the_target_alones_lean_steps_equal_its_general_steps(
     results = []
     for planner in (FixedPlanner(None, 0), _GeneralPlanner(None, 0)):
         ctx = FakeContext(_hashed_rule, V, n_ctx=n_ctx)
-        dec = SpeculativeDecoder(ctx, FakeVocab(V, eog_ids=[EOS]))  # type: ignore[arg-type]
+        vocab = FakeVocab(V, eog_ids=[EOS], pieces=pieces)
+        dec = SpeculativeDecoder(ctx, vocab)  # type: ignore[arg-type]
         params = GenerationParams(n_predict=n_predict, **kw)  # type: ignore[arg-type]
         gen = dec.generate([5, 9, 2], params, planner)
-        pieces = list(gen)
+        streamed = "".join(gen)
         assert gen.result is not None
         res, s = gen.result, gen.result.stats
-        assert "".join(pieces) == res.text
+        assert streamed == res.text
         results.append((res.tokens, res.text, res.finish_reason, s.steps, s.generated,
                          s.drafted, ctx.kv, [e for e in ctx.log if e[0] == "eval"]))  # fmt: skip
     assert len(lean_runs) == 1  # the first took the lean path, the second did not
@@ -843,3 +856,25 @@ def test_the_lean_path_counts_its_time_as_the_general_one_does() -> None:
     assert s.by_drafter["none"].steps == 30
     # 30 steps of one evaluation each; the prompt's (before them) is the prompt's time
     assert s.target_seconds == pytest.approx(0.030) and s.seconds > 0
+
+
+@pytest.mark.parametrize("stop,streamed", [((".",), "d\u20ac!x"), (("!",), "d\u20ac")])
+def test_text_held_back_reaches_the_stream_when_a_stop_string_ends_the_target_alone(
+    stop: tuple[str, ...], streamed: str
+) -> None:
+    # (found in review: the lean steps returned at a stop string without yielding the
+    # text it released.) Tokens 3, 4, 5, 6, ...: "d", half of "\u20ac", its rest and "!",
+    # "x." ...: the stop string's text before it, held back until then, is streamed.
+    def rule(prefix: Sequence[int]) -> np.ndarray:
+        row = np.zeros(V, np.float32)
+        row[prefix[-1] + 1] = 1
+        return row
+
+    vocab = FakeVocab(V, eog_ids=[0], pieces={6: b"x.", 4: b"\xe2\x82", 5: b"\xac!"})
+    for planner in (FixedPlanner(None, 0), _GeneralPlanner(None, 0)):
+        dec = SpeculativeDecoder(FakeContext(rule, V), vocab)  # type: ignore[arg-type]
+        gen = dec.generate([1, 2], GenerationParams(n_predict=20, sampler=GREEDY, stop=stop),
+                           planner)  # fmt: skip
+        assert "".join(gen) == streamed
+        assert gen.result is not None and gen.result.text == streamed
+        assert gen.result.finish_reason == "stop"

@@ -374,6 +374,15 @@ def simulate(
         # into, as the real loop does; one cut at n_predict had only its own length.
         limit = max(n_predict or 0, len(out))
         while pos < len(out):
+            # steps auto mode lets pass: the loop's lean steps, neither planned nor observed
+            for _ in range(min(planner.pass_steps(), len(out) - pos)):
+                seconds += truth.verify_time(1, len(history) - 1) + own
+                res.by_drafter["none"] = res.by_drafter.get("none", 0) + 1
+                res.steps += 1
+                history.append(out[pos])
+                pos += 1
+            if pos >= len(out):
+                break
             k_step = min(k_cap, limit - pos - 1)
             before = model.seconds if model is not None else 0.0
             plan = planner.plan(history, k_step, GREEDY, rng)

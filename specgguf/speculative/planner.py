@@ -186,9 +186,9 @@ class AutoPlanner:
         self.tuning = tuning
         #: the positions cached at the step last planned
         self.cached = 0
-        #: seconds of Python a step the arms' offers cost (None: measured, a moving
-        #: average of the steps whose offers all came to nothing; a number: taken as it
-        #: is, as the simulator gives it)
+        #: seconds of Python asking the arms costs a step (None: measured, a moving
+        #: average over the steps whose offers all came to nothing, whose time is the
+        #: arms' Python alone; a number: taken as it is, as the simulator gives it)
         self.plan_cost: float | None = None
         self._measured_cost, self._n_costs = 0.0, 0
         self.reset()
@@ -247,35 +247,39 @@ class AutoPlanner:
         taken = self._choose(offers, step)
         for arm in self.active:
             arm.settle(step, taken)
-        if taken is not None:
-            draft = taken.arm.draft(taken, step)
-            if len(draft.tokens) >= step.k_min:
-                self._idle = 0
-                return StepPlan(taken.arm.drafter, draft, taken.rate, taken.arm, taken.bucket)
-        self._idle_step(time.perf_counter() - t0, lone_row)
-        return alone
+        if taken is None:  # (the arms' Python alone: nothing drafted, nothing evaluated)
+            self._idle_step(time.perf_counter() - t0, lone_row)
+            return alone
+        draft = taken.arm.draft(taken, step)
+        if len(draft.tokens) < step.k_min:
+            self._idle_step(None, lone_row)
+            return alone
+        self._idle = 0
+        return StepPlan(taken.arm.drafter, draft, taken.rate, taken.arm, taken.bucket)
 
     def pass_steps(self) -> int:
         """The steps still to let pass (see :meth:`_idle_step`), now the loop's to run."""
         n, self._skip = self._skip, 0
         return n
 
-    def _idle_step(self, seconds: float, lone_row: float) -> None:
-        """The offers of a step came to nothing after ``seconds``: let the next steps pass
-        without asking while asking would cost more than ``plan_budget`` of the target
-        alone's steps (``lone_row`` seconds each), one more for each step in a row asked in
-        vain, at most ``plan_skip_max``."""
+    def _idle_step(self, seconds: float | None, lone_row: float) -> None:
+        """A step was asked in vain, its offers' Python taking ``seconds`` (None: a draft
+        was made and came out too short; not a measure of asking): let the next steps
+        pass without asking while asking would cost more than ``plan_budget`` of the
+        target alone's steps (``lone_row`` seconds each), one more for each step in a row
+        asked in vain, at most ``plan_skip_max``."""
         t = self.tuning
-        if self.plan_cost is None:  # a running mean at first, then a moving average
-            self._n_costs += 1
+        if self.plan_cost is None and seconds is not None:
+            self._n_costs += 1  # a running mean at first, then a moving average
             w = max(t.plan_cost_weight, 1.0 / self._n_costs)
             self._measured_cost += w * (seconds - self._measured_cost)
         cost = self._measured_cost if self.plan_cost is None else self.plan_cost
         self._idle += 1
-        if t.plan_budget > 0 and cost > t.plan_budget * lone_row:
+        budget = t.plan_budget * lone_row
+        if t.plan_budget > 0 and cost > budget:
             # asking once in n + 1 steps costs cost / (n + 1) a step
-            budget = t.plan_budget * lone_row
-            wanted = math.ceil(cost / budget) - 1 if budget > 0 else t.plan_skip_max
+            ratio = cost / budget if budget > 0 else math.inf
+            wanted = math.ceil(ratio) - 1 if ratio <= t.plan_skip_max else t.plan_skip_max
             self._skip = min(wanted, self._idle, t.plan_skip_max)
 
     def _choose(self, offers: Sequence[Offer], step: Step) -> Offer | None:
