@@ -5,8 +5,8 @@ engine: tokenizer, chat template, grammars, drafters, the batch of two sequences
 answer is a 2xx or a 4xx in OpenAI's error shape; the server's log has no traceback; it
 answers a good request after and shows nothing queued or running.
 
-A bounded number here (``SPECGGUF_FUZZ_REAL_EXAMPLES``, default 150 per test); docs/reliability.md
-gives the large run's command and figures."""
+A bounded number here (``SPECGGUF_FUZZ_REAL_EXAMPLES``, default 150 per test); the large run
+is ``scripts/fuzz-server`` (its figures: docs/reliability.md)."""
 
 from __future__ import annotations
 
