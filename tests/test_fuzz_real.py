@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -153,6 +154,33 @@ def test_well_typed_completions_never_answer_5xx(
 def test_any_body_bytes_on_real_models_never_answer_5xx(client: httpx.Client, raw: bytes) -> None:
     for path in ("/v1/chat/completions", "/v1/completions"):
         check(client.post(path, content=raw, headers={"Content-Type": "application/json"}))
+
+
+PATHS = st.sampled_from(
+    [
+        "/v1/models",
+        "/models",
+        "/health",
+        "/v1/health",
+        "/metrics",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/",
+    ]
+)
+METHODS = st.sampled_from(["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"])
+
+
+@FUZZ
+@given(method=METHODS, path=PATHS | st.text(max_size=20).map(lambda t: "/v1/models/" + quote(t)),
+       query=st.text(max_size=12))  # fmt: skip
+def test_every_endpoint_and_method_never_answers_5xx(
+    client: httpx.Client, method: str, path: str, query: str
+) -> None:
+    r = client.request(method, path, params={"q": query} if query else None,
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code < 500, (method, path, r.status_code, r.text)
 
 
 def gauge(client: httpx.Client, name: str) -> float:
