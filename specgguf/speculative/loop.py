@@ -50,7 +50,7 @@ from specgguf.speculative.planner import FixedPlanner, Planner
 from specgguf.speculative.sampling import SamplerParams
 from specgguf.speculative.stats import DrafterStats, GenerationStats
 from specgguf.speculative.streaming import TextStream
-from specgguf.speculative.verification import Verdict, accept, evaluate, verifiable
+from specgguf.speculative.verification import Verdict, _masked, accept, evaluate, verifiable
 
 __all__ = [
     "DrafterStats", "FinishReason", "Generation", "GenerationParams", "GenerationResult",
@@ -345,7 +345,7 @@ class SpeculativeDecoder:
                     masked[banned] = -np.inf
                     t = int(masked.argmax())
             else:
-                rows = row[None] if banned is None else _masked_rows(row, banned)
+                rows = _masked(row[None], banned, None)
                 keyed_at = n - n_prompt if run.keyed else None
                 t = accept(_NO_DRAFT, rows, sampler, run.rng, keyed_at=keyed_at).token
             if t in eog:
@@ -490,15 +490,6 @@ def _lean(gen: Generation, run: _Run) -> bool:
     lean steps of :meth:`SpeculativeDecoder._run_alone`): no grammar, no deterministic
     mode (whose lone rows are padded)."""
     return gen.constraint is None and not gen.params.deterministic and not run.lazy_rows
-
-
-def _masked_rows(
-    row: npt.NDArray[np.float32], banned: npt.NDArray[np.int64]
-) -> npt.NDArray[np.float32]:
-    """float32[1, n_vocab]: ``row`` with the ``banned`` ids at -inf (a copy)."""
-    out = np.array(row[None])
-    out[0, banned] = -np.inf
-    return out
 
 
 def _drafting_seconds(gen: Generation) -> float:
