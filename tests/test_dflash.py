@@ -25,17 +25,20 @@ from specgguf.speculative.sampling import SamplerParams
 from .helpers import check_head_choice, record_drafts, run_cli
 from .test_mtp_oracle import run_llama
 
-DRAFTS = ["dflash", "dflash-shared"]
+#: each tiny draft: the target layers it reads, and the most tokens a draft of it has
+DRAFTS = {"dflash": ((0, 1), 7), "dflash-shared": ((1,), 7), "dspark": ((0, 1), 8),
+          "dspark-bonus": ((1,), 7)}  # fmt: skip
 PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
 GREEDY = SamplerParams(temperature=0.0)
 
 
 def engine(tiny: dict[str, Path], draft: str | None, drafter: str, k: int = 4, **kw: Any) -> Engine:
     threads = kw.pop("n_threads", None)
+    p_min = kw.pop("p_min", 0.0)
     return Engine(EngineConfig(
         ModelConfig(tiny["target"], n_ctx=512, n_threads=threads),
         ModelConfig(tiny[draft], n_ctx=512, n_threads=threads) if draft else None,
-        SpeculativeConfig(drafter=drafter, draft_max=k), **kw,
+        SpeculativeConfig(drafter=drafter, draft_max=k, p_min=p_min), **kw,
     ))  # fmt: skip
 
 
@@ -51,9 +54,10 @@ def alone(tiny_models: dict[str, Path]) -> list[list[int]]:
 def test_greedy_output_is_the_targets_own(
     tiny_models: dict[str, Path], alone: list[list[int]], draft: str, drafter: str
 ) -> None:
+    layers, most = DRAFTS[draft]
     with engine(tiny_models, draft, drafter, 16) as e:
         assert e.head_kind == "dflash" and e.draft_ctx is None  # a head, not a draft model
-        assert e.target_ctx.layer_inputs == ((0, 1) if draft == "dflash" else (1,))
+        assert e.target_ctx.layer_inputs == layers
         drafted, long_steps = 0, 0
         for k in (1, 4, 16):
             for p, want in zip(PROMPTS, alone, strict=True):
@@ -63,39 +67,50 @@ def test_greedy_output_is_the_targets_own(
                 assert res.tokens == want, (k, p)
                 if (st := res.stats.by_drafter.get("dflash")) is not None:
                     drafted += st.drafted
-                    assert st.drafted <= 7 * st.steps  # (a block of 8 drafts at most 7)
-                    long_steps += k == 16 and st.drafted > 6 * st.steps
+                    assert st.drafted <= most * st.steps  # (a block of 8)
+                    long_steps += k == 16 and st.drafted > (most - 1) * st.steps
     if drafter == "dflash":
         assert drafted > 0 and long_steps == len(PROMPTS)
 
 
 @pytest.mark.parametrize(
-    ("target", "draft"),
-    [("target", "dflash"), ("target", "dflash-shared"), ("hybrid", "dflash-mrope")],
-)
-@pytest.mark.parametrize("k", [1, 4, 7])
+    ("target", "draft", "k", "p_min"),
+    [
+        *[(t, d, k, 0.0) for k in (1, 4, 7)
+          for t, d in (("target", "dflash"), ("target", "dflash-shared"),
+                       ("hybrid", "dflash-mrope"))],
+        *[("target", "dspark", k, p) for k in (1, 4, 8) for p in (0.0, 0.5)],
+        *[("target", "dspark-bonus", k, 0.0) for k in (1, 4, 7)],
+    ],
+)  # fmt: skip
 def test_dflash_drafts_as_llama_cpp(
     k: int,
+    p_min: float,
     target: str,
     draft: str,
     tools: Path,
     tiny_models: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The same tokens as llama.cpp's ``draft-dflash``, and the same draft at every step
-    (the comparable steps of tests/test_mtp_oracle.py) that drafts the configured K: near
-    the end, where a step keeps fewer, llama.cpp still decodes a block of K + 1 rows and
-    specgguf one of the draft's length, whose rows attend to each other. ``dflash-mrope``
-    runs with M-RoPE (4 positions per row of target rows) on the hybrid target."""
+    """The same tokens as llama.cpp's ``draft-dflash`` (``draft-dspark`` for the DSpark
+    drafts), and the same draft at every step (the comparable steps of
+    tests/test_mtp_oracle.py) that drafts the configured K: near the end, where a step
+    keeps fewer, llama.cpp still decodes the configured K's block and specgguf one of the
+    draft's length, whose rows attend to each other. ``dflash-mrope`` runs with M-RoPE (4
+    positions per row of target rows) on the hybrid target. ``dspark``'s row 0 predicts
+    (a draft of 8 from its block of 8) and its confidence head cuts drafts at ``p_min``;
+    ``dspark-bonus`` maps a reduced vocabulary by d2t. (``dspark-bonus`` has no confidence
+    head: there llama.cpp reads its hidden state as the confidence, so p_min is 0.)"""
     n = 48
     prompt = "Speculative decoding makes"
-    llama = run_llama(tools, tiny_models[target], k, n, spec_type="draft-dflash",
-                      draft=tiny_models[draft], prompt=prompt)  # fmt: skip
+    spec_type = "draft-dspark" if draft.startswith("dspark") else "draft-dflash"
+    llama = run_llama(tools, tiny_models[target], k, n, spec_type=spec_type,
+                      draft=tiny_models[draft], prompt=prompt, p_min=p_min)  # fmt: skip
     drafts = record_drafts(monkeypatch, DFlashDrafter)
     config = EngineConfig(
         ModelConfig(tiny_models[target], n_ctx=512, n_threads=1),
         ModelConfig(tiny_models[draft], n_ctx=512, n_threads=1),
-        SpeculativeConfig(drafter="dflash", draft_max=k),
+        SpeculativeConfig(drafter="dflash", draft_max=k, p_min=p_min),
     )
     with Engine(config) as e:
         ids = e.target_model.tokenize(prompt, add_special=True, parse_special=True)
@@ -104,25 +119,30 @@ def test_dflash_drafts_as_llama_cpp(
         result = e.generate(ids, params).run()
     assert result.tokens == llama.tokens[:n]
     comparable = [s for s in llama.steps if s.produced < n - 1]
-    assert sum(len(s.draft) for s in comparable) > n // 2  # it drafted: not a vacuous check
+    drafted = sum(len(s.draft) for s in comparable)
+    assert drafted > n // 2 if not p_min else n // 8 < drafted < k * len(comparable) - k
     assert len(drafts) == len(comparable)
     full = 0
     for i, (ours, theirs) in enumerate(zip(drafts, comparable, strict=True)):
-        assert len(ours) == len(theirs.draft), f"step {i}"
+        # (a confidence read from a shorter block differs too)
+        near_end = theirs.produced + k >= n
+        assert len(ours) == len(theirs.draft) or (p_min and near_end), f"step {i}"
         if theirs.produced + k < n:  # (room for the configured K)
             assert ours == theirs.draft, f"step {i} (after {theirs.produced} tokens)"
             full += 1
     assert full >= len(comparable) - k  # (only the last steps lack the room)
-    assert result.stats.drafted == sum(len(s.draft) for s in comparable)
+    if not p_min:  # (else the last steps' may differ, above)
+        assert result.stats.drafted == drafted
 
 
+@pytest.mark.parametrize("draft", ["dflash", "dspark"])
 def test_each_parallel_sequence_drafts_from_its_own_rows(
-    tiny_models: dict[str, Path], alone: list[list[int]]
+    tiny_models: dict[str, Path], alone: list[list[int]], draft: str
 ) -> None:
     params = GenerationParams(n_predict=80, sampler=GREEDY, ignore_eos=True)
-    with engine(tiny_models, "dflash", "dflash") as one:
+    with engine(tiny_models, draft, "dflash", p_min=0.5) as one:
         each = [one.generate(p, params).run() for p in PROMPTS]
-    with engine(tiny_models, "dflash", "dflash", n_parallel=3) as three:
+    with engine(tiny_models, draft, "dflash", n_parallel=3, p_min=0.5) as three:
         assert len(three.heads) == 3
         together = generate_together(three, PROMPTS, params)[0]
     assert [r.tokens for r in together] == [r.tokens for r in each] == alone
@@ -177,7 +197,7 @@ def test_a_draft_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
         [(["-md", draft, "--drafter", "model"], "is a dflash head, not a draft model"),
          (["-md", draft, "--drafter", "eagle3"], "is a dflash head: it drafts as the dflash"),
          (["-md", str(tiny_models["eagle3"]), "--drafter", "dflash"], "is an eagle3 head: it"),
-         (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md"),
+         (["--drafter", "dflash"], "needs a DFlash or DSpark draft as its draft model: give it"),
          (["-md", draft, "--drafter", "mtp"], "is a dflash head: it drafts as the dflash")],
     )  # fmt: skip
     # a lookup or none leaves the head unloaded, as a draft model, with a note
@@ -213,28 +233,25 @@ def test_a_draft_made_for_another_target_is_refused(
         assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize(
-    ("tensor", "what"),
-    [("markov_w1.weight", "a DSpark draft (a Markov head)"),
-     ("selector_hidden.weight", "a DFlash2 draft (a selector)")],
-)  # fmt: skip
-def test_dspark_and_dflash2_drafts_are_refused_before_they_load(
-    tiny_models: dict[str, Path], tmp_path: Path, tensor: str, what: str
+def test_dflash2_drafts_are_refused_before_they_load(
+    tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """llama.cpp tells a DSpark draft (anchor-first blocks, a Markov head in the graph)
-    and a DFlash2 one (a selector lattice) from a DFlash draft by these tensors: specgguf
-    runs neither, and says so in one line before anything loads, in auto mode too."""
+    """llama.cpp tells a DFlash2 draft (a selector lattice) from a DFlash draft by this
+    tensor: specgguf does not run it, and says so in one line before anything loads, in
+    auto mode too."""
     import dataclasses
 
     from specgguf.gguf.tiny import fixture_specs, write_tiny_model
 
-    spec = dataclasses.replace(fixture_specs()["dflash"], add_tensors=((tensor, (64, 8)),))
+    spec = dataclasses.replace(
+        fixture_specs()["dflash"], add_tensors=(("selector_hidden.weight", (64, 8)),)
+    )
     other = str(write_tiny_model(tmp_path / "variant.gguf", spec)[0])
     for drafter in ("dflash", "auto"):
         res = run_cli("run", "-m", str(tiny_models["target"]), "-md", other, "--drafter",
                       drafter, "-n", "4", "hi")  # fmt: skip
         err = res.stderr.decode()
-        assert res.returncode == 2 and f"it is {what}" in err, err
+        assert res.returncode == 2 and "it is a DFlash2 draft (a selector)" in err, err
         assert len(err.strip().splitlines()) == 1, err
 
 
@@ -254,3 +271,40 @@ def test_info_says_what_the_draft_needs(tiny_models: dict[str, Path]) -> None:
     assert res.returncode == 0, res.stderr
     assert "a dflash head for a target 64 wide, reading the inputs of its layer 1;" in out
     assert "blocks of 8 (drafts of at most 7 tokens)" in out
+
+
+def test_info_says_what_a_dspark_draft_is(tiny_models: dict[str, Path]) -> None:
+    out = run_cli("info", str(tiny_models["dspark"])).stdout.decode()
+    assert ("blocks of 8 (drafts of at most 8 tokens); DSpark: a Markov head and a "
+            "confidence head, which --draft-p-min reads") in out  # fmt: skip
+    out = run_cli("info", str(tiny_models["dspark-bonus"])).stdout.decode()
+    assert "blocks of 8 (drafts of at most 7 tokens); DSpark: a Markov head;" in out
+    assert "256 ids of its own mapped onto the target's (d2t)" in out
+
+
+def test_a_dspark_confidence_cuts_drafts_sampled_too(tiny_models: dict[str, Path]) -> None:
+    """With a confidence head, ``p_min`` cuts a sampled draft as a greedy one (llama.cpp
+    reads it whatever the sampler): a draft never reaches past a token whose confidence is
+    below it; the text is the same length either way."""
+    from specgguf.speculative.drafters.dflash import DFlashDrafter
+
+    sampled = GenerationParams(n_predict=40, sampler=SamplerParams(temperature=0.8, seed=3),
+                               ignore_eos=True)  # fmt: skip
+    seen: list[tuple[int, np.ndarray]] = []
+    propose = DFlashDrafter.propose
+
+    def spy(self: DFlashDrafter, *a: Any, **kw: Any) -> Any:
+        draft = propose(self, *a, **kw)
+        if getattr(self.block_head, "_rows", 0):  # (a block was decoded)
+            seen.append((len(draft.tokens), self.block_head.confidence()))
+        return draft
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DFlashDrafter, "propose", spy)
+        with engine(tiny_models, "dspark", "dflash", 8, p_min=0.5) as e:
+            res = e.generate(PROMPTS[0], sampled).run()
+    assert len(res.tokens) == 40 and seen
+    for n, conf in seen:
+        assert np.all((conf >= 0) & (conf <= 1))
+        assert np.all(conf[:n] >= 0.5) and (n == len(conf) or conf[n] < 0.5)
+    assert any(n < len(conf) for n, conf in seen)  # it cut some

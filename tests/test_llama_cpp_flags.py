@@ -115,6 +115,7 @@ def test_draft_min_keeps_short_drafts_from_verification(tiny_models: dict[str, P
         ("draft-mtp", "mtp", None),
         ("draft-eagle3", "eagle3", None),
         ("draft-dflash", "dflash", None),
+        ("draft-dspark", "dflash", None),
         ("draft-mtp,ngram-mod", "auto", "mtp with ngram is auto mode"),
         ("none", "none", None),
         ("none,draft-simple", "model", None),
@@ -131,7 +132,7 @@ def test_spec_type_maps_to_a_drafter(value: str, drafter: str, note: str | None)
 
 @pytest.mark.parametrize(
     ("value", "needle"),
-    [("draft-dspark", "not with a DSpark drafter"), ("draft-foo", "a drafting head"),
+    [("draft-foo", "not with draft-foo"), ("draft-dflash2", "DSpark"),
      ("ngram-magic", "unknown type"), ("", "needs a type")],
 )  # fmt: skip
 def test_spec_type_refuses_what_specgguf_cannot_run(value: str, needle: str) -> None:

@@ -100,13 +100,19 @@ _STEP = re.compile(
 
 
 def parse_llama_log(stderr: bytes, stdout: bytes) -> LlamaRun:
-    """The steps of a ``-v`` run: each draft's candidate-0 lines, then its "accepted" line."""
+    """The steps of a ``-v`` run: each draft's candidate-0 lines, then its "accepted" line.
+    A draft's positions count from 0, or from 1 where llama.cpp logs its block's rows
+    (DSpark whose block row 0 does not predict)."""
     steps: list[LlamaStep] = []
     drafted: list[int] = []
     produced = 0
+    first = 0
     for m in _STEP.finditer(stderr):
         if m[1] is not None:
-            assert int(m[1]) == len(drafted), "a draft position is missing from the log"
+            if not drafted:
+                first = int(m[1])
+                assert first in (0, 1), f"a draft starts at position {first}"
+            assert int(m[1]) - first == len(drafted), "a draft position is missing from the log"
             drafted.append(int(m[2]))
             continue
         accepted, n_draft = int(m[3]), int(m[4])
@@ -126,13 +132,13 @@ def parse_llama_log(stderr: bytes, stdout: bytes) -> LlamaRun:
 
 def run_llama(
     tools: Path, model: Path, k: int, n: int, *, spec_type: str = "draft-mtp",
-    draft: Path | None = None, prompt: str = PROMPT,
+    draft: Path | None = None, prompt: str = PROMPT, p_min: float = 0.0,
 ) -> LlamaRun:  # fmt: skip
     """``llama-speculative-simple`` greedily, ``--spec-type spec_type`` (``-md draft``)."""
     cmd = [
         str(tools / TOOL), "-m", str(model), "--spec-type", spec_type,
         *(["-md", str(draft)] if draft is not None else []),
-        "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+        "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min),
         "-p", prompt, "-n", str(n), "--temp", "0", "-t", "1", "-c", "512", "--ignore-eos",
         "-v", "--log-colors", "off",
     ]  # fmt: skip

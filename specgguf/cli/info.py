@@ -136,8 +136,11 @@ def _head(mi: dict[str, Any]) -> str:
     reads = (f"reading the inputs of its layer{'s' * (len(layers) > 1)} "
              f"{', '.join(map(str, layers))}" if layers
              else "reading its KV cache and hidden states")  # fmt: skip
-    block = (f"; blocks of {mi['draft_block']} (drafts of at most {mi['draft_block'] - 1} "
+    block = (f"; blocks of {mi['draft_block']} (drafts of at most {mi['draft_block_max']} "
              "tokens)" if mi["draft_block"] else "")  # fmt: skip
+    if mi["markov_head"]:
+        block += ("; DSpark: a Markov head" + " and a confidence head, which --draft-p-min "
+                  "reads" * mi["confidence_head"])  # fmt: skip
     return (
         f"{article(arch := mi['architecture'])} {arch} head for a target "
         f"{mi['target_width'] or '?'} wide, {reads}; {vocab}{block}; give it with -md beside "

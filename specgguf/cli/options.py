@@ -503,13 +503,6 @@ def is_model_file(name: str) -> bool:
     return name.endswith(".gguf") or Path(name).expanduser().exists()
 
 
-#: llama.cpp's drafters that need a model specgguf cannot drive yet (a head inside or
-#: beside the target), and what they are: refused unless a registry entry names them.
-_HEADS = {
-    "draft-dspark": "a DSpark drafter (a DFlash draft with a Markov head)",
-}
-
-
 def spec_type_drafter(value: str) -> tuple[str, str | None]:
     """specgguf's drafter for llama.cpp's ``--spec-type`` (a comma-separated list), and a
     one-line note where specgguf does something else than llama.cpp would.
@@ -522,11 +515,10 @@ def spec_type_drafter(value: str) -> tuple[str, str | None]:
     if not types:
         raise UsageError("--spec-type needs a type, e.g. draft-simple or ngram-mod")
     for t in types:
-        if t not in known and (t in _HEADS or t.startswith("draft-")):
-            what = _HEADS.get(t, "a drafting head")
+        if t not in known and t.startswith("draft-"):
             runs = "; ".join(f"{e.help} ({', '.join(e.spec_types)})"
                              for e in DRAFTERS.values() if e.spec_types)  # fmt: skip
-            raise UsageError(f"--spec-type {t}: specgguf drafts with {runs}, not with {what}")
+            raise UsageError(f"--spec-type {t}: specgguf drafts with {runs}, not with {t}")
         if t not in known:
             raise UsageError(f"--spec-type: unknown type {t!r}; llama.cpp's are {', '.join(known)}")
     kinds = {known[t] for t in types} - {NONE}

@@ -320,10 +320,10 @@ DRAFTERS: dict[str, DrafterEntry] = {
             head=HeadSpec(_assistant_head, architectures=ASSISTANT_ARCHS),
         ),
         DrafterEntry(
-            "dflash", "a DFlash block-diffusion draft given as -md",
+            "dflash", "a DFlash or DSpark block-diffusion draft given as -md",
             make=_heads(DFlashDrafter, "dflash"), arm=_evaluated_arm,
-            spec_types=("draft-dflash",),
-            needs=Needs(draft_model=True, what="a DFlash draft as its draft model"),
+            spec_types=("draft-dflash", "draft-dspark"),
+            needs=Needs(draft_model=True, what="a DFlash or DSpark draft as its draft model"),
             evaluated=True, check=_check_layer_head("dflash", "a DFlash draft"),
             head=HeadSpec(_dflash_head, _target_layers, frozenset({"dflash"})),
         ),

@@ -197,12 +197,13 @@ class Engine:
                 if mtp:
                     what = f"its {self.target_model.n_layer_nextn} multi-token-prediction layer(s)"
                 log.info("%s: drafting with %s", self.target_model.path.name, what)
-                block = getattr(self.heads[0], "block_size", 0)
+                most = getattr(self.heads[0], "max_draft", 0)
                 asked = spec.draft_max != default_draft_max(spec.drafter)
-                if block and asked and spec.draft_max >= block:
+                if most and asked and spec.draft_max > most:
                     log.warning("a draft length of %d does not fit %s's blocks of %d: its "
                                 "drafts have at most %d tokens", spec.draft_max,
-                                head_model.path.name, block, block - 1)  # fmt: skip
+                                head_model.path.name, getattr(self.heads[0], "block_size", 0),
+                                most)  # fmt: skip
             if self.target_ctx.replays and spec.drafter != "none":
                 log.info("the target is %s: rejected drafts are dropped by checkpoint and "
                          "replay", describe(t_info.architecture))  # fmt: skip

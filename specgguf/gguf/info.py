@@ -128,14 +128,22 @@ class ModelInfo:
     #: reads (``{arch}.target_layers``), the width of the target it was made for
     #: (``{arch}.target_hidden_size``; a DFlash draft's own), its reduced vocabulary (the
     #: ids of ``d2t``; 0: the target's), and a variant of its kind that specgguf does not
-    #: run, in words ("": none; a DFlash file with a Markov head is DSpark, one with a
-    #: selector DFlash2, as llama.cpp tells them apart by those tensors)
+    #: run, in words ("": none; a DFlash file with a selector is DFlash2, as llama.cpp
+    #: tells it apart by that tensor)
     target_layers: tuple[int, ...] = ()
     target_width: int = 0
     draft_vocab: int = 0
     head_variant: str = ""
-    #: a DFlash draft's trained block (``dflash.block_size``: it drafts at most one less)
+    #: a DFlash draft's trained block (``dflash.block_size``), and the most tokens it
+    #: drafts from it: one less, or the whole block for a DSpark draft whose block row 0
+    #: predicts (``dflash.sample_from_anchor``, true where absent; common/speculative.cpp)
     draft_block: int = 0
+    draft_block_max: int = 0
+    #: a DFlash draft with a Markov head (``markov_w1``): DSpark, llama.cpp's
+    #: ``draft-dspark``; and with a confidence head (``conf_proj``), which ``--draft-p-min``
+    #: then reads
+    markov_head: bool = False
+    confidence_head: bool = False
 
     @property
     def memory(self) -> MemoryKind:
@@ -177,6 +185,9 @@ class ModelInfo:
             "draft_vocab": self.draft_vocab,
             "head_variant": self.head_variant,
             "draft_block": self.draft_block,
+            "draft_block_max": self.draft_block_max,
+            "markov_head": self.markov_head,
+            "confidence_head": self.confidence_head,
             "recurrent_layers": self.recurrent_layers,
             "recurrent_state_bytes": self.recurrent_state_bytes,
             "name": self.name,
@@ -300,6 +311,11 @@ def read_model_info(path: Path | str) -> ModelInfo:
         ft = _int(meta.get("general.file_type"))
         nextn = _int(meta.arch_key("nextn_predict_layers")) or 0
         n_rec = _recurrent_layers(meta, (block_count or 0) - nextn)
+        names = {t.name for t in tensors}
+        dflash = meta.architecture == "dflash"
+        block = (_int(meta.arch_key("block_size")) or 0) if dflash else 0
+        markov = dflash and "markov_w1.weight" in names
+        anchor = _str(meta.arch_key("sample_from_anchor")) in (None, "true")
         findings = [
             Finding(
                 "warning", "utf8", f"{shown(what)} is not valid UTF-8 (llama.cpp does not check)"
@@ -333,21 +349,31 @@ def read_model_info(path: Path | str) -> ModelInfo:
             target_layers=_numbers(meta, meta.arch_key("target_layers")),
             target_width=head_width(meta.architecture, lambda key: _int(meta.arch_key(key))),
             draft_vocab=next((t.shape[0] for t in tensors if t.name == "d2t"), 0),
-            draft_block=(_int(meta.arch_key("block_size")) or 0)
-            if meta.architecture == "dflash"
-            else 0,
-            head_variant=_head_variant(meta.architecture, {t.name for t in tensors}),
+            draft_block=block,
+            draft_block_max=block if markov and anchor else max(block - 1, 0),
+            markov_head=markov,
+            confidence_head=markov and "conf_proj.weight" in names,
+            head_variant=_head_variant(meta.architecture, names),
             recurrent_layers=n_rec,
             recurrent_state_bytes=n_rec * 4 * _state_values(meta),
         )
+
+
+def tensor_names(path: Path) -> frozenset[str]:
+    """The names of the tensors in ``path``'s GGUF file (its own shard only).
+
+    Raises:
+        ModelNotFoundError: ``path`` does not exist.
+        GGUFFormatError: it is not a readable GGUF file.
+    """
+    with GGUFMetadata.open(path) as meta:
+        return frozenset(t.name for t in meta.tensors())
 
 
 def _head_variant(architecture: str | None, tensors: set[str]) -> str:
     """See :attr:`ModelInfo.head_variant`."""
     if architecture != "dflash":
         return ""
-    if "markov_w1.weight" in tensors:
-        return "a DSpark draft (a Markov head)"
     if "selector_hidden.weight" in tensors:
         return "a DFlash2 draft (a selector)"
     return ""

@@ -271,6 +271,13 @@ class TinySpec:
     #: dflash: rope sections [n_rot / 2, 0, 0, 0], which make llama.cpp run it with M-RoPE
     #: (as the drafts for qwen35 targets are written)
     mrope: bool = False
+    #: dflash as DSpark (llama.cpp's ``draft-dspark``): the rank of its Markov head
+    #: (``markov_w1``, ``markov_w2``; 0: none, plain DFlash), whether it has a confidence
+    #: head (``conf_proj``), and ``dflash.sample_from_anchor`` (None: no key, which
+    #: llama.cpp reads as true: block row 0 predicts, a block of K drafts K tokens)
+    markov_rank: int = 0
+    confidence_head: bool = False
+    sample_from_anchor: bool | None = None
     #: gemma4 and gemma4-assistant: which layers use sliding-window attention (as many as
     #: ``n_layer``), and the assistant's own width (its ``embedding_length``; the target's,
     #: ``n_embd``, is its ``embedding_length_out``)
@@ -541,6 +548,16 @@ def _dflash_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]
         ts += [("output.weight", out[ids]), ("d2t", ids)]
     elif spec.own_embeddings:
         ts.append(("output.weight", out))
+    if spec.markov_rank:
+        # DSpark: a bias on each block row's logits from the row before's token,
+        # w2 @ w1[token] (src/models/dflash.cpp, build_dspark_markov_head), about N(0, 1)
+        r = spec.markov_rank
+        n_out = spec.draft_vocab or n_vocab
+        ts += [("markov_w1.weight", w.normal((n_vocab, r), 1.0)),
+               ("markov_w2.weight", w.normal((n_out, r), r**-0.5))]  # fmt: skip
+        if spec.confidence_head:
+            ts += [("conf_proj.weight", w.normal((1, d + r), (d + r) ** -0.5)),
+                   ("conf_proj.bias", np.zeros(1, np.float32))]  # fmt: skip
     return ts
 
 
@@ -716,6 +733,8 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
     if spec.architecture == "dflash":
         writer.add_array("dflash.target_layers", list(spec.target_layers))
         writer.add_uint32("dflash.block_size", spec.block_size)
+        if spec.sample_from_anchor is not None:
+            writer.add_string("dflash.sample_from_anchor", str(spec.sample_from_anchor).lower())
         if spec.mrope:
             writer.add_rope_dimension_sections([spec.n_embd // spec.n_head // 2, 0, 0, 0])
     if spec.architecture in ("qwen35", "mamba2"):
@@ -935,6 +954,34 @@ def fixture_specs() -> dict[str, TinySpec]:
             assistant_embd=32,
             n_ff=64,
             seed=83,
+        ),
+        # DSpark drafts (DFlash with a Markov head): one with a confidence head whose block
+        # row 0 predicts; one whose row 0 is the last token (sample_from_anchor false),
+        # without a confidence head, over a reduced vocabulary (d2t) with the target's
+        # token embeddings.
+        "dspark": dataclasses.replace(
+            target,
+            name="tiny dspark",
+            architecture="dflash",
+            target_layers=(0, 1),
+            block_size=8,
+            mask_token=1,
+            seed=84,
+            markov_rank=8,
+            confidence_head=True,
+        ),
+        "dspark-bonus": dataclasses.replace(
+            target,
+            name="tiny dspark bonus",
+            architecture="dflash",
+            target_layers=(1,),
+            block_size=8,
+            mask_token=1,
+            seed=85,
+            markov_rank=8,
+            sample_from_anchor=False,
+            draft_vocab=256,
+            own_embeddings=False,
         ),
         "dflash-shared": dataclasses.replace(
             target,

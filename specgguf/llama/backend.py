@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from specgguf.errors import BackendError, ContextOverflowError, ModelNotFoundError, UsageError
 from specgguf.gguf.arch import LAYER_INPUT_ARCHS
+from specgguf.gguf.info import tensor_names
 from specgguf.llama.hugepages import LoadAdvice
 from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_policy
 
@@ -2187,16 +2188,23 @@ class DFlashHead(DraftHead):
     target's token embeddings and LM head where it has none (``ctx_other``), and a reduced
     vocabulary maps onto the target's by ``d2t``.
 
+    A DSpark draft (a DFlash file with a Markov head, llama.cpp's ``draft-dspark``) is run
+    the same way: llama.cpp's graph adds to each block row's logits a bias from the row
+    before's greedy token; unless ``dflash.sample_from_anchor`` is false, the block's row
+    0 (the last token's) predicts too, so a draft of K is a block of K rows. With a
+    confidence head it gives each row an estimate that the target accepts it
+    (:meth:`confidence`).
+
     Args:
         draft: the draft's model (``dflash``).
         target: the target's context (or a sequence of it), created with ``layer_inputs``
             the draft's :attr:`target_layers`.
 
     Raises:
-        BackendError: not a DFlash draft for the target's context, a DFlash2 or DSpark
-            draft by its metadata (a selector's, a confidence head's; preflight refuses
-            them by their tensors too: ``ModelInfo.head_variant``), no mask token, or
-            llama.cpp could not create the context.
+        BackendError: not a DFlash draft for the target's context, a DFlash2 draft by its
+            metadata (a selector's; preflight refuses it by its tensors too:
+            ``ModelInfo.head_variant``), no mask token, or llama.cpp could not create the
+            context.
     """
 
     def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
@@ -2211,15 +2219,26 @@ class DFlashHead(DraftHead):
         if not layers or target.layer_inputs != layers or width * len(layers) != target.n_hidden:
             raise BackendError(f"{draft.path.name} is not a DFlash draft for the target's "
                                f"context (target layers {layers}, {width} wide)")  # fmt: skip
-        if _meta_int(draft, "dflash.selector_top_k") or _meta_str(
-            draft, "dflash.has_confidence_head"
-        ):
-            raise BackendError(f"{draft.path.name} is a DFlash2 or DSpark draft, which "
-                               "specgguf cannot run")  # fmt: skip
+        if _meta_int(draft, "dflash.selector_top_k"):
+            raise BackendError(f"{draft.path.name} is a DFlash2 draft, which specgguf "
+                               "cannot run")  # fmt: skip
         #: the target's layers whose inputs it reads
         self.target_layers = layers
-        #: the block it was trained on (a draft of at most one less)
+        #: the block it was trained on
         self.block_size: int = _meta_int(draft, "dflash.block_size") or 16
+        names = tensor_names(draft.path)
+        #: a DSpark draft (a Markov head), and one with a confidence head
+        self.markov = "markov_w1.weight" in names
+        said = _meta_str(draft, "dflash.has_confidence_head")
+        self.confidence_head = self.markov and "conf_proj.weight" in names and said != "false"
+        # rows of a block before the first that predicts: DSpark's row 0 predicts unless
+        # its file says otherwise (common/speculative.cpp reads the key only for DSpark)
+        anchor = self.markov and _meta_str(draft, "dflash.sample_from_anchor") in ("", "true")
+        self._lead = 0 if anchor else 1
+        #: the most tokens a draft has
+        self.max_draft: int = self.block_size - self._lead
+        self._width = width
+        self._rows = 0
         vocab = lc.llama_model_get_vocab(draft.handle)
         #: the token the block's rows after the first read
         self.mask_token: int = int(lc.llama_vocab_mask(vocab))
@@ -2301,51 +2320,73 @@ class DFlashHead(DraftHead):
                                        f"{self.model.path.name}")  # fmt: skip
                 self.n_past += m
         finally:
+            self._rows = 0
             self.eval_seconds += time.perf_counter() - t0
         return None
 
     def block(self, first: int, n: int) -> npt.NDArray[np.float32]:
         """The logits of ``n`` draft tokens after the last committed token ``first``
         (float32[n, n_vocab], read-only view of llama.cpp's buffer until the next decode):
-        one decode of [first, mask x n] at positions ``n_past ...``, which leave the
-        cache again (``n_past`` is unchanged).
+        one decode of [first, mask x (n - 1)] (DSpark's row 0 predicts) or [first, mask x n]
+        at positions ``n_past ...``, which leave the cache again (``n_past`` is unchanged).
 
         Raises:
-            ValueError: ``n`` is not in 1 .. block_size - 1.
+            ValueError: ``n`` is not in 1 .. max_draft.
             ContextOverflowError: past the context.
             BackendError: llama_decode failed.
         """
-        if not 0 < n < self.block_size:
-            raise ValueError(f"a block of {self.block_size} drafts 1 to {self.block_size - 1} "
+        if not 0 < n <= self.max_draft:
+            raise ValueError(f"a block of {self.block_size} drafts 1 to {self.max_draft} "
                              f"tokens, not {n}")  # fmt: skip
-        if self.n_past + n + 1 > self.n_ctx:
-            raise ContextOverflowError(self.n_past + n + 1, self.n_ctx, prompt=False,
+        rows = n + self._lead
+        if self.n_past + rows > self.n_ctx:
+            raise ContextOverflowError(self.n_past + rows, self.n_ctx, prompt=False,
                                        model=self.model.path.name)  # fmt: skip
         t0 = time.perf_counter()
         try:
             self._blk_tok[0] = first
-            self._blk_tok[1 : n + 1] = self.mask_token
-            self._blk_pos[: n + 1] = np.arange(self.n_past, self.n_past + n + 1, dtype=np.int32)
-            self._blk.n_tokens = n + 1
+            self._blk_tok[1:rows] = self.mask_token
+            self._blk_pos[:rows] = np.arange(self.n_past, self.n_past + rows, dtype=np.int32)
+            self._blk.n_tokens = rows
+            self._rows = 0
             rc = self._lc.llama_decode(self._ctx, self._blk)
             self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
             if rc != 0:
                 raise BackendError(f"llama_decode failed with code {rc} on "
                                    f"{self.model.path.name}")  # fmt: skip
+            self._rows = rows
             logits = np.ctypeslib.as_array(self._lc.llama_get_logits(self._ctx),
-                                           shape=(n + 1, self.n_vocab))[1:]  # fmt: skip
+                                           shape=(rows, self.n_vocab))[self._lead :]  # fmt: skip
             logits.flags.writeable = False
             return logits
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
+    def confidence(self) -> npt.NDArray[np.float32]:
+        """A DSpark draft's confidence head's estimate, for each token of the latest
+        :meth:`block`, that the target accepts it (float32[n], a copy; in [0, 1], a
+        sigmoid: src/models/dflash.cpp, ``build_dspark_markov_head``).
+
+        Raises:
+            ValueError: the draft has no confidence head, or no block was decoded since
+                the latest :meth:`eval`.
+        """
+        from llama_cpp import llama_cpp_ext
+
+        if not self.confidence_head or not self._rows:
+            raise ValueError(f"{self.model.path.name}: no confidence head, or no block")
+        # (llama.cpp broadcasts each row's one value over a row of the draft's width)
+        rows = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(self._ctx),
+                                     shape=(self._rows, self._width))  # fmt: skip
+        return rows[self._lead :, 0].copy()
+
     def token_seconds(self, repeats: int = 5) -> float:
-        """Seconds per draft token of a draft of 4 (or the block less one, if shorter):
+        """Seconds per draft token of a draft of 4 (or the longest draft, if shorter):
         the least of ``repeats`` blocks at position 1, over its tokens. A block costs one
         decode whatever it drafts, so the cost model's time per token is right at that
         length, pessimistic for longer drafts and optimistic for shorter ones (each draft
         then reports its own). The cache is empty afterwards."""
-        k = min(4, self.block_size - 1)
+        k = min(4, self.max_draft)
         self.rollback(0)
         self.eval([0], np.zeros((1, self.n_embd), np.float32), last=False)
         best = math.inf

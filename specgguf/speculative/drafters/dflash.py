@@ -10,6 +10,12 @@ block at once; the logits of the block's rows 1..K are the draft's, taken greedi
 (llama.cpp's top-1) or sampled, each row's distribution the acceptance rule's q. So a
 draft costs one decode whatever K (up to the trained block size less one), where the MTP
 layers and EAGLE-3 pay one per token.
+
+A DSpark draft (llama.cpp's ``--spec-type draft-dspark``: a DFlash draft with a Markov
+head) drafts the same way from its head's block (:class:`BlockHead`), whose row 0 may
+predict too (a block of K rows, up to the whole block), and with a confidence head stops
+at the first token whose confidence is below ``p_min`` instead of its probability, as
+llama.cpp does.
 """
 
 from __future__ import annotations
@@ -30,16 +36,22 @@ from specgguf.speculative.sampling import Distribution, SamplerParams
 class BlockHead(Head, Protocol):
     """A DFlash draft's context (see ``backend.DFlashHead``): :meth:`Head.eval` writes the
     target's rows at the next positions; ``block`` gives the logits of ``n`` draft tokens
-    after ``first`` (float32[n, n_vocab]) and leaves the cache as it was."""
+    (1 .. ``max_draft``) after ``first`` (float32[n, n_vocab]) and leaves the cache as it
+    was; with ``confidence_head``, ``confidence`` gives the latest block's estimates that
+    the target accepts each token (float32[n])."""
 
     block_size: int
+    max_draft: int
+    confidence_head: bool
 
     def block(self, first: int, n: int) -> npt.NDArray[np.float32]: ...
 
+    def confidence(self) -> npt.NDArray[np.float32]: ...
+
 
 class DFlashDrafter(MtpDrafter):
-    """Drafts up to ``block_size - 1`` tokens per step with a DFlash draft, one decode per
-    draft (see the module).
+    """Drafts up to ``max_draft`` tokens per step (the block less one, or a DSpark draft's
+    whole block) with a DFlash or DSpark draft, one decode per draft (see the module).
 
     Args:
         head: the draft's context.
@@ -100,16 +112,17 @@ class DFlashDrafter(MtpDrafter):
         p_path_min: float = 0.0,
     ) -> Draft:
         """Up to ``k`` draft tokens after ``history`` (whose all but last token the target
-        has evaluated), at most ``block_size - 1``, from a block of k + 1 rows (llama.cpp
+        has evaluated), at most the head's ``max_draft``, from one block (llama.cpp
         decodes its configured draft length's block even where a step keeps fewer: the
         rows attend to each other, so such a step's drafts differ); greedy drafting stops
         early at a token whose probability under the draft is below ``p_min``, or at which
         the product of the probabilities along the draft falls below ``p_path_min``, and
-        the draft's ``stopped`` says so. ``token_seconds`` is the latest draft's time over its
-        tokens."""
+        the draft's ``stopped`` says so. With a confidence head, ``p_min`` is compared with
+        its confidence instead, greedy or sampled (common/speculative.cpp, DSpark).
+        ``token_seconds`` is the latest draft's time over its tokens."""
         head = self.block_head
         room = head.n_ctx - len(history)
-        k = min(k, head.block_size - 1, room)
+        k = min(k, head.max_draft, room)
         if k <= 0 or not history:
             return Draft([], token_seconds=self._token_seconds)
         t0 = time.perf_counter()
@@ -120,8 +133,13 @@ class DFlashDrafter(MtpDrafter):
         dists: list[Distribution] | None = None if sampler.greedy else []
         stopped = False
         path = 1.0
-        for row in logits:
-            tok, path = pick_token(row[: self.n_vocab], sampler, rng, p_min, dists,
+        conf = head.confidence() if p_min > 0.0 and head.confidence_head else None
+        p_token = 0.0 if conf is not None else p_min
+        for i, row in enumerate(logits):
+            if conf is not None and conf[i] < p_min:
+                stopped = True
+                break
+            tok, path = pick_token(row[: self.n_vocab], sampler, rng, p_token, dists,
                                    path=path, p_path_min=p_path_min)  # fmt: skip
             if tok is None:
                 stopped = True
