@@ -27,7 +27,7 @@ from .test_mtp_oracle import run_llama
 
 #: each tiny draft: the target layers it reads, and the most tokens a draft of it has
 DRAFTS = {"dflash": ((0, 1), 7), "dflash-shared": ((1,), 7), "dspark": ((0, 1), 8),
-          "dspark-bonus": ((1,), 7)}  # fmt: skip
+          "dspark-bonus": ((1,), 7), "dflash2": ((0, 1), 7)}  # fmt: skip
 PROMPTS = ["def is_palindrome(text):", "The quick brown fox", "for i in range(10):\n"]
 GREEDY = SamplerParams(temperature=0.0)
 
@@ -197,7 +197,7 @@ def test_a_draft_is_taken_for_what_it_is(tiny_models: dict[str, Path]) -> None:
         [(["-md", draft, "--drafter", "model"], "is a dflash head, not a draft model"),
          (["-md", draft, "--drafter", "eagle3"], "is a dflash head: it drafts as the dflash"),
          (["-md", str(tiny_models["eagle3"]), "--drafter", "dflash"], "is an eagle3 head: it"),
-         (["--drafter", "dflash"], "needs a DFlash or DSpark draft as its draft model: give it"),
+         (["--drafter", "dflash"], "needs a DFlash draft as its draft model: give it with -md"),
          (["-md", draft, "--drafter", "mtp"], "is a dflash head: it drafts as the dflash")],
     )  # fmt: skip
     # a lookup or none leaves the head unloaded, as a draft model, with a note
@@ -233,26 +233,77 @@ def test_a_draft_made_for_another_target_is_refused(
         assert res.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_dflash2_drafts_are_refused_before_they_load(
-    tiny_models: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize("p_min", [0.0, 0.7])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_dflash2_drafts_as_llama_cpp(
+    k: int, p_min: float, tools: Path, tiny_models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A DFlash2 draft (a selector) with llama.cpp's ``draft-dflash`` as the oracle. llama.cpp
+    logs no DFlash2 draft's tokens, and with random weights it accepts none: the same
+    tokens, every comparable step's draft as long as llama.cpp's (``p_min`` 0.7 cuts
+    them at the same rows; :func:`walk_lattice`'s own test checks the walk's tokens), the
+    same drafted count."""
+    n = 48
+    prompt = "Speculative decoding makes"
+    llama = run_llama(tools, tiny_models["target"], k, n, spec_type="draft-dflash",
+                      draft=tiny_models["dflash2"], prompt=prompt, p_min=p_min,
+                      logged=False)  # fmt: skip
+    assert not any(s.accepted for s in llama.steps)  # (so its token list is whole)
+    drafts = record_drafts(monkeypatch, DFlashDrafter)
+    with engine(tiny_models, "dflash2", "dflash", k, n_threads=1, p_min=p_min) as e:
+        assert e.heads[0].selector_top_k == 4  # type: ignore[attr-defined]
+        ids = e.target_model.tokenize(prompt, add_special=True, parse_special=True)
+        params = GenerationParams(n_predict=n, draft_max=k, sampler=GREEDY, ignore_eos=True)
+        result = e.generate(ids, params).run()
+    assert result.tokens == llama.tokens[:n]
+    comparable = [s for s in llama.steps if s.produced + k < n]
+    lengths = [s.n_draft for s in comparable]
+    assert [len(d) for d in drafts[: len(comparable)]] == lengths
+    assert sum(lengths) > n // 2 if not p_min else 0 < sum(lengths) < k * len(lengths) - k
+
+
+def test_walk_lattice() -> None:
+    """A lattice of top 2: row = [id0, id1, scores after candidate 0 (2), after 1 (2)]."""
+    from specgguf.speculative.drafters.dflash import walk_lattice
+
+    rows = np.array([[10, 11, 0.0, 3.0, 0.0, 3.0],  # (row 0: the same after either)
+                     [20, 21, 5.0, 1.0, 0.0, 2.0],  # after 11 (candidate 1): 21
+                     [30, 31, 0.0, 9.0, 4.0, 0.0]],  # after 21 (candidate 1): 30
+                    np.float32)  # fmt: skip
+    assert walk_lattice(rows, 2, 100) == ([11, 21, 30], False)
+    # softmax at the best: 0.953, 0.881, 0.982 (the path's: 0.953, 0.839, 0.824)
+    assert walk_lattice(rows, 2, 100, p_min=0.9) == ([11], True)
+    assert walk_lattice(rows, 2, 100, p_path_min=0.8) == ([11, 21, 30], False)
+    assert walk_lattice(rows, 2, 100, p_path_min=0.85) == ([11], True)  # (0.953 * 0.881)
+    assert walk_lattice(rows, 2, 25) == ([11, 21], True)  # (30 is past the vocabulary)
+    assert walk_lattice(rows[:0], 2, 100) == ([], False)
+
+
+def test_dflash2_greedy_and_sampled_output(
+    tiny_models: dict[str, Path], alone: list[list[int]]
 ) -> None:
-    """llama.cpp tells a DFlash2 draft (a selector lattice) from a DFlash draft by this
-    tensor: specgguf does not run it, and says so in one line before anything loads, in
-    auto mode too."""
-    import dataclasses
-
-    from specgguf.gguf.tiny import fixture_specs, write_tiny_model
-
-    spec = dataclasses.replace(
-        fixture_specs()["dflash"], add_tensors=(("selector_hidden.weight", (64, 8)),)
-    )
-    other = str(write_tiny_model(tmp_path / "variant.gguf", spec)[0])
-    for drafter in ("dflash", "auto"):
-        res = run_cli("run", "-m", str(tiny_models["target"]), "-md", other, "--drafter",
-                      drafter, "-n", "4", "hi")  # fmt: skip
-        err = res.stderr.decode()
-        assert res.returncode == 2 and "it is a DFlash2 draft (a selector)" in err, err
-        assert len(err.strip().splitlines()) == 1, err
+    """Greedy output is the target's own for K in {1, 4, 16} (a block of 8 drafts 7 at
+    most); sampled, a DFlash2 draft is deterministic (no distributions)."""
+    with engine(tiny_models, "dflash2", "dflash", 16) as e:
+        for k in (1, 4, 16):
+            for p, want in zip(PROMPTS, alone, strict=True):
+                params = GenerationParams(n_predict=80, draft_max=k, sampler=GREEDY,
+                                          ignore_eos=True)  # fmt: skip
+                res = e.generate(p, params).run()
+                assert res.tokens == want, (k, p)
+                st = res.stats.by_drafter["dflash"]
+                assert 0 < st.drafted <= min(k, 7) * st.steps
+        sampled = GenerationParams(n_predict=40, sampler=SamplerParams(temperature=0.8, seed=5),
+                                   ignore_eos=True)  # fmt: skip
+        drafts = []
+        propose = DFlashDrafter.propose
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(DFlashDrafter, "propose",
+                       lambda *a, **kw: drafts.append(d := propose(*a, **kw)) or d)  # fmt: skip
+            assert len(e.generate(PROMPTS[0], sampled).run().tokens) == 40
+        assert drafts and all(d.dists is None for d in drafts)
+        assert any(d.tokens for d in drafts)
 
 
 def test_head_fit_words() -> None:
@@ -280,6 +331,8 @@ def test_info_says_what_a_dspark_draft_is(tiny_models: dict[str, Path]) -> None:
     out = run_cli("info", str(tiny_models["dspark-bonus"])).stdout.decode()
     assert "blocks of 8 (drafts of at most 7 tokens); DSpark: a Markov head;" in out
     assert "256 ids of its own mapped onto the target's (d2t)" in out
+    out = run_cli("info", str(tiny_models["dflash2"])).stdout.decode()
+    assert "drafts of at most 7 tokens); DFlash2: a selector over each row's best 4;" in out
 
 
 def test_a_dspark_confidence_cuts_drafts_sampled_too(tiny_models: dict[str, Path]) -> None:

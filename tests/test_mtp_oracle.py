@@ -79,6 +79,7 @@ class LlamaStep:
     draft: list[int]  # as verified (clamped to what -n leaves, where that is above 0)
     accepted: int
     token: int  # the target's own token after the accepted ones
+    n_draft: int = 0  # its length (where llama.cpp does not log the draft's tokens)
 
 
 @dataclasses.dataclass
@@ -99,10 +100,11 @@ _STEP = re.compile(
 )
 
 
-def parse_llama_log(stderr: bytes, stdout: bytes) -> LlamaRun:
+def parse_llama_log(stderr: bytes, stdout: bytes, *, logged: bool = True) -> LlamaRun:
     """The steps of a ``-v`` run: each draft's candidate-0 lines, then its "accepted" line.
     A draft's positions count from 0, or from 1 where llama.cpp logs its block's rows
-    (DSpark whose block row 0 does not predict)."""
+    (DSpark whose block row 0 does not predict). Not ``logged``: llama.cpp logs no
+    candidates (DFlash2), and the steps have only their drafts' lengths."""
     steps: list[LlamaStep] = []
     drafted: list[int] = []
     produced = 0
@@ -116,7 +118,7 @@ def parse_llama_log(stderr: bytes, stdout: bytes) -> LlamaRun:
             drafted.append(int(m[2]))
             continue
         accepted, n_draft = int(m[3]), int(m[4])
-        steps.append(LlamaStep(produced, drafted[:n_draft], accepted, int(m[5])))
+        steps.append(LlamaStep(produced, drafted[:n_draft], accepted, int(m[5]), n_draft))
         produced += accepted + 1
         drafted = []
     totals = {k.decode(): int(v) for k, v in re.findall(rb"(n_\w+) *= (\d+)", stderr)}
@@ -124,7 +126,7 @@ def parse_llama_log(stderr: bytes, stdout: bytes) -> LlamaRun:
     assert encoded is not None
     run = LlamaRun(int(encoded[1]), steps, totals, stdout)
     # The log is complete: the steps add up to llama.cpp's own totals.
-    assert sum(len(s.draft) for s in steps) == totals["n_drafted"]
+    assert sum(len(s.draft) if logged else s.n_draft for s in steps) == totals["n_drafted"]
     assert sum(s.accepted for s in steps) == totals["n_accept"]
     assert len(run.tokens) == totals["n_predict"]
     return run
@@ -132,7 +134,7 @@ def parse_llama_log(stderr: bytes, stdout: bytes) -> LlamaRun:
 
 def run_llama(
     tools: Path, model: Path, k: int, n: int, *, spec_type: str = "draft-mtp",
-    draft: Path | None = None, prompt: str = PROMPT, p_min: float = 0.0,
+    draft: Path | None = None, prompt: str = PROMPT, p_min: float = 0.0, logged: bool = True,
 ) -> LlamaRun:  # fmt: skip
     """``llama-speculative-simple`` greedily, ``--spec-type spec_type`` (``-md draft``)."""
     cmd = [
@@ -147,7 +149,7 @@ def run_llama(
         res = subprocess.run(cmd, capture_output=True, timeout=60, env=env, check=False)
         assert res.returncode == 0, res.stderr.decode(errors="replace")[-3000:]
         if b"n_accept" in res.stderr:
-            return parse_llama_log(res.stderr, res.stdout)
+            return parse_llama_log(res.stderr, res.stdout, logged=logged)
     raise AssertionError(f"{TOOL} lost its final log lines three times")
 
 

@@ -138,6 +138,8 @@ def _head(mi: dict[str, Any]) -> str:
              else "reading its KV cache and hidden states")  # fmt: skip
     block = (f"; blocks of {mi['draft_block']} (drafts of at most {mi['draft_block_max']} "
              "tokens)" if mi["draft_block"] else "")  # fmt: skip
+    if mi["selector_top_k"]:
+        block += f"; DFlash2: a selector over each row's best {mi['selector_top_k']}"
     if mi["markov_head"]:
         block += ("; DSpark: a Markov head" + " and a confidence head, which --draft-p-min "
                   "reads" * mi["confidence_head"])  # fmt: skip

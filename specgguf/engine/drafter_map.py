@@ -229,9 +229,6 @@ def _check_layer_head(
                    else f"{draft.path.name} is {draft.architecture}")  # fmt: skip
             raise UsageError(f"the {arch} drafter needs {what} as its draft model (a GGUF "
                              f"of architecture {arch}); {got}")  # fmt: skip
-        if draft.head_variant:
-            raise UsageError(f"the {arch} drafter cannot draft with {draft.path.name}: it is "
-                             f"{draft.head_variant}, which specgguf does not run yet")  # fmt: skip
         n_layer = (target.block_count or 0) - target.nextn_layers
         why = head_fit(target.architecture, target.embedding_length, n_layer or None, arch,
                        draft.target_layers, draft.target_width)  # fmt: skip
@@ -320,10 +317,10 @@ DRAFTERS: dict[str, DrafterEntry] = {
             head=HeadSpec(_assistant_head, architectures=ASSISTANT_ARCHS),
         ),
         DrafterEntry(
-            "dflash", "a DFlash or DSpark block-diffusion draft given as -md",
+            "dflash", "a DFlash, DSpark or DFlash2 block-diffusion draft given as -md",
             make=_heads(DFlashDrafter, "dflash"), arm=_evaluated_arm,
             spec_types=("draft-dflash", "draft-dspark"),
-            needs=Needs(draft_model=True, what="a DFlash or DSpark draft as its draft model"),
+            needs=Needs(draft_model=True, what="a DFlash draft as its draft model"),
             evaluated=True, check=_check_layer_head("dflash", "a DFlash draft"),
             head=HeadSpec(_dflash_head, _target_layers, frozenset({"dflash"})),
         ),

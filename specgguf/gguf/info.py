@@ -127,13 +127,10 @@ class ModelInfo:
     #: a draft head (an EAGLE-3 head, a DFlash draft): the target layers whose inputs it
     #: reads (``{arch}.target_layers``), the width of the target it was made for
     #: (``{arch}.target_hidden_size``; a DFlash draft's own), its reduced vocabulary (the
-    #: ids of ``d2t``; 0: the target's), and a variant of its kind that specgguf does not
-    #: run, in words ("": none; a DFlash file with a selector is DFlash2, as llama.cpp
-    #: tells it apart by that tensor)
+    #: ids of ``d2t``; 0: the target's)
     target_layers: tuple[int, ...] = ()
     target_width: int = 0
     draft_vocab: int = 0
-    head_variant: str = ""
     #: a DFlash draft's trained block (``dflash.block_size``), and the most tokens it
     #: drafts from it: one less, or the whole block for a DSpark draft whose block row 0
     #: predicts (``dflash.sample_from_anchor``, true where absent; common/speculative.cpp)
@@ -144,6 +141,9 @@ class ModelInfo:
     #: then reads
     markov_head: bool = False
     confidence_head: bool = False
+    #: a DFlash2 draft (a DFlash file with a selector, ``selector_hidden``): the candidates
+    #: per block row its selector scores (``dflash.selector_top_k``; 0: none)
+    selector_top_k: int = 0
 
     @property
     def memory(self) -> MemoryKind:
@@ -183,7 +183,7 @@ class ModelInfo:
             "target_layers": list(self.target_layers),
             "target_width": self.target_width,
             "draft_vocab": self.draft_vocab,
-            "head_variant": self.head_variant,
+            "selector_top_k": self.selector_top_k,
             "draft_block": self.draft_block,
             "draft_block_max": self.draft_block_max,
             "markov_head": self.markov_head,
@@ -353,7 +353,9 @@ def read_model_info(path: Path | str) -> ModelInfo:
             draft_block_max=block if markov and anchor else max(block - 1, 0),
             markov_head=markov,
             confidence_head=markov and "conf_proj.weight" in names,
-            head_variant=_head_variant(meta.architecture, names),
+            selector_top_k=(_int(meta.arch_key("selector_top_k")) or 0)
+            if dflash and "selector_hidden.weight" in names
+            else 0,
             recurrent_layers=n_rec,
             recurrent_state_bytes=n_rec * 4 * _state_values(meta),
         )
@@ -368,12 +370,3 @@ def tensor_names(path: Path) -> frozenset[str]:
     """
     with GGUFMetadata.open(path) as meta:
         return frozenset(t.name for t in meta.tensors())
-
-
-def _head_variant(architecture: str | None, tensors: set[str]) -> str:
-    """See :attr:`ModelInfo.head_variant`."""
-    if architecture != "dflash":
-        return ""
-    if "selector_hidden.weight" in tensors:
-        return "a DFlash2 draft (a selector)"
-    return ""

@@ -278,6 +278,12 @@ class TinySpec:
     markov_rank: int = 0
     confidence_head: bool = False
     sample_from_anchor: bool | None = None
+    #: dflash as DFlash2 (a selector): the selector's top-k and rank (0: none) and each
+    #: layer's convolution over the block (``dflash.conv_kernel_size``, ``conv_group_size``)
+    selector_top_k: int = 0
+    selector_rank: int = 0
+    conv_kernel: int = 0
+    conv_group: int = 0
     #: gemma4 and gemma4-assistant: which layers use sliding-window attention (as many as
     #: ``n_layer``), and the assistant's own width (its ``embedding_length``; the target's,
     #: ``n_embd``, is its ``embedding_length_out``)
@@ -542,7 +548,20 @@ def _dflash_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]
             (f"{p}.ffn_norm.weight", _ones(d)),
             *_ffn(spec, w, p),
         ]
+        if spec.selector_top_k:
+            # DFlash2: a convolution over the block before the attention and the FFN,
+            # each a base kernel and coefficients projected from the row
+            k, groups = spec.conv_kernel, d // spec.conv_group
+            for part in ("attn", "ffn"):
+                proj = w.normal((2 * k * groups, d), 0.1 * d**-0.5)
+                ts += [(f"{p}.{part}_conv_base", w.normal((2, k, d), 0.1)),
+                       (f"{p}.{part}_conv_proj.weight", proj)]  # fmt: skip
     ts.append(("output_norm.weight", _ones(d)))
+    if spec.selector_top_k:
+        r = spec.selector_rank
+        ts += [("selector_predecessor.weight", w.normal((n_vocab, r), 1.0)),
+               ("selector_successor.weight", w.normal((n_vocab, r), 1.0)),
+               ("selector_hidden.weight", w.normal((r, d), d**-0.5))]  # fmt: skip
     if spec.draft_vocab:
         ids = np.arange(0, 2 * spec.draft_vocab, 2, dtype=np.int64) % n_vocab
         ts += [("output.weight", out[ids]), ("d2t", ids)]
@@ -733,6 +752,12 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
     if spec.architecture == "dflash":
         writer.add_array("dflash.target_layers", list(spec.target_layers))
         writer.add_uint32("dflash.block_size", spec.block_size)
+        if spec.selector_top_k:
+            for key, value in (("conv_kernel_size", spec.conv_kernel),
+                               ("conv_group_size", spec.conv_group),
+                               ("selector_rank", spec.selector_rank),
+                               ("selector_top_k", spec.selector_top_k)):  # fmt: skip
+                writer.add_uint32(f"dflash.{key}", value)
         if spec.sample_from_anchor is not None:
             writer.add_string("dflash.sample_from_anchor", str(spec.sample_from_anchor).lower())
         if spec.mrope:
@@ -982,6 +1007,21 @@ def fixture_specs() -> dict[str, TinySpec]:
             sample_from_anchor=False,
             draft_vocab=256,
             own_embeddings=False,
+        ),
+        # A DFlash2 draft (a selector over each row's top 4, a convolution of 3 in groups
+        # of 16 in each layer), reading the target's layers 0 and 1.
+        "dflash2": dataclasses.replace(
+            target,
+            name="tiny dflash2",
+            architecture="dflash",
+            target_layers=(0, 1),
+            block_size=8,
+            mask_token=1,
+            seed=86,
+            selector_top_k=4,
+            selector_rank=8,
+            conv_kernel=3,
+            conv_group=16,
         ),
         "dflash-shared": dataclasses.replace(
             target,

@@ -2193,7 +2193,10 @@ class DFlashHead(DraftHead):
     before's greedy token; unless ``dflash.sample_from_anchor`` is false, the block's row
     0 (the last token's) predicts too, so a draft of K is a block of K rows. With a
     confidence head it gives each row an estimate that the target accepts it
-    (:meth:`confidence`).
+    (:meth:`confidence`). A DFlash2 draft (a selector, ``dflash.selector_top_k``) gives
+    no logits but its selector's lattice: for each block row the ``selector_top_k`` best
+    candidates' ids and their scores after each candidate of the row before
+    (src/models/dflash.cpp, ``build_dflash2_selector``), which the drafter walks.
 
     Args:
         draft: the draft's model (``dflash``).
@@ -2201,10 +2204,8 @@ class DFlashHead(DraftHead):
             the draft's :attr:`target_layers`.
 
     Raises:
-        BackendError: not a DFlash draft for the target's context, a DFlash2 draft by its
-            metadata (a selector's; preflight refuses it by its tensors too:
-            ``ModelInfo.head_variant``), no mask token, or llama.cpp could not create the
-            context.
+        BackendError: not a DFlash draft for the target's context, no mask token, or
+            llama.cpp could not create the context.
     """
 
     def __init__(self, draft: LlamaModel, target: LlamaContext) -> None:
@@ -2219,9 +2220,8 @@ class DFlashHead(DraftHead):
         if not layers or target.layer_inputs != layers or width * len(layers) != target.n_hidden:
             raise BackendError(f"{draft.path.name} is not a DFlash draft for the target's "
                                f"context (target layers {layers}, {width} wide)")  # fmt: skip
-        if _meta_int(draft, "dflash.selector_top_k"):
-            raise BackendError(f"{draft.path.name} is a DFlash2 draft, which specgguf "
-                               "cannot run")  # fmt: skip
+        #: a DFlash2 draft's candidates per block row (0: not DFlash2)
+        self.selector_top_k: int = _meta_int(draft, "dflash.selector_top_k")
         #: the target's layers whose inputs it reads
         self.target_layers = layers
         #: the block it was trained on
@@ -2250,6 +2250,11 @@ class DFlashHead(DraftHead):
                    n_outputs_max=self.block_size)  # fmt: skip
         causal = _meta_str(draft, "dflash.attention.causal") == "true"
         lc.llama_set_causal_attn(self._ctx, causal)
+        if self.selector_top_k:
+            from llama_cpp import llama_cpp_ext
+
+            # (every row's lattice, as common/speculative.cpp asks for DFlash2)
+            llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, False)
         self.n_vocab: int = draft.n_vocab
         #: the width of the target's rows it reads (its layers' inputs side by side)
         self.n_embd: int = target.n_hidden
@@ -2272,8 +2277,8 @@ class DFlashHead(DraftHead):
         self._blk_tok = np.ctypeslib.as_array(k.token, shape=(self.block_size,))
         self._blk_pos = np.ctypeslib.as_array(k.pos, shape=(self.block_size,))
         # (every row an output: the graph selects none, so llama.cpp's rows are the
-        # batch's first n_outputs)
-        np.ctypeslib.as_array(k.logits, shape=(self.block_size,))[:] = 1
+        # batch's first n_outputs; DFlash2's rows are its lattice's, no logits)
+        np.ctypeslib.as_array(k.logits, shape=(self.block_size,))[:] = not self.selector_top_k
         for batch, n in ((b, self.n_batch), (k, self.block_size)):
             np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
             for i in range(n):
@@ -2326,9 +2331,10 @@ class DFlashHead(DraftHead):
 
     def block(self, first: int, n: int) -> npt.NDArray[np.float32]:
         """The logits of ``n`` draft tokens after the last committed token ``first``
-        (float32[n, n_vocab], read-only view of llama.cpp's buffer until the next decode):
-        one decode of [first, mask x (n - 1)] (DSpark's row 0 predicts) or [first, mask x n]
-        at positions ``n_past ...``, which leave the cache again (``n_past`` is unchanged).
+        (float32[n, n_vocab]; a DFlash2 draft's lattice rows, float32[n, its width]; a
+        read-only view of llama.cpp's buffer until the next decode): one decode of
+        [first, mask x (n - 1)] (DSpark's row 0 predicts) or [first, mask x n] at positions
+        ``n_past ...``, which leave the cache again (``n_past`` is unchanged).
 
         Raises:
             ValueError: ``n`` is not in 1 .. max_draft.
@@ -2355,10 +2361,16 @@ class DFlashHead(DraftHead):
                 raise BackendError(f"llama_decode failed with code {rc} on "
                                    f"{self.model.path.name}")  # fmt: skip
             self._rows = rows
-            logits = np.ctypeslib.as_array(self._lc.llama_get_logits(self._ctx),
-                                           shape=(rows, self.n_vocab))[self._lead :]  # fmt: skip
-            logits.flags.writeable = False
-            return logits
+            if self.selector_top_k:
+                from llama_cpp import llama_cpp_ext
+
+                out = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(self._ctx),
+                                            shape=(rows, self._width))[self._lead :]  # fmt: skip
+            else:
+                out = np.ctypeslib.as_array(self._lc.llama_get_logits(self._ctx),
+                                            shape=(rows, self.n_vocab))[self._lead :]  # fmt: skip
+            out.flags.writeable = False
+            return out
         finally:
             self.eval_seconds += time.perf_counter() - t0
 

@@ -15,7 +15,9 @@ A DSpark draft (llama.cpp's ``--spec-type draft-dspark``: a DFlash draft with a 
 head) drafts the same way from its head's block (:class:`BlockHead`), whose row 0 may
 predict too (a block of K rows, up to the whole block), and with a confidence head stops
 at the first token whose confidence is below ``p_min`` instead of its probability, as
-llama.cpp does.
+llama.cpp does. A DFlash2 draft (a selector) gives, for each block row, its best
+candidates and their scores after each candidate of the row before; the draft is the
+greedy walk through them (:func:`walk_lattice`), a deterministic draft even when sampling.
 """
 
 from __future__ import annotations
@@ -38,15 +40,56 @@ class BlockHead(Head, Protocol):
     target's rows at the next positions; ``block`` gives the logits of ``n`` draft tokens
     (1 .. ``max_draft``) after ``first`` (float32[n, n_vocab]) and leaves the cache as it
     was; with ``confidence_head``, ``confidence`` gives the latest block's estimates that
-    the target accepts each token (float32[n])."""
+    the target accepts each token (float32[n]); with ``selector_top_k``, ``block`` gives
+    a DFlash2 selector's lattice rows instead of logits (:func:`walk_lattice`)."""
 
     block_size: int
     max_draft: int
     confidence_head: bool
+    selector_top_k: int
 
     def block(self, first: int, n: int) -> npt.NDArray[np.float32]: ...
 
     def confidence(self) -> npt.NDArray[np.float32]: ...
+
+
+def walk_lattice(
+    rows: npt.NDArray[np.float32],
+    top_k: int,
+    n_vocab: int,
+    p_min: float = 0.0,
+    p_path_min: float = 0.0,
+) -> tuple[list[int], bool]:
+    """The greedy path through a DFlash2 selector's lattice, as llama.cpp walks it
+    (common/speculative.cpp, ``common_speculative_impl_draft_dflash::draft``).
+
+    Each of ``rows`` (float32[n, width], one per draft token) holds the ids of its
+    ``top_k`` candidates (as floats), then ``top_k`` x ``top_k`` scores: those of its
+    candidates after candidate j of the row before at ``top_k * (1 + j)``. The walk starts
+    at j = 0 (the first row's scores do not depend on it: its predecessor is the last
+    token) and takes the best-scoring candidate each time. It stops before a candidate
+    whose softmax over its row's scores is below ``p_min``, or at which the product of
+    those along the walk is below ``p_path_min``, or whose id is not below ``n_vocab``.
+
+    Returns:
+        The draft's ids, and whether it stopped before its last row.
+    """
+    tokens: list[int] = []
+    pred = 0
+    path = 1.0
+    for row in rows:
+        scores = row[top_k * (1 + pred) : top_k * (2 + pred)]
+        pred = int(scores.argmax())
+        if p_min > 0.0 or p_path_min > 0.0:
+            p = 1.0 / float(np.exp(scores - scores[pred]).sum())
+            path *= p
+            if p < p_min or path < p_path_min:
+                return tokens, True
+        tok = int(row[pred])
+        if not 0 <= tok < n_vocab:
+            return tokens, True
+        tokens.append(tok)
+    return tokens, False
 
 
 class DFlashDrafter(MtpDrafter):
@@ -118,7 +161,9 @@ class DFlashDrafter(MtpDrafter):
         early at a token whose probability under the draft is below ``p_min``, or at which
         the product of the probabilities along the draft falls below ``p_path_min``, and
         the draft's ``stopped`` says so. With a confidence head, ``p_min`` is compared with
-        its confidence instead, greedy or sampled (common/speculative.cpp, DSpark).
+        its confidence instead, greedy or sampled (common/speculative.cpp, DSpark); a
+        DFlash2 draft's is its walk through its selector's lattice, greedy whatever the
+        sampler (:func:`walk_lattice`).
         ``token_seconds`` is the latest draft's time over its tokens."""
         head = self.block_head
         room = head.n_ctx - len(history)
@@ -129,6 +174,10 @@ class DFlashDrafter(MtpDrafter):
         self._catch_up(history, last=False)
         t_block = time.perf_counter()
         logits = head.block(history[-1], k)
+        if head.selector_top_k:
+            walked, cut = walk_lattice(logits, head.selector_top_k, self.n_vocab, p_min,
+                                       p_path_min)  # fmt: skip
+            return self._drafted(Draft(walked, stopped=cut), t0, t_block, k)
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []
         stopped = False
@@ -145,7 +194,12 @@ class DFlashDrafter(MtpDrafter):
                 stopped = True
                 break
             tokens.append(tok)
+        return self._drafted(Draft(tokens, dists, stopped=stopped), t0, t_block, k)
+
+    def _drafted(self, draft: Draft, t0: float, t_block: float, k: int) -> Draft:
+        """``draft``, with the time of its block over ``k`` as its ``token_seconds`` (and
+        this drafter's latest), its time since ``t0`` counted."""
         t_end = time.perf_counter()
         self.seconds += t_end - t0
-        self._token_seconds = (t_end - t_block) / k
-        return Draft(tokens, dists, stopped=stopped, token_seconds=self._token_seconds)
+        self._token_seconds = draft.token_seconds = (t_end - t_block) / k
+        return draft
