@@ -48,7 +48,7 @@ class FakeHead:
     [-1, token, row's input first value]; records every row as (position, token,
     input)."""
 
-    n_ctx, n_embd = 256, E
+    n_ctx, n_embd, n_heads = 256, E, 1
 
     def __init__(self, rule: npt.NDArray[np.float32]) -> None:
         self.rule = rule

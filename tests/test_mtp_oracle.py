@@ -165,11 +165,20 @@ def one_thread_engine(model: Path, k: int) -> Engine:
 
 
 @pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("fixture", ["mtp", "mtp-heads"])
 def test_mtp_drafts_as_llama_cpp(
-    k: int, tools: Path, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    k: int,
+    fixture: str,
+    tools: Path,
+    tiny_models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model = tiny_models["mtp"]
+    """``mtp``: one MTP block (qwen35); ``mtp-heads``: two (hy_v3), which llama.cpp chains,
+    so that a draft has at most two tokens (block 1 drafts the second)."""
+    model = tiny_models[fixture]
     llama = run_llama(tools, model, k, N_PREDICT)
+    if fixture == "mtp-heads":
+        assert max(len(s.draft) for s in llama.steps) == min(k, 2)
 
     drafts: list[list[int]] = []  # specgguf's, one per step that asked for a draft
     propose = MtpDrafter.propose

@@ -163,6 +163,9 @@ class DrafterEntry:
 
 def _evaluated_arm(drafter: Drafter, s: DraftSettings, tuning: AutoTuning) -> Arm:
     draft_max = min(tuning.draft_max_model, s.draft_max) if s.auto else s.draft_max
+    # (a head's drafts may be shorter whatever K: a block, chained MTP blocks)
+    if most := getattr(drafter, "most", None):
+        draft_max = min(draft_max, most)
     return ModelArm(drafter, draft_max=draft_max, p_min=s.p_min)  # type: ignore[arg-type]
 
 

@@ -200,10 +200,12 @@ class Engine:
                 most = getattr(self.heads[0], "max_draft", 0)
                 asked = spec.draft_max != default_draft_max(spec.drafter)
                 if most and asked and spec.draft_max > most:
-                    log.warning("a draft length of %d does not fit %s's blocks of %d: its "
-                                "drafts have at most %d tokens", spec.draft_max,
-                                head_model.path.name, getattr(self.heads[0], "block_size", 0),
-                                most)  # fmt: skip
+                    block = getattr(self.heads[0], "block_size", 0)
+                    unit = (f"blocks of {block}" if block
+                            else f"{most} chained MTP blocks (one token each)")  # fmt: skip
+                    log.warning("a draft length of %d does not fit %s's %s: its drafts have "
+                                "at most %d tokens", spec.draft_max, head_model.path.name,
+                                unit, most)  # fmt: skip
             if self.target_ctx.replays and spec.drafter != "none":
                 log.info("the target is %s: rejected drafts are dropped by checkpoint and "
                          "replay", describe(t_info.architecture))  # fmt: skip

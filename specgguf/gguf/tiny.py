@@ -463,6 +463,40 @@ def _qwen35_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]
     return ts
 
 
+def _hy_v3_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    """Hunyuan V3 (src/models/hy-v3.cpp) with dense FFNs (its leading dense blocks' kind:
+    no expert router): llama's layers with Q/K norms, then the MTP blocks, each a whole
+    decoder layer plus ``nextn.*``; llama.cpp chains several of them
+    (``llama_set_nextn_layer_offset``)."""
+    w = _Weights(spec)
+    d, hd = spec.n_embd, spec.n_embd // spec.n_head
+    dkv = hd * spec.n_head_kv
+    emb, out = _embeddings(spec, n_vocab, w)
+    ts: list[tuple[str, np.ndarray]] = [("token_embd.weight", emb)]
+    for i in range(spec.n_layer + spec.nextn_layers):
+        p = f"blk.{i}"
+        ts += [
+            (f"{p}.attn_norm.weight", _ones(d)),
+            (f"{p}.attn_q.weight", w.normal((d, d), d**-0.5)),
+            (f"{p}.attn_k.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_v.weight", w.normal((dkv, d), d**-0.5)),
+            (f"{p}.attn_output.weight", w.normal((d, d), d**-0.5)),
+            (f"{p}.attn_q_norm.weight", _ones(hd)),
+            (f"{p}.attn_k_norm.weight", _ones(hd)),
+            (f"{p}.ffn_norm.weight", _ones(d)),
+            *_ffn(spec, w, p),
+        ]
+        if i >= spec.n_layer:
+            ts += [
+                (f"{p}.nextn.eh_proj.weight", _eh_proj(spec, w)),
+                (f"{p}.nextn.enorm.weight", _ones(d)),
+                (f"{p}.nextn.hnorm.weight", _ones(d)),
+                (f"{p}.nextn.shared_head_norm.weight", _ones(d)),
+            ]
+    ts += [("output_norm.weight", _ones(d)), ("output.weight", out)]
+    return ts
+
+
 def _mamba2_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
     """Mamba-2 layers: ``ssm_in`` projects to z, x, B, C and dt (``ssm_dt_rank`` heads of
     ``ssm_d_inner / ssm_dt_rank`` dimensions, ``ssm_n_group`` groups of B and C)."""
@@ -646,8 +680,8 @@ def _gemma4_assistant_tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, n
 
 def _check(spec: TinySpec) -> None:
     """The shape constraints llama.cpp asserts (or silently relies on) for ``spec``."""
-    if spec.nextn_layers and spec.architecture != "qwen35":
-        raise ValueError("nextn_layers: only qwen35 tiny models have MTP blocks")
+    if spec.nextn_layers and spec.architecture not in ("qwen35", "hy_v3"):
+        raise ValueError("nextn_layers: only qwen35 and hy_v3 tiny models have MTP blocks")
     if spec.architecture == "qwen35":
         if spec.ssm_d_inner != spec.ssm_d_state * spec.ssm_dt_rank:
             raise ValueError("qwen35: ssm_d_inner must be ssm_d_state * ssm_dt_rank")
@@ -677,6 +711,7 @@ def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
 
 _ARCHITECTURES = {"qwen35": _qwen35_tensors, "mamba2": _mamba2_tensors,
                   "eagle3": _eagle3_tensors, "dflash": _dflash_tensors,
+                  "hy_v3": _hy_v3_tensors,
                   "gemma4": _gemma4_tensors,
                   "gemma4-assistant": _gemma4_assistant_tensors}  # fmt: skip
 
@@ -743,6 +778,10 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
         writer.add_full_attention_interval(spec.full_attention_interval)
         if spec.nextn_layers:
             writer.add_nextn_predict_layers(spec.nextn_layers)
+    if spec.architecture == "hy_v3":
+        writer.add_nextn_predict_layers(spec.nextn_layers)
+        # (read for every layer; its experts' width, which dense blocks do not use)
+        writer.add_expert_feed_forward_length(spec.n_ff)
     if spec.architecture.startswith("gemma4"):
         _gemma4_keys(writer, spec)
     if spec.architecture == "eagle3":
@@ -979,6 +1018,16 @@ def fixture_specs() -> dict[str, TinySpec]:
             assistant_embd=32,
             n_ff=64,
             seed=83,
+        ),
+        # Hunyuan V3 with two MTP blocks, which llama.cpp chains: block j drafts the
+        # (j + 1)-th token of a draft.
+        "mtp-heads": dataclasses.replace(
+            target,
+            name="tiny hy_v3 mtp heads",
+            architecture="hy_v3",
+            nextn_layers=2,
+            nextn_eh_proj=(1.0, 0.5, 0.1),
+            seed=89,
         ),
         # DSpark drafts (DFlash with a Markov head): one with a confidence head whose block
         # row 0 predicts; one whose row 0 is the last token (sample_from_anchor false),

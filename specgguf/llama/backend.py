@@ -1787,6 +1787,18 @@ class DraftHead(_Native):
     _batch: Any
     #: text positions before the first the KV cache holds (an EAGLE-3 head's row 0)
     _offset = 0
+    #: MTP blocks that draft in turn (:meth:`MtpHead.chain`; 1: one drafts every token)
+    n_heads = 1
+
+    def chain(
+        self, block: int, tokens: Sequence[int], inputs: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Draft with block ``block`` of several (:meth:`MtpHead.chain`).
+
+        Raises:
+            ValueError: always: this head has one block.
+        """
+        raise ValueError(f"{self.model.path.name}: one block drafts every token")
 
     def _open(self, model: LlamaModel, target: LlamaContext, what: str, **params: Any) -> None:
         """Create the head's context for ``model`` beside ``target`` (its ``ctx_other``:
@@ -1944,6 +1956,11 @@ class MtpHead(DraftHead):
     position p - 1 and predicts the token at p + 1; chained over its own hidden state, one
     layer drafts several tokens (:class:`specgguf.speculative.drafters.MtpDrafter`).
 
+    A model with several MTP blocks (Hunyuan V3, MiMo-V2, Step-3.5: ``n_heads``) has them
+    draft in turn, as llama.cpp does (``llama_set_nextn_layer_offset``): every block reads
+    the committed text into its own layer's cache (:meth:`eval`), block 0 drafts the first
+    token and block j the (j + 1)-th, reading the whole draft so far again (:meth:`chain`).
+
     Args:
         target: the target's context, created with ``hidden=True`` on a model loaded with
             ``load_mtp=True``.
@@ -1964,6 +1981,9 @@ class MtpHead(DraftHead):
                    n_ubatch=min(target.n_batch, 128), n_outputs_max=1)  # fmt: skip
         self.n_vocab: int = model.n_vocab
         self.n_embd: int = target.n_embd_out
+        self.n_heads = model.n_layer_nextn
+        #: the most tokens a draft has (several blocks: one each; 0: no bound)
+        self.max_draft = self.n_heads if self.n_heads > 1 else 0
         self.n_past = 0
         self.eval_seconds = 0.0
         self._init_batch(self.n_batch, self.n_embd)
@@ -1981,6 +2001,9 @@ class MtpHead(DraftHead):
         hidden state after the position before it, float32[len(tokens), n_embd]); with
         ``last``, return the logits after the last token (float32[n_vocab], read-only
         view) and the head's hidden state there (float32[n_embd], a copy), else None.
+        With several blocks, each reads the rows but the one whose output is returned,
+        which block 0 reads (common/speculative.cpp: ``process`` and the first step of
+        ``draft``).
 
         Raises:
             ContextOverflowError: past the context.
@@ -2007,14 +2030,74 @@ class MtpHead(DraftHead):
                 if last and start + m == n:
                     self._out[m - 1] = 1
                 self._batch.n_tokens = m
-                rc = self._lc.llama_decode(self._ctx, self._batch)
-                if rc != 0:
-                    self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
-                    raise BackendError(f"llama_decode failed with code {rc} on the MTP layers "
-                                       f"of {self.model.path.name}")  # fmt: skip
+                for block in range(1 if last else self.n_heads):
+                    self._decode(block, m)
                 self.n_past += m
             if not last:
                 return None
+            return self._last_output(self.n_embd)
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
+    def _decode(self, block: int, m: int) -> None:
+        """Decode the batch's ``m`` rows at ``n_past ...`` with MTP block ``block``. Each
+        block's K/V go into cells of its own layer; a block after the first takes the
+        cells again from ``n_past`` (llama.cpp's chained heads: the cells the previous
+        block's decode freed are found first, so its layer's K/V stay in them).
+
+        Raises:
+            BackendError: llama_decode failed.
+        """
+        from llama_cpp import llama_cpp_ext
+
+        lc = self._lc
+        if self.n_heads > 1:
+            lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+            llama_cpp_ext.llama_set_nextn_layer_offset(self._ctx, block)
+        rc = lc.llama_decode(self._ctx, self._batch)
+        if self.n_heads > 1:
+            llama_cpp_ext.llama_set_nextn_layer_offset(self._ctx, 0)
+        if rc != 0:
+            lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+            raise BackendError(f"llama_decode failed with code {rc} on the MTP layers "
+                               f"of {self.model.path.name}")  # fmt: skip
+
+    def chain(
+        self, block: int, tokens: Sequence[int], inputs: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Draft with MTP block ``block``: decode a draft's rows again from its first
+        position (the last committed token's, ``n_past - len(tokens) + 1`` after the
+        previous block's), ``tokens`` (the last committed token and the draft so far)
+        with ``inputs`` (float32[len(tokens), n_embd]: the target's hidden state before
+        the first, then the hidden state each block returned with the token it drafted);
+        returns the logits after the last row (float32[n_vocab], read-only view) and the
+        block's hidden state there (float32[n_embd], a copy). llama.cpp's ``draft`` in
+        common/speculative.cpp, ``chain_heads``.
+
+        Raises:
+            ValueError: ``block`` is not one of the model's, or ``tokens`` does not follow
+                the previous block's rows.
+            ContextOverflowError: past the context.
+            BackendError: llama_decode failed.
+        """
+        n = len(tokens)
+        if not 0 < block < self.n_heads or n != block + 1:
+            raise ValueError(f"block {block} of {self.n_heads} reads {block + 1} rows, not {n}")
+        start = self.n_past - block  # (the previous block decoded n - 1 rows from there)
+        if start + n > self.n_ctx:
+            raise ContextOverflowError(start + n, self.n_ctx, prompt=False,
+                                       model=self.model.path.name)  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            self.n_past = start
+            self._tok[:n] = tokens
+            self._emb[:n] = inputs
+            self._pos[:n] = np.arange(start, start + n, dtype=np.int32)
+            self._out[:n] = 0
+            self._out[n - 1] = 1
+            self._batch.n_tokens = n
+            self._decode(block, n)
+            self.n_past = start + n
             return self._last_output(self.n_embd)
         finally:
             self.eval_seconds += time.perf_counter() - t0

@@ -108,6 +108,11 @@ class DFlashDrafter(MtpDrafter):
         super().__init__(head, target, n_vocab_target)
         self.block_head = head
 
+    @property
+    def most(self) -> int | None:
+        """The most tokens a draft can have whatever K (what its block holds)."""
+        return self.block_head.max_draft
+
     def reset(self) -> None:
         """A new generation: the draft's cache is kept (a prompt that shares a prefix with
         it is read from there on)."""

@@ -9,6 +9,11 @@ hidden states of those positions, :class:`HiddenStates`); then one row for the l
 committed token (the target has not evaluated it yet: it opens the next verification)
 gives the first draft token, and each further row feeds the head's own hidden state back
 with the token it just drafted. The draft's rows are dropped again at the end.
+
+With several MTP blocks (``Head.n_heads``), they draft in turn, as llama.cpp chains them:
+block j gives the draft's (j + 1)-th token from the rows of the last committed token and
+the j tokens drafted before it, each with the hidden state that came with it; a draft then
+has at most as many tokens as there are blocks.
 """
 
 from __future__ import annotations
@@ -43,11 +48,14 @@ class Head(Protocol):
     ``backend.Eagle3Head``): ``encode`` maps the target's hidden states (float32[m,
     n_embd]) to the rows ``eval`` reads for them; ``eval`` rows of (token, input row) at
     the next positions, returning the logits and the head's own hidden state after the
-    last when ``last`` (None where nothing was decoded); ``rollback`` cuts its cache."""
+    last when ``last`` (None where nothing was decoded); ``rollback`` cuts its cache.
+    With ``n_heads`` MTP blocks above 1, ``chain(j, tokens, inputs)`` decodes the draft's
+    rows again with block j and returns the same as ``eval`` (``backend.MtpHead.chain``)."""
 
     n_ctx: int
     n_vocab: int
     n_embd: int
+    n_heads: int
 
     @property
     def n_past(self) -> int: ...
@@ -59,6 +67,10 @@ class Head(Protocol):
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None: ...
 
     def rollback(self, n_keep: int) -> None: ...
+
+    def chain(
+        self, block: int, tokens: Sequence[int], inputs: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
 
 
 class MtpDrafter(Drafter):
@@ -89,8 +101,17 @@ class MtpDrafter(Drafter):
         # kept that position from its cache without computing it again
         self._row: tuple[int, npt.NDArray[np.float32]] | None = None
         self._synced = 0  # a prefix of _held known to equal this generation's history
+        # the row the last catch-up with ``last`` decoded for the last token (what
+        # chained blocks read again with it)
+        self._seed: npt.NDArray[np.float32] | None = None
         self.seconds = 0.0
         self._token_seconds = 0.0
+
+    @property
+    def most(self) -> int | None:
+        """The most tokens a draft can have whatever K (several MTP blocks: one each;
+        None: K's)."""
+        return self.head.n_heads if self.head.n_heads > 1 else None
 
     def reset(self) -> None:
         """A new generation: the head's cache is kept (a prompt that shares a prefix with
@@ -195,7 +216,9 @@ class MtpDrafter(Drafter):
             # row for position p reads the hidden state after p - 1 (position 0: zeros)
             rows = self._rows(lo, stop - 1)
             inputs[len(tokens) - len(rows) :] = rows
-        out = self.head.eval(tokens, self.head.encode(inputs), last=last)
+        rows = self.head.encode(inputs)
+        out = self.head.eval(tokens, rows, last=last)
+        self._seed = rows[-1] if last else None
         self._held.extend(tokens)
         self._synced = len(self._held)
         # the next catch-up starts at the head's end: it reads from the state before it
@@ -216,8 +239,10 @@ class MtpDrafter(Drafter):
         has evaluated); greedy drafting stops early at a token whose probability under the
         head is below ``p_min``, or at which the product of the head's probabilities along
         the draft falls below ``p_path_min``, and the draft's ``stopped`` says so.
-        ``token_seconds`` is the latest measured time per drafted token after the first."""
-        k = min(k, self.head.n_ctx - len(history))
+        ``token_seconds`` is the latest measured time per drafted token after the first.
+        With several MTP blocks, at most one token per block (see the module)."""
+        blocks = self.head.n_heads
+        k = min(k, self.head.n_ctx - len(history), blocks if blocks > 1 else k)
         if k <= 0 or not history:
             return Draft([], token_seconds=self._token_seconds)
         t0 = time.perf_counter()
@@ -227,6 +252,7 @@ class MtpDrafter(Drafter):
             return Draft([], token_seconds=self._token_seconds)
         logits, h = out
         base = len(history)  # the head's rows past this are the draft's own
+        chain = [self._seed] if self._seed is not None else []
         t_first = time.perf_counter()
         tokens: list[int] = []
         dists: list[Distribution] | None = None if sampler.greedy else []
@@ -239,7 +265,11 @@ class MtpDrafter(Drafter):
                 stopped = True
                 break
             tokens.append(tok)
-            if i + 1 < k:
+            if i + 1 < k and blocks > 1:
+                assert self._seed is not None
+                chain.append(h)
+                logits, h = self.head.chain(i + 1, [history[-1], *tokens], np.stack(chain))
+            elif i + 1 < k:
                 step = self.head.eval([tok], h[None, :], last=True)
                 assert step is not None
                 logits, h = step
