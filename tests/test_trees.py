@@ -22,6 +22,7 @@ from specgguf.speculative.sampling import SamplerParams
 from specgguf.speculative.tree import accept_greedy, first_branch, leaves
 
 from .fakes import FakeTreeContext, FakeVocab, auto_planner, one_hot_rule, tuned
+from .helpers import run_cli
 
 GREEDY = SamplerParams(temperature=0.0)
 V = 50
@@ -525,3 +526,39 @@ def test_trees_need_two_branches() -> None:
     assert SuffixArm(SuffixDrafter(), tree_branches=1).tree_branches == 0
     assert SuffixArm(SuffixDrafter(), tree_branches=2).tree_branches == 2
     assert SuffixArm(SuffixDrafter()).tree_branches == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "drafter"),
+    [("target", ["--drafter", "ngram"], "ngram"),
+     ("target", ["-md", "draft-partial", "--drafter", "model"], "model"),
+     ("mtp", ["--drafter", "mtp"], "mtp"),
+     ("target", ["-md", "dflash", "--drafter", "dflash"], "dflash")],
+)  # fmt: skip
+def test_a_tree_asked_of_a_chain_drafter_is_refused(
+    tiny_models: dict[str, Path], model: str, args: list[str], drafter: str
+) -> None:
+    """Only suffix matching (and auto mode through it) drafts trees: ``--draft-tree`` with
+    another fixed drafter is refused in one line before anything loads (before, it was
+    ignored without a word)."""
+    args = [str(tiny_models[a]) if i and args[i - 1] == "-md" else a for i, a in enumerate(args)]
+    res = run_cli("run", "-m", str(tiny_models[model]), *args, "--draft-tree", "4", "-n", "4",
+                  "hi")  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"token trees of 4 branches: the {drafter} drafter drafts chains; suffix and "
+            "auto mode draft trees") in err  # fmt: skip
+    ok = run_cli("run", "-m", str(tiny_models[model]), *args, "--draft-tree", "1", "-n", "4", "hi")
+    assert ok.returncode == 0, ok.stderr  # (a tree of one branch is a chain)
+
+
+def test_auto_mode_with_a_head_says_it_drafts_chains(tiny_models: dict[str, Path]) -> None:
+    """Auto mode with a head verifies chains (the head reads the target's rows of every
+    position in turn): said when a tree was asked for, not by default."""
+    base = ["run", "-m", str(tiny_models["target"]), "-md", str(tiny_models["eagle3"]), "-n",
+            "4", "hi"]  # fmt: skip
+    asked = run_cli(*base, "--draft-tree", "4")
+    assert asked.returncode == 0, asked.stderr
+    assert b"drafting with an eagle3 head: drafts are verified as chains" in asked.stderr
+    plain = run_cli(*base)
+    assert plain.returncode == 0 and b"tree" not in plain.stderr, plain.stderr

@@ -279,7 +279,7 @@ class DraftOptions:
         help="Verify up to N draft branches in one batch (token trees; greedy decoding "
         "only: with sampling, chains). auto: a tree of the suffix drafter's continuations "
         "where the measured batch costs say it pays (default 4); suffix: always trees "
-        "(default 0: chains). 0: chains only.",
+        "(default 0: chains); the other drafters draft chains (refused). 0: chains only.",
         to="speculative.draft_tree",
     )  # fmt: skip
     draft_p_min: float = option(

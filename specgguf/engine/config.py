@@ -202,9 +202,13 @@ class SpeculativeConfig:
     ngram_max: int = 8
     draft_min: int = 0
     draft_tree: int = -1
+    #: whether ``draft_tree`` was given (not -1): a tree that cannot be drafted is then
+    #: said, not only logged
+    tree_asked: bool = dataclasses.field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
+        object.__setattr__(self, "tree_asked", self.draft_tree != -1)
         if self.draft_tree == -1:
             object.__setattr__(self, "draft_tree", default_draft_tree(self.drafter))
         elif not 0 <= self.draft_tree <= MAX_TREE_BRANCHES:

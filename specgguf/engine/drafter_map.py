@@ -140,6 +140,8 @@ class DrafterEntry:
             at a time, and a server with several is refused it.
         remembers: it keeps what earlier generations saw (a benchmark gives each
             configuration a fresh one, :meth:`specgguf.engine.Engine.fresh_memory`).
+        trees: its arm drafts token trees (``DraftSettings.tree_branches``); else chains,
+            and a tree asked of it is refused.
         check: further preflight rules: raises UsageError for a configuration, target
             or draft model file (None: none is loaded) it cannot run on, before anything
             loads.
@@ -157,6 +159,7 @@ class DrafterEntry:
     evaluated: bool = False
     parallel: bool = True
     remembers: bool = False
+    trees: bool = False
     check: Callable[[EngineConfig, ModelInfo, ModelInfo | None], None] | None = None
     head: HeadSpec | None = None
 
@@ -292,7 +295,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
             # one corpus of everything the sequences saw, a copy each
             make=lambda src: list(SuffixDrafter.group(src.n)),
             arm=lambda d, s, t: SuffixArm(d, tree_branches=s.trees),  # type: ignore[arg-type]
-            remembers=True,
+            remembers=True, trees=True,
         ),
         DrafterEntry(
             "model", "the draft model", make=_make_model, arm=_evaluated_arm,
@@ -403,6 +406,11 @@ def check_rules(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None
             f"the {kind} drafter drafts for one sequence at a time: serve one request at a "
             "time with it"
         )
+    branches = config.speculative.draft_tree
+    if branches >= 2 and not e.trees:
+        treed = " and ".join(n for n, d in DRAFTERS.items() if d.trees)
+        raise UsageError(f"token trees of {branches} branches: the {kind} drafter drafts "
+                         f"chains; {treed} and auto mode draft trees")  # fmt: skip
     if e.check is not None:
         e.check(config, target, draft)
 

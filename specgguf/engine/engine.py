@@ -56,7 +56,7 @@ from specgguf.engine.preflight import Preflight, preflight, target_mtp, target_s
 from specgguf.engine.prompt_cache import PromptCache, file_fingerprint, identity
 from specgguf.engine.slots import SavedPrompt, Slot, best_slot
 from specgguf.errors import BackendError, ContextOverflowError, SpecggufError, UsageError
-from specgguf.gguf.arch import DELTA_NET_ARCHS, describe
+from specgguf.gguf.arch import DELTA_NET_ARCHS, article, describe
 from specgguf.llama.backend import DraftHead, LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
@@ -232,9 +232,15 @@ class Engine:
             #: the engine's own sequence (``generate`` without a slot)
             self.own = Slot(0, self.decoder, self.target_ctx, self.target_ctx, self.drafting,
                             self.draft_ctx, self.heads[0] if self.heads else None)  # fmt: skip
+            # (said where a tree was asked for, else only logged: auto mode's default)
+            say = log.warning if spec.tree_asked else log.info
             if n_par > 1 and spec.draft_tree >= 2:
-                log.info("%d parallel sequences: drafts are verified as chains (no token trees)",
-                         n_par)  # fmt: skip
+                say("%d parallel sequences: drafts are verified as chains (no token trees)",
+                    n_par)  # fmt: skip
+            elif self.head_kind and spec.draft_tree >= 2:
+                say("drafting with %s %s head: drafts are verified as chains (no token trees: "
+                    "the head reads the target's rows of every position in turn)",
+                    article(self.head_kind), self.head_kind)  # fmt: skip
             #: the sequences generations run on: ``serve --parallel``'s, each through the
             #: batcher; one at a time, the engine's own
             self.slots: list[Slot] = [self.own]

@@ -234,7 +234,7 @@ def check_speculation(
     if config.deterministic:
         raise UsageError(f"deterministic mode is not supported on a recurrent state; the "
                          f"target is {arch}")  # fmt: skip
-    if spec.draft_tree and spec.drafter != "auto":
+    if spec.draft_tree >= 2 and spec.drafter != "auto":  # (one branch is a chain)
         raise UsageError(f"token trees: a recurrent state cannot hold one; the target is "
                          f"{arch}: draft chains (no tree branches)")  # fmt: skip
 
