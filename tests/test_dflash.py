@@ -9,6 +9,7 @@ when ``scripts/bench-llama-cpp --build-only`` built it)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -361,3 +362,78 @@ def test_a_dspark_confidence_cuts_drafts_sampled_too(tiny_models: dict[str, Path
         assert np.all((conf >= 0) & (conf <= 1))
         assert np.all(conf[:n] >= 0.5) and (n == len(conf) or conf[n] < 0.5)
     assert any(n < len(conf) for n, conf in seen)  # it cut some
+
+
+@pytest.mark.parametrize("n_batch", [512, 513, 8])
+def test_a_prompt_longer_than_a_micro_batch(tiny_models: dict[str, Path], n_batch: int) -> None:
+    """A DFlash draft attends without a causal mask, which llama.cpp takes only in one
+    micro-batch (it aborted the process before): a prompt of 600 tokens, read by the
+    draft in pieces, with the default batch, one above the draft's micro-batch of 512, and
+    one that fits a block (8 rows). Greedy output is the same with each draft, and with
+    the default batch the target alone's (with other batches the target reads the prompt
+    in other micro-batches, whose kernels round otherwise than alone on this tiny file)."""
+    ids = [(7 * i) % 400 + 50 for i in range(600)]
+    params = GenerationParams(n_predict=12, sampler=GREEDY, ignore_eos=True)
+    with Engine(EngineConfig(ModelConfig(tiny_models["target"], n_ctx=1024), None,
+                             SpeculativeConfig(drafter="none"))) as e:  # fmt: skip
+        alone = e.generate(ids, params).run().tokens
+    outs = []
+    for draft in ("dflash", "dspark", "dflash2"):
+        config = EngineConfig(
+            ModelConfig(tiny_models["target"], n_ctx=1024, n_batch=n_batch),
+            ModelConfig(tiny_models[draft], n_ctx=1024),
+            SpeculativeConfig(drafter="dflash", draft_max=4),
+        )
+        with Engine(config) as e:
+            res = e.generate(ids, params).run()
+        outs.append(res.tokens)
+        assert res.stats.by_drafter["dflash"].drafted > 0
+    assert outs[0] == outs[1] == outs[2]
+    if n_batch == 512:
+        assert outs[0] == alone
+
+
+def test_a_shortest_draft_past_the_block_is_lowered(tiny_models: dict[str, Path]) -> None:
+    """``draft_min`` above what a block drafts is lowered to it (llama.cpp lowers n_min to
+    the block too), and said: before, nothing was ever drafted."""
+    base = ["run", "-m", str(tiny_models["target"]), "-md", str(tiny_models["dflash"]),
+            "--drafter", "dflash", "--draft", "16", "--draft-min", "10", "-n", "24", "--temp",
+            "0", "--ignore-eos", "--json", "hi"]  # fmt: skip
+    res = run_cli(*base)
+    assert res.returncode == 0, res.stderr
+    assert (b"a shortest draft of 10: tiny-dflash.gguf's drafts have at most 7 tokens, the "
+            b"shortest verified is 7") in res.stderr  # fmt: skip
+    steps, drafted, _ = json.loads(res.stdout)["stats"]["by_drafter"]["dflash"]
+    assert drafted == 7 * steps > 0
+
+
+def test_dspark_files_as_converters_write_them(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Without a confidence head (``dflash.has_confidence_head`` false, a bool), ``p_min``
+    stops drafts at a token's probability, said once (llama.cpp refuses it); without
+    ``dflash.block_size``, which llama.cpp's DSpark graph asserts, the file is refused in
+    one line before anything loads."""
+    import dataclasses
+
+    from gguf import GGUFValueType
+
+    from specgguf.gguf.tiny import fixture_specs, write_tiny_model
+
+    spec = fixture_specs()["dspark"]
+    no_conf = dataclasses.replace(spec, set_keys=(
+        ("dflash.has_confidence_head", False, GGUFValueType.BOOL, None),))  # fmt: skip
+    path = str(write_tiny_model(tmp_path / "noconf.gguf", no_conf)[0])
+    base = ["run", "-m", str(tiny_models["target"]), "-md", path, "-n", "8", "--temp", "0",
+            "--ignore-eos", "hi"]  # fmt: skip
+    res = run_cli(*base, "--draft-p-min", "0.5")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count(b"is a DSpark draft without a confidence head") == 1
+    assert b"confidence head" not in run_cli(*base).stderr  # (p_min 0: nothing to say)
+    assert "a Markov head;" in run_cli("info", path).stdout.decode()  # (no confidence head)
+    no_block = dataclasses.replace(spec, drop_keys=frozenset({"dflash.block_size"}))
+    path = str(write_tiny_model(tmp_path / "noblock.gguf", no_block)[0])
+    res = run_cli("run", "-m", str(tiny_models["target"]), "-md", path, "-n", "8", "hi")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert "a DSpark draft without dflash.block_size" in err

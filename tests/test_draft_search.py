@@ -515,3 +515,24 @@ def test_list_and_run_judge_a_calibrated_pair_by_its_measured_cost(
     assert out["models"]["draft"] == str(disk["small"])  # type: ignore[index]
     line = next(x for x in err.splitlines() if "draft model" in x)
     assert "small-F32.gguf" in line and "0.04 of a target row (measured)" in line
+
+
+def test_draft_heads_are_rejected_as_heads_whatever_their_size(
+    isolated_env: Path, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A DFlash, DSpark, DFlash2 or EAGLE-3 file beside the target is a head, given with
+    -md: the search says so (before, its size judged it as a draft model first)."""
+    import shutil
+
+    folder = tmp_path / "heads"
+    folder.mkdir()
+    for name in ("dflash", "dspark", "dflash2", "eagle3"):
+        shutil.copy(tiny_models[name], folder / tiny_models[name].name)
+    found = find_drafts(tiny_models["target"], search_dirs=[folder], check_all=True)
+    heads = {c.path.name: c for c in found.candidates if c.path.parent == folder}
+    assert len(heads) == 4
+    for c in heads.values():
+        arch = "eagle3" if "eagle3" in c.path.name else "dflash"
+        article = "an" if arch == "eagle3" else "a"
+        assert c.verdict == REJECTED
+        assert c.reason == f"{article} {arch} draft head, not a draft model (given with -md)"

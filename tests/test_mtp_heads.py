@@ -107,3 +107,17 @@ def test_a_longer_draft_is_said(tiny_models: dict[str, Path]) -> None:
     assert res.returncode == 0, res.stderr
     assert (b"a draft length of 8 does not fit tiny-mtp-heads.gguf's 2 chained MTP blocks "
             b"(one token each): its drafts have at most 2 tokens") in res.stderr  # fmt: skip
+
+
+def test_draft_k_alone_drafts_with_the_targets_layers(tiny_models: dict[str, Path]) -> None:
+    """``--draft K`` without a drafter or a draft model on a target that carries MTP layers
+    drafts with them at K (as llama.cpp picks draft-mtp from the file), and says so."""
+    import json
+
+    res = run_cli("run", "-m", str(tiny_models["mtp-heads"]), "--draft", "2", "-n", "8",
+                  "--temp", "0", "--ignore-eos", "--json", "hi")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert b"carries 2 multi-token-prediction layer(s): --draft K drafts with them" in res.stderr
+    out = json.loads(res.stdout)
+    assert set(out["stats"]["by_drafter"]) <= {"mtp", "none"}
+    assert out["stats"]["by_drafter"]["mtp"][1] > 0

@@ -547,7 +547,7 @@ def test_a_tree_asked_of_a_chain_drafter_is_refused(
     err = res.stderr.decode()
     assert res.returncode == 2 and len(err.strip().splitlines()) == 1, err
     assert (f"token trees of 4 branches: the {drafter} drafter drafts chains; suffix and "
-            "auto mode draft trees") in err  # fmt: skip
+            "auto mode (without a head or MTP layers) draft trees") in err  # fmt: skip
     ok = run_cli("run", "-m", str(tiny_models[model]), *args, "--draft-tree", "1", "-n", "4", "hi")
     assert ok.returncode == 0, ok.stderr  # (a tree of one branch is a chain)
 
@@ -560,5 +560,8 @@ def test_auto_mode_with_a_head_says_it_drafts_chains(tiny_models: dict[str, Path
     asked = run_cli(*base, "--draft-tree", "4")
     assert asked.returncode == 0, asked.stderr
     assert b"drafting with an eagle3 head: drafts are verified as chains" in asked.stderr
+    mtp = run_cli("run", "-m", str(tiny_models["mtp"]), "--draft-tree", "4", "-n", "4", "hi")
+    assert mtp.returncode == 0, mtp.stderr
+    assert b"drafting with the target's MTP layers: drafts are verified as chains" in mtp.stderr
     plain = run_cli(*base)
     assert plain.returncode == 0 and b"tree" not in plain.stderr, plain.stderr

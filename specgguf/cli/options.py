@@ -284,13 +284,14 @@ class DraftOptions:
     )  # fmt: skip
     draft_p_min: float = option(
         SpeculativeConfig.p_min, "--draft-p-min", "--spec-draft-p-min", min=0.0, max=1.0,
-        panel=SPEC, help="Stop drafting at a token below this probability (per token).",
+        panel=SPEC, help="Stop drafting at a token below this probability (per token; a "
+        "DSpark draft's confidence, a DFlash2 selector's score).",
         to="speculative.p_min",
     )  # fmt: skip
     drafter: str | None = option(
         None, "--drafter", panel=SPEC,
         help=f"{drafter_help()}. Default: auto, or with --draft K the draft model (given or "
-        "found) else n-gram lookup, at that fixed K.",
+        "found), else the target's MTP layers, else n-gram lookup, at that fixed K.",
     )  # fmt: skip
     spec_type: str | None = option(
         None, "--spec-type", metavar="TYPE[,TYPE]", panel=SPEC,
@@ -583,7 +584,8 @@ def engine_config(
     (``org/name:QUANT``), pulled on first use. Without a target model, the registry's
     default pair (downloaded on first use). ``spec_type`` is llama.cpp's name for the
     drafter (:func:`spec_type_drafter`). The drafter defaults to auto, or, with a fixed
-    ``--draft K``, to the draft model when there is one, else n-gram lookup. Without a
+    ``--draft K``, to the draft model when there is one, else the target's MTP layers
+    where it has them, else n-gram lookup. Without a
     draft model (and unless ``no_draft``), one is chosen among the models on disk when the
     drafter can use it (:func:`specgguf.hub.draft_search.find_drafts`; ``draft_search``:
     more folders), and ``say`` tells which and why. ``rpc`` (``HOST:PORT,...``) spreads the
@@ -661,18 +663,20 @@ def engine_config(
         raise UsageError(f"--drafter {drafter} needs {needs(drafter).describe()}: give it with "
                          "-md FILE")  # fmt: skip
     searched = None
+    own_layers = False  # the target's MTP layers draft, where nothing else is asked for
     if draft_path is None and wants_model and (drafter or AUTO) == AUTO:
         n_mtp = _mtp_layers(target_path)
-        if n_mtp:  # the target's own layers draft, as Ollama uses them
+        if n_mtp:  # the target's own layers draft, as Ollama and llama.cpp use them
+            how = "auto mode drafts" if drafting.draft is None else "--draft K drafts"
             say(f"specgguf: note: {target_path.name} carries {n_mtp} multi-token-prediction "
-                "layer(s): auto mode drafts with them (no draft model is looked for; -md "
-                "adds one instead)")  # fmt: skip
-            wants_model = False
+                f"layer(s): {how} with them (no draft model is looked for; -md adds one "
+                "instead)")  # fmt: skip
+            wants_model, own_layers = False, True
     if draft_path is None and wants_model:
         searched = _find_draft(target_path, model, load.draft_search or (), load.registry, say)
         draft_path = searched
-    kind = drafter or (AUTO if drafting.draft is None else
-                       (_draft_kind(draft_path) if draft_path else "ngram"))  # fmt: skip
+    fixed = _draft_kind(draft_path) if draft_path else ("mtp" if own_layers else "ngram")
+    kind = drafter or (AUTO if drafting.draft is None else fixed)
     uses_model = kind == AUTO or needs(kind).draft_model
     if needs(kind).draft_model and draft_path is None:
         raise UsageError(

@@ -235,6 +235,10 @@ def _check_layer_head(
                    else f"{draft.path.name} is {draft.architecture}")  # fmt: skip
             raise UsageError(f"the {arch} drafter needs {what} as its draft model (a GGUF "
                              f"of architecture {arch}); {got}")  # fmt: skip
+        if draft.markov_head and not draft.draft_block:
+            raise UsageError(f"the {arch} drafter cannot draft with {draft.path.name}: a "
+                             "DSpark draft without dflash.block_size, which llama.cpp's graph "
+                             "needs")  # fmt: skip
         n_layer = (target.block_count or 0) - target.nextn_layers
         why = head_fit(target.architecture, target.embedding_length, n_layer or None, arch,
                        draft.target_layers, draft.target_width)  # fmt: skip
@@ -410,7 +414,8 @@ def check_rules(config: EngineConfig, target: ModelInfo, draft: ModelInfo | None
     if branches >= 2 and not e.trees:
         treed = " and ".join(n for n, d in DRAFTERS.items() if d.trees)
         raise UsageError(f"token trees of {branches} branches: the {kind} drafter drafts "
-                         f"chains; {treed} and auto mode draft trees")  # fmt: skip
+                         f"chains; {treed} and auto mode (without a head or MTP layers) "
+                         "draft trees")  # fmt: skip
     if e.check is not None:
         e.check(config, target, draft)
 
@@ -468,5 +473,9 @@ def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
     if (why := missing(kind, d)) is not None:
         raise UsageError(why)
     arm = e.arm(d.drafters[kind], s, d.tuning)
-    return FixedPlanner(arm.drafter, s.draft_max, p_min=s.p_min, draft_min=s.draft_min,
+    # (a head whose drafts are shorter whatever K: the shortest worth verifying is at most
+    # that, as llama.cpp lowers n_min to a DFlash block)
+    most = getattr(arm.drafter, "most", None)
+    draft_min = min(s.draft_min, most) if most else s.draft_min
+    return FixedPlanner(arm.drafter, s.draft_max, p_min=s.p_min, draft_min=draft_min,
                         tree_branches=s.trees)  # fmt: skip

@@ -201,11 +201,23 @@ class Engine:
                 asked = spec.draft_max != default_draft_max(spec.drafter)
                 if most and asked and spec.draft_max > most:
                     block = getattr(self.heads[0], "block_size", 0)
-                    unit = (f"blocks of {block}" if block
+                    unit = (f"blocks of {block}" + (" (the last token and the drafts)"
+                                                    if block > most else "") if block
                             else f"{most} chained MTP blocks (one token each)")  # fmt: skip
                     log.warning("a draft length of %d does not fit %s's %s: its drafts have "
                                 "at most %d tokens", spec.draft_max, head_model.path.name,
                                 unit, most)  # fmt: skip
+                first = self.heads[0]
+                if (spec.p_min > 0 and getattr(first, "markov", False)
+                        and not getattr(first, "confidence_head", False)):  # fmt: skip
+                    log.warning("%s is a DSpark draft without a confidence head: its drafts "
+                                "stop at a token whose probability is below p_min %g (llama.cpp "
+                                "refuses a p_min above 0 for it)", head_model.path.name,
+                                spec.p_min)  # fmt: skip
+                if most and spec.draft_min > most:
+                    log.warning("a shortest draft of %d: %s's drafts have at most %d tokens, "
+                                "the shortest verified is %d", spec.draft_min,
+                                head_model.path.name, most, most)  # fmt: skip
             if self.target_ctx.replays and spec.drafter != "none":
                 log.info("the target is %s: rejected drafts are dropped by checkpoint and "
                          "replay", describe(t_info.architecture))  # fmt: skip
@@ -238,9 +250,10 @@ class Engine:
                 say("%d parallel sequences: drafts are verified as chains (no token trees)",
                     n_par)  # fmt: skip
             elif self.head_kind and spec.draft_tree >= 2:
-                say("drafting with %s %s head: drafts are verified as chains (no token trees: "
-                    "the head reads the target's rows of every position in turn)",
-                    article(self.head_kind), self.head_kind)  # fmt: skip
+                what = ("the target's MTP layers" if mtp else
+                        f"{article(self.head_kind)} {self.head_kind} head")  # fmt: skip
+                say("drafting with %s: drafts are verified as chains (no token trees: they "
+                    "read the target's rows of every position in turn)", what)  # fmt: skip
             #: the sequences generations run on: ``serve --parallel``'s, each through the
             #: batcher; one at a time, the engine's own
             self.slots: list[Slot] = [self.own]

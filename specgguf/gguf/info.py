@@ -315,7 +315,9 @@ def read_model_info(path: Path | str) -> ModelInfo:
         dflash = meta.architecture == "dflash"
         block = (_int(meta.arch_key("block_size")) or 0) if dflash else 0
         markov = dflash and "markov_w1.weight" in names
-        anchor = _str(meta.arch_key("sample_from_anchor")) in (None, "true")
+        # (written as bools by llama.cpp's converters; "true"/"false" strings read too)
+        anchor = _flag(meta.arch_key("sample_from_anchor"), default=True)
+        said_conf = _flag(meta.arch_key("has_confidence_head"), default=True)
         findings = [
             Finding(
                 "warning", "utf8", f"{shown(what)} is not valid UTF-8 (llama.cpp does not check)"
@@ -352,21 +354,33 @@ def read_model_info(path: Path | str) -> ModelInfo:
             draft_block=block,
             draft_block_max=block if markov and anchor else max(block - 1, 0),
             markov_head=markov,
-            confidence_head=markov and "conf_proj.weight" in names,
-            selector_top_k=(_int(meta.arch_key("selector_top_k")) or 0)
-            if dflash and "selector_hidden.weight" in names
-            else 0,
+            confidence_head=markov and said_conf and "conf_proj.weight" in names,
+            selector_top_k=(_int(meta.arch_key("selector_top_k")) or 0) if dflash else 0,
             recurrent_layers=n_rec,
             recurrent_state_bytes=n_rec * 4 * _state_values(meta),
         )
 
 
+def _flag(v: Any, *, default: bool) -> bool:
+    """A GGUF flag: a bool, or the strings "true"/"false" (llama.cpp reads both through
+    ``llama_model_meta_val_str``); ``default`` where absent or anything else."""
+    if isinstance(v, bool):
+        return v
+    return {"true": True, "false": False}.get(str(v), default) if v is not None else default
+
+
 def tensor_names(path: Path) -> frozenset[str]:
-    """The names of the tensors in ``path``'s GGUF file (its own shard only).
+    """The names of the tensors in ``path``'s GGUF file, and in the other shards of a
+    split model that are present.
 
     Raises:
         ModelNotFoundError: ``path`` does not exist.
-        GGUFFormatError: it is not a readable GGUF file.
+        GGUFFormatError: it (or a present shard) is not a readable GGUF file.
     """
     with GGUFMetadata.open(path) as meta:
-        return frozenset(t.name for t in meta.tensors())
+        names = {t.name for t in meta.tensors()}
+        shards = [p for p in meta.shard_paths() if p != meta.path and p.is_file()]
+    for shard in shards:
+        with GGUFMetadata.open(shard) as sm:
+            names.update(t.name for t in sm.tensors())
+    return frozenset(names)

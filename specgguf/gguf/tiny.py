@@ -798,7 +798,7 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
                                ("selector_top_k", spec.selector_top_k)):  # fmt: skip
                 writer.add_uint32(f"dflash.{key}", value)
         if spec.sample_from_anchor is not None:
-            writer.add_string("dflash.sample_from_anchor", str(spec.sample_from_anchor).lower())
+            writer.add_bool("dflash.sample_from_anchor", spec.sample_from_anchor)
         if spec.mrope:
             writer.add_rope_dimension_sections([spec.n_embd // spec.n_head // 2, 0, 0, 0])
     if spec.architecture in ("qwen35", "mamba2"):

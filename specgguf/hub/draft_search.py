@@ -83,7 +83,7 @@ ESTIMATE_SLACK = 1.5
 MeasuredCost = Callable[[Path, Path], float | None]
 
 #: The memo's format and the check's rules: a memo of another version is not used.
-_MEMO_VERSION = f"{__version__}/2"
+_MEMO_VERSION = f"{__version__}/3"
 
 #: Verdicts of a candidate, in the order they are listed.
 CHOSEN, COMPATIBLE, UNCHECKED, REJECTED = "chosen", "compatible", "not checked", "rejected"
@@ -273,6 +273,8 @@ def _cost_reason(
     """Why a file cannot be a draft before its vocabulary is looked at ("" when it can)."""
     if facts.get("error"):
         return str(facts["error"])
+    if (arch := facts.get("architecture")) in DRAFT_HEAD_ARCHS:
+        return f"{article(arch)} {arch} draft head, not a draft model (given with -md)"
     if facts.get("n_params") is None:
         return "some of its shards are missing"
     if cost is None or cost < MAX_DRAFT_COST or (paired and basis != "measured"):
@@ -439,7 +441,8 @@ class _Memo:
 
     def facts(self, path: Path) -> dict[str, Any]:
         """n_params, file_size (bytes, all shards), token_bytes (:func:`token_bytes`),
-        quant, name (or error) of ``path``, read once per version of the file."""
+        quant, name, architecture (or error) of ``path``, read once per version of the
+        file."""
         key = self.key(path)
         if key in self.files:
             return self.files[key]
@@ -448,6 +451,7 @@ class _Memo:
             facts: dict[str, Any] = {
                 "n_params": mi.n_params, "file_size": mi.file_size,
                 "token_bytes": token_bytes(mi), "quant": mi.quantization, "name": mi.name,
+                "architecture": mi.architecture,
             }  # fmt: skip
         except ModelFileError as e:
             facts = {"error": f"not a readable GGUF model: {e}", "file_size": path.stat().st_size}

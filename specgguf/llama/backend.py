@@ -2054,9 +2054,11 @@ class MtpHead(DraftHead):
         if self.n_heads > 1:
             lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
             llama_cpp_ext.llama_set_nextn_layer_offset(self._ctx, block)
-        rc = lc.llama_decode(self._ctx, self._batch)
-        if self.n_heads > 1:
-            llama_cpp_ext.llama_set_nextn_layer_offset(self._ctx, 0)
+        try:
+            rc = lc.llama_decode(self._ctx, self._batch)
+        finally:
+            if self.n_heads > 1:  # (block 0 for every other decode, as llama.cpp leaves it)
+                llama_cpp_ext.llama_set_nextn_layer_offset(self._ctx, 0)
         if rc != 0:
             lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
             raise BackendError(f"llama_decode failed with code {rc} on the MTP layers "
@@ -2329,8 +2331,12 @@ class DFlashHead(DraftHead):
             raise BackendError(
                 f"{draft.path.name} has no mask token (tokenizer.ggml.mask_token_id)"
             )
-        self._open(draft, target, "a context", n_ubatch=min(target.n_batch, 512),
-                   n_outputs_max=self.block_size)  # fmt: skip
+        # Without a causal mask llama.cpp takes a decode in one micro-batch (it aborts
+        # otherwise): a block always fits one, and eval() sends pieces of one.
+        ubatch = max(min(target.n_batch, 512), self.block_size)
+        self._open(draft, target, "a context", n_batch=max(target.n_batch, ubatch),
+                   n_ubatch=ubatch, n_outputs_max=self.block_size)  # fmt: skip
+        self._piece = int(lc.llama_n_ubatch(self._ctx))
         causal = _meta_str(draft, "dflash.attention.causal") == "true"
         lc.llama_set_causal_attn(self._ctx, causal)
         if self.selector_top_k:
@@ -2394,8 +2400,9 @@ class DFlashHead(DraftHead):
                                        model=self.model.path.name)  # fmt: skip
         t0 = time.perf_counter()
         try:
-            for start in range(0, n, self.n_batch):
-                m = min(self.n_batch, n - start)
+            piece = min(self.n_batch, self._piece)
+            for start in range(0, n, piece):
+                m = min(piece, n - start)
                 self._emb[:m] = inputs[start : start + m]
                 pos = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
                 for j in range(self._n_pos):

@@ -93,8 +93,9 @@ def walk_lattice(
 
 
 class DFlashDrafter(MtpDrafter):
-    """Drafts up to ``max_draft`` tokens per step (the block less one, or a DSpark draft's
-    whole block) with a DFlash or DSpark draft, one decode per draft (see the module).
+    """Drafts up to the head's ``max_draft`` tokens per step (the block less one, or the
+    whole block for a DSpark draft whose block row 0 predicts) with a DFlash, DSpark or
+    DFlash2 draft, one decode per draft (see the module).
 
     Args:
         head: the draft's context.
