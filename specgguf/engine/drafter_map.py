@@ -451,7 +451,9 @@ def missing(kind: str, d: Drafting) -> str | None:
     if kind in (AUTO, NONE) or d.get(kind) is not None:
         return None
     what = needs(kind).describe() or "what it drafts from"
-    return f"the {kind} drafter needs {what}, and none was loaded"
+    loaded = [name for name in DRAFTERS if d.get(name) is not None]
+    return (f"the {kind} drafter needs {what}, and none was loaded (drafters here: "
+            f"{', '.join([*loaded, AUTO, NONE])})")  # fmt: skip
 
 
 def make_planner(kind: str, d: Drafting, s: DraftSettings) -> Planner:
