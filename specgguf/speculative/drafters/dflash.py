@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.speculative.draft import Draft
-from specgguf.speculative.drafters.model import pick_token
+from specgguf.speculative.drafters.model import greedy_goes_on, pick_token
 from specgguf.speculative.drafters.mtp import Head, HiddenStates, MtpDrafter
 from specgguf.speculative.sampling import Distribution, SamplerParams
 
@@ -80,11 +80,9 @@ def walk_lattice(
     for row in rows:
         scores = row[top_k * (1 + pred) : top_k * (2 + pred)]
         pred = int(scores.argmax())
-        if p_min > 0.0 or p_path_min > 0.0:
-            p = 1.0 / float(np.exp(scores - scores[pred]).sum())
-            path *= p
-            if p < p_min or path < p_path_min:
-                return tokens, True
+        goes_on, path = greedy_goes_on(scores, pred, path, p_min, p_path_min)
+        if not goes_on:
+            return tokens, True
         tok = int(row[pred])
         if not 0 <= tok < n_vocab:
             return tokens, True

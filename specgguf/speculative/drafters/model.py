@@ -21,6 +21,20 @@ log = logging.getLogger("specgguf")
 _CATCH_UP_SPLIT = 8
 
 
+def greedy_goes_on(
+    scores: npt.NDArray[np.float32], best: int, path: float, p_min: float, p_path_min: float
+) -> tuple[bool, float]:
+    """Whether greedy drafting goes on with ``best``, the argmax of ``scores`` (logits,
+    float32[n]): its softmax probability is at least ``p_min`` and ``path`` (the product
+    of those of the tokens drafted before it) times it at least ``p_path_min``; and that
+    product (``path`` unchanged where both thresholds are 0, which skips the softmax)."""
+    if p_min <= 0.0 and p_path_min <= 0.0:
+        return True, path
+    p = 1.0 / float(np.exp(scores - scores[best]).sum())
+    path *= p
+    return p >= p_min and path >= p_path_min, path
+
+
 def pick_token(
     row: npt.NDArray[np.float32],
     sampler: SamplerParams,
@@ -39,12 +53,8 @@ def pick_token(
     acceptance rule (Leviathan et al. 2023, section 2.3); no threshold applies."""
     if dists is None:
         tok = int(row.argmax())
-        if p_min > 0.0 or p_path_min > 0.0:
-            p = 1.0 / float(np.exp(row - row[tok]).sum())
-            path *= p
-            if p < p_min or path < p_path_min:
-                return None, path
-        return tok, path
+        goes_on, path = greedy_goes_on(row, tok, path, p_min, p_path_min)
+        return (tok if goes_on else None), path
     q = distribution(row, sampler)
     dists.append(q)
     return sample(q, rng), path
