@@ -101,6 +101,25 @@ def test_a_block_reads_the_draft_so_far(tiny_models: dict[str, Path]) -> None:
         head.rollback(0)
 
 
+def test_the_calibration_times_a_whole_chained_draft(tiny_models: dict[str, Path]) -> None:
+    """Auto mode's cost per token of chained blocks is a whole draft's (block 1 reads two
+    rows) over its tokens, and leaves the head as it found it: empty, block 0 drafting
+    (the next draft's first token equals a fresh head's)."""
+    with engine(tiny_models, "mtp") as e:
+        head = e.heads[0]
+        rows = np.random.default_rng(1).standard_normal((3, head.n_embd)).astype(np.float32)
+        head.rollback(0)
+        fresh = head.eval([5, 6, 7], rows, last=True)
+        assert fresh is not None
+        want = fresh[0].copy()
+        head.rollback(0)
+        seconds = head.token_seconds(repeats=3)
+        assert seconds > 0 and head.n_past == 0
+        again = head.eval([5, 6, 7], rows, last=True)
+        assert again is not None and np.array_equal(again[0], want)
+        head.rollback(0)
+
+
 def test_a_longer_draft_is_said(tiny_models: dict[str, Path]) -> None:
     res = run_cli("run", "-m", str(tiny_models["mtp-heads"]), "--drafter", "mtp", "--draft",
                   "8", "-n", "8", "--temp", "0", "--ignore-eos", "hi")  # fmt: skip
