@@ -1213,7 +1213,9 @@ def test_no_step_passes_when_asking_is_within_its_budget(cost: float, budget: fl
 
 
 def test_steps_passed_are_at_most_plan_skip_max_and_start_over_after_a_draft() -> None:
-    p = ngram_planner(HAND, tuning=tuned(plan_skip_max=2))
+    # (without the clock's check of the drafted steps: the draft's own steps then end the
+    # run of vain asks as soon as it is taken)
+    p = ngram_planner(HAND, tuning=tuned(plan_skip_max=2, check_steps=False))
     p.plan_cost = 0.05  # five lone rows: would let 166 steps pass
     history = [1, 2, 3, 4, 5]
     p.plan(history, 16, GREEDY, RNG)
@@ -1228,6 +1230,97 @@ def test_steps_passed_are_at_most_plan_skip_max_and_start_over_after_a_draft() -
     assert plan.drafter is not None and p.pass_steps() == 0
     p.plan([*history, 10, 11], 16, GREEDY, RNG)
     assert p.pass_steps() == 1
+
+
+#: A text whose last 4-gram occurred before: the n-gram arm drafts "9 5 6 7 8 ..." at
+#: full confidence (see the test above).
+REPEAT = [5, 6, 7, 8, 9, 5, 6, 7, 8]
+
+
+def clocked(step_seconds: float, accepted: int, steps: int, **kw: object) -> list[int]:
+    """An n-gram planner on HAND (10 ms lone rows) under a fake clock: each of ``steps``
+    drafted steps takes ``step_seconds`` by the clock and keeps ``accepted`` drafts, each
+    step let pass 10 ms; returns what ``pass_steps`` let pass after each drafted step."""
+    p = ngram_planner(HAND, **kw)
+    p.confidence = 1.0
+    now = [0.0]
+    p.clock = lambda: now[0]
+    passed = []
+    history = list(REPEAT)
+    for _ in range(steps):
+        plan = p.plan(history, 16, GREEDY, RNG)
+        assert plan.drafter is not None and len(plan.draft.tokens) >= accepted
+        p.observe(plan, accepted, step_seconds)
+        now[0] += step_seconds
+        passed.append(p.pass_steps())
+        now[0] += 0.010 * passed[-1]
+    return passed
+
+
+def test_drafted_steps_slower_than_the_target_alone_let_the_next_steps_pass() -> None:
+    # 2 tokens in 50 ms where the target alone makes them in 20 ms: each drafted step is
+    # taken as a vain ask (the ramp 1, 2, 4, 8), and the steps let pass are timed (10 ms
+    # a token) for the next check.
+    assert clocked(0.050, 1, 5) == [1, 2, 4, 8, 16]
+    assert clocked(0.050, 1, 4, tuning=tuned(plan_skip_max=2)) == [1, 2, 2, 2]
+
+
+def test_drafted_steps_that_pay_by_the_clock_let_no_step_pass() -> None:
+    # 4 tokens in 15 ms against 40 ms alone: every step asks.
+    assert clocked(0.015, 3, 5) == [0] * 5
+
+
+def test_the_clock_check_is_off_when_tuned_off_or_beside_other_sequences() -> None:
+    assert clocked(0.050, 1, 4, tuning=tuned(check_steps=False)) == [0] * 4
+    p = ngram_planner(HAND)
+    p.timings.share_batch((), solo=False)  # other sequences' work is in the clock
+    p.confidence = 1.0
+    now = [0.0]
+    p.clock = lambda: now[0]
+    for _ in range(3):
+        plan = p.plan(REPEAT, 16, GREEDY, RNG)
+        p.observe(plan, 1, 0.050)
+        now[0] += 0.050
+        assert plan.drafter is not None and p.pass_steps() == 0
+
+
+def test_a_drafted_step_at_a_loss_is_made_up_by_later_gains() -> None:
+    # One step at a loss (-30 ms) lets one pass; the gains after it (+25 ms each, the
+    # average weighted as a running mean) bring the average above 0 by the third.
+    p = ngram_planner(HAND)
+    p.confidence = 1.0
+    now = [0.0]
+    p.clock = lambda: now[0]
+    passed = []
+    for seconds, kept in [(0.050, 1), (0.015, 3), (0.015, 3), (0.015, 3)]:
+        plan = p.plan(REPEAT, 16, GREEDY, RNG)
+        p.observe(plan, kept, seconds)
+        now[0] += seconds
+        passed.append(p.pass_steps())
+        now[0] += 0.010 * passed[-1]
+    # averages: -30, (-30 + 25) / 2 = -2.5, (-5 + 25) / 3 = 6.67, then above 0
+    assert passed == [1, 2, 0, 0]
+
+
+def test_steps_asked_in_vain_weigh_against_the_drafts_that_pay_a_little() -> None:
+    # Two vain asks of 30 ms by the clock (one token each, 10 ms alone: -20 ms each; their
+    # Python measured in microseconds, within plan_budget: neither lets a step pass), then
+    # a drafted step gaining 5 ms: the average, (-20 - 20 + 5) / 3, is below 0, so the
+    # drafted step counts as the third vain ask in a row (1, 2, 4).
+    p = ngram_planner(HAND)
+    p.plan_cost = None
+    p.confidence = 1.0
+    now = [0.0]
+    p.clock = lambda: now[0]
+    text = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]  # (the last 4-gram repeats the first)
+    for n in (5, 6):
+        assert p.plan(text[:n], 16, GREEDY, RNG).drafter is None
+        now[0] += 0.030
+        assert p.pass_steps() == 0
+    plan = p.plan(text, 16, GREEDY, RNG)
+    p.observe(plan, 1, 0.015)
+    now[0] += 0.015
+    assert plan.drafter is not None and p.pass_steps() == 4
 
 
 def test_the_planners_own_time_is_measured_when_not_given() -> None:

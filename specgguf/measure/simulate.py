@@ -366,9 +366,10 @@ def simulate(
     for gen in trace.generations:
         planner, history = _start(gen, model, drafting, kind, settings)
         own = overhead if overhead_alone is None else overhead_alone
+        out, pos, seconds = gen.output, 0, 0.0
         if isinstance(planner, AutoPlanner):  # (never this machine's own time)
             planner.plan_cost = max(0.0, overhead - own)
-        out, pos, seconds = gen.output, 0, 0.0
+            planner.clock = lambda: seconds  # noqa: B023  (the replay's clock, read as it runs)
         k_cap = min(planner.draft_max, n_batch - 1)
         # An output that ended at an end-of-generation token had n_predict left to draft
         # into, as the real loop does; one cut at n_predict had only its own length.

@@ -328,7 +328,11 @@ class SpeculativeDecoder:
         history, tokens, piece_of = run.history, gen.tokens, self.vocab.token_to_piece
         eog, banned, sampler = self.vocab.eog_ids, run.banned, gen.params.sampler
         n_ctx, limit, n_prompt = target.n_ctx, run.limit, run.n_prompt
-        greedy, drafters = sampler.greedy, gen.planner.drafters
+        greedy = sampler.greedy
+        if gen.planner.drafters:  # (no drafter runs in these steps: its times stay)
+            self._clock(gen, run)
+        # (_clock's sums over the drafters, constant here, cost more than the rest)
+        t_gen = run.t_gen + sum(d.prompt_seconds for d in gen.planner.drafters) - run.deferred_s0
         done = 0
         while done < steps:
             done += 1
@@ -357,11 +361,8 @@ class SpeculativeDecoder:
             tokens.append(t)
             stats.record_step("none", 0, 0, rejected=False, tree=False)
             stats.generated = len(tokens)
-            if drafters or stream.stopped:
-                self._clock(gen, run)
-            else:  # (_clock without drafters, whose sums cost more than the rest)
-                stats.seconds = time.perf_counter() - run.t_gen
-                stats.target_seconds = target.eval_seconds - run.target_s0
+            stats.seconds = time.perf_counter() - t_gen
+            stats.target_seconds = target.eval_seconds - run.target_s0
             if piece:  # (text held back before, released by a stop string too)
                 yield piece
             if stream.stopped:

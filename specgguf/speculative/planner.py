@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -191,6 +191,15 @@ class AutoPlanner:
         #: arms' Python alone; a number: taken as it is, as the simulator gives it)
         self.plan_cost: float | None = None
         self._measured_cost, self._n_costs = 0.0, 0
+        #: the clock the drafted steps are checked by (``tuning.check_steps``): seconds,
+        #: monotonic; the simulator gives its own
+        self.clock: Callable[[], float] = time.perf_counter
+        # the drafted steps' average gain over the target alone (seconds a step: their
+        # tokens at the steps let pass's time less their own) and the steps let pass's
+        # seconds a token (None: none timed yet; a lone row's calibration stands in)
+        self._net, self._n_net = 0.0, 0
+        self._lone_token: float | None = None
+        self._n_lone = 0
         self.reset()
 
     def arm(self, name: str) -> Arm:
@@ -213,8 +222,13 @@ class AutoPlanner:
         #: arms (:meth:`plan`); its verification reads no confidence
         self.skipped = False
         self.wants_confidence = True
-        self._idle = 0  # steps asked in a row whose offers all came to nothing
+        self._idle = 0  # steps asked in a row in vain (or drafted at a loss: check_steps)
         self._skip = 0  # steps still to let pass
+        self._mark: float | None = None  # when the steps being timed began (None: none)
+        self._passed = 0  # of them, steps let pass
+        self._asked = False  # or a step asked its arms, which drafted
+        self._drafted = 0  # this many tokens (0: it drafted nothing)
+        self._lone_row = self.timings.verify_time(1, self.cached)
         self.active = [arm for arm in self.arms if arm.reset(self.timings, self.tuning)]
         self.drafters: list[Drafter] = [arm.drafter for arm in self.active]
 
@@ -229,15 +243,18 @@ class AutoPlanner:
         self, history: Sequence[int], k_max: int, sampler: SamplerParams, rng: np.random.Generator
     ) -> StepPlan:
         self.cached = len(history) - 1  # the last token is evaluated with the drafts
+        self._time_steps()
         if self._skip > 0:  # (see _idle_step)
             self._skip -= 1
+            self._passed = 1
             self.skipped, self.wants_confidence = True, False
             return _ALONE
         self.skipped, self.wants_confidence = False, True
+        self._asked = True
         t0 = time.perf_counter()
         for arm in self.arms:
             arm.tick()
-        lone_row = self.timings.verify_time(1, self.cached)
+        lone_row = self._lone_row = self.timings.verify_time(1, self.cached)
         alone = StepPlan(None, Draft([]), 1.0 / lone_row)
         if k_max < self.draft_min:
             return alone
@@ -254,20 +271,64 @@ class AutoPlanner:
         if len(draft.tokens) < step.k_min:
             self._idle_step(None, lone_row)
             return alone
-        self._idle = 0
+        if not self._checking():  # (else the clock says whether it paid: _time_steps)
+            self._idle = 0
         return StepPlan(taken.arm.drafter, draft, taken.rate, taken.arm, taken.bucket)
 
     def pass_steps(self) -> int:
         """The steps still to let pass (see :meth:`_idle_step`), now the loop's to run."""
+        self._time_steps()
         n, self._skip = self._skip, 0
+        self._passed = n
         return n
+
+    def _checking(self) -> bool:
+        """Whether the drafted steps are checked by the clock: ``tuning.check_steps``, and
+        the steps' time is this sequence's own (``timings.solo``)."""
+        return self.tuning.check_steps and self.timings.solo
+
+    def _time_steps(self) -> None:
+        """End the timing of the steps since the last call (``tuning.check_steps``): steps
+        let pass refine the seconds a token of the target alone; a step that asked the
+        arms, its tokens at that rate less its own seconds (the arms', the draft's, the
+        verification's and the loop's time: all of it, by the clock), refines the asked
+        steps' average gain. While that is below 0, each drafted step counts as a step
+        asked in vain (:meth:`_idle_step`'s ramp: the next ones are let pass), and one at
+        or above it ends the ramp; a step asked in vain is judged by the budget of
+        :meth:`_idle_step` as it is."""
+        if not self._checking():
+            return
+        now = self.clock()
+        mark, passed, asked, drafted = self._mark, self._passed, self._asked, self._drafted
+        self._mark, self._passed, self._asked, self._drafted = now, 0, False, 0
+        if mark is None or not (passed or asked):
+            return
+        w_min, seconds = self.tuning.plan_cost_weight, now - mark
+        if passed:
+            self._n_lone += 1
+            per = seconds / passed
+            w = max(w_min, 1.0 / self._n_lone)
+            lone = per if self._lone_token is None else self._lone_token
+            self._lone_token = lone + w * (per - lone)
+            return
+        lone = self._lone_row if self._lone_token is None else self._lone_token
+        self._n_net += 1
+        w = max(w_min, 1.0 / self._n_net)
+        self._net += w * (max(1, drafted) * lone - seconds - self._net)
+        if not drafted:
+            return
+        if self._net < 0.0:
+            self._idle += 1
+            self._skip = _ramp(self._idle, self.tuning.plan_skip_max)
+        else:
+            self._idle = 0
 
     def _idle_step(self, seconds: float | None, lone_row: float) -> None:
         """A step was asked in vain, its offers' Python taking ``seconds`` (None: a draft
         was made and came out too short; not a measure of asking): let the next steps
         pass without asking while asking would cost more than ``plan_budget`` of the
-        target alone's steps (``lone_row`` seconds each), one more for each step in a row
-        asked in vain, at most ``plan_skip_max``."""
+        target alone's steps (``lone_row`` seconds each), twice as many for each step in
+        a row asked in vain (1, 2, 4, ...), at most ``plan_skip_max``."""
         t = self.tuning
         if self.plan_cost is None and seconds is not None:
             self._n_costs += 1  # a running mean at first, then a moving average
@@ -280,7 +341,7 @@ class AutoPlanner:
             # asking once in n + 1 steps costs cost / (n + 1) a step
             ratio = cost / budget if budget > 0 else math.inf
             wanted = math.ceil(ratio) - 1 if ratio <= t.plan_skip_max else t.plan_skip_max
-            self._skip = min(wanted, self._idle, t.plan_skip_max)
+            self._skip = min(wanted, _ramp(self._idle, t.plan_skip_max))
 
     def _choose(self, offers: Sequence[Offer], step: Step) -> Offer | None:
         """The offer taken (see the module): admitted, and the fastest, an arm in step
@@ -319,6 +380,14 @@ class AutoPlanner:
                                         weight=t.timing_weight, clamp=t.timing_clamp)  # fmt: skip
         if plan.arm is None or not n:
             return
+        self._drafted = accepted + 1
         plan.arm.observe(plan, accepted, accepted < plan.draft.depth)
         if learn and plan.draft.token_seconds > 0:
             self.timings.observe_draft(plan.draft.token_seconds, weight=t.timing_weight)
+
+
+def _ramp(idle: int, most: int) -> int:
+    """The steps let pass after ``idle`` (at least 1) steps in a row asked in vain: 1, 2,
+    4, ..., at most ``most`` (doubling, so that asking that costs many steps' worth is
+    soon asked rarely enough)."""
+    return most if idle > most.bit_length() else min(1 << (idle - 1), most)
