@@ -1241,6 +1241,7 @@ def clocked(step_seconds: float, accepted: int, steps: int, **kw: object) -> lis
     """An n-gram planner on HAND (10 ms lone rows) under a fake clock: each of ``steps``
     drafted steps takes ``step_seconds`` by the clock and keeps ``accepted`` drafts, each
     step let pass 10 ms; returns what ``pass_steps`` let pass after each drafted step."""
+    kw.setdefault("tuning", tuned(check_steps=True))
     p = ngram_planner(HAND, **kw)
     p.confidence = 1.0
     now = [0.0]
@@ -1262,7 +1263,7 @@ def test_drafted_steps_slower_than_the_target_alone_let_the_next_steps_pass() ->
     # taken as a vain ask (the ramp 1, 2, 4, 8), and the steps let pass are timed (10 ms
     # a token) for the next check.
     assert clocked(0.050, 1, 5) == [1, 2, 4, 8, 16]
-    assert clocked(0.050, 1, 4, tuning=tuned(plan_skip_max=2)) == [1, 2, 2, 2]
+    assert clocked(0.050, 1, 4, tuning=tuned(plan_skip_max=2, check_steps=True)) == [1, 2, 2, 2]
 
 
 def test_drafted_steps_that_pay_by_the_clock_let_no_step_pass() -> None:
@@ -1272,7 +1273,7 @@ def test_drafted_steps_that_pay_by_the_clock_let_no_step_pass() -> None:
 
 def test_the_clock_check_is_off_when_tuned_off_or_beside_other_sequences() -> None:
     assert clocked(0.050, 1, 4, tuning=tuned(check_steps=False)) == [0] * 4
-    p = ngram_planner(HAND)
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
     p.timings.share_batch((), solo=False)  # other sequences' work is in the clock
     p.confidence = 1.0
     now = [0.0]
@@ -1287,7 +1288,7 @@ def test_the_clock_check_is_off_when_tuned_off_or_beside_other_sequences() -> No
 def test_a_drafted_step_at_a_loss_is_made_up_by_later_gains() -> None:
     # One step at a loss (-30 ms) lets one pass; the gains after it (+25 ms each, the
     # average weighted as a running mean) bring the average above 0 by the third.
-    p = ngram_planner(HAND)
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
     p.confidence = 1.0
     now = [0.0]
     p.clock = lambda: now[0]
@@ -1307,7 +1308,7 @@ def test_steps_asked_in_vain_weigh_against_the_drafts_that_pay_a_little() -> Non
     # Python measured in microseconds, within plan_budget: neither lets a step pass), then
     # a drafted step gaining 5 ms: the average, (-20 - 20 + 5) / 3, is below 0, so the
     # drafted step counts as the third vain ask in a row (1, 2, 4).
-    p = ngram_planner(HAND)
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
     p.plan_cost = None
     p.confidence = 1.0
     now = [0.0]
