@@ -1212,24 +1212,38 @@ def test_no_step_passes_when_asking_is_within_its_budget(cost: float, budget: fl
         assert not p.skipped and p.pass_steps() == 0
 
 
-def test_steps_passed_are_at_most_plan_skip_max_and_start_over_after_a_draft() -> None:
-    # (without the clock's check of the drafted steps: the draft's own steps then end the
-    # run of vain asks as soon as it is taken)
+def test_steps_passed_are_at_most_plan_skip_max() -> None:
     p = ngram_planner(HAND, tuning=tuned(plan_skip_max=2, check_steps=False))
     p.plan_cost = 0.05  # five lone rows: would let 166 steps pass
     history = [1, 2, 3, 4, 5]
-    p.plan(history, 16, GREEDY, RNG)
-    assert p.pass_steps() == 1
-    p.plan([*history, 6], 16, GREEDY, RNG)
-    assert p.pass_steps() == 2
-    p.plan([*history, 7, 8, 9], 16, GREEDY, RNG)
-    assert p.pass_steps() == 2
-    # A repeated 4-gram at full confidence pays: drafted, and the run of vain asks ends.
+    passed = []
+    for extra in ([], [6], [6, 7, 8]):
+        p.plan([*history, *extra], 16, GREEDY, RNG)
+        passed.append(p.pass_steps())
+    assert passed == [1, 2, 2]
+
+
+def test_after_a_draft_vain_asks_go_on_from_halfway_up_the_ramp() -> None:
+    p = ngram_planner(HAND, tuning=tuned(check_steps=False))
+    p.plan_cost = 0.05
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # (nothing repeats: nothing to draft)
+    passed = []
+    for n in (5, 6, 7, 8):
+        p.plan(text[:n], 16, GREEDY, RNG)
+        passed.append(p.pass_steps())
+    assert passed == [1, 2, 4, 8]
+    # A repeated 4-gram at full confidence pays: drafted, and no step let pass after it.
     p.confidence = 1.0
-    plan = p.plan([5, 6, 7, 8, 9, 5, 6, 7, 8], 16, GREEDY, RNG)
+    plan = p.plan([*text, 7, 8, 9], 16, GREEDY, RNG)
     assert plan.drafter is not None and p.pass_steps() == 0
-    p.plan([*history, 10, 11], 16, GREEDY, RNG)
-    assert p.pass_steps() == 1
+    # The copy is over: the next vain asks let 4, then 8, 16 pass (the ramp the draft
+    # ended was at 8; from 1 it would take three more asks to get there).
+    p.confidence = 0.5
+    passed = []
+    for tail in ([100], [100, 101], [100, 101, 102]):
+        assert p.plan([*text, 7, 8, 9, 10, *tail], 16, GREEDY, RNG).drafter is None
+        passed.append(p.pass_steps())
+    assert passed == [4, 8, 16]
 
 
 #: A text whose last 4-gram occurred before: the n-gram arm drafts "9 5 6 7 8 ..." at
@@ -1237,91 +1251,124 @@ def test_steps_passed_are_at_most_plan_skip_max_and_start_over_after_a_draft() -
 REPEAT = [5, 6, 7, 8, 9, 5, 6, 7, 8]
 
 
-def clocked(step_seconds: float, accepted: int, steps: int, **kw: object) -> list[int]:
-    """An n-gram planner on HAND (10 ms lone rows) under a fake clock: each of ``steps``
-    drafted steps takes ``step_seconds`` by the clock and keeps ``accepted`` drafts, each
-    step let pass 10 ms; returns what ``pass_steps`` let pass after each drafted step."""
+def clocked(pythons: list[float], kept: int | None = None, **kw: object) -> list[int]:
+    """An n-gram planner on HAND (10 ms lone rows) under a fake clock: drafted steps whose
+    verification takes HAND's time for its rows and the clock that plus ``pythons[i]``
+    (the step's Python), each keeping ``kept`` drafts (None: all), each step let pass
+    10 ms; returns what ``pass_steps`` let pass after each drafted step. Its first draft
+    is 3 tokens at 195 tokens/s: 3.12 tokens expected of a 16 ms verification, 15.2 ms
+    gained by the cost model; its drafts all kept, the next 3.61, 4.58, 5.55 tokens
+    expected (the arm's estimate rising), the second gaining 20.1 ms.
+    """
     kw.setdefault("tuning", tuned(check_steps=True))
     p = ngram_planner(HAND, **kw)
     p.confidence = 1.0
     now = [0.0]
     p.clock = lambda: now[0]
+    assert p.pass_steps() == 0  # (as the loop asks first: it runs the steps let pass)
     passed = []
-    history = list(REPEAT)
-    for _ in range(steps):
-        plan = p.plan(history, 16, GREEDY, RNG)
-        assert plan.drafter is not None and len(plan.draft.tokens) >= accepted
-        p.observe(plan, accepted, step_seconds)
-        now[0] += step_seconds
+    for python in pythons:
+        plan = p.plan(REPEAT, 16, GREEDY, RNG)
+        n = len(plan.draft.tokens)
+        assert plan.drafter is not None and n >= 1
+        verify = p.timings.verify_time(n + 1)
+        p.observe(plan, n if kept is None else kept, verify)
+        now[0] += verify + python
         passed.append(p.pass_steps())
         now[0] += 0.010 * passed[-1]
     return passed
 
 
-def test_drafted_steps_slower_than_the_target_alone_let_the_next_steps_pass() -> None:
-    # 2 tokens in 50 ms where the target alone makes them in 20 ms: each drafted step is
-    # taken as a vain ask (the ramp 1, 2, 4, 8), and the steps let pass are timed (10 ms
-    # a token) for the next check.
-    assert clocked(0.050, 1, 5) == [1, 2, 4, 8, 16]
-    assert clocked(0.050, 1, 4, tuning=tuned(plan_skip_max=2, check_steps=True)) == [1, 2, 2, 2]
+def test_drafted_steps_whose_python_outweighs_their_gain_let_the_next_steps_pass() -> None:
+    # 31.2 ms of tokens expected in 16 + 30 ms by the clock: -14.8 ms a step. Each drafted
+    # step is taken as a vain ask (the ramp 1, 2, 4, 8), and the steps let pass are timed
+    # (10 ms a token) for the next check.
+    assert clocked([0.030] * 5) == [1, 2, 4, 8, 16]
+    assert clocked([0.030] * 4, tuning=tuned(plan_skip_max=2, check_steps=True)) == [1, 2, 2, 2]
 
 
 def test_drafted_steps_that_pay_by_the_clock_let_no_step_pass() -> None:
-    # 4 tokens in 15 ms against 40 ms alone: every step asks.
-    assert clocked(0.015, 3, 5) == [0] * 5
+    # 1 ms of Python: +14.2 ms a step; every step asks.
+    assert clocked([0.001] * 5) == [0] * 5
+
+
+def test_drafts_are_judged_by_their_expected_tokens_not_those_kept() -> None:
+    # Every draft rejected (1 token a step, where the cost model expected 3.12): the
+    # acceptance is the arms' to learn; the clock judges only the Python. (By the tokens
+    # kept, a few rejected long drafts of a copy that pays would stop auto mode asking.)
+    assert clocked([0.001] * 5, kept=0) == [0] * 5
 
 
 def test_the_clock_check_is_off_when_tuned_off_or_beside_other_sequences() -> None:
-    assert clocked(0.050, 1, 4, tuning=tuned(check_steps=False)) == [0] * 4
+    assert clocked([0.030] * 4, tuning=tuned(check_steps=False)) == [0] * 4
     p = ngram_planner(HAND, tuning=tuned(check_steps=True))
     p.timings.share_batch((), solo=False)  # other sequences' work is in the clock
     p.confidence = 1.0
     now = [0.0]
     p.clock = lambda: now[0]
+    assert p.pass_steps() == 0
     for _ in range(3):
         plan = p.plan(REPEAT, 16, GREEDY, RNG)
-        p.observe(plan, 1, 0.050)
-        now[0] += 0.050
+        p.observe(plan, 3, 0.016)
+        now[0] += 0.046
         assert plan.drafter is not None and p.pass_steps() == 0
 
 
 def test_a_drafted_step_at_a_loss_is_made_up_by_later_gains() -> None:
-    # One step at a loss (-30 ms) lets one pass; the gains after it (+25 ms each, the
-    # average weighted as a running mean) bring the average above 0 by the third.
-    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
-    p.confidence = 1.0
-    now = [0.0]
-    p.clock = lambda: now[0]
-    passed = []
-    for seconds, kept in [(0.050, 1), (0.015, 3), (0.015, 3), (0.015, 3)]:
-        plan = p.plan(REPEAT, 16, GREEDY, RNG)
-        p.observe(plan, kept, seconds)
-        now[0] += seconds
-        passed.append(p.pass_steps())
-        now[0] += 0.010 * passed[-1]
-    # averages: -30, (-30 + 25) / 2 = -2.5, (-5 + 25) / 3 = 6.67, then above 0
-    assert passed == [1, 2, 0, 0]
+    # -14.8 ms (30 ms of Python), then +19.1 ms (1 ms of Python): the averages (running
+    # means) -14.8, +2.2, ...; with 20 ms of Python on the second (+0.1 ms), -7.3 there
+    # (the second step of that ramp: 2), then +3.6.
+    assert clocked([0.030, 0.001, 0.001, 0.001]) == [1, 0, 0, 0]
+    assert clocked([0.030, 0.020, 0.001, 0.001]) == [1, 2, 0, 0]
 
 
 def test_steps_asked_in_vain_weigh_against_the_drafts_that_pay_a_little() -> None:
     # Two vain asks of 30 ms by the clock (one token each, 10 ms alone: -20 ms each; their
-    # Python measured in microseconds, within plan_budget: neither lets a step pass), then
-    # a drafted step gaining 5 ms: the average, (-20 - 20 + 5) / 3, is below 0, so the
-    # drafted step counts as the third vain ask in a row (1, 2, 4).
+    # cost of asking within plan_budget: neither lets a step pass), then a drafted step
+    # gaining 14.2 ms: the average, (-20 - 20 + 14.2) / 3, is below 0, so one step is let
+    # pass after it (the drafted steps' own ramp starts at 1).
     p = ngram_planner(HAND, tuning=tuned(check_steps=True))
-    p.plan_cost = None
+    p.plan_cost = 0.0  # (within plan_budget, whatever this machine's clock says)
     p.confidence = 1.0
     now = [0.0]
     p.clock = lambda: now[0]
+    assert p.pass_steps() == 0
     text = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]  # (the last 4-gram repeats the first)
     for n in (5, 6):
         assert p.plan(text[:n], 16, GREEDY, RNG).drafter is None
         now[0] += 0.030
         assert p.pass_steps() == 0
     plan = p.plan(text, 16, GREEDY, RNG)
-    p.observe(plan, 1, 0.015)
-    now[0] += 0.015
-    assert plan.drafter is not None and p.pass_steps() == 4
+    p.observe(plan, 3, 0.016)
+    now[0] += 0.017
+    assert plan.drafter is not None and p.pass_steps() == 1
+
+
+def test_a_drafters_prompt_reading_is_left_out_of_the_steps_seconds() -> None:
+    # A drafter that reads the prompt at its first draft (as a draft model defers it), 100
+    # ms by the clock, counted as its prompt_seconds: the loop counts that as the prompt's
+    # time, and the cost model weighs the prompt as read. The step is judged without it
+    # (+14.2 ms: no step let pass); counted, it would be -86 ms.
+    now = [0.0]
+
+    class Reading(NgramDrafter):
+        def propose(self, history, k, sampler, rng, *, p_min=0.0, p_path_min=0.0):  # type: ignore[no-untyped-def]
+            if not self.prompt_seconds:
+                self.prompt_seconds += 0.100
+                self.seconds += 0.100
+                now[0] += 0.100
+            return super().propose(history, k, sampler, rng)
+
+    p = auto_planner(Timings(dict(HAND)), ngram=Reading(1, 8), learn_timings=False,
+                     tuning=tuned(check_steps=True))  # fmt: skip
+    p.confidence = 1.0
+    p.clock = lambda: now[0]
+    assert p.pass_steps() == 0
+    plan = p.plan(REPEAT, 16, GREEDY, RNG)
+    assert plan.drafter is not None and len(plan.draft.tokens) == 3
+    p.observe(plan, 3, 0.016)
+    now[0] += 0.017
+    assert p.pass_steps() == 0 and p._net > 0.0
 
 
 def test_the_planners_own_time_is_measured_when_not_given() -> None:

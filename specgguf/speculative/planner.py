@@ -194,12 +194,6 @@ class AutoPlanner:
         #: the clock the drafted steps are checked by (``tuning.check_steps``): seconds,
         #: monotonic; the simulator gives its own
         self.clock: Callable[[], float] = time.perf_counter
-        # the drafted steps' average gain over the target alone (seconds a step: their
-        # tokens at the steps let pass's time less their own) and the steps let pass's
-        # seconds a token (None: none timed yet; a lone row's calibration stands in)
-        self._net, self._n_net = 0.0, 0
-        self._lone_token: float | None = None
-        self._n_lone = 0
         self.reset()
 
     def arm(self, name: str) -> Arm:
@@ -222,13 +216,27 @@ class AutoPlanner:
         #: arms (:meth:`plan`); its verification reads no confidence
         self.skipped = False
         self.wants_confidence = True
-        self._idle = 0  # steps asked in a row in vain (or drafted at a loss: check_steps)
+        self._idle = 0  # steps asked in a row whose offers all came to nothing
+        self._resume = 0  # the run of them a draft ended (see _idle_step)
         self._skip = 0  # steps still to let pass
+        # The clock's check of the steps that drafted (tuning.check_steps, _time_steps):
+        self._lean = False  # the loop runs the steps let pass (pass_steps): the check's on
         self._mark: float | None = None  # when the steps being timed began (None: none)
         self._passed = 0  # of them, steps let pass
-        self._asked = False  # or a step asked its arms, which drafted
-        self._drafted = 0  # this many tokens (0: it drafted nothing)
+        self._asked = False  # or a step asked its arms
+        # the tokens the cost model expected of the draft it took (0: none taken; None: a
+        # probe's, or not verified), and the seconds of the step it did not weigh (a draft
+        # model's reading of the prompt, and its catch-up past its own draft's rows)
+        self._expected: float | None = 0.0
+        self._unweighed = 0.0
+        self._probe = False
         self._lone_row = self.timings.verify_time(1, self.cached)
+        # the asked steps' average gain over the target alone (seconds a step) and the
+        # steps let pass's seconds a token (None: none timed; a lone row stands in)
+        self._net, self._n_net = 0.0, 0
+        self._lone_token: float | None = None
+        self._n_lone = 0
+        self._losses = 0  # drafted steps in a row judged while that average was below 0
         self.active = [arm for arm in self.arms if arm.reset(self.timings, self.tuning)]
         self.drafters: list[Drafter] = [arm.drafter for arm in self.active]
 
@@ -250,7 +258,9 @@ class AutoPlanner:
             self.skipped, self.wants_confidence = True, False
             return _ALONE
         self.skipped, self.wants_confidence = False, True
-        self._asked = True
+        self._asked, self._expected = True, 0.0
+        # (each drafter's reading of the prompt and drafting so far: see _time_steps)
+        before = [(d.prompt_seconds, d.seconds) for d in self.drafters] if self._checking() else []
         t0 = time.perf_counter()
         for arm in self.arms:
             arm.tick()
@@ -271,39 +281,60 @@ class AutoPlanner:
         if len(draft.tokens) < step.k_min:
             self._idle_step(None, lone_row)
             return alone
-        if not self._checking():  # (else the clock says whether it paid: _time_steps)
-            self._idle = 0
+        self._resume, self._idle = max(self._resume, self._idle), 0
+        if self._checking():
+            reads = [d.prompt_seconds - b[0] for d, b in zip(self.drafters, before, strict=True)]
+            rows = len(draft.tokens) * draft.token_seconds  # (0 for lookups)
+            i = self.drafters.index(taken.arm.drafter)
+            caught_up = self.drafters[i].seconds - before[i][1] - reads[i] - rows
+            self._unweighed = sum(reads) + (max(0.0, caught_up) if rows > 0 else 0.0)
+            self._expected = None  # (set by observe, from the verification's seconds)
+            self._probe = taken.probe
         return StepPlan(taken.arm.drafter, draft, taken.rate, taken.arm, taken.bucket)
 
     def pass_steps(self) -> int:
         """The steps still to let pass (see :meth:`_idle_step`), now the loop's to run."""
+        self._lean = True
         self._time_steps()
         n, self._skip = self._skip, 0
         self._passed = n
         return n
 
     def _checking(self) -> bool:
-        """Whether the drafted steps are checked by the clock: ``tuning.check_steps``, and
-        the steps' time is this sequence's own (``timings.solo``)."""
-        return self.tuning.check_steps and self.timings.solo
+        """Whether the drafted steps are checked by the clock: ``tuning.check_steps``; the
+        steps' time is this sequence's own (``timings.solo``); and the loop runs the steps
+        let pass (it asks :meth:`pass_steps`: not under a grammar, whose forced steps
+        neither plan nor observe, nor in deterministic mode, whose verification stops at a
+        rejection)."""
+        return self.tuning.check_steps and self.timings.solo and self._lean
 
     def _time_steps(self) -> None:
         """End the timing of the steps since the last call (``tuning.check_steps``): steps
         let pass refine the seconds a token of the target alone; a step that asked the
-        arms, its tokens at that rate less its own seconds (the arms', the draft's, the
-        verification's and the loop's time: all of it, by the clock), refines the asked
-        steps' average gain. While that is below 0, each drafted step counts as a step
-        asked in vain (:meth:`_idle_step`'s ramp: the next ones are let pass), and one at
-        or above it ends the ramp; a step asked in vain is judged by the budget of
-        :meth:`_idle_step` as it is."""
+        arms refines the asked steps' average gain: the tokens the cost model expected of
+        it (its rate times the draft's and the verification's seconds; 1 where nothing was
+        drafted) at the target alone's seconds a token, less the step's own seconds by
+        the clock (the arms', the draft's, the verification's and the loop's: all of it,
+        Python included, which the cost model does not weigh). Expected tokens, not the
+        tokens kept: a few rejected long drafts would outweigh the copies that pay. While
+        the average is below 0, each drafted step lets the next steps pass on a ramp of
+        its own (as :meth:`_idle_step`'s: 1, 2, 4, ... for such steps in a row), and one
+        at or above it ends the ramp; a step asked in vain is judged by
+        :meth:`_idle_step`'s budget as it is, and a probe (taken to measure its arm) is
+        not judged. A draft model's reading of the prompt and its catch-up past its
+        draft's own rows are left out of the step's seconds: the cost model weighs the
+        prompt as read, and a catch-up spread over the steps the draft model stays in
+        step."""
         if not self._checking():
+            self._mark = None  # (an interval begun before, beside other sequences: not timed)
             return
         now = self.clock()
-        mark, passed, asked, drafted = self._mark, self._passed, self._asked, self._drafted
-        self._mark, self._passed, self._asked, self._drafted = now, 0, False, 0
+        mark, passed, asked, expected = self._mark, self._passed, self._asked, self._expected
+        self._mark, self._passed, self._asked, self._expected = now, 0, False, 0.0
+        unweighed, self._unweighed = self._unweighed, 0.0
         if mark is None or not (passed or asked):
             return
-        w_min, seconds = self.tuning.plan_cost_weight, now - mark
+        w_min, seconds = self.tuning.plan_cost_weight, now - mark - unweighed
         if passed:
             self._n_lone += 1
             per = seconds / passed
@@ -311,17 +342,19 @@ class AutoPlanner:
             lone = per if self._lone_token is None else self._lone_token
             self._lone_token = lone + w * (per - lone)
             return
+        if expected is None:  # a probe
+            return
         lone = self._lone_row if self._lone_token is None else self._lone_token
         self._n_net += 1
         w = max(w_min, 1.0 / self._n_net)
-        self._net += w * (max(1, drafted) * lone - seconds - self._net)
-        if not drafted:
+        self._net += w * (max(1.0, expected) * lone - seconds - self._net)
+        if not expected:
             return
         if self._net < 0.0:
-            self._idle += 1
-            self._skip = _ramp(self._idle, self.tuning.plan_skip_max)
+            self._losses += 1
+            self._skip = _ramp(self._losses, self.tuning.plan_skip_max)
         else:
-            self._idle = 0
+            self._losses = 0
 
     def _idle_step(self, seconds: float | None, lone_row: float) -> None:
         """A step was asked in vain, its offers' Python taking ``seconds`` (None: a draft
@@ -335,7 +368,10 @@ class AutoPlanner:
             w = max(t.plan_cost_weight, 1.0 / self._n_costs)
             self._measured_cost += w * (seconds - self._measured_cost)
         cost = self._measured_cost if self.plan_cost is None else self.plan_cost
-        self._idle += 1
+        # After a draft, a vain ask goes on from halfway up the ramp the draft ended: the
+        # copy that drafted is over, and what asking costs has not changed.
+        self._idle = max(self._idle + 1, self._resume - 1)
+        self._resume = 0
         budget = t.plan_budget * lone_row
         if t.plan_budget > 0 and cost > budget:
             # asking once in n + 1 steps costs cost / (n + 1) a step
@@ -380,7 +416,9 @@ class AutoPlanner:
                                         weight=t.timing_weight, clamp=t.timing_clamp)  # fmt: skip
         if plan.arm is None or not n:
             return
-        self._drafted = accepted + 1
+        if self._checking() and not self._probe:
+            draft_s = plan.draft.token_seconds * n
+            self._expected = max(1.0, plan.expected_rate * (verify_seconds + draft_s))
         plan.arm.observe(plan, accepted, accepted < plan.draft.depth)
         if learn and plan.draft.token_seconds > 0:
             self.timings.observe_draft(plan.draft.token_seconds, weight=t.timing_weight)

@@ -262,15 +262,16 @@ class AutoTuning:
     #: recorded; only value.
     plan_cost_weight: float = 0.1
     #: Whether the steps that drafted are checked against the steps let pass, by the
-    #: clock: where the asked steps' tokens, their Python included, came slower than as
-    #: many steps of the target alone, on average (weighted as ``plan_cost_weight``), a
-    #: drafted step counts as a step asked in vain. Off: on the tiny generated pair (steps
-    #: of 350 us) it took auto mode from 0.84-0.86x to 0.93-0.95x the target alone
-    #: (measured on a 2-core EPYC, 2026-12-07), but the simulator's replay of a trace of
-    #: copies on the Xeon curves fell from 1.28x to 1.04x the target alone with it: a few
-    #: rejected long drafts make the average negative, where the cost model's expectation
-    #: was right. Was on in a commit of that day.
-    check_steps: bool = False
+    #: clock (``AutoPlanner._time_steps``): where the asked steps' expected tokens, their
+    #: Python included, came slower than as many steps of the target alone, on average
+    #: (weighted as ``plan_cost_weight``), drafted steps let steps pass as vain asks do.
+    #: The cost model weighs no Python: on the tiny generated pair (steps of 300-450 us)
+    #: auto mode ran at 0.885x the target alone without the check and 0.913-0.923x with
+    #: it (measured on a 2-core EPYC, 2026-12-07, CPU time, 16 rounds paired). Judged by
+    #: the tokens kept instead of those expected, the simulator's replay of a trace of
+    #: copies on the Xeon curves fell from 1.28x to 1.04x the target alone; by those
+    #: expected it is unchanged (tests/test_simulate.py). Was off in a commit of that day.
+    check_steps: bool = True
 
     # -- draft lengths -----------------------------------------------------------------
 
