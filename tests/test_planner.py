@@ -1371,6 +1371,85 @@ def test_a_drafters_prompt_reading_is_left_out_of_the_steps_seconds() -> None:
     assert p.pass_steps() == 0 and p._net > 0.0
 
 
+def test_without_the_loops_steps_let_pass_nothing_is_judged() -> None:
+    # Under a grammar or in deterministic mode the loop never asks pass_steps (its forced
+    # steps neither plan nor observe; its verification stops at a rejection): the clock's
+    # check stays off there, however slow the steps.
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
+    p.confidence = 1.0
+    now = [0.0]
+    p.clock = lambda: now[0]
+    for _ in range(5):
+        plan = p.plan(REPEAT, 16, GREEDY, RNG)
+        assert plan.drafter is not None and not p.skipped
+        p.observe(plan, len(plan.draft.tokens), 0.016)
+        now[0] += 0.046
+    assert p._n_net == 0
+
+
+def test_steps_timed_beside_other_sequences_are_not_judged_when_alone_again() -> None:
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
+    p.confidence = 1.0
+    now = [0.0]
+    p.clock = lambda: now[0]
+    p.timings.share_batch((), solo=False)
+    assert p.pass_steps() == 0
+    for _ in range(3):  # slow steps beside others: not this sequence's own time
+        plan = p.plan(REPEAT, 16, GREEDY, RNG)
+        p.observe(plan, len(plan.draft.tokens), 0.016)
+        now[0] += 1.0
+        assert p.pass_steps() == 0
+    p.timings.share_batch((), solo=True)
+    plan = p.plan(REPEAT, 16, GREEDY, RNG)  # (the interval begun beside them: dropped)
+    p.observe(plan, len(plan.draft.tokens), 0.016)
+    now[0] += 0.017
+    assert p.pass_steps() == 0 and p._n_net == 1 and p._net > 0.0
+
+
+def test_a_sequence_left_alone_while_it_drafts_is_neither_judged_nor_broken() -> None:
+    # serve --parallel: a draft model's evaluation lets the other sequences run; one that
+    # ends leaves this one alone (timings.solo True) in the middle of plan(). The step
+    # began beside others: it is not judged (a first version raised ValueError here).
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
+    p.confidence = 1.0
+    p.clock = lambda: 0.0
+    p.timings.share_batch((), solo=False)
+    assert p.pass_steps() == 0
+    drafter = p.arm("ngram").drafter
+    propose = drafter.propose
+
+    def others_end(*args, **kw):  # type: ignore[no-untyped-def]
+        p.timings.share_batch((), solo=True)
+        return propose(*args, **kw)
+
+    drafter.propose = others_end  # type: ignore[method-assign]
+    plan = p.plan(REPEAT, 16, GREEDY, RNG)
+    assert plan.drafter is not None
+    p.observe(plan, len(plan.draft.tokens), 0.016)
+    assert p.pass_steps() == 0 and p._n_net == 0
+
+
+def test_a_draft_cut_short_after_a_prompt_read_is_not_judged() -> None:
+    # A draft model can read the prompt (or catch up) and then draft nothing (its first
+    # token below p_stop_at): that step's time is not the asking's, nor the drafts'.
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True))
+    p.confidence = 1.0
+    now = [0.0]
+    p.clock = lambda: now[0]
+    assert p.pass_steps() == 0
+    arm = p.arm("ngram")
+
+    def read_then_nothing(offer, step):  # type: ignore[no-untyped-def]
+        arm.drafter.prompt_seconds += 0.100
+        now[0] += 0.100
+        return Draft([])
+
+    arm.draft = read_then_nothing  # type: ignore[method-assign]
+    assert p.plan(REPEAT, 16, GREEDY, RNG).drafter is None
+    now[0] += 0.011
+    assert p.pass_steps() == 0 and p._n_net == 0
+
+
 def test_the_planners_own_time_is_measured_when_not_given() -> None:
     p = ngram_planner({1: 1e-7, 2: 1.2e-7})  # a lone row of 0.1 us: asking costs more
     p.plan_cost = None

@@ -259,8 +259,11 @@ class AutoPlanner:
             return _ALONE
         self.skipped, self.wants_confidence = False, True
         self._asked, self._expected = True, 0.0
+        # Whether this step is judged, decided once: a draft model's evaluation can let
+        # other sequences run and end (serve --parallel), and timings.solo change with it.
+        checking = self._checking()
         # (each drafter's reading of the prompt and drafting so far: see _time_steps)
-        before = [(d.prompt_seconds, d.seconds) for d in self.drafters] if self._checking() else []
+        before = [(d.prompt_seconds, d.seconds) for d in self.drafters] if checking else []
         t0 = time.perf_counter()
         for arm in self.arms:
             arm.tick()
@@ -279,13 +282,16 @@ class AutoPlanner:
             return alone
         draft = taken.arm.draft(taken, step)
         if len(draft.tokens) < step.k_min:
+            # (not judged: its time may hold a draft model's prompt or catch-up, which the
+            # cost model weighs over the steps it drafts)
+            self._expected = None
             self._idle_step(None, lone_row)
             return alone
         self._resume, self._idle = max(self._resume, self._idle), 0
-        if self._checking():
+        if checking:
             reads = [d.prompt_seconds - b[0] for d, b in zip(self.drafters, before, strict=True)]
             rows = len(draft.tokens) * draft.token_seconds  # (0 for lookups)
-            i = self.drafters.index(taken.arm.drafter)
+            i = next(j for j, arm in enumerate(self.active) if arm is taken.arm)
             caught_up = self.drafters[i].seconds - before[i][1] - reads[i] - rows
             self._unweighed = sum(reads) + (max(0.0, caught_up) if rows > 0 else 0.0)
             self._expected = None  # (set by observe, from the verification's seconds)

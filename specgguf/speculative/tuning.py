@@ -252,10 +252,12 @@ class AutoTuning:
     plan_budget: float = 0.03
     #: ... letting twice as many steps pass for every step in a row that it asked in vain
     #: (1, 2, 4, ...), at most this many. Was 16 with one more step each time (1, 2, 3):
-    #: on the tiny generated pair (steps of 300-450 us, asking about 350 us) auto mode
-    #: then asked 37 times in 512 tokens and ran at 0.93x the target alone, and with these
-    #: at 0.95x (measured on a 2-core EPYC, 2026-12-07; 64 is a draft that starts to pay
-    #: found within 64 steps there, 20 ms).
+    #: on the tiny generated pair (steps of 300-450 us, asking 0.3-0.6 ms) auto mode then
+    #: asked 37 times in 512 tokens (2-core EPYC, 2026-12-07). With the doubling, at most
+    #: 16 and at most 64 measured alike there (0.871x and 0.872x the target alone, without
+    #: check_steps: docs/performance.md); 64 is a draft that starts to pay found within
+    #: 64 steps there (20 ms), and lets asking's share reach plan_budget where it costs
+    #: 20 lone rows or more.
     plan_skip_max: int = 64
     #: The weight of a step's measured cost of asking in its average (``AutoPlanner``'s
     #: measured ``plan_cost``): a running mean while 1/n is above it. No measurement
@@ -266,8 +268,8 @@ class AutoTuning:
     #: Python included, came slower than as many steps of the target alone, on average
     #: (weighted as ``plan_cost_weight``), drafted steps let steps pass as vain asks do.
     #: The cost model weighs no Python: on the tiny generated pair (steps of 300-450 us)
-    #: auto mode ran at 0.885x the target alone without the check and 0.913-0.923x with
-    #: it (measured on a 2-core EPYC, 2026-12-07, CPU time, 16 rounds paired). Judged by
+    #: auto mode ran at 0.872-0.885x the target alone without the check and 0.911-0.923x
+    #: with it (measured on a 2-core EPYC, 2026-12-07, CPU time, 16 rounds paired). Judged by
     #: the tokens kept instead of those expected, the simulator's replay of a trace of
     #: copies on the Xeon curves fell from 1.28x to 1.04x the target alone; by those
     #: expected it is unchanged (tests/test_simulate.py). Was off in a commit of that day.
