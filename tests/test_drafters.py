@@ -326,3 +326,66 @@ def test_a_match_stops_at_the_start_of_the_text() -> None:
     # token, 2, is not the token before the start)
     assert match_length([1, 2, 2, 1, 2], 2, 5, 2) == 2
     assert match_length([1, 2, 2, 1, 2], 5, 5, 2) == 5  # the text against itself
+
+
+# References written plainly, one n-gram at a time: the drafter's index and its search for
+# a broken copy build each n-gram once per token (or compare token by token) and must
+# agree with them exactly.
+
+
+def _reference_ngram_index(
+    history: Sequence[int], n_min: int, n_max: int
+) -> tuple[
+    dict[int, dict[tuple[int, ...], int]], dict[int, dict[tuple[int, ...], tuple[int, int]]]
+]:
+    index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+    repeats: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in index}
+    for j in range(1, len(history)):
+        for n in range(n_min, n_max + 1):
+            if j >= n:
+                gram = tuple(history[j - n : j])
+                before = index[n].get(gram)
+                index[n][gram] = j
+                if before is not None:
+                    seen, run = repeats[n].get(gram, (1, 1))
+                    same = history[before] == history[j]
+                    repeats[n][gram] = (seen + 1, run + 1 if same else 1)
+    return index, repeats
+
+
+def _reference_resume(
+    history: Sequence[int], expected: int, n_min: int, n_max: int
+) -> tuple[int, int] | None:
+    from specgguf.speculative.drafters.ngram import RESUME_WINDOW, match_length
+
+    size = len(history)
+    lo, hi = max(0, expected - RESUME_WINDOW), min(size - 1, expected + RESUME_WINDOW)
+    nearest = sorted(range(lo, hi + 1), key=lambda p: abs(p - expected))
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        gram = tuple(history[size - n :])
+        for j in nearest:
+            if j >= n and tuple(history[j - n : j]) == gram:
+                return j, match_length(history, j, size, n)
+    return None
+
+
+def test_the_ngram_index_and_copy_search_agree_with_plain_references() -> None:
+    rng = np.random.default_rng(11)
+    found = 0
+    for _ in range(600):
+        n_min = int(rng.integers(1, 4))
+        n_max = int(rng.integers(n_min, 10))
+        text = [int(t) for t in rng.integers(0, int(rng.choice([2, 3, 6])), rng.integers(1, 70))]
+        d = NgramDrafter(n_min, n_max)
+        end = 1
+        while end <= len(text):  # taken in a few tokens at a time, as a generation goes
+            d._update(text[:end])
+            end += int(rng.integers(1, 8))
+        d._update(text)
+        index, repeats = _reference_ngram_index(text, n_min, n_max)
+        assert d._index == index and d._repeats == repeats
+        expected = int(rng.integers(-4, len(text) + 4))
+        got = d._resume(text, expected)
+        assert got == _reference_resume(text, expected, n_min, n_max)
+        found += got is not None
+    assert found > 100  # (the search found something often enough to be tested)

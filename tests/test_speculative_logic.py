@@ -878,3 +878,57 @@ def test_text_held_back_reaches_the_stream_when_a_stop_string_ends_the_target_al
         assert "".join(gen) == streamed
         assert gen.result is not None and gen.result.text == streamed
         assert gen.result.finish_reason == "stop"
+
+
+def _exact_top_probability(row: np.ndarray) -> float:
+    """softmax(row).max() in float64 over the whole row: the reference."""
+    x = row.astype(np.float64)
+    return float(1.0 / np.exp(x - x.max()).sum())
+
+
+def _top(row: np.ndarray) -> float:
+    from specgguf.speculative.loop import RowBuffers, top_probability
+
+    return top_probability(row, RowBuffers())
+
+
+def test_the_top_probability_of_a_peaked_row_reads_the_near_logits_within_its_bound() -> None:
+    from specgguf.speculative.loop import NEAR_MAX
+
+    rng = np.random.default_rng(3)
+    n = 151_936
+    row = (rng.standard_normal(n) * 3).astype(np.float32)
+    row[7] = 22.0  # a confident step: most logits 20 or more below the top
+    exact = _exact_top_probability(row)
+    got = _top(row)
+    assert got >= exact * (1 - 1e-6)  # the logits left out only ever lower it
+    assert got <= exact * (1 + n * np.exp(-NEAR_MAX))
+    assert got == pytest.approx(exact, rel=1e-3)
+
+
+def test_the_top_probability_leaves_out_only_logits_past_its_cut() -> None:
+    from specgguf.speculative.loop import NEAR_MAX
+
+    n = 151_936
+    row = np.full(n, -(NEAR_MAX + 0.5), np.float32)
+    row[0] = 0.0
+    # every other logit just past the cut: the whole error the bound allows, about 1%
+    exact = 1.0 / (1.0 + (n - 1) * np.exp(-(NEAR_MAX + 0.5)))
+    assert _top(row) == pytest.approx(1.0)
+    assert 1.0 / exact - 1.0 <= n * np.exp(-NEAR_MAX)
+    # just inside the cut, they count
+    row[1:] = -(NEAR_MAX - 0.5)
+    assert _top(row) == pytest.approx(_exact_top_probability(row), rel=1e-5)
+
+
+def test_the_top_probability_of_a_flat_row_sums_it_whole() -> None:
+    row = np.zeros(1000, np.float32)
+    assert _top(row) == pytest.approx(1e-3, rel=1e-6)
+    row[:300] = 2.0  # a quarter or more near the top: the whole row
+    assert _top(row) == pytest.approx(_exact_top_probability(row), rel=1e-6)
+
+
+def test_the_top_probability_of_a_row_without_a_finite_maximum_does_not_raise() -> None:
+    row = np.zeros(100, np.float32)
+    row[5] = np.nan
+    assert np.isnan(_top(row))

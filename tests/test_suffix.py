@@ -332,3 +332,29 @@ def test_a_tree_stopped_early_is_a_prefix_of_the_whole_tree(seed: int) -> None:
             full_branch = first_branch(whole.parents or [])
             assert n >= min(len(whole.tokens), asked[0])
             assert first_branch(cut.parents or [])[:3] == full_branch[:3]
+
+
+def test_the_suffix_index_agrees_with_a_plain_reference() -> None:
+    """The index builds each position's longest n-gram once and hashes its tails; a plain
+    reference, one n-gram at a time, skipping those across a separator, must agree."""
+    rng = np.random.default_rng(5)
+    sep = SuffixDrafter.SEPARATOR
+    for _ in range(150):
+        d = SuffixDrafter(max_occurrences=int(rng.integers(1, 5)))
+        for _gen in range(int(rng.integers(1, 4))):
+            d.reset()
+            text = [int(t) for t in rng.integers(0, 4, rng.integers(1, 60))]
+            end = 1
+            while end <= len(text):
+                d._sync(text[:end])
+                end += int(rng.integers(1, 8))
+            d._sync(text)
+        c = d._corpus
+        index: dict[int, list[int]] = {}
+        for j in range(1, len(c)):
+            for n in SuffixDrafter.LENGTHS:
+                if j >= n and sep not in c[j - n : j]:
+                    occ = index.setdefault(hash(tuple(c[j - n : j])), [])
+                    occ.append(j)
+                    del occ[: -d.max_occurrences]
+        assert d._index == index

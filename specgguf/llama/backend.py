@@ -1692,16 +1692,25 @@ class LlamaContext(_Native):
                     ctx.n_past + len(tokens), ctx.n_ctx, prompt=False, model=self.model.path.name
                 )
         b, seq_id, row = self._batch, self._batch.seq_id, 0
+        # the batch's columns as lists, each copied in once (per part, numpy's slicing and
+        # a positions array cost more than the decode of a fast target's row)
+        toks: list[int] = []
+        pos: list[int] = []
+        flags: list[int] = []
         for (ctx, tokens, want), n_out in zip(parts, outs, strict=True):
             m = len(tokens)
-            self._tok[row : row + m] = tokens
-            self._pos[row : row + m] = np.arange(ctx.n_past, ctx.n_past + m, dtype=np.int32)
-            self._out[row : row + m] = 1 if want == "all" else 0
+            toks += tokens
+            pos += range(ctx.n_past, ctx.n_past + m)
+            flags += [int(want == "all")] * m
             if n_out and want == "last":
-                self._out[row + m - 1] = 1
+                flags[-1] = 1
+            home = ctx._home
             for i in range(row, row + m):
-                seq_id[i][0] = ctx._home
+                seq_id[i][0] = home
             row += m
+        self._tok[:rows] = toks
+        self._pos[:rows] = pos
+        self._out[:rows] = flags
         b.n_tokens = rows
         t0 = time.perf_counter()
         try:
@@ -1725,7 +1734,10 @@ class LlamaContext(_Native):
             if hidden is not None and m:
                 ctx._hidden_rows.append((ctx.n_past, hidden[row : row + m].copy()))
             row += m
-            ctx._held[ctx.n_past : ctx.n_past + m] = tokens
+            if m == 1:
+                ctx._held[ctx.n_past] = tokens[0]
+            else:
+                ctx._held[ctx.n_past : ctx.n_past + m] = tokens
             ctx.n_past += m
             ctx._step_at = -1
             ctx._room = min(ctx.n_rs_seq, m - 1) if m else 0

@@ -16,7 +16,7 @@ import copy
 import ctypes
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,15 @@ import numpy.typing as npt
 from specgguf.engine.engine import Engine
 from specgguf.llama.backend import LlamaContext
 from specgguf.measure.bench import generate_together
-from specgguf.speculative.loop import GenerationParams, GenerationResult
+from specgguf.speculative.draft import Draft
+from specgguf.speculative.loop import (
+    GenerationParams,
+    GenerationResult,
+    RowBuffers,
+    top_probability,
+)
+from specgguf.speculative.sampling import SamplerParams
+from specgguf.speculative.verification import accept
 
 #: The text FreeDecode's logits follow (the draft model's differs at every fourth token).
 TEXT = (
@@ -221,3 +229,56 @@ def measure_together(
     seconds -= sum(f.seconds for f in fakes) - spent
     _check(fakes, calls, results, params.grammar is None)
     return _overhead(seconds, results)
+
+
+#: A vocabulary of today's models (Qwen2.5's 151,936 tokens).
+N_VOCAB = 151_936
+
+
+def logit_rows(n_rows: int, n_vocab: int = N_VOCAB, seed: int = 0) -> npt.NDArray[np.float32]:
+    """float32[n_rows, n_vocab] logits shaped as a confident model's: N(0, 3) with one
+    token at 25, so that about 0.13% of a row (205 of 151,936) is within 16 of its top, as
+    a median of 237 were on 48 rows of Qwen2.5 Coder 1.5B (the rest, in that model too,
+    20 or more below it)."""
+    rng = np.random.default_rng(seed)
+    rows = (rng.standard_normal((n_rows, n_vocab)) * 3.0).astype(np.float32)
+    rows[np.arange(n_rows), rng.integers(0, n_vocab, n_rows)] = 25.0
+    return rows
+
+
+def _whole_row_top_probability(row: npt.NDArray[np.float32]) -> float:
+    """softmax(row).max() over every logit (how the loop read it before 2026-12-07)."""
+    buf = row - row.max()
+    np.exp(buf, out=buf)
+    return 1.0 / float(buf.sum())
+
+
+def vocab_work(k: int = 4, n_vocab: int = N_VOCAB, repeats: int = 50) -> dict[str, float]:
+    """Microseconds a step of the loop's work that grows with the vocabulary, on
+    :func:`logit_rows` (``k + 1`` rows: a verification of ``k`` drafts), the least of
+    ``repeats``: ``greedy verification`` (each row's argmax), ``top-1 probability`` (what
+    auto mode reads of the target's last row:
+    :func:`~specgguf.speculative.loop.top_probability`), the same ``over the whole row``,
+    and ``sampled verification`` (llama.cpp's default chain at temperature 0.8, the draft
+    a point mass at each row's top token). With free decodes (:func:`measure`) a tiny
+    model's vocabulary hides these costs."""
+    rows = logit_rows(k + 1, n_vocab)
+    draft = Draft([int(t) for t in rows[1:].argmax(axis=1)])
+    rng = np.random.default_rng(0)
+    greedy, sampled = SamplerParams(temperature=0.0), SamplerParams(temperature=0.8)
+    buffers = RowBuffers()
+    work: dict[str, Callable[[], object]] = {
+        "greedy verification": lambda: accept(draft, rows, greedy, rng),
+        "top-1 probability": lambda: top_probability(rows[-1], buffers),
+        "top-1 probability over the whole row": lambda: _whole_row_top_probability(rows[-1]),
+        "sampled verification": lambda: accept(draft, rows, sampled, rng),
+    }
+    out: dict[str, float] = {}
+    for name, fn in work.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 1e6 * best
+    return out

@@ -105,17 +105,22 @@ class NgramDrafter(Drafter):
         # Index n-grams ending at positions up to len(history) - 1, so that the current
         # suffix (ending at len(history)) finds only earlier occurrences.
         end = len(history) - 1
-        repeats = self._repeats
+        top = self.n_max
+        tables = [(n, self._index[n], self._repeats[n]) for n in range(self.n_min, top + 1)]
         for j in range(max(self._indexed_to, 1), end + 1):
             token = history[j]
-            for n, table in self._index.items():
-                if j >= n:
-                    gram = tuple(history[j - n : j])
-                    before = table.get(gram)
-                    table[gram] = j
-                    if before is not None:
-                        seen, run = repeats[n].get(gram, (1, 1))
-                        repeats[n][gram] = (seen + 1, run + 1 if history[before] == token else 1)
+            # one tuple of the longest n-gram, the shorter ones its tails
+            w = tuple(history[j - top : j] if j >= top else history[:j])
+            lw = len(w)
+            for n, table, repeats in tables:
+                if n > lw:
+                    break
+                gram = w[lw - n :]
+                before = table.get(gram)
+                table[gram] = j
+                if before is not None:
+                    seen, run = repeats.get(gram, (1, 1))
+                    repeats[gram] = (seen + 1, run + 1 if history[before] == token else 1)
         if end + 1 > self._indexed_to:
             self._text.extend(history[self._indexed_to : end + 1])
             self._indexed_to = end + 1
@@ -174,9 +179,16 @@ class NgramDrafter(Drafter):
         size = len(history)
         lo, hi = max(0, expected - RESUME_WINDOW), min(size - 1, expected + RESUME_WINDOW)
         nearest = sorted(range(lo, hi + 1), key=lambda p: abs(p - expected))
-        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
-            gram = tuple(history[size - n :])
-            for j in nearest:
-                if j >= n and tuple(history[j - n : j]) == gram:
-                    return j, match_length(history, j, size, n)
-        return None
+        # each position's agreement with the text's end, counted back token by token: the
+        # longest n-gram found is the most any position agrees (the nearest such first)
+        top = min(self.n_max, size - 1)
+        best, found = self.n_min - 1, None
+        for j in nearest:
+            m = 0
+            while m < top and m < j and history[j - 1 - m] == history[size - 1 - m]:
+                m += 1
+            if m > best:
+                best, found = m, j
+                if m == top:
+                    break
+        return None if found is None else (found, match_length(history, found, size, best))

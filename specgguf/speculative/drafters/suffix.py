@@ -154,14 +154,19 @@ class SuffixDrafter(Drafter):
         # only earlier occurrences.
         c, limit = self._corpus, len(self._corpus) - 1
         index, sep, most = self._index, self.SEPARATOR, self.max_occurrences
+        lengths = self.LENGTHS
+        top = lengths[-1]
         for j in range(max(self._indexed, 1), limit + 1):
-            for n in self.LENGTHS:
-                if j < n:
+            # one tuple of the longest n-gram, the shorter ones its tails (a separator
+            # ends every n-gram that reaches past it)
+            w = tuple(c[j - top : j] if j >= top else c[:j])
+            if sep in w:
+                w = w[len(w) - w[::-1].index(sep) :]
+            lw = len(w)
+            for n in lengths:
+                if n > lw:
                     break
-                gram = tuple(c[j - n : j])
-                if sep in gram:
-                    continue
-                if (occ := index.get(h := hash(gram))) is None:
+                if (occ := index.get(h := hash(w[lw - n :]))) is None:
                     index[h] = [j]
                     continue
                 occ.append(j)
