@@ -99,3 +99,14 @@ def test_vocab_work_times_each_piece_of_a_step() -> None:
         "sampled verification",
     }
     assert all(0.0 < us < 1e6 for us in work.values())
+
+
+def test_vocab_work_verifies_every_row_of_its_draft() -> None:
+    """Its draft is each row's top token, so a verification reads every row (not one,
+    rejected at the first): greedy keeps all k drafts."""
+    from specgguf.measure.overhead import kept_draft, logit_rows
+    from specgguf.speculative.verification import accept
+
+    rows = logit_rows(5, 4096)
+    verdict = accept(kept_draft(rows), rows, GREEDY, np.random.default_rng(0))
+    assert len(verdict.accepted) == 4 and verdict.row == 4

@@ -924,8 +924,34 @@ def test_the_top_probability_leaves_out_only_logits_past_its_cut() -> None:
 def test_the_top_probability_of_a_flat_row_sums_it_whole() -> None:
     row = np.zeros(1000, np.float32)
     assert _top(row) == pytest.approx(1e-3, rel=1e-6)
-    row[:300] = 2.0  # a quarter or more near the top: the whole row
+    # most of the row near its top (not at its start): summed whole, for speed (whether
+    # the few far logits are left out or not changes the sum by e^-16 of them at most)
+    row[700:] = 2.0
+    row[10] = -30.0
     assert _top(row) == pytest.approx(_exact_top_probability(row), rel=1e-6)
+
+
+def test_the_top_probability_reads_only_the_near_logits_below_a_quarter_of_the_row() -> None:
+    from specgguf.speculative.loop import NEAR_MAX
+
+    n = 1000
+    row = np.full(n, -(NEAR_MAX + 0.5), np.float32)
+    row[:249] = 0.0  # just under a quarter near the top
+    near = 1.0 / 249
+    assert _top(row) == near  # the far ones left out: 249 ones summed
+    assert _exact_top_probability(row) < near * (1 - 1e-7)  # (they weigh 2e-7 of it)
+
+
+def test_the_top_probability_reuses_its_buffers_across_rows_of_other_sizes() -> None:
+    from specgguf.speculative.loop import RowBuffers, top_probability
+
+    buffers = RowBuffers()
+    for n in (300, 1000, 300, 4000):
+        flat = np.zeros(n, np.float32)  # the whole-row path
+        assert top_probability(flat, buffers) == pytest.approx(1.0 / n, rel=1e-6)
+        peaked = np.full(n, -40.0, np.float32)  # the near path
+        peaked[n // 2] = 0.0
+        assert top_probability(peaked, buffers) == pytest.approx(1.0, rel=1e-6)
 
 
 def test_the_top_probability_of_a_row_without_a_finite_maximum_does_not_raise() -> None:

@@ -1699,9 +1699,9 @@ class LlamaContext(_Native):
         flags: list[int] = []
         for (ctx, tokens, want), n_out in zip(parts, outs, strict=True):
             m = len(tokens)
-            toks += tokens
-            pos += range(ctx.n_past, ctx.n_past + m)
-            flags += [int(want == "all")] * m
+            toks.extend(tokens)  # (not +=: with an array of tokens numpy would add them)
+            pos.extend(range(ctx.n_past, ctx.n_past + m))
+            flags.extend([int(want == "all")] * m)
             if n_out and want == "last":
                 flags[-1] = 1
             home = ctx._home

@@ -246,11 +246,18 @@ def logit_rows(n_rows: int, n_vocab: int = N_VOCAB, seed: int = 0) -> npt.NDArra
     return rows
 
 
-def _whole_row_top_probability(row: npt.NDArray[np.float32]) -> float:
-    """softmax(row).max() over every logit (how the loop read it before 2026-12-07)."""
-    buf = row - row.max()
+def _whole_row_top_probability(row: npt.NDArray[np.float32], buf: npt.NDArray[np.float32]) -> float:
+    """softmax(row).max() over every logit, in ``buf`` (as the loop read it before
+    2026-12-07, its buffer reused from step to step)."""
+    np.subtract(row, row.max(), out=buf)
     np.exp(buf, out=buf)
     return 1.0 / float(buf.sum())
+
+
+def kept_draft(rows: npt.NDArray[np.float32]) -> Draft:
+    """The draft whose verification by ``rows`` (float32[k + 1, n_vocab]) keeps every
+    token, greedy: draft token i is row i's top token (row i is read after it)."""
+    return Draft([int(t) for t in rows[:-1].argmax(axis=1)])
 
 
 def vocab_work(k: int = 4, n_vocab: int = N_VOCAB, repeats: int = 50) -> dict[str, float]:
@@ -260,17 +267,18 @@ def vocab_work(k: int = 4, n_vocab: int = N_VOCAB, repeats: int = 50) -> dict[st
     auto mode reads of the target's last row:
     :func:`~specgguf.speculative.loop.top_probability`), the same ``over the whole row``,
     and ``sampled verification`` (llama.cpp's default chain at temperature 0.8, the draft
-    a point mass at each row's top token). With free decodes (:func:`measure`) a tiny
-    model's vocabulary hides these costs."""
+    a point mass at each row's top token, :func:`kept_draft`: every row is read). With
+    free decodes (:func:`measure`) a tiny model's vocabulary hides these costs."""
     rows = logit_rows(k + 1, n_vocab)
-    draft = Draft([int(t) for t in rows[1:].argmax(axis=1)])
+    draft = kept_draft(rows)
+    whole = np.empty(n_vocab, np.float32)
     rng = np.random.default_rng(0)
     greedy, sampled = SamplerParams(temperature=0.0), SamplerParams(temperature=0.8)
     buffers = RowBuffers()
     work: dict[str, Callable[[], object]] = {
         "greedy verification": lambda: accept(draft, rows, greedy, rng),
         "top-1 probability": lambda: top_probability(rows[-1], buffers),
-        "top-1 probability over the whole row": lambda: _whole_row_top_probability(rows[-1]),
+        "top-1 probability over the whole row": lambda: _whole_row_top_probability(rows[-1], whole),
         "sampled verification": lambda: accept(draft, rows, sampled, rng),
     }
     out: dict[str, float] = {}

@@ -168,8 +168,8 @@ class Generation:
         return self.result
 
 
-#: :func:`top_probability` sums the exponentials of the logits at most this far below the
-#: row's maximum only: each left out weighs under e^-16 of the maximum's, so the
+#: :func:`top_probability` sums the exponentials of the logits less than this far below
+#: the row's maximum only: each left out weighs at most e^-16 of the maximum's, so the
 #: probability is high by at most n_vocab e^-16 relative (1.7% at 151,936 tokens; at most
 #: 0.04% on 48 rows of Qwen2.5 Coder 1.5B, where a median of 237 logits were that near).
 NEAR_MAX = 16.0
