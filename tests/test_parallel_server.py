@@ -480,3 +480,32 @@ def test_a_parallel_that_does_not_fit_is_refused_before_loading(
     assert "KV cache" in err and "Traceback" not in err
     # the hint names -np as a second way out, not as another name for -c
     assert "a smaller -np/--parallel too: the KV cache holds -np x -c positions" in err
+
+
+def test_decode_many_reads_tokens_given_as_lists_or_arrays(tiny_models: dict[str, Path]) -> None:
+    """Each sequence's tokens go into the batch as they are, a list or an array, one
+    token or several; the cache holds them, and each gets the logits it would alone."""
+    import numpy as np
+
+    from specgguf.llama.backend import LlamaContext, LlamaModel
+
+    model = LlamaModel(tiny_models["target"])
+    try:
+        ctx = LlamaContext(model, n_ctx=256, n_batch=64, n_ubatch=64, n_outputs_max=64,
+                           n_parallel=3)  # fmt: skip
+        a, b, c = (ctx.sequence(i) for i in range(3))
+        out = ctx.decode_many([(a, [5], "last"), (b, np.array([7, 8, 9]), "all"),
+                               (c, (11,), "none")])  # fmt: skip
+        together = [np.array(o) for o in out]
+        assert [a.n_past, b.n_past, c.n_past] == [1, 3, 1]
+        assert [len(o) for o in together] == [1, 3, 0]
+        assert a.cached_prefix([5, 0]) == 1 and b.cached_prefix([7, 8, 9]) == 3
+        assert c.cached_prefix([11]) == 1
+        for s in (a, b, c):
+            s.rollback(0)
+        alone_a = np.array(a.eval([5], logits="last"))
+        alone_b = np.array(b.eval([7, 8, 9], logits="all"))
+        np.testing.assert_allclose(together[0], alone_a, rtol=0, atol=1e-3)
+        np.testing.assert_allclose(together[1], alone_b, rtol=0, atol=1e-3)
+    finally:
+        model.close()
