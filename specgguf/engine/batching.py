@@ -118,6 +118,7 @@ class Batcher:
         self.company = company
         self.hub = greenlet.getcurrent()
         self.active: list[Task] = []
+        self._tasks: dict[greenlet.greenlet, Task] = {}  # the active tasks by greenlet
         self._ready: deque[tuple[Task, Any, bool]] = deque()
         self._pending: list[_Request] = []
 
@@ -126,6 +127,7 @@ class Batcher:
         :meth:`step`; ``slot`` orders the tasks of a batch."""
         task = Task(self, slot, run)
         self.active.append(task)
+        self._tasks[task._g] = task
         self.active.sort(key=lambda t: t.slot)
         self._ready.append((task, None, False))
         return task
@@ -133,8 +135,7 @@ class Batcher:
     def evaluate(self, ctx: LlamaContext, tokens: Sequence[int], want: Want) -> Any:
         """``ctx.eval(tokens, logits=want)``, batched with the other tasks' when called
         from a task, else at once."""
-        current = greenlet.getcurrent()
-        task = next((t for t in self.active if t._g is current), None)
+        task = self._tasks.get(greenlet.getcurrent())
         if task is None:  # the hub, or not one of ours
             return ctx.eval(tokens, logits=want)
         if ctx.base is self.target:
@@ -158,7 +159,9 @@ class Batcher:
         while self._ready:
             task, value, failed = self._ready.popleft()
             self._resume(task, value, failed)
-        self.active = [t for t in self.active if not t.done]
+        if any(t.done for t in self.active):
+            self.active = [t for t in self.active if not t.done]
+            self._tasks = {t._g: t for t in self.active}
         if not self._pending:
             return
         drafting = [r for r in self._pending if r.ctx.base is not self.target]
