@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, settings
 
 from specgguf.gguf.tiny import write_fixtures
 from specgguf.hub import testmodels
+from specgguf.speculative.drafters import compiled
 
 # Hypothesis judges wall time by default (a 200 ms deadline per example, and the too_slow
 # health check): under load, both fail a property test whose property holds. Off for
@@ -52,6 +53,20 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     monkeypatch.delenv("SPECGGUF_DEBUG", raising=False)
     monkeypatch.setenv("NO_COLOR", "1")
     yield home
+
+
+@pytest.fixture(params=["compiled", "python"])
+def lookup_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each implementation of the lookup drafters' indexes in turn, for the drafters made
+    in the test: the compiled one (_lookup.c) and its pure-Python reference. Where the
+    compiled one was not built the test skips, unless SPECGGUF_REQUIRE_COMPILED is set (CI)."""
+    if request.param == "python":
+        monkeypatch.setattr(compiled, "lookup", None)
+    elif compiled.lookup is None:
+        if os.environ.get("SPECGGUF_REQUIRE_COMPILED"):
+            pytest.fail("the compiled lookup indexes were not built (setup.py's _lookup.c)")
+        pytest.skip("the compiled lookup indexes were not built (no C compiler at install)")
+    return str(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,9 @@ from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, one_hot_rule
 
+# Every test twice: with the compiled lookup indexes and with their pure-Python reference.
+pytestmark = pytest.mark.usefixtures("lookup_impl")
+
 V = 64
 GREEDY = SamplerParams(temperature=0.0)
 RNG = np.random.default_rng(0)
@@ -251,7 +254,7 @@ def test_ngram_drafts_carry_the_share_of_their_continuation() -> None:
     d = NgramDrafter()
     for end in range(2, len(h) + 1):
         last = d.propose(h[:end], 1, GREEDY, RNG)
-    assert last.probs == [1.0] and d._repeats[2][(5, 6)] == (3, 1)
+    assert last.probs == [1.0] and d.index_tables()[1][2][(5, 6)] == (3, 1)
 
 
 def test_seconds_per_token_leave_out_a_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -383,7 +386,7 @@ def test_the_ngram_index_and_copy_search_agree_with_plain_references() -> None:
             end += int(rng.integers(1, 8))
         d._update(text)
         index, repeats = _reference_ngram_index(text, n_min, n_max)
-        assert d._index == index and d._repeats == repeats
+        assert d.index_tables() == (index, repeats)
         expected = int(rng.integers(-12, len(text) + 12))  # windows past either end too
         got = d._resume(text, expected)
         assert got == _reference_resume(text, expected, n_min, n_max)

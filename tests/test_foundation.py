@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -62,6 +63,9 @@ def test_doctor_smoke_test_generates_tokens() -> None:
     assert rep["smoke_test"]["tokens"] == 8
     assert "CPU" in rep["backends"]
     assert rep["llama_cpp_python"].startswith("0.3.")
+    # the lookup drafters' indexes, compiled at install (setup.py), unless in pure Python
+    pure = os.environ.get("SPECGGUF_PURE_PYTHON", "") not in ("", "0")
+    assert rep["lookup_indexes"] == ("pure Python" if pure else "compiled")
 
 
 def test_unknown_command_is_a_usage_error_on_stderr() -> None:

@@ -755,13 +755,13 @@ def test_what_a_verification_teaches() -> None:
 def test_reset_starts_from_the_priors() -> None:
     ngram = NgramDrafter(1, 4)
     ngram.propose([1, 2, 1, 3, 1], 4, GREEDY, RNG)
-    assert ngram._repeats[1] == {(1,): (2, 1)}
+    assert ngram.index_tables()[1][1] == {(1,): (2, 1)}
     p = auto_planner(Timings(dict(HAND), 0.002), model=model_drafter(), ngram=ngram)
     assert ngram._fresh  # the drafters were reset too
     for _ in range(3):
         p.confidence = 0.9
         p.plan([1], 16, GREEDY, RNG)
-    assert not ngram._repeats[1]  # [1] does not extend the text indexed: indexed anew
+    assert not ngram.index_tables()[1][1]  # [1] does not extend the text indexed: indexed anew
     p.observe(StepPlan(p.arm("model").drafter, Draft([1, 2]), 0.0, p.arm("model")), 0, 0.02,
               confidence=0.1)  # fmt: skip
     p.reset()

@@ -180,7 +180,7 @@ def test_ngram_index_is_extended_by_a_text_that_extends_it_and_rebuilt_otherwise
     want = fresh.propose(b, 4, GREEDY, np.random.default_rng(0))
     assert kept._index is index  # extended, not rebuilt
     assert (got.tokens, got.probs, got.match) == (want.tokens, want.probs, want.match)
-    assert kept._index == fresh._index and kept._repeats == fresh._repeats
+    assert kept.index_tables() == fresh.index_tables()
     # another text: rebuilt, as a fresh drafter's
     c = [7, 8, 7, 8, 7]
     kept.reset()
@@ -189,7 +189,7 @@ def test_ngram_index_is_extended_by_a_text_that_extends_it_and_rebuilt_otherwise
     want = fresh.propose(c, 4, GREEDY, np.random.default_rng(0))
     assert kept._index is not index
     assert (got.tokens, got.probs) == (want.tokens, want.probs)
-    assert kept._index == fresh._index and kept._repeats == fresh._repeats
+    assert kept.index_tables() == fresh.index_tables()
 
 
 def test_suffix_corpus_goes_on_with_a_generation_that_extends_the_last() -> None:

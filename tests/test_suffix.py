@@ -17,6 +17,9 @@ from specgguf.speculative.sampling import SamplerParams
 
 from .fakes import FakeContext, FakeVocab, one_hot_rule
 
+# Every test twice: with the compiled lookup indexes and with their pure-Python reference.
+pytestmark = pytest.mark.usefixtures("lookup_impl")
+
 GREEDY = SamplerParams(temperature=0.0)
 RNG = np.random.default_rng(0)
 
@@ -138,8 +141,8 @@ def test_memory_is_bounded() -> None:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(d._corpus) <= 4096 + 400
-    assert sum(len(v) for v in d._index.values()) <= len(d.LENGTHS) * (4096 + 400)
-    assert peak < 8 << 20  # 16,000 tokens seen, at most 4,096 kept: a few MB
+    assert sum(len(v) for v in d.index_table().values()) <= len(d.LENGTHS) * (4096 + 400)
+    assert peak + d.index_bytes() < 8 << 20  # 16,000 tokens seen, at most 4,096 kept: a few MB
 
 
 def test_default_capacity_memory_stated_in_the_docstring() -> None:
@@ -151,7 +154,7 @@ def test_default_capacity_memory_stated_in_the_docstring() -> None:
     d._sync(rng.integers(0, 50_000, 32_000).tolist())
     current, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert current < 24 << 20, current
+    assert current + d.index_bytes() < 24 << 20, current
 
 
 def test_output_equals_the_target_alone_with_suffix_drafts() -> None:
@@ -357,4 +360,4 @@ def test_the_suffix_index_agrees_with_a_plain_reference() -> None:
                     occ = index.setdefault(hash(tuple(c[j - n : j])), [])
                     occ.append(j)
                     del occ[: -d.max_occurrences]
-        assert d._index == index
+        assert d.index_table() == index

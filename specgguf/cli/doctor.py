@@ -25,8 +25,11 @@ def doctor(
     """
     from specgguf.errors import BackendError
     from specgguf.llama.doctor import report
+    from specgguf.speculative.drafters import compiled
 
     rep = report(smoke=not no_smoke)
+    # whether the lookup drafters' indexes were compiled at install (setup.py)
+    rep["lookup_indexes"] = "compiled" if compiled.lookup else "pure Python"
     if json_out:
         print_json(rep)
     else:
@@ -53,6 +56,8 @@ def doctor(
         server = f"rpc-server: {r['server']}" if r["server"] else "no rpc-server found"
         t.add_row("RPC backend (--rpc)", f"yes ({server})" if r["supported"]
                   else "no: reinstall with scripts/install")  # fmt: skip
+        t.add_row("lookup indexes", rep["lookup_indexes"] if compiled.lookup else
+                  "pure Python (slower; no C compiler was found at install)")  # fmt: skip
         t.add_row("weight repacking", f"{'on' if rep['weight_repacking'] else 'off'} "
                   f"({rep['weight_repacking_reason']})")  # fmt: skip
         match = "" if rep["build_matches_machine"] else " (this build lacks it: reinstall)"

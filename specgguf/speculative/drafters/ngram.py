@@ -6,11 +6,16 @@ repeats its input (editing given code, extracting from given text)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specgguf.speculative.draft import Draft, Drafter
+from specgguf.speculative.drafters import compiled
 from specgguf.speculative.sampling import SamplerParams
+
+if TYPE_CHECKING:
+    from specgguf.speculative.drafters._lookup import NgramTable
 
 #: The longest match a lookup drafter measures (``Draft.match``): its indexed n-gram
 #: extended backwards, token by token, as far as the two texts agree. A long verbatim
@@ -43,7 +48,8 @@ class NgramDrafter(Drafter):
 
     For n from ``n_max`` down to ``n_min``: if the last n tokens occurred earlier, propose
     the tokens that followed their most recent earlier occurrence. The index of n-grams is
-    updated incrementally (O(n_max - n_min + 1) per committed token). Each n-gram seen
+    updated incrementally (O(n_max - n_min + 1) per committed token: about 4 us a token in
+    pure Python, 0.3 compiled, :mod:`~specgguf.speculative.drafters.compiled`). Each n-gram seen
     more than once also counts its occurrences, and how many of the latest ones in an
     unbroken run were followed by the same token as the latest: the draft's ``probs`` are
     that run over the occurrences, for its first token (the only one counted; followers
@@ -91,6 +97,10 @@ class NgramDrafter(Drafter):
         }
         self._indexed_to = 0  # n-grams ending before this position are indexed
         self._text: list[int] = []  # the text indexed: its first _indexed_to tokens
+        # the same index compiled (compiled.py), which then stands for the two above
+        self._table: NgramTable | None = (
+            compiled.lookup.NgramTable(self.n_min, self.n_max) if compiled.lookup else None
+        )
         # the latest long copy: the text length at its last long match, and the text
         # length and source position of its latest (long or resumed) match
         self._copy: tuple[int, int, int] | None = None
@@ -105,6 +115,17 @@ class NgramDrafter(Drafter):
         # Index n-grams ending at positions up to len(history) - 1, so that the current
         # suffix (ending at len(history)) finds only earlier occurrences.
         end = len(history) - 1
+        if self._table is not None:
+            self._table.extend(history, end + 1)
+        else:
+            self._index_from(history, end)
+        if end + 1 > self._indexed_to:
+            self._text.extend(history[self._indexed_to : end + 1])
+            self._indexed_to = end + 1
+
+    def _index_from(self, history: Sequence[int], end: int) -> None:
+        """The pure-Python index (the compiled one's reference): the n-grams ending right
+        before each position from ``_indexed_to`` (at least 1) to ``end``."""
         top = self.n_max
         tables = [(n, self._index[n], self._repeats[n]) for n in range(self.n_min, top + 1)]
         for j in range(max(self._indexed_to, 1), end + 1):
@@ -121,9 +142,25 @@ class NgramDrafter(Drafter):
                 if before is not None:
                     seen, run = repeats.get(gram, (1, 1))
                     repeats[gram] = (seen + 1, run + 1 if history[before] == token else 1)
-        if end + 1 > self._indexed_to:
-            self._text.extend(history[self._indexed_to : end + 1])
-            self._indexed_to = end + 1
+
+    def index_tables(
+        self,
+    ) -> tuple[
+        dict[int, dict[tuple[int, ...], int]], dict[int, dict[tuple[int, ...], tuple[int, int]]]
+    ]:
+        """The index as the pure-Python one holds it, whichever is in use (for tests): by
+        n, each n-gram's position right after its latest occurrence, and for those seen more
+        than once, (occurrences, the latest ones in a row followed by the same token)."""
+        if self._table is None:
+            return self._index, self._repeats
+        index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._index}
+        repeats: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in self._index}
+        for n, pos, seen, run in self._table.entries():
+            gram = tuple(self._text[pos - n : pos])
+            index[n][gram] = pos
+            if seen > 1:
+                repeats[n][gram] = (seen, run)
+        return index, repeats
 
     def propose(
         self,
@@ -146,16 +183,11 @@ class NgramDrafter(Drafter):
             return Draft([])
         size, match, resumed = len(history), 0, False
         share = 1.0
-        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
-            gram = tuple(history[size - n :])
-            j = self._index[n].get(gram)
-            if j is not None:
-                match = match_length(history, j, size, n)
-                seen, run = self._repeats[n].get(gram, (1, 1))
-                share = run / seen
-                break
-        else:
-            j = None
+        j: int | None = None
+        if hit := self._latest(history, size):
+            n, j, seen, run = hit
+            match = match_length(history, j, size, n)
+            share = run / seen
         if match < RESUME_MATCH and self._copy is not None:
             long_at, at, src = self._copy
             if size - long_at > RESUME_SPAN:
@@ -171,6 +203,20 @@ class NgramDrafter(Drafter):
             self._copy = (size, size, j)
         tokens = list(history[j : min(j + k, size)])
         return Draft(tokens, probs=[share] * len(tokens), match=match, resumed=resumed)
+
+    def _latest(self, history: Sequence[int], size: int) -> tuple[int, int, int, int] | None:
+        """The longest suffix n-gram of ``history`` (n_max down to n_min) that was indexed:
+        (n, the position right after its latest occurrence, its occurrences, the latest of
+        them in a row followed by the same token); None if none was."""
+        top = min(self.n_max, size - 1)
+        if self._table is not None:
+            return self._table.find(history, size, top)
+        for n in range(top, self.n_min - 1, -1):
+            gram = tuple(history[size - n :])
+            j = self._index[n].get(gram)
+            if j is not None:
+                return (n, j, *self._repeats[n].get(gram, (1, 1)))
+        return None
 
     def _resume(self, history: Sequence[int], expected: int) -> tuple[int, int] | None:
         """The source position and match length of the longest suffix n-gram (n_max down
