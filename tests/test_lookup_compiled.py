@@ -84,6 +84,8 @@ def test_the_ngram_drafter_drafts_the_same_with_either_index(
                 a = fast.propose(history[:end], k, GREEDY, RNG)
                 b = pure.propose(history[:end], k, GREEDY, RNG)
                 assert _same(a, b), (history[:end], k)
+                # each keeps its index through every new text (chosen when made)
+                assert fast._table is not None and pure._table is None
                 compared += 1
                 drafted += bool(a.tokens)
                 end += int(rng.integers(1, 6))
@@ -125,6 +127,8 @@ def test_the_suffix_drafter_drafts_the_same_with_either_index(
                 end += int(rng.integers(1, 6))
             fast.finish(text)
             pure.finish(text)
+            assert all(d._table is not None for d in fast_group)
+            assert all(d._table is None for d in pure_group)
             assert fast._corpus == pure._corpus
             assert fast.index_table() == pure.index_table()
     assert drafted > compared // 4
@@ -172,3 +176,56 @@ def test_the_suffix_table_refuses_bad_arguments(lookup: object) -> None:
     assert len(entries) == 5  # 4; 5; 4 5; 5 4; 4 5 4 5: none across the -1
     assert all(-1 not in corpus[p - n : p] for n, occ in entries for p in occ)
     assert t.match(corpus, 0, 8) is None  # an empty text has no suffix
+
+
+def test_the_tables_refuse_what_could_crash_them(lookup: object) -> None:
+    mod = compiled.lookup
+    assert mod is not None
+    # made without __init__: refused, not a null pointer read
+    for t in (mod.NgramTable.__new__(mod.NgramTable), mod.SuffixTable.__new__(mod.SuffixTable)):
+        with pytest.raises(RuntimeError, match="not initialised"):
+            t.entries()
+    # an item whose conversion calls the table again while it reads the text
+    table = mod.NgramTable(1, 2)
+
+    class Sneaky:
+        def __index__(self) -> int:
+            table.extend([7, 7, 7, 7], 4)
+            return 5
+
+    with pytest.raises(RuntimeError, match="changed"):
+        table.extend([1, Sneaky(), 3], 3)
+    # and one that empties the list being read
+    history: list[object] = [1, 2, 3]
+
+    class Emptier:
+        def __index__(self) -> int:
+            history.clear()
+            return 5
+
+    history[1] = Emptier()
+    with pytest.raises(IndexError, match="changed"):
+        mod.NgramTable(1, 2).extend(history, 3)
+    # a table refused at re-initialisation keeps its settings
+    s = mod.SuffixTable((1, 2), 2, -1)
+    with pytest.raises(ValueError):
+        s.__init__((3, 5, 70), 16, -1)
+    s.index([4, 5, 4, 5], 1, 4)
+    assert sorted(n for n, _ in s.entries()) == [1, 1, 2, 2]  # 4; 5; 4 5; 5 4
+    # many occurrences kept: memory grows with what is indexed, not with the setting
+    assert mod.SuffixTable((1, 2, 4, 8), 100_000, -1).nbytes < 1 << 20
+
+
+def test_the_drafters_fall_back_where_the_compiled_index_cannot_go(lookup: object) -> None:
+    mod = compiled.lookup
+    assert mod is not None
+    long = NgramDrafter(2, mod.MAX_LENGTH + 1)  # longer n-grams than it takes: pure Python
+    assert long._table is None
+    h = [1, 2, 3, 1, 2]
+    assert (
+        long.propose(h, 2, GREEDY, RNG).tokens
+        == NgramDrafter(2, 8).propose(h, 2, GREEDY, RNG).tokens
+        == [3, 1]
+    )
+    with pytest.raises(ValueError, match="max_occurrences"):
+        SuffixDrafter(max_occurrences=0)

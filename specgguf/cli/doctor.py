@@ -30,6 +30,8 @@ def doctor(
     rep = report(smoke=not no_smoke)
     # whether the lookup drafters' indexes were compiled at install (setup.py)
     rep["lookup_indexes"] = "compiled" if compiled.lookup else "pure Python"
+    why = ("asked for by SPECGGUF_PURE_PYTHON" if compiled.wanted_pure()
+           else "slower; no C compiler was found at install")  # fmt: skip
     if json_out:
         print_json(rep)
     else:
@@ -57,7 +59,7 @@ def doctor(
         t.add_row("RPC backend (--rpc)", f"yes ({server})" if r["supported"]
                   else "no: reinstall with scripts/install")  # fmt: skip
         t.add_row("lookup indexes", rep["lookup_indexes"] if compiled.lookup else
-                  "pure Python (slower; no C compiler was found at install)")  # fmt: skip
+                  f"pure Python ({why})")  # fmt: skip
         t.add_row("weight repacking", f"{'on' if rep['weight_repacking'] else 'off'} "
                   f"({rep['weight_repacking_reason']})")  # fmt: skip
         match = "" if rep["build_matches_machine"] else " (this build lacks it: reinstall)"

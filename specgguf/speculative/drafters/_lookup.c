@@ -23,26 +23,37 @@
 #define MAX_LENGTH 64
 
 static inline uint64_t mix(uint64_t h, int64_t token) {
-    h = (h ^ (uint64_t)(token + 0x9E3779B9LL)) * 0x9E3779B97F4A7C15ULL;
+    h = (h ^ ((uint64_t)token + 0x9E3779B9ULL)) * 0x9E3779B97F4A7C15ULL;
     return h ^ (h >> 29);
 }
 
 #define SEED 0x6A09E667F3BCC909ULL
 
-/* Items start:stop of a sequence of ints into out (a list or a tuple read directly). */
+/* Items start:stop of a sequence of ints into out. A list or a tuple is read directly;
+ * an item that is not an exact int is held while it is converted (its __index__ may run
+ * any code, the list's own changes included: the list's size is checked at every item). */
 static int read_tokens(PyObject *seq, Py_ssize_t start, Py_ssize_t stop, int64_t *out) {
-    if (PyList_Check(seq) || PyTuple_Check(seq)) {
-        PyObject **items = PySequence_Fast_ITEMS(seq);
-        for (Py_ssize_t i = start; i < stop; i++) {
-            long v = PyLong_AsLong(items[i]);
-            if (v == -1 && PyErr_Occurred()) return -1;
-            out[i - start] = v;
-        }
-        return 0;
-    }
+    int is_list = PyList_Check(seq), is_tuple = PyTuple_Check(seq);
     for (Py_ssize_t i = start; i < stop; i++) {
-        PyObject *item = PySequence_GetItem(seq, i);
-        if (item == NULL) return -1;
+        PyObject *item;
+        if (is_list || is_tuple) {
+            Py_ssize_t size = is_list ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
+            if (i >= size) {
+                PyErr_SetString(PyExc_IndexError, "the text changed while it was read");
+                return -1;
+            }
+            item = is_list ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i);
+            if (PyLong_CheckExact(item)) {
+                long v = PyLong_AsLong(item);
+                if (v == -1 && PyErr_Occurred()) return -1;
+                out[i - start] = v;
+                continue;
+            }
+            Py_INCREF(item);
+        } else {
+            item = PySequence_GetItem(seq, i);
+            if (item == NULL) return -1;
+        }
         long v = PyLong_AsLong(item);
         Py_DECREF(item);
         if (v == -1 && PyErr_Occurred()) return -1;
@@ -172,26 +183,49 @@ static int ngram_init(NgramTable *self, PyObject *args, PyObject *kwds) {
     return ngram_alloc(self, 1024);
 }
 
+static int not_ready(const void *tab) {
+    if (tab != NULL) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "the table was not initialised");
+    return 1;
+}
+
 static PyObject *ngram_extend(NgramTable *self, PyObject *args) {
     PyObject *history;
     Py_ssize_t stop;
-    if (!PyArg_ParseTuple(args, "On", &history, &stop)) return NULL;
+    if (not_ready(self->tab) || !PyArg_ParseTuple(args, "On", &history, &stop)) return NULL;
     if ((size_t)stop <= self->len) Py_RETURN_NONE;
     if (check_range(history, (Py_ssize_t)self->len, stop) < 0) return NULL;
     if ((size_t)stop > INT32_MAX) {
         PyErr_SetString(PyExc_OverflowError, "text too long for the n-gram index");
         return NULL;
     }
+    size_t from = self->len, n_new = (size_t)stop - from;
+    /* read first, into a buffer of its own: reading may run Python code (an item's
+     * __index__), which could call this table again */
+    int64_t *fresh = malloc(n_new * sizeof(int64_t));
+    if (fresh == NULL) return PyErr_NoMemory();
+    if (read_tokens(history, (Py_ssize_t)from, stop, fresh) < 0) {
+        free(fresh);
+        return NULL;
+    }
+    if (self->len != from) {
+        free(fresh);
+        PyErr_SetString(PyExc_RuntimeError, "the table changed while the text was read");
+        return NULL;
+    }
     if ((size_t)stop > self->text_cap) {
         size_t cap = self->text_cap ? self->text_cap : 1024;
         while (cap < (size_t)stop) cap *= 2;
         int64_t *text = realloc(self->text, cap * sizeof(int64_t));
-        if (text == NULL) return PyErr_NoMemory();
+        if (text == NULL) {
+            free(fresh);
+            return PyErr_NoMemory();
+        }
         self->text = text;
         self->text_cap = cap;
     }
-    size_t from = self->len;
-    if (read_tokens(history, (Py_ssize_t)from, stop, self->text + from) < 0) return NULL;
+    memcpy(self->text + from, fresh, n_new * sizeof(int64_t));
+    free(fresh);
     self->len = (size_t)stop;
     /* n-grams ending right before each new position j (j >= 1), followed by text[j] */
     for (size_t j = from > 1 ? from : 1; j < (size_t)stop; j++) {
@@ -209,7 +243,8 @@ static PyObject *ngram_find_suffix(NgramTable *self, PyObject *args) {
     PyObject *history;
     Py_ssize_t size;
     int n_hi;
-    if (!PyArg_ParseTuple(args, "Oni", &history, &size, &n_hi)) return NULL;
+    if (not_ready(self->tab) || !PyArg_ParseTuple(args, "Oni", &history, &size, &n_hi))
+        return NULL;
     if (n_hi > self->n_max) n_hi = self->n_max;
     if (n_hi > size) n_hi = (int)(size > 0 ? size : 0);
     if (n_hi < self->n_min) Py_RETURN_NONE;
@@ -227,12 +262,14 @@ static PyObject *ngram_find_suffix(NgramTable *self, PyObject *args) {
 }
 
 static PyObject *ngram_clear(NgramTable *self, PyObject *Py_UNUSED(ignored)) {
+    if (not_ready(self->tab)) return NULL;
     self->len = 0;
     if (ngram_alloc(self, 1024) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *ngram_entries(NgramTable *self, PyObject *Py_UNUSED(ignored)) {
+    if (not_ready(self->tab)) return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
     for (size_t k = 0; k < self->cap; k++) {
@@ -364,7 +401,7 @@ static int suffix_add(SuffixTable *self, uint64_t h, int n, int32_t j) {
         }
         if ((self->count + 1) * 2 > self->cap && suffix_grow(self) < 0) return -1;
         if (self->count + 1 > self->arena_cap) {
-            size_t rings = self->arena_cap ? self->arena_cap * 2 : 1024;
+            size_t rings = self->arena_cap ? self->arena_cap * 2 : 64;
             int32_t *arena = realloc(self->arena, rings * self->most * sizeof(int32_t));
             if (arena == NULL) {
                 PyErr_NoMemory();
@@ -411,7 +448,7 @@ static int suffix_init(SuffixTable *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "need 1 to 8 lengths");
         return -1;
     }
-    int prev = 0;
+    int prev = 0, lengths_ok[8];
     for (Py_ssize_t i = 0; i < k; i++) {
         long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
         if (v == -1 && PyErr_Occurred()) {
@@ -423,13 +460,14 @@ static int suffix_init(SuffixTable *self, PyObject *args, PyObject *kwds) {
             PyErr_Format(PyExc_ValueError, "lengths must rise, from 1 to %d", MAX_LENGTH);
             return -1;
         }
-        self->lengths[i] = prev = (int)v;
+        lengths_ok[i] = prev = (int)v;
     }
     Py_DECREF(fast);
     if (most < 1) {
         PyErr_SetString(PyExc_ValueError, "max_occurrences must be at least 1");
         return -1;
     }
+    memcpy(self->lengths, lengths_ok, (size_t)k * sizeof(int));
     self->n_lengths = (int)k;
     self->top = prev;
     self->most = most;
@@ -443,7 +481,8 @@ static int suffix_init(SuffixTable *self, PyObject *args, PyObject *kwds) {
 static PyObject *suffix_index(SuffixTable *self, PyObject *args) {
     PyObject *corpus;
     Py_ssize_t start, stop;
-    if (!PyArg_ParseTuple(args, "Onn", &corpus, &start, &stop)) return NULL;
+    if (not_ready(self->tab) || !PyArg_ParseTuple(args, "Onn", &corpus, &start, &stop))
+        return NULL;
     if (start < 1) start = 1;
     if (stop <= start) Py_RETURN_NONE;
     if (stop - 1 > INT32_MAX) {
@@ -483,7 +522,8 @@ done:
 static PyObject *suffix_match(SuffixTable *self, PyObject *args) {
     PyObject *corpus;
     Py_ssize_t end, n_hi;
-    if (!PyArg_ParseTuple(args, "Onn", &corpus, &end, &n_hi)) return NULL;
+    if (not_ready(self->tab) || !PyArg_ParseTuple(args, "Onn", &corpus, &end, &n_hi))
+        return NULL;
     int top = n_hi < self->top ? (int)n_hi : self->top;
     if (top > end) top = (int)(end > 0 ? end : 0);
     if (top < 1) Py_RETURN_NONE;
@@ -515,11 +555,13 @@ static PyObject *suffix_match(SuffixTable *self, PyObject *args) {
 }
 
 static PyObject *suffix_clear(SuffixTable *self, PyObject *Py_UNUSED(ignored)) {
+    if (not_ready(self->tab)) return NULL;
     if (suffix_alloc(self, 1024) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *suffix_entries(SuffixTable *self, PyObject *Py_UNUSED(ignored)) {
+    if (not_ready(self->tab)) return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
     for (size_t k = 0; k < self->cap; k++) {
@@ -604,7 +646,8 @@ PyMODINIT_FUNC PyInit__lookup(void) {
     if (m == NULL) return NULL;
     Py_INCREF(&NgramTableType);
     Py_INCREF(&SuffixTableType);
-    if (PyModule_AddObject(m, "NgramTable", (PyObject *)&NgramTableType) < 0 ||
+    if (PyModule_AddIntConstant(m, "MAX_LENGTH", MAX_LENGTH) < 0 ||
+        PyModule_AddObject(m, "NgramTable", (PyObject *)&NgramTableType) < 0 ||
         PyModule_AddObject(m, "SuffixTable", (PyObject *)&SuffixTableType) < 0) {
         Py_DECREF(&NgramTableType);
         Py_DECREF(&SuffixTableType);

@@ -1,5 +1,7 @@
 from collections.abc import Sequence
 
+MAX_LENGTH: int
+
 class NgramTable:
     nbytes: int
     length: int

@@ -10,9 +10,14 @@ import os
 from types import ModuleType
 
 
+def wanted_pure() -> bool:
+    """Whether ``SPECGGUF_PURE_PYTHON`` asks for the pure-Python indexes."""
+    return os.environ.get("SPECGGUF_PURE_PYTHON", "") not in ("", "0")
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None where it was not built or is not wanted."""
-    if os.environ.get("SPECGGUF_PURE_PYTHON", "") not in ("", "0"):
+    if wanted_pure():
         return None
     try:
         from specgguf.speculative.drafters import _lookup

@@ -77,6 +77,10 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
         self.seconds = 0.0
+        # the compiled index (compiled.py) where it was built and takes n-grams this long;
+        # chosen once, so that every text this drafter indexes uses the same one
+        lookup = compiled.lookup
+        self._lookup = lookup if lookup is not None and n_max <= lookup.MAX_LENGTH else None
         self._clear()
         self.reset()
 
@@ -99,7 +103,7 @@ class NgramDrafter(Drafter):
         self._text: list[int] = []  # the text indexed: its first _indexed_to tokens
         # the same index compiled (compiled.py), which then stands for the two above
         self._table: NgramTable | None = (
-            compiled.lookup.NgramTable(self.n_min, self.n_max) if compiled.lookup else None
+            self._lookup.NgramTable(self.n_min, self.n_max) if self._lookup else None
         )
         # the latest long copy: the text length at its last long match, and the text
         # length and source position of its latest (long or resumed) match

@@ -51,6 +51,9 @@ class SuffixDrafter(Drafter):
     generation before the others' that ended while it ran). Each holds its own copy and
     index (up to ``capacity`` tokens each), and indexes what it takes in at its next draft
     (about 2 us a token in pure Python, 0.5 compiled).
+
+    Raises:
+        ValueError: ``max_occurrences`` below 1.
     """
 
     name = "suffix"
@@ -60,6 +63,8 @@ class SuffixDrafter(Drafter):
     def __init__(
         self, *, capacity: int = 32768, max_occurrences: int = 16, min_share: float = 0.5
     ) -> None:
+        if max_occurrences < 1:
+            raise ValueError(f"max_occurrences must be at least 1, got {max_occurrences}")
         self.capacity = capacity
         self.max_occurrences = max_occurrences
         self.min_share = min_share

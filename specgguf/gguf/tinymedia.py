@@ -1,0 +1,156 @@
+"""Tiny generated media fixtures: a multimodal projector ("mmproj") GGUF that llama.cpp's
+libmtmd loads beside a tiny text model (:mod:`specgguf.gguf.tiny`), and tiny images.
+
+The projector is LLaVA's (``clip.projector_type = "mlp"``, libmtmd's
+tools/mtmd/models/llava.cpp): a vision transformer over ``image_size``² RGB images cut into
+``patch_size``² patches (a convolution, learned positions, a layer norm), then two linear
+layers with a GELU between them into the text model's embedding size. It is the simplest
+projector libmtmd knows: a square input of fixed size (any image is resized to it), no
+image-marker tokens, ordinary positions (no M-RoPE), one embedding a patch. Its weights are
+seeded random numbers: what it "sees" is meaningless, but it is deterministic, and a
+different image gives different embeddings, so that llama.cpp's own ``llama-mtmd-cli`` is
+an oracle of what a model generates after it.
+
+What llama.cpp requires of such a file, beyond what gguf-py's writer names (tools/mtmd/
+clip.cpp): ``clip.vision.image_mean`` and ``image_std`` of 3 values each (read as optional,
+but fewer than 3 throw); ``mm.2.weight`` (its size is the projector's output size);
+``v.position_embd.weight``; a feed-forward size other than the embedding size (else a
+fix-up for old files swaps the feed-forward weights); and the llava graph runs all blocks
+but the last (LLaVA reads the second-to-last layer).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+#: CLIP's normalisation, as LLaVA's projectors carry it.
+IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def write_mmproj(
+    path: Path,
+    n_embd_text: int,
+    *,
+    image_size: int = 32,
+    patch_size: int = 8,
+    n_embd: int = 32,
+    n_head: int = 2,
+    n_ff: int = 64,
+    n_layer: int = 2,
+    seed: int = 4321,
+) -> int:
+    """Write a tiny LLaVA projector to ``path`` whose output embeddings have
+    ``n_embd_text`` values (the text model's ``embedding_length``); returns the embeddings
+    (image tokens) an image becomes: (image_size / patch_size)².
+
+    Raises:
+        ValueError: sizes that do not divide (image by patch, embedding by heads), or a
+            feed-forward size equal to the embedding size (see the module).
+    """
+    if image_size % patch_size or n_embd % n_head or n_ff == n_embd:
+        raise ValueError(
+            f"need image_size % patch_size == 0, n_embd % n_head == 0 and n_ff != n_embd, "
+            f"got {image_size}, {patch_size}, {n_embd}, {n_head}, {n_ff}"
+        )
+    rng = np.random.default_rng(seed)
+
+    def normal(shape: tuple[int, ...], scale: float) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def ones(n: int) -> npt.NDArray[np.float32]:
+        return np.ones(n, np.float32)
+
+    def zeros(n: int) -> npt.NDArray[np.float32]:
+        return np.zeros(n, np.float32)
+
+    n_patches = (image_size // patch_size) ** 2
+    d, ps = n_embd, patch_size
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_name("tiny mmproj")
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("mlp")  # (gguf-py has no constant for LLaVA's)
+    w.add_vision_image_size(image_size)
+    w.add_vision_patch_size(patch_size)
+    w.add_vision_embedding_length(d)
+    w.add_vision_feed_forward_length(n_ff)
+    w.add_vision_block_count(n_layer)
+    w.add_vision_head_count(n_head)
+    w.add_vision_attention_layernorm_eps(1e-5)
+    w.add_vision_projection_dim(n_embd_text)
+    w.add_vision_image_mean(list(IMAGE_MEAN))
+    w.add_vision_image_std(list(IMAGE_STD))
+    w.add_vision_use_gelu(True)
+    tensors: list[tuple[str, npt.NDArray[np.float32]]] = [
+        # numpy shapes are (out, in): a convolution's (out, in, kh, kw)
+        ("v.patch_embd.weight", normal((d, 3, ps, ps), (3 * ps * ps) ** -0.5)),
+        ("v.patch_embd.bias", zeros(d)),
+        ("v.position_embd.weight", normal((n_patches, d), 0.1)),
+        ("v.pre_ln.weight", ones(d)),
+        ("v.pre_ln.bias", zeros(d)),
+    ]
+    for i in range(n_layer):
+        p = f"v.blk.{i}"
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensors += [(f"{p}.{t}.weight", normal((d, d), d**-0.5)), (f"{p}.{t}.bias", zeros(d))]
+        tensors += [
+            (f"{p}.ln1.weight", ones(d)),
+            (f"{p}.ln1.bias", zeros(d)),
+            (f"{p}.ln2.weight", ones(d)),
+            (f"{p}.ln2.bias", zeros(d)),
+            (f"{p}.ffn_up.weight", normal((n_ff, d), d**-0.5)),
+            (f"{p}.ffn_up.bias", zeros(n_ff)),
+            (f"{p}.ffn_down.weight", normal((d, n_ff), n_ff**-0.5)),
+            (f"{p}.ffn_down.bias", zeros(d)),
+        ]
+    tensors += [
+        ("mm.0.weight", normal((n_embd_text, d), d**-0.5)),
+        ("mm.0.bias", zeros(n_embd_text)),
+        ("mm.2.weight", normal((n_embd_text, n_embd_text), n_embd_text**-0.5)),
+        ("mm.2.bias", zeros(n_embd_text)),
+    ]
+    for name, arr in tensors:
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return n_patches
+
+
+def picture(size: int = 32, *, flip: bool = False) -> npt.NDArray[np.uint8]:
+    """A deterministic RGB picture, uint8[size, size, 3]: gradients and a white square
+    (``flip``: mirrored left to right, another picture)."""
+    y, x = np.mgrid[0:size, 0:size]
+    top = max(1, size - 1)
+    img = np.stack([x * 255 // top, y * 255 // top, (x + y) * 127 // top], -1)
+    img[size // 4 : size // 2, size // 4 : size // 2] = 255
+    img = img.astype(np.uint8)
+    return img[:, ::-1].copy() if flip else img
+
+
+def png_bytes(rgb: npt.NDArray[np.uint8]) -> bytes:
+    """An 8-bit RGB PNG of ``rgb`` (uint8[h, w, 3]), with zlib only."""
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[r].tobytes() for r in range(h))  # filter 0 on each row
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
+            + chunk(b"IEND", b""))  # fmt: skip
+
+
+def write_png(path: Path, rgb: npt.NDArray[np.uint8]) -> Path:
+    """:func:`png_bytes` of ``rgb`` written to ``path``; returns ``path``."""
+    path.write_bytes(png_bytes(rgb))
+    return path
