@@ -151,6 +151,16 @@ class ChatInputError(UsageError):
     ``raise_exception``, e.g. roles that do not alternate); ``message`` quotes it."""
 
 
+class MediaError(UsageError):
+    """An image or audio clip that cannot be used (empty, too large, not a format
+    llama.cpp reads, of a kind the projector does not read), or media without a
+    projector; ``part`` names it (a file, or a request's content part)."""
+
+    def __init__(self, message: str, *, part: str) -> None:
+        super().__init__(message)
+        self.part = part
+
+
 class ToolsTemplateError(ChatInputError):
     """Tools, tool calls or tool results given to a model whose chat template does not
     render them; ``part`` says which: ``tools``, ``tool calls`` or ``tool results``."""

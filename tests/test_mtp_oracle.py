@@ -64,9 +64,7 @@ def llama_tools_dir() -> Path | None:
     from specgguf.llama.runtime import build_info
 
     version = build_info().llama_cpp_python
-    args = os.environ.get("CMAKE_ARGS") or " ".join(
-        a for a in cmake_args(detect_backend(), read_cpu_flags()) if a != "-DLLAVA_BUILD=OFF"
-    )
+    args = os.environ.get("CMAKE_ARGS") or " ".join(cmake_args(detect_backend(), read_cpu_flags()))
     key = hashlib.sha256(f"{version}|{args}".encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     bindir = cache / "specgguf" / "llama.cpp" / f"build-{version}-{key}" / "bin"

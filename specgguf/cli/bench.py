@@ -119,7 +119,9 @@ def bench(
                          "--per-category, or --prompts FILE)")  # fmt: skip
     draft_max = max(AUTO_TUNING.draft_max_lookup, *ks)
     drafting = dataclasses.replace(drafting, drafter="auto", draft=draft_max)
-    config = dataclasses.replace(o.engine_config(load, drafting, say=say), n_parallel=parallel)
+    config = dataclasses.replace(
+        o.engine_config(load, drafting, say=say), n_parallel=parallel, mmproj=None
+    )  # (bench reads text prompts: no projector)
     with LoadProgress({}) as load_progress:
         engine = Engine(config, on_load_progress=load_progress)
     # each drafter the engine could make (the registry's, in its order), at each K

@@ -253,6 +253,17 @@ class ModelOptions:
         "network level while generating.",
         to="engine.rpc_timeout",
     )  # fmt: skip
+    mmproj: Path | None = option(
+        None, "-mm", "--mmproj", metavar="FILE",
+        help="The target's multimodal projector (an mmproj-*.gguf file, as llama.cpp's "
+        "--mmproj), which reads images: `run --image`.",
+        to="engine.mmproj",
+    )  # fmt: skip
+    no_mmproj_offload: bool = option(
+        False, "--no-mmproj-offload",
+        help="Run the projector on the CPU (default: on the GPU where the build has one).",
+        to="engine.mmproj_offload", convert=operator.not_,
+    )  # fmt: skip
     registry: Path | None = option(
         None, "--registry", help="An extra models.toml (adds to or overrides the registry)."
     )

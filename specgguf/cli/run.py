@@ -73,6 +73,15 @@ def run(
     grammar_file: Annotated[
         Path | None, typer.Option("--grammar-file", help="--grammar read from a file.")
     ] = None,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--image",
+            metavar="FILE",
+            help="An image the target reads with --mmproj (repeatable, as llama-mtmd-cli's): "
+            "where the prompt has the marker <__media__>, else before it.",
+        ),
+    ] = None,
     prompt_cache: Annotated[
         Path | None,
         typer.Option(
@@ -121,6 +130,7 @@ def run(
     from specgguf.cli.prompt import read_prompt
     from specgguf.engine import Engine, preflight, render_prompt
     from specgguf.errors import Interrupted, UsageError
+    from specgguf.llama.media import MARKER
     from specgguf.speculative.loop import GenerationParams
 
     setup_logging(verbose=verbose, quiet=quiet)
@@ -138,6 +148,11 @@ def run(
             raise UsageError("give the prompt as an argument or with -p/--prompt, not both")
         prompt = prompt_opt
     text = read_prompt(prompt, file)
+    media = read_media(image or [], text, has_projector=config.mmproj is not None)
+    if media and prompt_cache is not None:
+        raise UsageError("--prompt-cache does not keep images yet: leave out one of them")
+    if media and MARKER not in text:  # one marker before the text for each, as llama-mtmd-cli
+        text = MARKER * len(media) + text
     checked = preflight(config)  # before any weights load; the template too
     messages = [{"role": "system", "content": system}] if system is not None else []
     conversation = text if raw else [*messages, {"role": "user", "content": text}]
@@ -153,12 +168,12 @@ def run(
     with engine:
         # rendered again with the loaded vocabulary's control tokens kept out of the text
         prepared = engine.render(conversation)
-        ids = engine.prepared_ids(prepared)
+        ids, spans = engine.media_prompt(prepared, media)
         if config.speculative.drafter == "auto":
             say_calibration(engine, say, deterministic=config.deterministic)
         if prompt_cache is not None:
             recall_prompt(engine, prompt_cache, say, read_only=prompt_cache_ro)
-        gen = engine.generate(ids, params)
+        gen = engine.generate(ids, params, media=spans)
         # The live panel compares a forced drafter with the target alone (auto mode weighs
         # it at every step itself); the last line compares both.
         forced = config.speculative.drafter not in ("auto", "none")
@@ -213,6 +228,41 @@ def run(
             say(gain_line(result.stats, alone))
         if interrupted:
             raise Interrupted()
+
+
+def read_media(paths: list[Path], text: str, *, has_projector: bool) -> list[tuple[str, bytes]]:
+    """The ``--image`` files' names and bytes, checked before any weights load: each a
+    readable file within :data:`specgguf.llama.media.MAX_BYTES` and, for the formats
+    whose header says, :data:`~specgguf.llama.media.MAX_PIXELS`; as many as the prompt's
+    markers where it has any.
+
+    Raises:
+        MediaError: a missing, unreadable, empty or oversized image, or images without
+            --mmproj.
+        UsageError: markers in the prompt that do not match the images in number.
+    """
+    from specgguf.errors import MediaError, UsageError
+    from specgguf.llama.media import MARKER, MAX_BYTES, check_medium
+
+    if paths and not has_projector:
+        raise MediaError(f"--image {paths[0]}: reading images needs the target's projector "
+                         f"file: give it with --mmproj", part=str(paths[0]))  # fmt: skip
+    out = []
+    for path in paths:
+        try:
+            size = path.stat().st_size
+            if size > MAX_BYTES:
+                raise MediaError(f"--image {path} is {size:,} bytes: at most {MAX_BYTES:,} "
+                                 f"are read", part=str(path))  # fmt: skip
+            data = path.read_bytes()
+        except OSError as e:
+            raise MediaError(f"--image {path}: {e.strerror or e}", part=str(path)) from None
+        check_medium(data, str(path))
+        out.append((str(path), data))
+    markers = text.count(MARKER)
+    if markers and markers != len(out):
+        raise UsageError(f"the prompt has {markers} {MARKER} marker(s) for {len(out)} --image")
+    return out
 
 
 def check_cache_file(path: Path, say: Callable[[str], None], *, read_only: bool) -> None:

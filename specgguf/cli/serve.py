@@ -95,6 +95,10 @@ def serve(
                          "--api-key too, or name the origins")  # fmt: skip
     o.cache_config(cache)  # its refusals before anything is downloaded or loaded
     config = o.engine_config(load, drafting, say=say)
+    if config.mmproj is not None:  # (llama-server's command lines pass it: not refused)
+        say(f"specgguf: warning: the server does not read images yet: --mmproj "
+            f"{config.mmproj} is not loaded, and image parts are refused (400)")  # fmt: skip
+        config = dataclasses.replace(config, mmproj=None)
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(
         config,

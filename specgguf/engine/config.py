@@ -303,6 +303,10 @@ class EngineConfig:
             context of the target's (and the draft's) ``n_ctx`` in one llama.cpp context
             (:mod:`specgguf.engine.batching`); 1: one at a time.
         cache: what is kept of prompts between generations (:class:`CacheConfig`).
+        mmproj: the target's multimodal projector file (``--mmproj``), which reads images
+            into the target's embeddings (:mod:`specgguf.llama.media`); None: text only.
+        mmproj_offload: run the projector on the GPU where the build can
+            (``--mmproj-offload``, llama.cpp's default).
 
     Raises:
         UsageError: a drafter that needs a draft model without one, a timeout of 0 or less,
@@ -318,6 +322,8 @@ class EngineConfig:
     rpc_timeout: float = DEFAULT_TIMEOUT
     n_parallel: int = 1
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    mmproj: Path | None = None
+    mmproj_offload: bool = True
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:

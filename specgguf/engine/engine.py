@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specgguf.engine.batching import BatchedSequence, Batcher
 from specgguf.engine.calibration import calibrate, calibration_key, load_calibration, pair_timings
@@ -55,7 +57,14 @@ from specgguf.engine.drafter_map import (
 from specgguf.engine.preflight import Preflight, preflight, target_mtp, target_snapshots
 from specgguf.engine.prompt_cache import PromptCache, file_fingerprint, identity
 from specgguf.engine.slots import SavedPrompt, Slot, best_slot
-from specgguf.errors import BackendError, ContextOverflowError, SpecggufError, UsageError
+from specgguf.errors import (
+    BackendError,
+    ContextOverflowError,
+    MediaError,
+    ModelNotFoundError,
+    SpecggufError,
+    UsageError,
+)
 from specgguf.gguf.arch import DELTA_NET_ARCHS, article, describe
 from specgguf.llama.backend import DraftHead, LlamaContext, LlamaModel, default_threads
 from specgguf.llama.runtime import build_info, build_key
@@ -66,6 +75,9 @@ from specgguf.speculative.grammar import Constraint, GrammarSpec
 from specgguf.speculative.loop import Generation, GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import Planner
 from specgguf.speculative.tuning import AUTO_TUNING
+
+if TYPE_CHECKING:
+    from specgguf.llama.media import MediaSpan, Projector
 
 log = logging.getLogger("specgguf")
 
@@ -135,6 +147,9 @@ class Engine:
         if not mtp and config.loads_draft and d_info is not None:
             self.head_kind = head_of_draft(d_info.architecture)
         head_spec = DRAFTERS[self.head_kind].head if self.head_kind else None
+        if config.mmproj is not None and not config.mmproj.is_file():
+            raise ModelNotFoundError(f"projector file not found: {config.mmproj}",
+                                     path=config.mmproj)  # fmt: skip
         try:
             self.target_model = self._load(config.target, load_mtp=mtp)
             self.draft_model: LlamaModel | None = None
@@ -225,6 +240,15 @@ class Engine:
                 from specgguf.llama.rpc import keep_alive, parse_endpoints
 
                 keep_alive(parse_endpoints(config.rpc_servers), config.rpc_timeout)
+            #: the target's multimodal projector (``--mmproj``), or None
+            self.projector: Projector | None = None
+            if config.mmproj is not None:
+                from specgguf.llama.media import Projector
+
+                threads = config.target.n_threads or default_threads()
+                self.projector = self._stack.enter_context(Projector(
+                    config.mmproj, self.target_model, n_threads=threads,
+                    use_gpu=config.mmproj_offload))  # fmt: skip
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
             # Said when the batch size (or a recurrent state's snapshots) is what clamps
             # the draft length; a context smaller than the draft length limits each step
@@ -636,7 +660,12 @@ class Engine:
         return make_planner(kind, drafting, settings)
 
     def generate(
-        self, prompt: Prompt, params: GenerationParams | None = None, *, slot: int | None = None
+        self,
+        prompt: Prompt,
+        params: GenerationParams | None = None,
+        *,
+        slot: int | None = None,
+        media: Sequence[MediaSpan] = (),
     ) -> Generation:
         """Start a generation: iterate the result for text pieces; ``result`` holds the
         text, tokens, finish reason and statistics when it ends.
@@ -651,6 +680,9 @@ class Engine:
 
         ``params.grammar``: the output held to a grammar (:mod:`specgguf.speculative.grammar`;
         compiled here, cached per grammar).
+
+        ``media``: the images of a prompt made by :meth:`media_prompt`, read at their
+        positions (the engine's own sequence only).
 
         With ``params.cache_prompt`` (the default) and a prompt cache
         (``CacheConfig.ram``/``disk``), the sequence's state may be saved into the cache and
@@ -670,14 +702,85 @@ class Engine:
         params = dataclasses.replace(params, deterministic=det)
         planner = self.planner(params, slot)
         ids = self.prompt_ids(prompt)
+        if media and slot is not None:
+            raise UsageError("media with parallel sequences are not supported yet")
         seq = self.own if slot is None else self.slots[slot]
+        if seq is self.own:
+            self.target_ctx.set_media(media)
         seq.target.set_rows_per_decode(self.deterministic_rows if det else None)
         constraint = self.constraint(params.grammar) if params.grammar is not None else None
         gen = seq.decoder.generate(ids, params, planner, constraint)
-        if params.cache_prompt:
+        # (a prompt with media is not recalled from the prompt cache: its placeholder
+        # tokens would match another image's; the sequence's own cache is media-aware)
+        if params.cache_prompt and not media:
             self._recall(seq, ids)
         seq.last_used = time.monotonic()
         return gen
+
+    def media_prompt(
+        self, prepared: PreparedPrompt, media: Sequence[tuple[str, bytes]]
+    ) -> tuple[list[int], list[MediaSpan]]:
+        """The token ids of a rendered prompt whose text holds a media marker
+        (:data:`specgguf.llama.media.MARKER`) where each of ``media`` goes (``(name,
+        bytes)``: a file's name or a request's part, and its content), and the media's
+        embeddings at their positions, for :meth:`generate`'s ``media``: each medium's
+        positions hold a placeholder token (the target's BOS) in the ids. The text between
+        the markers is tokenized as :meth:`prepared_ids` does, as libmtmd tokenizes the
+        pieces (``mtmd_tokenize``).
+
+        Raises:
+            MediaError: no projector loaded, a medium that cannot be read (see
+                :meth:`specgguf.llama.media.Projector.chunks`), or the prompt's last
+                position inside a medium (text must follow it).
+            UsageError: not as many markers as media; media with parallel sequences, a
+                recurrent target, deterministic mode, or a drafter that reads the target's
+                hidden states (not supported yet).
+        """
+        from specgguf.llama.media import MARKER, MediaSpan
+
+        if not media:
+            return self.prepared_ids(prepared), []
+        first = media[0][0]
+        if self.projector is None:
+            raise MediaError(f"{first}: reading images needs the target's projector file "
+                             f"(mmproj)", part=first)  # fmt: skip
+        why = ("parallel sequences" if self.n_parallel > 1 else
+               "deterministic mode" if self.config.deterministic else
+               f"a {self.target_model.memory} target" if self.target_model.memory != "attention"
+               else f"the {self.head_kind} drafter" if self.head_kind else None)  # fmt: skip
+        if why:
+            raise UsageError(f"media with {why} are not supported yet")
+        text = prepared.text
+        cuts = [m.start() for m in re.finditer(re.escape(MARKER), text)]
+        if len(cuts) != len(media):
+            raise UsageError(f"the prompt has {len(cuts)} media marker(s) {MARKER} for "
+                             f"{len(media)} medium/media")  # fmt: skip
+        placeholder = max(0, self.target_model.bos)
+        ids: list[int] = []
+        spans: list[MediaSpan] = []
+        at = 0
+        for i, cut in enumerate([*cuts, len(text)]):
+            literal = tuple((max(a, at) - at, min(b, cut) - at) for a, b in prepared.literal
+                            if a < cut and b > at)  # fmt: skip
+            piece = dataclasses.replace(prepared, text=text[at:cut], literal=literal,
+                                        add_special=prepared.add_special and i == 0)  # fmt: skip
+            if piece.text or piece.add_special:
+                ids += self.prepared_ids(piece)
+            at = cut + len(MARKER)
+            if i == len(media):
+                break
+            name, data = media[i]
+            for chunk in self.projector.chunks(data, name):
+                if chunk.embd is None:
+                    ids += chunk.tokens or []
+                    continue
+                key = hashlib.sha256(data).digest()
+                spans.append(MediaSpan(len(ids), chunk.embd, key, chunk.non_causal))
+                ids += [placeholder] * len(chunk.embd)
+        if spans and spans[-1].end >= len(ids):
+            raise MediaError(f"{media[-1][0]} ends the prompt: text must follow the last "
+                             f"medium (the chat template adds it)", part=media[-1][0])  # fmt: skip
+        return ids, spans
 
     # -- what the sequences hold ------------------------------------------------------
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -45,10 +46,13 @@ def write_mmproj(
     n_ff: int = 64,
     n_layer: int = 2,
     seed: int = 4321,
+    dtype: type[np.floating] = np.float32,
 ) -> int:
     """Write a tiny LLaVA projector to ``path`` whose output embeddings have
     ``n_embd_text`` values (the text model's ``embedding_length``); returns the embeddings
-    (image tokens) an image becomes: (image_size / patch_size)².
+    (image tokens) an image becomes: (image_size / patch_size)². ``dtype``: the weight
+    matrices' type (float32, or float16 as ``mmproj-*-f16.gguf`` files have them; biases
+    and norms stay float32): float16 halves a large projector's file.
 
     Raises:
         ValueError: sizes that do not divide (image by patch, embedding by heads), or a
@@ -61,8 +65,8 @@ def write_mmproj(
         )
     rng = np.random.default_rng(seed)
 
-    def normal(shape: tuple[int, ...], scale: float) -> npt.NDArray[np.float32]:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    def normal(shape: tuple[int, ...], scale: float) -> npt.NDArray[Any]:
+        return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
 
     def ones(n: int) -> npt.NDArray[np.float32]:
         return np.ones(n, np.float32)
@@ -75,7 +79,8 @@ def write_mmproj(
     w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     w.add_type(gguf.GGUFType.MMPROJ)
     w.add_name("tiny mmproj")
-    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if dtype == np.float32
+                        else gguf.LlamaFileType.MOSTLY_F16))  # fmt: skip
     w.add_clip_has_vision_encoder(True)
     w.add_clip_projector_type("mlp")  # (gguf-py has no constant for LLaVA's)
     w.add_vision_image_size(image_size)
@@ -89,11 +94,11 @@ def write_mmproj(
     w.add_vision_image_mean(list(IMAGE_MEAN))
     w.add_vision_image_std(list(IMAGE_STD))
     w.add_vision_use_gelu(True)
-    tensors: list[tuple[str, npt.NDArray[np.float32]]] = [
+    tensors: list[tuple[str, npt.NDArray[Any]]] = [
         # numpy shapes are (out, in): a convolution's (out, in, kh, kw)
         ("v.patch_embd.weight", normal((d, 3, ps, ps), (3 * ps * ps) ** -0.5)),
         ("v.patch_embd.bias", zeros(d)),
-        ("v.position_embd.weight", normal((n_patches, d), 0.1)),
+        ("v.position_embd.weight", normal((n_patches, d), 0.1).astype(np.float32)),
         ("v.pre_ln.weight", ones(d)),
         ("v.pre_ln.bias", zeros(d)),
     ]

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +38,9 @@ from specgguf.gguf.arch import LAYER_INPUT_ARCHS
 from specgguf.gguf.info import tensor_names
 from specgguf.llama.hugepages import LoadAdvice
 from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_policy
+
+if TYPE_CHECKING:
+    from specgguf.llama.media import MediaSpan
 
 log = logging.getLogger("specgguf")
 _warned_repack = False
@@ -776,6 +779,11 @@ class LlamaContext(_Native):
         self._scratch_ok = scratch
         self._seq = 0  # the sequence eval() writes: 1 inside scratch()
         self._home = 0  # the sequence of the committed text (see sequence())
+        #: the media of the prompt to read next (:meth:`set_media`), and those the cache
+        #: holds, by their first position
+        self.media_plan: list[MediaSpan] = []
+        self._media: dict[int, MediaSpan] = {}
+        self._media_batch: Any = None
         # the token at each cached position, to decode again past the snapshots
         self._held = np.zeros(self.n_ctx_allocated, np.int32)
         self._hidden = hidden or bool(layer_inputs)
@@ -1321,6 +1329,8 @@ class LlamaContext(_Native):
         """Cut sequence 0 to ``n_keep`` positions: by llama.cpp's ``seq_rm`` where the
         memory allows it, else (or with ``reread``) by clearing it and decoding its tokens
         again."""
+        if self._media:
+            self._media = {p: m for p, m in self._media.items() if m.end <= n_keep}
         self._forget_past(n_keep)
         # (a cut chunk is copied: a view would keep the dropped rows' memory)
         self._cut_hidden(n_keep)
@@ -1381,7 +1391,7 @@ class LlamaContext(_Native):
         """
         if self._tree is not None:
             self._drop_tree(self._tree[1])
-        n = self.cached_prefix(tokens)
+        n = self._media_prefix(self.cached_prefix(tokens))
         if exact:
             n = min(n, self._exact_to)
             n -= n % self._exact_unit
@@ -1476,6 +1486,10 @@ class LlamaContext(_Native):
             return
         start, end = self.n_past, self.n_past + len(tokens)
         read = evaluate or (lambda t: self.eval(t, logits="none"))
+        media = [m for m in self.media_plan if m.end > start and m.start < end]
+        if media:
+            self._prompt_with_media(tokens, media, read)
+            return
         unit = self._exact_unit
         cuts = [end]
         if self.n_checkpoints:
@@ -1496,6 +1510,95 @@ class LlamaContext(_Native):
             self._exact_to = end - end % unit
         else:  # (a recurrent state's reads are never exact: see reuse)
             self._exact_to = min(self._exact_to, start)
+
+    def set_media(self, spans: Sequence[MediaSpan]) -> None:
+        """The media of the prompt read next (:meth:`reuse`, then :meth:`prompt`): their
+        embeddings take their positions in place of the placeholder tokens the prompt's
+        ids hold there. None: a prompt of text alone."""
+        self.media_plan = sorted(spans, key=lambda m: m.start)
+
+    def _media_prefix(self, n: int) -> int:
+        """``n`` cached positions cut before the first medium that the cache and the
+        prompt to read do not share (other content, or only one of them has one there):
+        the placeholder tokens are the same whatever the image."""
+        plan = {m.start: m for m in self.media_plan}
+        for m in [*self._media.values(), *self.media_plan]:
+            if m.start < n:
+                held, wanted = self._media.get(m.start), plan.get(m.start)
+                if held is None or wanted is None or not held.same(wanted):
+                    n = m.start
+        return n
+
+    def _prompt_with_media(
+        self, tokens: Sequence[int], media: list[MediaSpan], read: Callable[[Sequence[int]], object]
+    ) -> None:
+        """:meth:`prompt` of ``tokens`` whose positions hold ``media``: the text between
+        them read as tokens, each medium as its embeddings.
+
+        Raises:
+            BackendError: a medium not wholly inside the prompt, a recurrent state (its
+                checkpoints are not taken here), a batched sequence, or a decode failure.
+        """
+        start = self.n_past
+        end = start + len(tokens)
+        if self.n_checkpoints or self.n_parallel > 1 or self._seq != self._home:
+            raise BackendError(f"{self.model.path.name}: media are read only by a sequence "
+                               f"of its own with a KV cache")  # fmt: skip
+        at = start
+        for m in media:
+            if m.start < at or m.end > end:
+                raise BackendError(f"a medium at positions {m.start}-{m.end} is not inside "
+                                   f"the prompt read ({start}-{end})")  # fmt: skip
+            if m.start > at:
+                read(tokens[at - start : m.start - start])
+            self._read_media(m, tokens[m.start - start : m.end - start])
+            at = m.end
+        if end > at:
+            read(tokens[at - start :])
+        self._exact_to = min(self._exact_to, start)
+
+    def _read_media(self, span: MediaSpan, placeholders: Sequence[int]) -> None:
+        """Decode a medium's embeddings at its positions (no logits), in batches of
+        ``n_batch`` rows, a non-causal one in one micro-batch with causal attention off
+        (as libmtmd's ``mtmd_helper_decode_image_chunk``)."""
+        n, width = len(span.embd), span.embd.shape[1]
+        if span.non_causal and n > self.n_ubatch:
+            raise BackendError(f"an image of {n} rows attends both ways and needs them in "
+                               f"one micro-batch: n_ubatch is {self.n_ubatch}")  # fmt: skip
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(self.n_past + n, self.n_ctx, prompt=True,
+                                       model=self.model.path.name)  # fmt: skip
+        lc = self._lc
+        if self._media_batch is None:
+            self._media_batch = lc.llama_batch_init(self.n_batch, width, 1)
+        b = self._media_batch
+        emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, width))
+        pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))[:] = 0
+        t0 = time.perf_counter()
+        if span.non_causal:
+            lc.llama_set_causal_attn(self._ctx, False)
+        try:
+            for at in range(0, n, self.n_batch):
+                rows = min(self.n_batch, n - at)
+                emb[:rows] = span.embd[at : at + rows]
+                pos[:rows] = np.arange(self.n_past, self.n_past + rows, dtype=np.int32)
+                for i in range(rows):
+                    b.seq_id[i][0] = self._seq
+                b.n_tokens = rows
+                rc = lc.llama_decode(self._ctx, b)
+                if rc != 0:
+                    self._truncate(self.n_past)
+                    raise BackendError(f"llama_decode failed with code {rc} on "
+                                       f"{self.model.path.name} reading a medium")  # fmt: skip
+                self._held[self.n_past : self.n_past + rows] = placeholders[at : at + rows]
+                self.n_past += rows
+        finally:
+            if span.non_causal:
+                lc.llama_set_causal_attn(self._ctx, True)
+            self.eval_seconds += time.perf_counter() - t0
+        self._media[span.start] = span
 
     def checkpoint(self) -> None:
         """Keep a :class:`Checkpoint` of the recurrent state at ``n_past`` (one there
@@ -1783,6 +1886,9 @@ class LlamaContext(_Native):
         if self._batch is not None:
             self._lc.llama_batch_free(self._batch)
             self._batch = None
+        if self._media_batch is not None:
+            self._lc.llama_batch_free(self._media_batch)
+            self._media_batch = None
         if self._ctx is not None:
             self._lc.llama_free(self._ctx)
             self._ctx = None

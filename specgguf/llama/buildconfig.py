@@ -130,9 +130,9 @@ def cmake_args(backend: str, flags: frozenset[str], machine: str | None = None) 
     if backend not in gpu:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     # The RPC backend (ggml-rpc) lets a target's layers live on other machines' rpc-server
-    # processes; it costs nothing when unused, so every build has it. specgguf never uses
-    # the multimodal (llava/mtmd) library: skipping it saves build time.
-    return [*gpu[backend], *cpu_cmake_args(flags, machine), RPC_CMAKE_ARG, "-DLLAVA_BUILD=OFF"]
+    # processes; it costs nothing when unused, so every build has it. llama-cpp-python's
+    # default LLAVA_BUILD=ON builds libmtmd, the multimodal library (--mmproj).
+    return [*gpu[backend], *cpu_cmake_args(flags, machine), RPC_CMAKE_ARG]
 
 
 def with_rpc(args: str) -> str:

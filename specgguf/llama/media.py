@@ -1,0 +1,248 @@
+"""Images for a multimodal target: a projector file (``--mmproj``) read by llama.cpp's
+libmtmd through llama-cpp-python's binding (``llama_cpp.mtmd_cpp``), which turns an image
+into the embeddings the target reads in its place (tools/mtmd/mtmd.h).
+
+A prompt with media is text with a marker (:data:`MARKER`, libmtmd's default) where each
+medium goes. :meth:`Projector.chunks` turns one medium into what the target reads there:
+the image's embeddings (float32 rows of the target's ``n_embd``), and any text the
+projector puts around them (begin/end-of-image tokens on some models; none on LLaVA's).
+The embeddings take positions in the target's KV cache as tokens do
+(:meth:`specgguf.llama.backend.LlamaContext.prompt` with :class:`MediaSpan`\\ s); the
+text of the generation holds a placeholder token at each of those positions, which the
+drafters read as text.
+
+Not yet: audio, and projectors whose positions are not one a row (M-RoPE: Qwen2-VL and
+later), which :meth:`Projector.chunks` refuses by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from specgguf.errors import BackendError, MediaError
+from specgguf.llama.backend import LlamaModel, _Native
+
+#: libmtmd's default media marker (``mtmd_default_marker()``): where a medium goes in a
+#: prompt's text.
+MARKER = "<__media__>"
+
+#: The most pixels an image may have (width times height): libmtmd decodes it whole (3
+#: bytes a pixel) before resizing it to the projector's input, so a 20,000 x 20,000
+#: image would take 1.2 GB. 33.5 M pixels: 8,192 x 4,096, about 100 MB decoded.
+MAX_PIXELS = 1 << 25
+
+#: The most bytes of one medium (a file or a request's data).
+MAX_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MediaSpan:
+    """A medium's embeddings at positions ``start`` to ``start + len(embd)`` of a
+    sequence: ``embd`` float32[n, n_embd]; ``key`` its content's hash (a cached prompt is
+    reused past a medium only where the same content is there); ``non_causal``: its rows
+    attend to each other both ways (decoded in one micro-batch)."""
+
+    start: int
+    embd: npt.NDArray[np.float32]
+    key: bytes
+    non_causal: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.embd)
+
+    def same(self, other: MediaSpan) -> bool:
+        """The same medium at the same positions."""
+        return (self.start, self.end, self.key) == (other.start, other.end, other.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """What a medium becomes: text token ids (``tokens``), or embeddings (``embd``
+    float32[n, n_embd], ``non_causal``)."""
+
+    tokens: list[int] | None = None
+    embd: npt.NDArray[np.float32] | None = None
+    non_causal: bool = False
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """An image's (width, height) from its header, for PNG, JPEG, GIF, BMP and PNM; None
+    for another format or a header that does not say (libmtmd's stb_image decides)."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        return struct.unpack(">II", data[16:24])
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack("<HH", data[6:10])
+    if data[:2] == b"BM" and len(data) >= 26:
+        w, h = struct.unpack("<ii", data[18:26])
+        return abs(w), abs(h)
+    if data[:2] in (b"P5", b"P6") and len(data) > 3:
+        fields = data[2:64].split()
+        if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+            return int(fields[0]), int(fields[1])
+        return None
+    if data[:2] == b"\xff\xd8":  # JPEG: the first start-of-frame marker
+        i = 2
+        while i + 9 < len(data):
+            if data[i] != 0xFF:
+                return None
+            marker, length = data[i + 1], struct.unpack(">H", data[i + 2 : i + 4])[0]
+            if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD,
+                          0xCE, 0xCF):  # fmt: skip
+                h, w = struct.unpack(">HH", data[i + 5 : i + 9])
+                return w, h
+            i += 2 + length
+    return None
+
+
+def check_medium(data: bytes, name: str) -> None:
+    """Refuse a medium before anything decodes it: empty, over :data:`MAX_BYTES`, or an
+    image of more than :data:`MAX_PIXELS` (by its header).
+
+    Raises:
+        MediaError: naming ``name`` and what is wrong.
+    """
+    if not data:
+        raise MediaError(f"{name} is empty", part=name)
+    if len(data) > MAX_BYTES:
+        raise MediaError(f"{name} is {len(data):,} bytes: at most {MAX_BYTES:,} are read",
+                         part=name)  # fmt: skip
+    size = image_size(data)
+    if size is not None:
+        w, h = size
+        if w <= 0 or h <= 0:
+            raise MediaError(f"{name} says it is {w} x {h} pixels: not an image", part=name)
+        if w * h > MAX_PIXELS:
+            raise MediaError(f"{name} is {w:,} x {h:,} pixels: at most {MAX_PIXELS:,} "
+                             f"pixels are read", part=name)  # fmt: skip
+
+
+def _mtmd() -> Any:
+    """llama-cpp-python's libmtmd binding.
+
+    Raises:
+        BackendError: this build of llama-cpp-python has no libmtmd.
+    """
+    from specgguf.llama import runtime
+
+    runtime.llama()  # (the log callback exists from here on)
+    try:
+        from llama_cpp import mtmd_cpp
+    except (OSError, FileNotFoundError, RuntimeError) as e:  # (no libmtmd.so in the wheel)
+        raise BackendError(
+            f"this llama-cpp-python build has no multimodal library (libmtmd): {e}",
+            hint="reinstall with scripts/install, which builds it",
+        ) from None
+    # libmtmd's own log (its encoder's lines) to the same logger as llama.cpp's (-v)
+    mtmd_cpp.mtmd_log_set(runtime._log_callback, None)
+    mtmd_cpp.mtmd_helper_log_set(runtime._log_callback, None)
+    return mtmd_cpp
+
+
+class Projector(_Native):
+    """A multimodal projector file loaded beside its text model (``mtmd_init_from_file``).
+
+    Args:
+        path: the projector GGUF (``mmproj-*.gguf``, architecture ``clip``).
+        model: the loaded text model it feeds (its ``n_embd`` must be the projector's
+            output size: libmtmd refuses another).
+        n_threads: CPU threads of the image encoder.
+        use_gpu: offload the encoder where the build can (``--mmproj-offload``).
+
+    Raises:
+        BackendError: no libmtmd in this build, or libmtmd could not load the file (not a
+            projector, or one for another model).
+    """
+
+    def __init__(self, path: Path, model: LlamaModel, *, n_threads: int = 4,
+                 use_gpu: bool = True) -> None:  # fmt: skip
+        self.path = Path(path)
+        self._ctx: Any = None
+        self._m = m = _mtmd()
+        params = m.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.n_threads = max(1, n_threads)
+        params.print_timings = False
+        params.warmup = False
+        self._ctx = m.mtmd_init_from_file(str(self.path).encode(), model.handle, params)
+        if not self._ctx:
+            raise BackendError(
+                f"llama.cpp could not load the projector {self.path.name} for "
+                f"{model.path.name} (not a projector file, or one made for another model)"
+            )
+        self.vision = bool(m.mtmd_support_vision(self._ctx))
+        self.audio = bool(m.mtmd_support_audio(self._ctx))
+        self.n_embd = model.n_embd
+        #: seconds spent encoding media so far
+        self.encode_seconds = 0.0
+
+    def chunks(self, data: bytes, name: str) -> list[Chunk]:
+        """What one image (its file's bytes) becomes, in order: its embeddings, and any
+        text the projector puts around them.
+
+        Raises:
+            MediaError: an empty, oversized, unreadable or unsupported medium (``name``
+                names it), or an audio clip for a projector without audio.
+            BackendError: libmtmd failed to encode it.
+        """
+        check_medium(data, name)
+        m, ctx = self._m, self._ctx
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        bitmap = m.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(data), False)
+        if not bitmap:
+            raise MediaError(f"{name} could not be read as an image (a corrupt, truncated "
+                             f"or unknown format)", part=name)  # fmt: skip
+        chunks = m.mtmd_input_chunks_init()
+        try:
+            if m.mtmd_bitmap_is_audio(bitmap) and not self.audio:
+                raise MediaError(f"{name} is audio, and {self.path.name} reads no audio",
+                                 part=name)  # fmt: skip
+            if not m.mtmd_bitmap_is_audio(bitmap) and not self.vision:
+                raise MediaError(f"{name} is an image, and {self.path.name} reads no images",
+                                 part=name)  # fmt: skip
+            text = m.mtmd_input_text(MARKER.encode(), len(MARKER.encode()), False, True)
+            bitmaps = (m.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            rc = m.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1)
+            if rc != 0:
+                raise MediaError(f"{name} could not be prepared for the projector "
+                                 f"(libmtmd error {rc})", part=name)  # fmt: skip
+            return [self._chunk(m.mtmd_input_chunks_get(chunks, i), name)
+                    for i in range(m.mtmd_input_chunks_size(chunks))]  # fmt: skip
+        finally:
+            m.mtmd_input_chunks_free(chunks)
+            m.mtmd_bitmap_free(bitmap)
+
+    def _chunk(self, chunk: Any, name: str) -> Chunk:
+        m, ctx = self._m, self._ctx
+        kind = m.mtmd_input_chunk_get_type(chunk)
+        if kind == m.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            n = ctypes.c_size_t(0)
+            ptr = m.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+            return Chunk(tokens=[int(ptr[i]) for i in range(n.value)])
+        n_tokens = int(m.mtmd_input_chunk_get_n_tokens(chunk))
+        if int(m.mtmd_input_chunk_get_n_pos(chunk)) != n_tokens or m.mtmd_decode_use_mrope(ctx):
+            raise MediaError(f"{self.path.name} places an image's rows on positions of its "
+                             f"own (M-RoPE): not supported yet", part=name)  # fmt: skip
+        t0 = time.perf_counter()
+        if m.mtmd_encode_chunk(ctx, chunk) != 0:
+            raise BackendError(f"llama.cpp could not encode {name} with {self.path.name}")
+        out = m.mtmd_get_output_embd(ctx)
+        embd = np.ctypeslib.as_array(out, shape=(n_tokens, self.n_embd)).copy()
+        self.encode_seconds += time.perf_counter() - t0
+        return Chunk(embd=embd, non_causal=bool(m.mtmd_decode_use_non_causal(ctx, chunk)))
+
+    def _is_open(self) -> bool:
+        return self._ctx is not None
+
+    def _free(self) -> None:
+        if self._ctx is not None:
+            self._m.mtmd_free(self._ctx)
+            self._ctx = None

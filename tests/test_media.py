@@ -1,0 +1,230 @@
+"""Images read by the target through a projector (``--mmproj``, libmtmd): a tiny generated
+LLaVA projector beside the tiny target (specgguf/gguf/tinymedia.py), llama.cpp's own
+``llama-mtmd-cli`` as the oracle of what the target generates after an image, every
+drafter giving the target's own greedy output, and bad media refused before anything is
+decoded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specgguf.errors import MediaError, UsageError
+from specgguf.gguf.tinymedia import picture, png_bytes, write_mmproj, write_png
+from specgguf.llama.media import MAX_PIXELS, check_medium, image_size
+
+from .helpers import run_cli
+
+N_EMBD = 64  # the tiny target's (specgguf/gguf/tiny.py)
+PROMPT = "Describe"
+
+
+@pytest.fixture(scope="module")
+def media(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The tiny target, its projector, two pictures and a corrupt one."""
+    folder = tmp_path_factory.mktemp("media")
+    write_mmproj(folder / "mmproj.gguf", N_EMBD)
+    (folder / "broken.png").write_bytes(png_bytes(picture())[:60])
+    return {
+        "target": tiny_models["target"],
+        "draft": tiny_models["draft-partial"],
+        "mmproj": folder / "mmproj.gguf",
+        "image": write_png(folder / "a.png", picture()),
+        "other": write_png(folder / "b.png", picture(flip=True)),
+        "broken": folder / "broken.png",
+    }
+
+
+def _run(media: dict[str, Path], *args: str, image: str = "image", n: int = 16) -> dict:
+    res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+                  "--image", str(media[image]), "--temp", "0", "-n", str(n), "--ignore-eos",
+                  "-t", "1", "--json", *args, PROMPT)  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
+    return json.loads(res.stdout)
+
+
+# -- headers and limits: refused before anything decodes --------------------------------
+
+
+def _png_header(w: int, h: int) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + struct.pack(">II", w, h)
+
+
+def test_image_sizes_are_read_from_their_headers() -> None:
+    assert image_size(png_bytes(picture(24))) == (24, 24)
+    assert image_size(b"GIF89a" + struct.pack("<HH", 300, 200)) == (300, 200)
+    assert image_size(b"BM" + bytes(16) + struct.pack("<ii", 640, -480)) == (640, 480)
+    assert image_size(b"P6\n33 17\n255\n" + bytes(33 * 17 * 3)) == (33, 17)
+    # a JPEG: SOI, an APP0 segment, then SOF0 with height 20 and width 40
+    jpeg = (b"\xff\xd8" + b"\xff\xe0" + struct.pack(">H", 4) + b"JF"
+            + b"\xff\xc0" + struct.pack(">HBHH", 11, 8, 20, 40) + bytes(8))  # fmt: skip
+    assert image_size(jpeg) == (40, 20)
+    assert image_size(b"not an image at all") is None
+
+
+def test_bad_media_are_refused_by_name_before_decoding() -> None:
+    with pytest.raises(MediaError, match=r"x\.png is empty"):
+        check_medium(b"", "x.png")
+    huge = _png_header(20_000, 20_000)
+    with pytest.raises(MediaError, match=r"20,000 x 20,000 pixels"):
+        check_medium(huge, "huge.png")
+    with pytest.raises(MediaError, match="0 x 5 pixels"):
+        check_medium(_png_header(0, 5), "flat.png")
+    check_medium(_png_header(8192, MAX_PIXELS // 8192), "ok.png")  # at the limit: read
+    assert issubclass(MediaError, UsageError)  # exit 2, HTTP 400
+
+
+# -- the projector --------------------------------------------------------------------
+
+
+def test_the_projector_turns_an_image_into_embeddings(media: dict[str, Path]) -> None:
+    from specgguf.llama.backend import LlamaModel
+    from specgguf.llama.media import Projector
+
+    with LlamaModel(media["target"]) as model, Projector(media["mmproj"], model, n_threads=1) as p:
+        assert p.vision and not p.audio
+        (chunk,) = p.chunks(media["image"].read_bytes(), "a.png")
+        assert chunk.tokens is None and chunk.embd is not None
+        assert chunk.embd.shape == (16, N_EMBD) and chunk.embd.dtype == np.float32
+        (again,) = p.chunks(media["image"].read_bytes(), "a.png")
+        (other,) = p.chunks(media["other"].read_bytes(), "b.png")
+        assert again.embd is not None and other.embd is not None
+        assert np.array_equal(chunk.embd, again.embd)  # deterministic
+        assert not np.allclose(chunk.embd, other.embd)  # and the picture matters
+        for data, name in ((media["broken"].read_bytes(), "broken.png"),
+                           (b"\x00\x01garbage" * 10, "garbage.bin")):  # fmt: skip
+            with pytest.raises(MediaError, match=name):
+                p.chunks(data, name)
+
+
+# -- run --image against llama-mtmd-cli -------------------------------------------------
+
+
+def test_run_with_an_image_generates_what_llama_mtmd_cli_does(
+    media: dict[str, Path], tools: Path
+) -> None:
+    cli = tools / "llama-mtmd-cli"
+    if not cli.is_file():
+        why = "llama-mtmd-cli is not built (scripts/bench-llama-cpp --build-only)"
+        if os.environ.get("SPECGGUF_REQUIRE_LLAMA_TOOLS") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    from specgguf.llama.backend import LlamaModel
+
+    oracle = subprocess.run(
+        [str(cli), "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+         "--image", str(media["image"]), "-p", PROMPT, "--temp", "0", "-n", "16", "-t", "1",
+         "-c", "512", "--ignore-eos"],
+        capture_output=True, timeout=300, check=True,
+    )  # fmt: skip
+    ours = _run(media, "--drafter", "none")
+    with LlamaModel(media["target"], vocab_only=True) as vocab:
+        text = vocab.detokenize(ours["tokens"])
+    assert len(ours["tokens"]) == 16
+    # (llama-mtmd-cli prints a newline before the generated text and after it)
+    assert oracle.stdout.strip(b"\n") == text.strip(b"\n"), (oracle.stdout, text)
+    # the image is read: another picture gives another output
+    assert _run(media, "--drafter", "none", image="other")["tokens"] != ours["tokens"]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "model", "auto"])
+def test_every_drafter_gives_the_targets_own_output_after_an_image(
+    media: dict[str, Path], drafter: str
+) -> None:
+    alone = _run(media, "--drafter", "none", n=48)
+    draft = ["-md", str(media["draft"])] if drafter in ("model", "auto") else ["--no-draft"]
+    for k in ("1", "4"):
+        got = _run(media, "--drafter", drafter, "--draft", k, *draft, n=48)
+        assert got["tokens"] == alone["tokens"], (drafter, k)
+        # (a fixed drafter drafts here: after the image's placeholders, and from the text)
+        assert drafter == "auto" or got["stats"]["drafted"] > 0, (drafter, k)
+
+
+# -- bad input from the command line: exit 2, one line, nothing decoded -----------------
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--image", "{broken}"], "could not be read as an image"),
+        (["--image", "{missing}"], "No such file"),
+        (["--image", "{empty}"], "is empty"),
+        (["--image", "{huge}"], "20,000 x 20,000 pixels"),
+        (["--image", "{image}", "--image", "{image}", "one <__media__> marker"],
+         "1 <__media__> marker(s) for 2 --image"),
+        (["--image", "{image}", "--raw", "text first <__media__>"], "text must follow"),
+    ],
+)  # fmt: skip
+def test_bad_images_exit_2_with_one_line(
+    media: dict[str, Path], tmp_path: Path, args: list[str], words: str
+) -> None:
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "huge.png").write_bytes(_png_header(20_000, 20_000) + bytes(64))
+    paths = {**{k: str(v) for k, v in media.items()}, "missing": str(tmp_path / "no.png"),
+             "empty": str(tmp_path / "empty.png"), "huge": str(tmp_path / "huge.png")}  # fmt: skip
+    filled = [a.format(**paths) for a in args]
+    prompt = [] if filled[-1].startswith(("one", "text")) else [PROMPT]
+    res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]), "-n", "4",
+                  "--drafter", "none", *filled, *prompt)  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2, err
+    assert words in err and "Traceback" not in err
+    assert res.stdout == b""
+
+
+def test_an_image_without_a_projector_is_refused(media: dict[str, Path]) -> None:
+    res = run_cli("run", "-m", str(media["target"]), "--image", str(media["image"]), "-n", "4",
+                  PROMPT)  # fmt: skip
+    assert res.returncode == 2
+    assert "--mmproj" in res.stderr.decode() and res.stdout == b""
+    missing = run_cli("run", "-m", str(media["target"]), "--mmproj", "/nonexistent.gguf",
+                      "--image", str(media["image"]), "-n", "4", PROMPT)  # fmt: skip
+    assert missing.returncode == 3, missing.stderr.decode()
+    assert "projector file not found" in missing.stderr.decode()
+
+
+def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str, Path]) -> None:
+    """The placeholders are the same tokens for every image: the cache must be cut where
+    the image's content differs, and kept where it is the same (keyed by its hash)."""
+    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.llama.media import MARKER
+    from specgguf.speculative.loop import GenerationParams
+    from specgguf.speculative.sampling import SamplerParams
+
+    config = EngineConfig(ModelConfig(media["target"], n_ctx=512, n_threads=1),
+                          speculative=SpeculativeConfig(drafter="none"),
+                          mmproj=media["mmproj"])  # fmt: skip
+    params = GenerationParams(n_predict=12, sampler=SamplerParams(temperature=0), drafter="none",
+                              ignore_eos=True)  # fmt: skip
+    pictures = {k: ("picture", media[k].read_bytes()) for k in ("image", "other")}
+
+    def generate(eng: Engine, which: str) -> tuple[list[int], int, int]:
+        ids, spans = eng.media_prompt(eng.render(MARKER + PROMPT), [pictures[which]])
+        res = eng.generate(ids, params, media=spans).run()
+        return res.tokens, res.stats.prompt_cached, spans[0].start
+
+    fresh: dict[str, list[int]] = {}
+    for which in ("image", "other"):
+        with Engine(config) as eng:
+            fresh[which] = generate(eng, which)[0]
+    assert fresh["image"] != fresh["other"]
+    with Engine(config) as eng:
+        assert generate(eng, "image")[0] == fresh["image"]
+        tokens, cached, start = generate(eng, "other")
+        assert tokens == fresh["other"] and cached <= start  # cut before the new image
+        tokens, cached, start = generate(eng, "other")
+        assert tokens == fresh["other"] and cached > start + 16  # the same image: kept
+        # a text prompt after them reads its own tokens, not the image's rows
+        ids = eng.prepared_ids(eng.render(PROMPT))
+        with Engine(dataclasses.replace(config, mmproj=None)) as text_only:
+            expected = text_only.generate(ids, params).run().tokens
+        assert eng.generate(ids, params).run().tokens == expected
