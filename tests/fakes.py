@@ -100,7 +100,9 @@ class FakeContext:
             n += 1
         return n
 
-    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
+    def reuse(
+        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
+    ) -> int:
         """Keep the longest common prefix of the cache and ``tokens`` (logged as
         ("reuse", kept)); a recurrent fake goes to 0 when that is past its snapshots."""
         n = self.cached_prefix(tokens)
@@ -118,6 +120,7 @@ class FakeContext:
         evaluate: Callable[[Sequence[int]], object] | None = None,
         *,
         exact: bool = False,
+        media: Sequence[object] = (),
     ) -> None:
         if tokens:
             (evaluate or (lambda t: self.eval(t, logits="none")))(tokens)

@@ -69,6 +69,12 @@ def test_image_sizes_are_read_from_their_headers() -> None:
             + b"\xff\xc0" + struct.pack(">HBHH", 11, 8, 20, 40) + bytes(8))  # fmt: skip
     assert image_size(jpeg) == (40, 20)
     assert image_size(b"not an image at all") is None
+    # a PNM header with a comment, a JPEG with a fill byte, an OS/2 BMP (16-bit sizes)
+    assert image_size(b"P6\n# made here\n6000 6000\n255\n") == (6000, 6000)
+    app0 = b"\xff\xe0" + struct.pack(">H", 4) + b"JF"
+    sof = b"\xff\xc0" + struct.pack(">HBHH", 11, 8, 20, 40) + bytes(8)
+    assert image_size(b"\xff\xd8" + app0 + b"\xff" + sof) == (40, 20)  # a fill byte
+    assert image_size(b"BM" + bytes(12) + struct.pack("<IHH", 12, 4, 4) + bytes(8)) == (4, 4)
 
 
 def test_bad_media_are_refused_by_name_before_decoding() -> None:
@@ -80,6 +86,14 @@ def test_bad_media_are_refused_by_name_before_decoding() -> None:
     with pytest.raises(MediaError, match="0 x 5 pixels"):
         check_medium(_png_header(0, 5), "flat.png")
     check_medium(_png_header(8192, MAX_PIXELS // 8192), "ok.png")  # at the limit: read
+    with pytest.raises(MediaError, match="6,000 x 6,000"):  # (a comment does not hide it)
+        check_medium(b"P6\n# c\n6000 6000\n255\n", "big.ppm")
+    with pytest.raises(MediaError, match="is audio"):
+        check_medium(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(40), "voice.wav")
+    with pytest.raises(MediaError, match="not an image of a format read here"):
+        check_medium(b"RIFF\x24\x00\x00\x00WEBPVP8 " + bytes(40), "photo.webp")
+    with pytest.raises(MediaError, match="header is truncated"):
+        check_medium(b"\x89PNG\r\n\x1a\n\x00", "cut.png")
     assert issubclass(MediaError, UsageError)  # exit 2, HTTP 400
 
 
@@ -162,15 +176,20 @@ def test_every_drafter_gives_the_targets_own_output_after_an_image(
         (["--image", "{image}", "--image", "{image}", "one <__media__> marker"],
          "1 <__media__> marker(s) for 2 --image"),
         (["--image", "{image}", "--raw", "text first <__media__>"], "text must follow"),
+        (["--image", "/dev/zero"], "at most 67,108,864"),
+        (["--image", "{folder}"], "Is a directory"),
+        (["--image", "{wav}"], "is audio"),
     ],
 )  # fmt: skip
 def test_bad_images_exit_2_with_one_line(
     media: dict[str, Path], tmp_path: Path, args: list[str], words: str
 ) -> None:
     (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "voice.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(40))
     (tmp_path / "huge.png").write_bytes(_png_header(20_000, 20_000) + bytes(64))
     paths = {**{k: str(v) for k, v in media.items()}, "missing": str(tmp_path / "no.png"),
-             "empty": str(tmp_path / "empty.png"), "huge": str(tmp_path / "huge.png")}  # fmt: skip
+             "empty": str(tmp_path / "empty.png"), "huge": str(tmp_path / "huge.png"),
+             "folder": str(tmp_path), "wav": str(tmp_path / "voice.wav")}  # fmt: skip
     filled = [a.format(**paths) for a in args]
     prompt = [] if filled[-1].startswith(("one", "text")) else [PROMPT]
     res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]), "-n", "4",
@@ -190,6 +209,23 @@ def test_an_image_without_a_projector_is_refused(media: dict[str, Path]) -> None
                       "--image", str(media["image"]), "-n", "4", PROMPT)  # fmt: skip
     assert missing.returncode == 3, missing.stderr.decode()
     assert "projector file not found" in missing.stderr.decode()
+    # the text model as a projector, or a projector for another model: refused before
+    # the weights load
+    other = media["mmproj"].with_name("mmproj-32.gguf")
+    write_mmproj(other, 32)
+    for path, words in ((media["target"], "not a multimodal projector"),
+                        (other, "it is for another model"),
+                        (media["mmproj"].parent, "not a folder")):  # fmt: skip
+        res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(path), "--image",
+                      str(media["image"]), "-n", "4", PROMPT)  # fmt: skip
+        assert res.returncode == 3, res.stderr.decode()
+        assert words in res.stderr.decode() and "Traceback" not in res.stderr.decode()
+
+
+def test_a_prompt_with_the_marker_and_no_image_is_text(media: dict[str, Path]) -> None:
+    res = run_cli("run", "-m", str(media["target"]), "-n", "4", "--drafter", "none",
+                  "What does <__media__> mean?")  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
 
 
 def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str, Path]) -> None:
@@ -228,3 +264,44 @@ def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str,
         with Engine(dataclasses.replace(config, mmproj=None)) as text_only:
             expected = text_only.generate(ids, params).run().tokens
         assert eng.generate(ids, params).run().tokens == expected
+
+
+def test_media_travel_with_their_generation_and_saved_prompts(media: dict[str, Path]) -> None:
+    """A generation made before another is run reads its own media; a saved prompt brought
+    back holds its own images (reviewed: both once read another image's rows)."""
+    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.llama.media import MARKER
+    from specgguf.speculative.loop import GenerationParams
+    from specgguf.speculative.sampling import SamplerParams
+
+    config = EngineConfig(ModelConfig(media["target"], n_ctx=512, n_threads=1),
+                          speculative=SpeculativeConfig(drafter="none"),
+                          mmproj=media["mmproj"])  # fmt: skip
+    params = GenerationParams(n_predict=12, sampler=SamplerParams(temperature=0), drafter="none",
+                              ignore_eos=True)  # fmt: skip
+    pictures = {k: ("picture", media[k].read_bytes()) for k in ("image", "other")}
+
+    def prompt(eng: Engine, which: str) -> tuple[list[int], list]:
+        return eng.media_prompt(eng.render(MARKER + PROMPT), [pictures[which]])
+
+    with Engine(config) as eng:
+        expected = {w: eng.generate(*prompt(eng, w)[:1], params,
+                                    media=prompt(eng, w)[1]).run().tokens
+                    for w in ("image", "other")}  # fmt: skip
+    assert expected["image"] != expected["other"]
+    with Engine(config) as eng:
+        ids, spans = prompt(eng, "other")
+        first = eng.generate(ids, params, media=spans)
+        eng.generate(eng.prepared_ids(eng.render(PROMPT)), params)  # made, never run
+        assert first.run().tokens == expected["other"]
+        ids, spans = prompt(eng, "image")
+        assert eng.generate(ids, params, media=spans).run().tokens == expected["image"]
+        saved = eng.save_prompt()
+        ids, spans = prompt(eng, "other")
+        assert eng.generate(ids, params, media=spans).run().tokens == expected["other"]
+        eng.load_prompt(saved)  # image's rows come back, known as the image's
+        assert eng.generate(ids, params, media=spans).run().tokens == expected["other"]
+        ids, spans = prompt(eng, "image")
+        eng.load_prompt(saved)
+        res = eng.generate(ids, params, media=spans).run()
+        assert res.tokens == expected["image"] and res.stats.prompt_cached > spans[0].end

@@ -250,17 +250,14 @@ def read_media(paths: list[Path], text: str, *, has_projector: bool) -> list[tup
     out = []
     for path in paths:
         try:
-            size = path.stat().st_size
-            if size > MAX_BYTES:
-                raise MediaError(f"--image {path} is {size:,} bytes: at most {MAX_BYTES:,} "
-                                 f"are read", part=str(path))  # fmt: skip
-            data = path.read_bytes()
+            with open(path, "rb") as f:  # (at most one byte past the limit: /dev/zero ends)
+                data = f.read(MAX_BYTES + 1)
         except OSError as e:
             raise MediaError(f"--image {path}: {e.strerror or e}", part=str(path)) from None
         check_medium(data, str(path))
         out.append((str(path), data))
     markers = text.count(MARKER)
-    if markers and markers != len(out):
+    if out and markers and markers != len(out):
         raise UsageError(f"the prompt has {markers} {MARKER} marker(s) for {len(out)} --image")
     return out
 

@@ -345,13 +345,19 @@ class BatchedSequence:
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         return self.ctx.cached_prefix(tokens)
 
-    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
-        return self.ctx.reuse(tokens, exact=exact)
+    def reuse(
+        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
+    ) -> int:
+        return self.ctx.reuse(tokens, exact=exact, media=media)
 
-    def prompt(self, tokens: Sequence[int], *, exact: bool = False) -> None:
+    def prompt(
+        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
+    ) -> None:
         """The sequence's prompt, read through the batcher (in pieces beside the other
-        sequences' steps), with the sequence's checkpoints between pieces."""
-        self.ctx.prompt(tokens, lambda t: self.eval(t, logits="none"), exact=exact)
+        sequences' steps), with the sequence's checkpoints between pieces (media: refused
+        by the context, not read through the batcher yet)."""
+        self.ctx.prompt(tokens, lambda t: self.eval(t, logits="none"), exact=exact,
+                        media=media)  # fmt: skip
 
     def scratch(self) -> AbstractContextManager[None]:
         return self.ctx.scratch()

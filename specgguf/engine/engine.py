@@ -61,12 +61,12 @@ from specgguf.errors import (
     BackendError,
     ContextOverflowError,
     MediaError,
-    ModelNotFoundError,
     SpecggufError,
     UsageError,
 )
 from specgguf.gguf.arch import DELTA_NET_ARCHS, article, describe
 from specgguf.llama.backend import DraftHead, LlamaContext, LlamaModel, default_threads
+from specgguf.llama.media import check_projector
 from specgguf.llama.runtime import build_info, build_key
 from specgguf.speculative.costmodel import Timings
 from specgguf.speculative.draft import Drafter, Evaluator
@@ -147,9 +147,8 @@ class Engine:
         if not mtp and config.loads_draft and d_info is not None:
             self.head_kind = head_of_draft(d_info.architecture)
         head_spec = DRAFTERS[self.head_kind].head if self.head_kind else None
-        if config.mmproj is not None and not config.mmproj.is_file():
-            raise ModelNotFoundError(f"projector file not found: {config.mmproj}",
-                                     path=config.mmproj)  # fmt: skip
+        if config.mmproj is not None:
+            check_projector(config.mmproj, t_info.embedding_length)
         try:
             self.target_model = self._load(config.target, load_mtp=mtp)
             self.draft_model: LlamaModel | None = None
@@ -705,11 +704,9 @@ class Engine:
         if media and slot is not None:
             raise UsageError("media with parallel sequences are not supported yet")
         seq = self.own if slot is None else self.slots[slot]
-        if seq is self.own:
-            self.target_ctx.set_media(media)
         seq.target.set_rows_per_decode(self.deterministic_rows if det else None)
         constraint = self.constraint(params.grammar) if params.grammar is not None else None
-        gen = seq.decoder.generate(ids, params, planner, constraint)
+        gen = seq.decoder.generate(ids, params, planner, constraint, media)
         # (a prompt with media is not recalled from the prompt cache: its placeholder
         # tokens would match another image's; the sequence's own cache is media-aware)
         if params.cache_prompt and not media:
@@ -816,7 +813,9 @@ class Engine:
                 back = cache.take(entry)
             except (SpecggufError, OSError) as e:
                 log.warning("prompt cache: %s; the prompt is read instead", e)
-        if held and own < held / 2 and cache.has_room(seq.state_bytes()):
+        # (a sequence holding images is not kept: the cache matches prompts by tokens)
+        media = seq is self.own and self.target_ctx.holds_media
+        if held and own < held / 2 and not media and cache.has_room(seq.state_bytes()):
             try:
                 cache.put(seq.save())
             except SpecggufError as e:

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specgguf.engine.slots import HeadState, SavedPrompt, common_prefix
-from specgguf.errors import SpecggufError
+from specgguf.errors import SpecggufError, UsageError
 from specgguf.llama.backend import Checkpoint, SequenceState
 
 log = logging.getLogger("specgguf")
@@ -102,7 +102,10 @@ def write_file(path: Path, saved: SavedPrompt, ident: Mapping[str, Any]) -> int:
 
     Raises:
         OSError: the file could not be written (nothing is left behind).
+        UsageError: the prompt holds images (their rows are kept in memory only).
     """
+    if saved.target.media:
+        raise UsageError("a prompt with images cannot be saved to a file yet")
     target, t_blobs = _state_parts(saved.target)
     draft, d_blobs = _state_parts(saved.draft)
     head_meta: dict[str, Any] | None = None

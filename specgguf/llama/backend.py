@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -38,9 +38,6 @@ from specgguf.gguf.arch import LAYER_INPUT_ARCHS
 from specgguf.gguf.info import tensor_names
 from specgguf.llama.hugepages import LoadAdvice
 from specgguf.llama.runtime import llama, local_gpu_offload, native_fn, repack_policy
-
-if TYPE_CHECKING:
-    from specgguf.llama.media import MediaSpan
 
 log = logging.getLogger("specgguf")
 _warned_repack = False
@@ -106,6 +103,40 @@ def default_threads() -> int:
     except Exception:  # pragma: no cover - psutil is a dependency
         n = None
     return max(1, n or os.cpu_count() or 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MediaSpan:
+    """A medium's embeddings at positions ``start`` to ``start + len(embd)`` of a
+    sequence: ``embd`` float32[n, n_embd]; ``key`` its content's hash (a cached prompt is
+    reused past a medium only where the same content is there); ``non_causal``: its rows
+    attend to each other both ways (decoded in one micro-batch)."""
+
+    start: int
+    embd: npt.NDArray[np.float32]
+    key: bytes
+    non_causal: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.embd)
+
+    def same(self, other: MediaSpan) -> bool:
+        """The same medium at the same positions."""
+        return (self.start, self.end, self.key) == (other.start, other.end, other.key)
+
+
+def _spans(media: Sequence[object]) -> list[MediaSpan]:
+    """``media`` as :class:`MediaSpan`\\ s in position order.
+
+    Raises:
+        TypeError: something else than a MediaSpan.
+    """
+    if not media:
+        return []
+    if not all(isinstance(m, MediaSpan) for m in media):
+        raise TypeError("a context reads media given as MediaSpan objects")
+    return sorted(media, key=lambda m: m.start)  # type: ignore[arg-type, attr-defined]
 
 
 class _Native:
@@ -562,12 +593,14 @@ class SequenceState:
     """What a sequence held, copied out of llama.cpp (:meth:`LlamaContext.save_state`):
     its ``tokens`` (int32[n]), the state ``data`` (``llama_state_seq_get_data``; b"" for
     none), its checkpoints, and how many leading positions were computed exactly as a
-    fresh read (``exact``, see :meth:`LlamaContext.reuse`)."""
+    fresh read (``exact``, see :meth:`LlamaContext.reuse`), and the media its positions
+    hold (``media``: their tokens are placeholders; kept in memory only)."""
 
     tokens: npt.NDArray[np.int32]
     data: bytes
     checkpoints: tuple[Checkpoint, ...] = ()
     exact: int = 0
+    media: tuple[MediaSpan, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -779,9 +812,7 @@ class LlamaContext(_Native):
         self._scratch_ok = scratch
         self._seq = 0  # the sequence eval() writes: 1 inside scratch()
         self._home = 0  # the sequence of the committed text (see sequence())
-        #: the media of the prompt to read next (:meth:`set_media`), and those the cache
-        #: holds, by their first position
-        self.media_plan: list[MediaSpan] = []
+        #: the media the cache holds (see :meth:`reuse`), by their first position
         self._media: dict[int, MediaSpan] = {}
         self._media_batch: Any = None
         # the token at each cached position, to decode again past the snapshots
@@ -1375,7 +1406,9 @@ class LlamaContext(_Native):
         differ = np.flatnonzero(self._held[:n] != np.asarray(tokens[:n], np.int32))
         return int(differ[0]) if len(differ) else n
 
-    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
+    def reuse(
+        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
+    ) -> int:
         """Keep the longest prefix of ``tokens`` the cache holds and can be cut to, drop
         the rest, and return its length (the new ``n_past``): llama-server's
         ``cache_prompt`` (tools/server/server-context.cpp). A recurrent state goes back
@@ -1388,10 +1421,14 @@ class LlamaContext(_Native):
         computes them (read by :meth:`prompt` with ``exact``, in micro-batches aligned
         from position 0), cut on a micro-batch boundary, so that reading the rest gives
         bit-identical logits (deterministic mode).
+
+        ``media`` (:class:`~specgguf.llama.media.MediaSpan`\\ s): the prompt's media; the
+        prefix kept ends before the first medium the cache and the prompt do not share
+        (the placeholder tokens are the same whatever the image).
         """
         if self._tree is not None:
             self._drop_tree(self._tree[1])
-        n = self._media_prefix(self.cached_prefix(tokens))
+        n = self._media_prefix(self.cached_prefix(tokens), _spans(media))
         if exact:
             n = min(n, self._exact_to)
             n -= n % self._exact_unit
@@ -1468,6 +1505,7 @@ class LlamaContext(_Native):
         evaluate: Callable[[Sequence[int]], object] | None = None,
         *,
         exact: bool = False,
+        media: Sequence[object] = (),
     ) -> None:
         """Append a prompt's ``tokens`` (no logits) with ``evaluate`` (default
         ``eval(tokens, logits="none")``; a parallel sequence passes its batcher's). A
@@ -1486,9 +1524,9 @@ class LlamaContext(_Native):
             return
         start, end = self.n_past, self.n_past + len(tokens)
         read = evaluate or (lambda t: self.eval(t, logits="none"))
-        media = [m for m in self.media_plan if m.end > start and m.start < end]
-        if media:
-            self._prompt_with_media(tokens, media, read)
+        here = [m for m in _spans(media) if m.end > start and m.start < end]
+        if here:
+            self._prompt_with_media(tokens, here, read)
             return
         unit = self._exact_unit
         cuts = [end]
@@ -1511,18 +1549,18 @@ class LlamaContext(_Native):
         else:  # (a recurrent state's reads are never exact: see reuse)
             self._exact_to = min(self._exact_to, start)
 
-    def set_media(self, spans: Sequence[MediaSpan]) -> None:
-        """The media of the prompt read next (:meth:`reuse`, then :meth:`prompt`): their
-        embeddings take their positions in place of the placeholder tokens the prompt's
-        ids hold there. None: a prompt of text alone."""
-        self.media_plan = sorted(spans, key=lambda m: m.start)
+    @property
+    def holds_media(self) -> bool:
+        """Whether some of the cached positions hold a medium's rows (their tokens are
+        placeholders)."""
+        return bool(self._media)
 
-    def _media_prefix(self, n: int) -> int:
+    def _media_prefix(self, n: int, media: list[MediaSpan]) -> int:
         """``n`` cached positions cut before the first medium that the cache and the
         prompt to read do not share (other content, or only one of them has one there):
         the placeholder tokens are the same whatever the image."""
-        plan = {m.start: m for m in self.media_plan}
-        for m in [*self._media.values(), *self.media_plan]:
+        plan = {m.start: m for m in media}
+        for m in [*self._media.values(), *media]:
             if m.start < n:
                 held, wanted = self._media.get(m.start), plan.get(m.start)
                 if held is None or wanted is None or not held.same(wanted):
@@ -1638,8 +1676,8 @@ class LlamaContext(_Native):
         if self._tree is not None:
             self._drop_tree(self._tree[1])
         data = self._get_state(partial=False) if self.n_past else b""
-        return SequenceState(self._held[: self.n_past].copy(), data,
-                             tuple(self._checkpoints), self._exact_to)  # fmt: skip
+        return SequenceState(self._held[: self.n_past].copy(), data, tuple(self._checkpoints),
+                             self._exact_to, tuple(self._media.values()))  # fmt: skip
 
     def load_state(self, state: SequenceState) -> None:
         """Replace what the sequence holds by ``state`` (from :meth:`save_state`).
@@ -1662,6 +1700,7 @@ class LlamaContext(_Native):
             self._hidden_rows = []
             self._checkpoints = []
             self._exact_to = 0
+            self._media = {}
             if n and not self._set_state(state.data, partial=False):
                 self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
                 raise BackendError(f"llama.cpp could not load a saved state of "
@@ -1670,6 +1709,7 @@ class LlamaContext(_Native):
             self.n_past = n
             self._checkpoints = list(state.checkpoints)
             self._exact_to = min(state.exact, n)
+            self._media = {m.start: m for m in state.media if m.end <= n}
         finally:
             self.eval_seconds += time.perf_counter() - t0
 

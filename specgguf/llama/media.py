@@ -27,8 +27,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.errors import BackendError, MediaError
-from specgguf.llama.backend import LlamaModel, _Native
+from specgguf.errors import BackendError, MediaError, ModelLoadError, ModelNotFoundError
+from specgguf.llama.backend import LlamaModel, MediaSpan, _Native
+
+__all__ = [
+    "FORMATS",
+    "MARKER",
+    "MAX_BYTES",
+    "MAX_PIXELS",
+    "Chunk",
+    "MediaSpan",
+    "Projector",
+    "check_medium",
+    "check_projector",
+    "image_size",
+]
 
 #: libmtmd's default media marker (``mtmd_default_marker()``): where a medium goes in a
 #: prompt's text.
@@ -42,26 +55,8 @@ MAX_PIXELS = 1 << 25
 #: The most bytes of one medium (a file or a request's data).
 MAX_BYTES = 64 << 20
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MediaSpan:
-    """A medium's embeddings at positions ``start`` to ``start + len(embd)`` of a
-    sequence: ``embd`` float32[n, n_embd]; ``key`` its content's hash (a cached prompt is
-    reused past a medium only where the same content is there); ``non_causal``: its rows
-    attend to each other both ways (decoded in one micro-batch)."""
-
-    start: int
-    embd: npt.NDArray[np.float32]
-    key: bytes
-    non_causal: bool = False
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.embd)
-
-    def same(self, other: MediaSpan) -> bool:
-        """The same medium at the same positions."""
-        return (self.start, self.end, self.key) == (other.start, other.end, other.key)
+#: A folder with no ffmpeg in it (see :meth:`Projector.chunks`).
+_NO_FFMPEG = b"/nonexistent/specgguf-no-ffmpeg"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +69,83 @@ class Chunk:
     non_causal: bool = False
 
 
+def image_format(data: bytes) -> str | None:
+    """The image format of ``data`` by its first bytes: one of :data:`FORMATS`, ``audio``
+    (WAV, MP3, FLAC, Ogg), or None for anything else."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "PNG"
+    if data[:3] == b"\xff\xd8\xff":
+        return "JPEG"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if data[:2] == b"BM":
+        return "BMP"
+    if data[:2] in (b"P5", b"P6") and data[2:3].isspace():
+        return "PNM"
+    if (
+        (data[:4] == b"RIFF" and data[8:12] == b"WAVE")
+        or data[:4] in (b"fLaC", b"OggS")
+        or (data[:3] == b"ID3" or data[:2] in (b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"))
+    ):
+        return "audio"
+    return None
+
+
+#: The image formats read: those whose size their header says, so that it is checked
+#: before anything decodes them (libmtmd's stb_image reads more: TGA, PSD, HDR, PIC, whose
+#: run-length data can decode to any size, and WebP and video only through ffmpeg).
+FORMATS = ("PNG", "JPEG", "GIF", "BMP", "PNM")
+
+
+def _pnm_fields(data: bytes, n: int) -> list[int] | None:
+    """The first ``n`` numbers of a PNM header after its magic (comments skipped)."""
+    fields: list[int] = []
+    i = 2
+    while len(fields) < n and i < min(len(data), 4096):
+        c = data[i : i + 1]
+        if c == b"#":
+            end = data.find(b"\n", i)
+            i = len(data) if end < 0 else end + 1
+        elif c.isspace():
+            i += 1
+        elif c.isdigit():
+            j = i
+            while j < len(data) and data[j : j + 1].isdigit():
+                j += 1
+            fields.append(int(data[i:j]))
+            i = j
+        else:
+            return None
+    return fields if len(fields) == n else None
+
+
 def image_size(data: bytes) -> tuple[int, int] | None:
-    """An image's (width, height) from its header, for PNG, JPEG, GIF, BMP and PNM; None
-    for another format or a header that does not say (libmtmd's stb_image decides)."""
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
-        return struct.unpack(">II", data[16:24])
-    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
-        return struct.unpack("<HH", data[6:10])
-    if data[:2] == b"BM" and len(data) >= 26:
+    """An image's (width, height) from its header, for the :data:`FORMATS`; None for
+    another format or a header that does not say."""
+    kind = image_format(data)
+    if kind == "PNG" and len(data) >= 24:
+        w, h = struct.unpack(">II", data[16:24])
+        return w, h
+    if kind == "GIF" and len(data) >= 10:
+        w, h = struct.unpack("<HH", data[6:10])
+        return w, h
+    if kind == "BMP" and len(data) >= 26:
+        if struct.unpack("<I", data[14:18])[0] == 12:  # an OS/2 header: 16-bit sizes
+            w, h = struct.unpack("<HH", data[18:22])
+            return w, h
         w, h = struct.unpack("<ii", data[18:26])
         return abs(w), abs(h)
-    if data[:2] in (b"P5", b"P6") and len(data) > 3:
-        fields = data[2:64].split()
-        if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
-            return int(fields[0]), int(fields[1])
-        return None
-    if data[:2] == b"\xff\xd8":  # JPEG: the first start-of-frame marker
+    if kind == "PNM":
+        fields = _pnm_fields(data, 2)
+        return (fields[0], fields[1]) if fields else None
+    if kind == "JPEG":  # the first start-of-frame marker
         i = 2
         while i + 9 < len(data):
             if data[i] != 0xFF:
                 return None
+            if data[i + 1] == 0xFF:  # a fill byte
+                i += 1
+                continue
             marker, length = data[i + 1], struct.unpack(">H", data[i + 2 : i + 4])[0]
             if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD,
                           0xCE, 0xCF):  # fmt: skip
@@ -104,8 +156,9 @@ def image_size(data: bytes) -> tuple[int, int] | None:
 
 
 def check_medium(data: bytes, name: str) -> None:
-    """Refuse a medium before anything decodes it: empty, over :data:`MAX_BYTES`, or an
-    image of more than :data:`MAX_PIXELS` (by its header).
+    """Refuse a medium before anything decodes it: empty, over :data:`MAX_BYTES`, audio,
+    not one of the image :data:`FORMATS`, a header that does not say its size, or more
+    than :data:`MAX_PIXELS`.
 
     Raises:
         MediaError: naming ``name`` and what is wrong.
@@ -115,14 +168,48 @@ def check_medium(data: bytes, name: str) -> None:
     if len(data) > MAX_BYTES:
         raise MediaError(f"{name} is {len(data):,} bytes: at most {MAX_BYTES:,} are read",
                          part=name)  # fmt: skip
+    kind = image_format(data)
+    if kind == "audio":
+        raise MediaError(f"{name} is audio: not supported yet (images only)", part=name)
+    if kind is None:
+        raise MediaError(f"{name} is not an image of a format read here "
+                         f"({', '.join(FORMATS)})", part=name)  # fmt: skip
     size = image_size(data)
-    if size is not None:
-        w, h = size
-        if w <= 0 or h <= 0:
-            raise MediaError(f"{name} says it is {w} x {h} pixels: not an image", part=name)
-        if w * h > MAX_PIXELS:
-            raise MediaError(f"{name} is {w:,} x {h:,} pixels: at most {MAX_PIXELS:,} "
-                             f"pixels are read", part=name)  # fmt: skip
+    if size is None:
+        raise MediaError(f"{name} could not be read as an image: its {kind} header is "
+                         f"truncated or damaged", part=name)  # fmt: skip
+    w, h = size
+    if w <= 0 or h <= 0:
+        raise MediaError(f"{name} says it is {w} x {h} pixels: not an image", part=name)
+    if w * h > MAX_PIXELS:
+        raise MediaError(f"{name} is {w:,} x {h:,} pixels: at most {MAX_PIXELS:,} "
+                         f"pixels are read", part=name)  # fmt: skip
+
+
+def check_projector(path: Path, n_embd: int | None) -> None:
+    """Refuse a projector file before any weights load: missing, not a file, not a GGUF
+    projector (architecture ``clip``), or one whose output size is not the text model's
+    ``n_embd`` (``clip.vision.projection_dim``; None: not checked).
+
+    Raises:
+        ModelNotFoundError: no such file (exit 3).
+        ModelLoadError: not a projector, or one for another model (exit 3).
+    """
+    from specgguf.gguf.metadata import GGUFMetadata
+
+    if not path.exists():
+        raise ModelNotFoundError(f"projector file not found: {path}", path=path)
+    if not path.is_file():
+        raise ModelLoadError(path, ["a projector must be a .gguf file, not a folder"])
+    with GGUFMetadata.open(path) as meta:
+        arch = meta.get("general.architecture")
+        dim = meta.get("clip.vision.projection_dim")
+    if arch != "clip":
+        raise ModelLoadError(path, [f"not a multimodal projector (its architecture is "
+                                    f"{arch!r}, a projector's is 'clip')"])  # fmt: skip
+    if n_embd is not None and dim is not None and int(dim) != n_embd:
+        raise ModelLoadError(path, [f"the projector's rows have {dim} values and the "
+                                    f"target's {n_embd}: it is for another model"])  # fmt: skip
 
 
 def _mtmd() -> Any:
@@ -196,16 +283,25 @@ class Projector(_Native):
         check_medium(data, name)
         m, ctx = self._m, self._ctx
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        bitmap = m.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(data), False)
+        opt = m.mtmd_helper_init_opt_default()
+        # (what stb_image cannot decode, libmtmd would hand to ffmpeg from PATH as a video:
+        # a folder with no ffmpeg in it keeps it from running any program)
+        opt.video_params.ffmpeg_bin_dir = _NO_FFMPEG
+        wrapped = m.mtmd_helper_bitmap_init_from_buf_wrapper(ctx, buf, len(data), False, opt)
+        bitmap = wrapped.bitmap
+        if wrapped.video_ctx:
+            m.mtmd_helper_video_free(wrapped.video_ctx)
+            if bitmap:
+                m.mtmd_bitmap_free(bitmap)
+            raise MediaError(f"{name} is a video: not supported", part=name)
         if not bitmap:
             raise MediaError(f"{name} could not be read as an image (a corrupt, truncated "
                              f"or unknown format)", part=name)  # fmt: skip
         chunks = m.mtmd_input_chunks_init()
         try:
-            if m.mtmd_bitmap_is_audio(bitmap) and not self.audio:
-                raise MediaError(f"{name} is audio, and {self.path.name} reads no audio",
-                                 part=name)  # fmt: skip
-            if not m.mtmd_bitmap_is_audio(bitmap) and not self.vision:
+            if m.mtmd_bitmap_is_audio(bitmap):  # (refused by check_medium already)
+                raise MediaError(f"{name} is audio: not supported yet", part=name)
+            if not self.vision:
                 raise MediaError(f"{name} is an image, and {self.path.name} reads no images",
                                  part=name)  # fmt: skip
             text = m.mtmd_input_text(MARKER.encode(), len(MARKER.encode()), False, True)

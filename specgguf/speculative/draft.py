@@ -145,15 +145,22 @@ class TargetEvaluator(Evaluator, Protocol):
 
     def keep_tree_path(self, path: Sequence[int]) -> None: ...
 
-    def reuse(self, tokens: Sequence[int], *, exact: bool = False) -> int:
+    def reuse(
+        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
+    ) -> int:
         """Keep the longest prefix of ``tokens`` the cache holds and can be cut to, drop
         the rest; returns its length, the new ``n_past`` (``exact``: only what reading
-        the rest after it gives bit-identical logits for; see ``backend.LlamaContext``)."""
+        the rest after it gives bit-identical logits for; ``media``: what the prompt
+        holds at some positions instead of tokens, the same cached only where it is the
+        same; see ``backend.LlamaContext``)."""
         ...
 
-    def prompt(self, tokens: Sequence[int], *, exact: bool = False) -> None:
+    def prompt(
+        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
+    ) -> None:
         """Append a prompt's tokens, without logits (a recurrent state keeps checkpoints
-        of itself on the way; ``exact``: read as deterministic mode reads)."""
+        of itself on the way; ``exact``: read as deterministic mode reads; ``media``: read
+        at their positions instead of the tokens there)."""
         ...
 
 

@@ -127,9 +127,13 @@ class Generation:
         planner: Planner,
         draft_max: int,
         constraint: Constraint | None = None,
+        media: Sequence[object] = (),
     ) -> None:
         self.params = params
         self.prompt = prompt
+        #: what the target reads at some of the prompt's positions instead of its tokens
+        #: (images: :class:`specgguf.llama.media.MediaSpan`), opaque here
+        self.media = tuple(media)
         self.planner = planner
         self.constraint = constraint
         self.tokens: list[int] = []
@@ -245,12 +249,15 @@ class SpeculativeDecoder:
         params: GenerationParams,
         planner: Planner | None = None,
         constraint: Constraint | None = None,
+        media: Sequence[object] = (),
     ) -> Generation:
         """Start generating after ``prompt`` (token ids, already tokenized with the
         target's rules), with the drafter and draft length of ``planner`` (None: the target
         alone), the output held to ``constraint`` (a grammar at its start, see
-        :mod:`specgguf.speculative.grammar`; None: free). Nothing is evaluated until the
-        first piece is requested.
+        :mod:`specgguf.speculative.grammar`; None: free); ``media``: what the target reads
+        at some of the prompt's positions instead of their tokens (passed to its
+        ``reuse`` and ``prompt``). Nothing is evaluated until the first piece is
+        requested.
 
         Raises:
             UsageError: the prompt is empty.
@@ -263,7 +270,7 @@ class SpeculativeDecoder:
             raise ContextOverflowError(len(ids), self.target.n_ctx)
         planner = planner or FixedPlanner(None, 0)
         draft_max = min(planner.draft_max, self.draft_capacity)
-        return Generation(self, ids, params, planner, draft_max, constraint)
+        return Generation(self, ids, params, planner, draft_max, constraint, media)
 
     def _run(self, gen: Generation) -> Generator[str, None, None]:
         """Plan, verify, accept, commit, roll back, until a finish reason; yields text."""
@@ -418,8 +425,8 @@ class SpeculativeDecoder:
         if params.cache_prompt:  # the last token is read with the first verification
             bounds = [b for d in planner.drafters if (b := d.reuse_limit(history)) is not None]
             keep = history[: min([len(history) - 1, *bounds])]
-        cached = target.reuse(keep, exact=det)
-        target.prompt(history[cached:-1], exact=det)
+        cached = target.reuse(keep, exact=det, media=gen.media)
+        target.prompt(history[cached:-1], exact=det, media=gen.media)
         planner.prefill(history)
         gen.stats.prompt_cached = cached
         gen.stats.prompt_seconds = run.prompt_seconds = time.perf_counter() - t0
