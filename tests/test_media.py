@@ -141,6 +141,8 @@ def test_run_with_an_image_generates_what_llama_mtmd_cli_does(
         capture_output=True, timeout=300, check=True,
     )  # fmt: skip
     ours = _run(media, "--drafter", "none")
+    assert ours["images"] == [str(media["image"])]
+    assert ours["models"]["mmproj"] == str(media["mmproj"])
     with LlamaModel(media["target"], vocab_only=True) as vocab:
         text = vocab.detokenize(ours["tokens"])
     assert len(ours["tokens"]) == 16
@@ -175,8 +177,8 @@ def test_every_drafter_gives_the_targets_own_output_after_an_image(
         (["--image", "{huge}"], "20,000 x 20,000 pixels"),
         (["--image", "{image}", "--image", "{image}", "one <__media__> marker"],
          "1 <__media__> marker(s) for 2 --image"),
-        (["--image", "{image}", "--raw", "text first <__media__>"], "text must follow"),
-        (["--image", "/dev/zero"], "at most 67,108,864"),
+        (["--image", "{image}", "--raw", "text first <__media__>"], "must not end with an image"),
+        (["--image", "/dev/zero"], "more than 67,108,864 bytes"),
         (["--image", "{folder}"], "Is a directory"),
         (["--image", "{wav}"], "is audio"),
     ],

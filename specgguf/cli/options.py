@@ -328,7 +328,7 @@ class SamplingOptions:
                           help="Top-p (1: off).", to="sampler.top_p")  # fmt: skip
     min_p: float = option(SamplerParams.min_p, "--min-p", min=0.0, max=1.0,
                           help="Min-p (0: off).", to="sampler.min_p")  # fmt: skip
-    seed: int = option(-1, "--seed", help="RNG seed (-1: random).", to="sampler.seed",
+    seed: int = option(-1, "-s", "--seed", help="RNG seed (-1: random).", to="sampler.seed",
                        convert=lambda s: s if s >= 0 else None)  # fmt: skip
 
     def sampler(self) -> SamplerParams:

@@ -203,7 +203,9 @@ def run(
                           round(alone, 3) if alone else None},
                 "models": {**{k: engine.describe()[k] for k in ("target", "draft", "rpc",
                                                                  "rpc_draft")},
-                           "drafter": config.speculative.drafter},
+                           "drafter": config.speculative.drafter,
+                           "mmproj": str(config.mmproj) if config.mmproj else None},
+                "images": [name for name, _ in media],
                 "params": {
                     "draft_max": result.stats.draft_max,
                     "draft_min": config.speculative.draft_min, "n_predict": n_predict,

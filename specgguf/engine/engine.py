@@ -775,8 +775,8 @@ class Engine:
                 spans.append(MediaSpan(len(ids), chunk.embd, key, chunk.non_causal))
                 ids += [placeholder] * len(chunk.embd)
         if spans and spans[-1].end >= len(ids):
-            raise MediaError(f"{media[-1][0]} ends the prompt: text must follow the last "
-                             f"medium (the chat template adds it)", part=media[-1][0])  # fmt: skip
+            raise MediaError(f"{media[-1][0]} ends the prompt: a prompt must not end with an "
+                             f"image; put text after its marker", part=media[-1][0])  # fmt: skip
         return ids, spans
 
     # -- what the sequences hold ------------------------------------------------------

@@ -211,8 +211,9 @@ def load_findings(meta: GGUFMetadata, vocab: Sequence[Finding] = ()) -> list[Fin
         return [*out, *vocab]
     if arch == "clip":
         out.add(
-            "error", "architecture", "a CLIP (vision) model cannot be loaded as a language model"
-        )
+            "error", "architecture",
+            "a multimodal projector (clip): it reads images for a language model, and is not one",
+        )  # fmt: skip
         return [*out, *vocab]
     hparams_ok = _check_hparams(meta, arch, out)
     out.extend(vocab)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.errors import BackendError, MediaError, ModelLoadError, ModelNotFoundError
+from specgguf.errors import BackendError, MediaError, ModelFileError, ModelNotFoundError
 from specgguf.llama.backend import LlamaModel, MediaSpan, _Native
 
 __all__ = [
@@ -166,7 +166,7 @@ def check_medium(data: bytes, name: str) -> None:
     if not data:
         raise MediaError(f"{name} is empty", part=name)
     if len(data) > MAX_BYTES:
-        raise MediaError(f"{name} is {len(data):,} bytes: at most {MAX_BYTES:,} are read",
+        raise MediaError(f"{name} is more than {MAX_BYTES:,} bytes: at most that is read",
                          part=name)  # fmt: skip
     kind = image_format(data)
     if kind == "audio":
@@ -193,23 +193,23 @@ def check_projector(path: Path, n_embd: int | None) -> None:
 
     Raises:
         ModelNotFoundError: no such file (exit 3).
-        ModelLoadError: not a projector, or one for another model (exit 3).
+        ModelFileError: a folder, not a projector, or one for another model (exit 3).
     """
     from specgguf.gguf.metadata import GGUFMetadata
 
     if not path.exists():
         raise ModelNotFoundError(f"projector file not found: {path}", path=path)
     if not path.is_file():
-        raise ModelLoadError(path, ["a projector must be a .gguf file, not a folder"])
+        raise ModelFileError(f"{path}: a projector is a .gguf file, not a folder", path=path)
     with GGUFMetadata.open(path) as meta:
         arch = meta.get("general.architecture")
         dim = meta.get("clip.vision.projection_dim")
     if arch != "clip":
-        raise ModelLoadError(path, [f"not a multimodal projector (its architecture is "
-                                    f"{arch!r}, a projector's is 'clip')"])  # fmt: skip
+        raise ModelFileError(f"{path}: not a multimodal projector (its architecture is "
+                             f"{arch!r}, a projector's is 'clip')", path=path)  # fmt: skip
     if n_embd is not None and dim is not None and int(dim) != n_embd:
-        raise ModelLoadError(path, [f"the projector's rows have {dim} values and the "
-                                    f"target's {n_embd}: it is for another model"])  # fmt: skip
+        raise ModelFileError(f"{path}: the projector's rows have {dim} values and the "
+                             f"target's {n_embd}: it is for another model", path=path)  # fmt: skip
 
 
 def _mtmd() -> Any:
