@@ -12,6 +12,7 @@ import os
 import struct
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,11 +231,10 @@ def test_a_prompt_with_the_marker_and_no_image_is_text(media: dict[str, Path]) -
     assert res.returncode == 0, res.stderr.decode()
 
 
-def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str, Path]) -> None:
-    """The placeholders are the same tokens for every image: the cache must be cut where
-    the image's content differs, and kept where it is the same (keyed by its hash)."""
-    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
-    from specgguf.llama.media import MARKER
+def _in_process(media: dict[str, Path]) -> tuple[Any, Any, dict[str, tuple[str, bytes]]]:
+    """An engine configuration of the tiny target and its projector (the target alone),
+    greedy parameters of 12 tokens, and the two pictures by name."""
+    from specgguf.engine import EngineConfig, ModelConfig, SpeculativeConfig
     from specgguf.speculative.loop import GenerationParams
     from specgguf.speculative.sampling import SamplerParams
 
@@ -243,7 +243,16 @@ def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str,
                           mmproj=media["mmproj"])  # fmt: skip
     params = GenerationParams(n_predict=12, sampler=SamplerParams(temperature=0), drafter="none",
                               ignore_eos=True)  # fmt: skip
-    pictures = {k: ("picture", media[k].read_bytes()) for k in ("image", "other")}
+    return config, params, {k: ("picture", media[k].read_bytes()) for k in ("image", "other")}
+
+
+def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str, Path]) -> None:
+    """The placeholders are the same tokens for every image: the cache must be cut where
+    the image's content differs, and kept where it is the same (keyed by its hash)."""
+    from specgguf.engine import Engine
+    from specgguf.llama.media import MARKER
+
+    config, params, pictures = _in_process(media)
 
     def generate(eng: Engine, which: str) -> tuple[list[int], int, int]:
         ids, spans = eng.media_prompt(eng.render(MARKER + PROMPT), [pictures[which]])
@@ -271,25 +280,19 @@ def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str,
 def test_media_travel_with_their_generation_and_saved_prompts(media: dict[str, Path]) -> None:
     """A generation made before another is run reads its own media; a saved prompt brought
     back holds its own images (reviewed: both once read another image's rows)."""
-    from specgguf.engine import Engine, EngineConfig, ModelConfig, SpeculativeConfig
+    from specgguf.engine import Engine
     from specgguf.llama.media import MARKER
-    from specgguf.speculative.loop import GenerationParams
-    from specgguf.speculative.sampling import SamplerParams
 
-    config = EngineConfig(ModelConfig(media["target"], n_ctx=512, n_threads=1),
-                          speculative=SpeculativeConfig(drafter="none"),
-                          mmproj=media["mmproj"])  # fmt: skip
-    params = GenerationParams(n_predict=12, sampler=SamplerParams(temperature=0), drafter="none",
-                              ignore_eos=True)  # fmt: skip
-    pictures = {k: ("picture", media[k].read_bytes()) for k in ("image", "other")}
+    config, params, pictures = _in_process(media)
 
     def prompt(eng: Engine, which: str) -> tuple[list[int], list]:
         return eng.media_prompt(eng.render(MARKER + PROMPT), [pictures[which]])
 
     with Engine(config) as eng:
-        expected = {w: eng.generate(*prompt(eng, w)[:1], params,
-                                    media=prompt(eng, w)[1]).run().tokens
-                    for w in ("image", "other")}  # fmt: skip
+        expected = {}
+        for w in ("image", "other"):
+            ids, spans = prompt(eng, w)
+            expected[w] = eng.generate(ids, params, media=spans).run().tokens
     assert expected["image"] != expected["other"]
     with Engine(config) as eng:
         ids, spans = prompt(eng, "other")

@@ -767,11 +767,11 @@ class Engine:
             if i == len(media):
                 break
             name, data = media[i]
+            key = hashlib.sha256(data).digest()
             for chunk in self.projector.chunks(data, name):
                 if chunk.embd is None:
                     ids += chunk.tokens or []
                     continue
-                key = hashlib.sha256(data).digest()
                 spans.append(MediaSpan(len(ids), chunk.embd, key, chunk.non_causal))
                 ids += [placeholder] * len(chunk.embd)
         if spans and spans[-1].end >= len(ids):
