@@ -1344,6 +1344,30 @@ def test_steps_asked_in_vain_weigh_against_the_drafts_that_pay_a_little() -> Non
     assert plan.drafter is not None and p.pass_steps() == 1
 
 
+@pytest.mark.parametrize("by_clock,passed", [(True, [0, 1, 1, 1, 1]), (False, [0] * 5)])
+def test_asking_costs_what_a_vain_step_takes_beyond_a_step_let_pass(
+    by_clock: bool, passed: list[int]
+) -> None:
+    # The arms' Python is a few microseconds (within the budget of 3% of HAND's 10 ms
+    # lone row), but each vain ask takes 10.45 ms by the clock: 0.45 ms beyond a lone row
+    # (its general step, the drafters' upkeep), 1.5 budgets. Counted (from the second
+    # ask on: the first is timed at the next), asking lets ceil(1.5) - 1 = 1 step pass
+    # for each ask (within the ramp: 2, 4, ...).
+    p = ngram_planner(HAND, tuning=tuned(check_steps=True, ask_by_clock=by_clock))
+    p.plan_cost = None  # (measured, as the engine's planner does)
+    now = [0.0]
+    p.clock = lambda: now[0]
+    assert p.pass_steps() == 0
+    history, got = [1, 2, 3, 4, 5], []
+    for _ in range(5):
+        assert p.plan(history, 16, GREEDY, RNG).drafter is None
+        now[0] += 0.01045
+        got.append(n := p.pass_steps())
+        now[0] += 0.010 * n
+        history = [*history, *range(100 + len(history), 100 + len(history) + n + 1)]
+    assert got == passed
+
+
 def test_a_drafters_prompt_reading_is_left_out_of_the_steps_seconds() -> None:
     # A drafter that reads the prompt at its first draft (as a draft model defers it), 100
     # ms by the clock, counted as its prompt_seconds: the loop counts that as the prompt's

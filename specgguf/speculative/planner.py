@@ -188,9 +188,15 @@ class AutoPlanner:
         self.cached = 0
         #: seconds of Python asking the arms costs a step (None: measured, a moving
         #: average over the steps whose offers all came to nothing, whose time is the
-        #: arms' Python alone; a number: taken as it is, as the simulator gives it)
+        #: arms' Python alone, or where the steps are timed (``_time_steps``) and more,
+        #: such a step's whole time less a step let pass; a number: taken as it is, as
+        #: the simulator gives it)
         self.plan_cost: float | None = None
         self._measured_cost, self._n_costs = 0.0, 0
+        #: the same by the clock (``tuning.ask_by_clock``): a step asked in vain less a
+        #: step let pass, its general step and the drafters' catching up included; a
+        #: moving average as ``_measured_cost``'s
+        self._ask_cost, self._n_asks = 0.0, 0
         #: the clock the drafted steps are checked by (``tuning.check_steps``): seconds,
         #: monotonic; the simulator gives its own
         self.clock: Callable[[], float] = time.perf_counter
@@ -351,6 +357,12 @@ class AutoPlanner:
         if expected is None:  # a probe
             return
         lone = self._lone_row if self._lone_token is None else self._lone_token
+        if not expected and self.tuning.ask_by_clock:
+            # a step asked in vain: what it took beyond a step let pass is asking's cost
+            # (not clipped at 0: the average of a slow target's noise is then 0)
+            self._n_asks += 1
+            w = max(w_min, 1.0 / self._n_asks)
+            self._ask_cost += w * (seconds - lone - self._ask_cost)
         self._n_net += 1
         w = max(w_min, 1.0 / self._n_net)
         self._net += w * (max(1.0, expected) * lone - seconds - self._net)
@@ -365,15 +377,19 @@ class AutoPlanner:
     def _idle_step(self, seconds: float | None, lone_row: float) -> None:
         """A step was asked in vain, its offers' Python taking ``seconds`` (None: a draft
         was made and came out too short; not a measure of asking): let the next steps
-        pass without asking while asking would cost more than ``plan_budget`` of the
-        target alone's steps (``lone_row`` seconds each), twice as many for each step in
-        a row asked in vain (1, 2, 4, ...), at most ``plan_skip_max``."""
+        pass without asking while asking (:attr:`plan_cost`; None: the average of those
+        seconds, or the clock's if larger, ``ask_by_clock``) would cost more than
+        ``plan_budget`` of the target alone's steps (``lone_row`` seconds each), twice as
+        many for each step in a row asked in vain (1, 2, 4, ...), at most
+        ``plan_skip_max``."""
         t = self.tuning
         if self.plan_cost is None and seconds is not None:
             self._n_costs += 1  # a running mean at first, then a moving average
             w = max(t.plan_cost_weight, 1.0 / self._n_costs)
             self._measured_cost += w * (seconds - self._measured_cost)
-        cost = self._measured_cost if self.plan_cost is None else self.plan_cost
+        cost = (
+            max(self._measured_cost, self._ask_cost) if self.plan_cost is None else self.plan_cost
+        )
         # After a draft, a vain ask goes on from halfway up the ramp the draft ended: the
         # copy that drafted is over, and what asking costs has not changed.
         self._idle = max(self._idle + 1, self._resume - 1)
