@@ -393,7 +393,7 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
                 }
             ]
         },
-        "messages.0.content.0",
+        "messages.0.content.0.image_url.url",
     ),
     ("temperature a string", {"messages": USER, "temperature": "hot"}, "temperature"),
     ("max_tokens a string", {"messages": USER, "max_tokens": "5"}, "max_tokens"),
@@ -509,6 +509,7 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
 
 #: What some of the bad requests above are told: the words a client can act on.
 BAD_CHAT_MESSAGES = {
+    "image part": "not a data: URI",
     "lone surrogate": "lone UTF-16 surrogate",
     "NaN temperature": "finite number",
     "text part without its text": "a text part needs its text",

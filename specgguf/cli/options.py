@@ -256,7 +256,7 @@ class ModelOptions:
     mmproj: Path | None = option(
         None, "-mm", "--mmproj", metavar="FILE",
         help="The target's multimodal projector (an mmproj-*.gguf file, as llama.cpp's "
-        "--mmproj), which reads images: `run --image`.",
+        "--mmproj), which reads images: `run --image`, the server's image_url parts.",
         to="engine.mmproj",
     )  # fmt: skip
     no_mmproj_offload: bool = option(

@@ -95,10 +95,10 @@ def serve(
                          "--api-key too, or name the origins")  # fmt: skip
     o.cache_config(cache)  # its refusals before anything is downloaded or loaded
     config = o.engine_config(load, drafting, say=say)
-    if config.mmproj is not None:  # (llama-server's command lines pass it: not refused)
-        say(f"specgguf: warning: the server does not read images yet: --mmproj "
-            f"{config.mmproj} is not loaded, and image parts are refused (400)")  # fmt: skip
-        config = dataclasses.replace(config, mmproj=None)
+    if config.mmproj is not None and (server.parallel or 1) > 1:
+        raise UsageError(f"--mmproj: images are read with one request at a time only "
+                         f"(not yet beside --parallel {server.parallel}): give --parallel "
+                         "1")  # fmt: skip
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(
         config,
@@ -106,7 +106,11 @@ def serve(
         draft=config.draft and dataclasses.replace(config.draft, huge_pages=True),
         cache=o.cache_config(cache),
     )
-    config, checked = _parallel(config, server.parallel, say)  # before any weights load
+    parallel = server.parallel
+    if config.mmproj is not None and parallel is None:
+        say("specgguf: one request at a time (--parallel 1): images are read with one")
+        parallel = 1
+    config, checked = _parallel(config, parallel, say)  # before any weights load
     if cache.cache_ram is None:  # what the memory plan leaves, up to llama-server's default
         from specgguf.engine.preflight import memory_left
 
@@ -127,6 +131,8 @@ def serve(
         n_predict=n_predict, sampler=sampling.sampler(), log_text=verbose,
         **config_args(server, "server"),
     )  # fmt: skip
+    if config.mmproj is not None:  # images come in the body, in base64
+        settings = dataclasses.replace(settings, max_body_bytes=MEDIA_BODY_BYTES)
     # Every llama.cpp call (load, calibration, generations) on one thread: a second
     # computing thread slows llama.cpp's OpenMP pools (see engine_thread).
     llama_thread = engine_thread()
@@ -176,6 +182,9 @@ T = TypeVar("T")
 
 #: ``--parallel`` when not given, where the memory plan allows it.
 DEFAULT_PARALLEL = 4
+#: The largest request body with ``--mmproj`` (images in base64 data: URIs: about 24 MB
+#: of image); without, :attr:`ServerSettings.max_body_bytes`'s default.
+MEDIA_BODY_BYTES = 32 << 20
 
 
 def _parallel(

@@ -37,16 +37,16 @@ async def chat_completions(request: Request) -> Response:
     svc = _service(request)
     req = await parse(request, ChatCompletionRequest, svc.settings.max_body_bytes)
     tools = req.tool_set()
-    conversation = req.conversation()
+    conversation, media = req.conversation(), req.media()
     params = await svc.constrained(req, svc.params(req), tools)
-    ids = await svc.prompt_ids(
+    ids, spans = await svc.prompt_ids(
         conversation, "messages",
         add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message, tools=tools,
+        continue_final_message=req.continue_final_message, tools=tools, media=media,
     )  # fmt: skip
     if svc.settings.log_text:
         log.debug("chat: messages: %r", conversation)
-    job = svc.submit(ids, params, stream=bool(req.stream))
+    job = svc.submit(ids, params, stream=bool(req.stream), media=spans)
     call_names = tools.callable if tools and tools.parses else None
     if req.stream:
         return _chat_stream(svc, job, call_names, include_usage=req.include_usage)
@@ -130,7 +130,7 @@ async def completions(request: Request) -> Response:
     req = await parse(request, CompletionRequest, svc.settings.max_body_bytes)
     params = await svc.constrained(req, svc.params(req))
     prompt = req.prompt_input()
-    ids = await svc.prompt_ids(prompt, "prompt")
+    ids, _ = await svc.prompt_ids(prompt, "prompt")
     if svc.settings.log_text:
         log.debug("completion: prompt: %r", prompt)
     job = svc.submit(ids, params, stream=bool(req.stream))

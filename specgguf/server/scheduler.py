@@ -27,7 +27,7 @@ import functools
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from time import monotonic, sleep
 from typing import TYPE_CHECKING, Literal
@@ -36,6 +36,7 @@ from specgguf.speculative.loop import Generation, GenerationParams, GenerationRe
 
 if TYPE_CHECKING:
     from specgguf.engine import Engine
+    from specgguf.llama.backend import MediaSpan
 
 log = logging.getLogger("specgguf.server")
 
@@ -88,13 +89,24 @@ class Job:
 
     Create it on the event loop that will read its events (:meth:`events`). ``cancel`` may
     be called from any thread. Without ``pieces`` (a non-streaming request) the job reports
-    only its end: no event per speculative step for the event loop to wake for.
+    only its end: no event per speculative step for the event loop to wake for. ``media``:
+    what the target reads at some of the prompt's positions (images: a server of one
+    sequence, as :meth:`Engine.media_prompt` allows).
     """
 
-    def __init__(self, prompt: list[int], params: GenerationParams, *, pieces: bool = True) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        *,
+        pieces: bool = True,
+        media: Sequence[MediaSpan] = (),
+    ) -> None:
         self.prompt = prompt
         self.params = params
         self.pieces = pieces
+        #: what the target reads at some of the prompt's positions (images)
+        self.media = list(media)
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._lock = threading.Lock()
@@ -353,7 +365,7 @@ class Scheduler:
     def _run(self, job: Job, slot: int | None = None) -> None:
         engine = self.engine
         if slot is None:
-            gen = job.begin(lambda: engine.generate(job.prompt, job.params))
+            gen = job.begin(lambda: engine.generate(job.prompt, job.params, media=job.media))
         else:
             gen = job.begin(lambda: engine.generate(job.prompt, job.params, slot=slot))
         if gen is None:

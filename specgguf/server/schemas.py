@@ -19,6 +19,8 @@ conversation assistant messages with ``tool_calls`` and ``tool`` messages.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Callable
 from typing import Any, Literal
@@ -48,11 +50,61 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class ImageURL(_Strict):
+    """An ``image_url`` part's image: a ``data:`` URI with the image in base64 (a web
+    address is refused: :func:`image_bytes`); ``detail`` is taken and not used."""
+
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Strict):
-    """A part of a message's content (only ``{"type": "text", "text": ...}`` is served)."""
+    """A part of a message's content: ``{"type": "text", "text": ...}``, or
+    ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` where the
+    server has the target's projector (``--mmproj``)."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+
+
+def image_bytes(url: str, param: str) -> bytes:
+    """The image of an ``image_url`` part: the bytes of a ``data:`` URI in base64 (any
+    media type: the bytes say the format, checked later). An ``http(s)`` address is refused:
+    fetching an address a request names lets anyone who can reach the server make it send
+    requests into its own network (server-side request forgery).
+
+    Raises:
+        APIError: 400 naming ``param``: not a base64 ``data:`` URI, not base64, empty, or
+            over :data:`specgguf.llama.media.MAX_BYTES` decoded.
+    """
+    from specgguf.llama.media import MAX_BYTES
+
+    head, comma, body = url.partition(",")
+    if not head.lower().startswith("data:"):
+        what = (
+            "a web address" if head.lower().startswith(("http:", "https:")) else "not a data: URI"
+        )
+        raise bad_request(
+            f"{param}: {what}: send the image itself, as data:image/png;base64,... (this "
+            "server fetches no address a request names)", param=param,
+        )  # fmt: skip
+    if not comma or not head.lower().endswith(";base64"):
+        raise bad_request(f"{param}: a data: URI in base64 (data:image/png;base64,...) is "
+                          "read", param=param)  # fmt: skip
+    if len(body) > (MAX_BYTES // 3 + 1) * 4 + 4:
+        raise bad_request(f"{param}: the image is more than {MAX_BYTES:,} bytes",
+                          param=param)  # fmt: skip
+    try:
+        data = base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"{param}: the data: URI is not valid base64", param=param) from None
+    if not data:
+        raise bad_request(f"{param}: the image is empty", param=param)
+    if len(data) > MAX_BYTES:
+        raise bad_request(f"{param}: the image is more than {MAX_BYTES:,} bytes",
+                          param=param)  # fmt: skip
+    return data
 
 
 class FunctionCall(_Strict):
@@ -214,16 +266,20 @@ class ChatCompletionRequest(_Generation):
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them: text content (parts joined by
-        newlines, as llama.cpp's server does), ``developer`` as ``system``; an assistant's
+        newlines, as llama.cpp's server does; an ``image_url`` part as the media marker
+        :data:`specgguf.llama.media.MARKER`, its image in :meth:`media`), ``developer`` as
+        ``system``; an assistant's
         ``tool_calls`` as OpenAI's objects with their arguments as a JSON object (as vLLM
         gives them to templates, which write them with ``tojson``), its content None when
         it has none; a ``tool`` message with its ``tool_call_id`` and ``name``.
 
         Raises:
             APIError: a message without text content (an assistant's may have tool calls
-                instead), with a non-text part, tool calls on another role, arguments that
-                are not a JSON object.
+                instead), with a part neither text nor an image, an image outside a user
+                message, tool calls on another role, arguments that are not a JSON object.
         """
+        from specgguf.llama.media import MARKER
+
         out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
             calls = m.tool_calls or []
@@ -246,6 +302,15 @@ class ChatCompletionRequest(_Generation):
             else:
                 texts = []
                 for j, part in enumerate(m.content):
+                    if part.type == "image_url":
+                        if m.role != "user":
+                            raise bad_request(
+                                f"messages.{i}.content.{j}: images are read in user "
+                                f"messages only, not in a {m.role} message",
+                                param=f"messages.{i}.content.{j}",
+                            )  # fmt: skip
+                        texts.append(MARKER)  # (where media() puts its image)
+                        continue
                     if part.type != "text":
                         raise unsupported(
                             f"messages.{i}.content.{j}", f"content of type {part.type!r}"
@@ -267,6 +332,28 @@ class ChatCompletionRequest(_Generation):
                                                ("name", m.name)) if v is not None})  # fmt: skip
             out.append(msg)
         return out
+
+    def media(self) -> list[tuple[str, bytes]]:
+        """The images of the conversation's ``image_url`` parts, in their order, each with
+        the part's name (``messages.I.content.J``); :meth:`conversation` puts a media
+        marker in the text where each is.
+
+        Raises:
+            APIError: a part without its ``image_url``, or one that is not an image sent
+                as a base64 ``data:`` URI (:func:`image_bytes`).
+        """
+        media = []
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type != "image_url":
+                    continue
+                param = f"messages.{i}.content.{j}.image_url"
+                if part.image_url is None:
+                    raise bad_request(f"{param}: an image_url part needs its image_url",
+                                      param=param)  # fmt: skip
+                media.append((f"messages.{i}.content.{j}",
+                              image_bytes(part.image_url.url, f"{param}.url")))  # fmt: skip
+        return media
 
     def tool_set(self) -> ToolSet | None:
         """The request's tools and how they may be called; None without tools (an empty

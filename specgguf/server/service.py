@@ -18,8 +18,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.sse import format_sse_event
@@ -32,6 +32,7 @@ from specgguf.errors import (
     ChatTemplateError,
     ContextOverflowError,
     GrammarError,
+    MediaError,
     SpecggufError,
     ToolsTemplateError,
 )
@@ -46,6 +47,7 @@ from specgguf.version import __version__
 
 if TYPE_CHECKING:
     from specgguf.engine import Engine, Prompt
+    from specgguf.llama.backend import MediaSpan
 
 log = logging.getLogger("specgguf.server")
 R = TypeVar("R", bound=BaseModel)
@@ -143,6 +145,7 @@ class Service:
         self.settings = settings
         self.scheduler = scheduler
         self.names = {settings.model_id, *settings.model_aliases}
+        self._media_lock = asyncio.Lock()
 
     def envelope(self, kind: str, prefix: str) -> dict[str, Any]:
         """A response's common fields: a new id, its object ``kind``, the time, the model."""
@@ -161,28 +164,45 @@ class Service:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
         tools: ToolSet | None = None,
-    ) -> list[int]:
+        media: Sequence[tuple[str, bytes]] = (),
+    ) -> tuple[list[int], list[MediaSpan]]:
         """The prompt's token ids (a conversation with ``tools`` rendered by the chat
-        template), checked against the vocabulary and the context.
+        template), checked against the vocabulary and the context, and where the
+        conversation's text holds a media marker for each of ``media`` (``(part name,
+        bytes)``), their embeddings at their positions (:meth:`Engine.media_prompt`;
+        one request's images are read at a time, beside the generations that run).
 
         Raises:
             APIError: a chat template that fails (its message quoted) or does not render
                 tools (``param`` "tools" or "messages"), a malformed conversation, token
                 ids outside the vocabulary, a prompt that leaves no room to generate
-                (``context_length_exceeded``).
+                (``context_length_exceeded``), an image that cannot be read or no
+                projector loaded (its part named).
         """
         engine = self.engine
+        render = functools.partial(
+            engine.render, cast("Sequence[Mapping[str, Any]]", prompt),  # (chat: media's only)
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools.tools if tools else None,
+        )  # fmt: skip
+        spans: list[MediaSpan] = []
         try:
-            # Rendering and tokenizing read the model only: safe next to a generation.
-            ids = await run_in_threadpool(
-                functools.partial(
-                    engine.prompt_ids,
-                    prompt,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tools=tools.tools if tools else None,
-                )
-            )
+            if media:
+                # One request's images at a time: the projector is not shared between
+                # threads. Its arithmetic runs beside the generations, as reading does.
+                async with self._media_lock:
+                    ids, spans = await run_in_threadpool(
+                        lambda: engine.media_prompt(render(), media)
+                    )
+            else:
+                # Rendering and tokenizing read the model only: safe next to a generation.
+                ids = await run_in_threadpool(
+                    functools.partial(
+                        engine.prompt_ids, prompt, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        tools=tools.tools if tools else None,
+                    )
+                )  # fmt: skip
         except ToolsTemplateError as e:
             where = "tools" if e.part == "tools" else param
             raise bad_request(str(e), param=where, code="chat_template_error") from None
@@ -190,16 +210,18 @@ class Service:
             raise bad_request(str(e), param=param, code="chat_template_error") from None
         except ContextOverflowError as e:  # found before tokenizing: a lower bound
             raise _too_long(e, param) from None
+        except MediaError as e:
+            raise bad_request(str(e), param=e.part) from None
         except SpecggufError as e:
             raise bad_request(str(e), param=param) from None
         n_vocab = engine.target_model.n_vocab
-        if not isinstance(prompt, str) and any(not 0 <= t < n_vocab for t in ids):
+        if not isinstance(prompt, str) and not media and any(not 0 <= t < n_vocab for t in ids):
             raise bad_request(f"{param}: token ids must be in [0, {n_vocab})", param=param)
         if not ids:
             raise bad_request(f"{param}: the prompt is empty", param=param)
         if len(ids) >= engine.n_ctx:
             raise _too_long(ContextOverflowError(len(ids), engine.n_ctx), param)
-        return ids
+        return ids, spans
 
     def params(self, req: _Generation) -> GenerationParams:
         """The generation a request asks for: its settings, else the server's defaults;
@@ -292,13 +314,22 @@ class Service:
         await self.check_grammar(spec, param)
         return dataclasses.replace(params, grammar=spec, stop=params.stop + stops)
 
-    def submit(self, ids: list[int], params: GenerationParams, *, stream: bool) -> Job:
-        """Queue a generation; its text pieces are passed on only for a ``stream``.
+    def submit(
+        self,
+        ids: list[int],
+        params: GenerationParams,
+        *,
+        stream: bool,
+        media: Sequence[MediaSpan] = (),
+    ) -> Job:
+        """Queue a generation (``media``: what the target reads at some of the prompt's
+        positions, from :meth:`prompt_ids`); its text pieces are passed on only for a
+        ``stream``.
 
         Raises:
             APIError: 503 with ``Retry-After`` when the queue is full or the server stops.
         """
-        job = Job(ids, params, pieces=stream)
+        job = Job(ids, params, pieces=stream, media=media)
         try:
             self.scheduler.submit(job)
         except QueueFull:

@@ -1,0 +1,217 @@
+"""Images in the server's chat messages (``image_url`` parts with base64 ``data:`` URIs),
+through the official `openai` package, against what `specgguf run --image` generates with
+the same tiny target, projector and drafter; bad images refused with a 400 naming the part,
+before anything is decoded."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from specgguf.gguf.tinymedia import picture, png_bytes, write_mmproj, write_png
+from specgguf.llama.media import MARKER
+
+from .helpers import ServerProcess, run_cli
+
+N_EMBD = 64  # the tiny target's (specgguf/gguf/tiny.py)
+#: Drafting on, with a drafter that drafts on the tiny pair (tests/test_media.py)
+SPEC = ["--drafter", "ngram", "--draft", "4", "-t", "1", "-c", "1024"]
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loopback_only() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                    "all_proxy"):  # fmt: skip
+            mp.delenv(var, raising=False)
+        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
+        yield
+
+
+@pytest.fixture(scope="module")
+def media(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("server-media")
+    write_mmproj(folder / "mmproj.gguf", N_EMBD)
+    return {
+        "target": tiny_models["target"],
+        "mmproj": folder / "mmproj.gguf",
+        "a": write_png(folder / "a.png", picture()),
+        "b": write_png(folder / "b.png", picture(flip=True)),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(media: dict[str, Path]) -> Iterator[ServerProcess]:
+    with ServerProcess("-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+                       *SPEC) as s:  # fmt: skip
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def data_uri(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def image(path: Path) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_uri(path.read_bytes())}}
+
+
+def text(t: str) -> dict[str, Any]:
+    return {"type": "text", "text": t}
+
+
+def run_text(media: dict[str, Path], prompt: str, *images: str) -> str:
+    """What `specgguf run` generates with the same files, settings and images."""
+    args = [a for name in images for a in ("--image", str(media[name]))]
+    res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+                  *SPEC, *args, "--temp", "0", "-n", "48", "--ignore-eos", "--json",
+                  prompt)  # fmt: skip
+    assert res.returncode == 0, res.stderr.decode()
+    return str(json.loads(res.stdout)["text"])
+
+
+def chat(client: openai.OpenAI, messages: list[dict[str, Any]], *, stream: bool = False) -> Any:
+    """The answer's text and its timings (streamed: the text put together)."""
+    if not stream:
+        r = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)  # type: ignore[arg-type]
+        return r.choices[0].message.content, r.model_extra["timings"]  # type: ignore[index]
+    chunks = client.chat.completions.create(model="tiny", messages=messages, stream=True,
+                                            **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    pieces, timings = [], None
+    for c in chunks:
+        if c.choices and c.choices[0].delta.content:
+            pieces.append(c.choices[0].delta.content)
+        timings = (c.model_extra or {}).get("timings") or timings
+    return "".join(pieces), timings
+
+
+# The content parts are joined by newlines (as text parts always were): run's prompt with
+# the marker where the image part is gives the same conversation.
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_image_part_generates_what_run_does_with_the_image(
+    client: openai.OpenAI, media: dict[str, Path], stream: bool
+) -> None:
+    got, timings = chat(client, [{"role": "user", "content": [image(media["a"]),
+                                                              text("Describe")]}],
+                        stream=stream)  # fmt: skip
+    assert got == run_text(media, f"{MARKER}\nDescribe", "a")
+    assert timings["predicted_n"] == 48 and timings["draft_n"] > 0  # drafting was on
+
+
+def test_two_images_in_one_message_are_read_in_their_order(
+    client: openai.OpenAI, media: dict[str, Path]
+) -> None:
+    parts = [text("Compare"), image(media["a"]), image(media["b"])]
+    got, _ = chat(client, [{"role": "user", "content": parts}])
+    assert got == run_text(media, f"Compare\n{MARKER}\n{MARKER}", "a", "b")
+    swapped, _ = chat(client, [{"role": "user", "content": [parts[0], parts[2], parts[1]]}])
+    assert swapped == run_text(media, f"Compare\n{MARKER}\n{MARKER}", "b", "a")
+
+
+def test_an_image_in_an_earlier_turn_is_kept_and_its_prompt_reused(
+    client: openai.OpenAI, media: dict[str, Path]
+) -> None:
+    first = [{"role": "user", "content": [image(media["a"]), text("Describe")]}]
+    answer, t1 = chat(client, first)
+    later = [*first, {"role": "assistant", "content": answer},
+             {"role": "user", "content": "And the colours?"}]  # fmt: skip
+    got, t2 = chat(client, later)
+    # The first turn, image included, is read again from the cache: only the new turns are.
+    assert t2["cache_n"] >= t1["prompt_n"] + t1["cache_n"] - 1, (t1, t2)
+    # The same conversation with the other image in the first turn: read again from the
+    # image on (the tokens before it kept: its placeholders are the same tokens), and the
+    # answer is another.
+    other = [{**first[0], "content": [image(media["b"]), text("Describe")]}, *later[1:]]
+    got_other, t3 = chat(client, other)
+    assert 0 < t3["cache_n"] < 16 < t3["prompt_n"], t3  # (the image's 16 rows read again)
+    assert got_other != got
+
+
+def post(server: ServerProcess, body: Any) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/chat/completions", content=json.dumps(body),
+                      headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+
+
+def _wav() -> bytes:
+    return b"RIFF" + struct.pack("<I", 36) + b"WAVEfmt " + bytes(24)
+
+
+BAD: list[tuple[str, Any, str, str]] = [
+    # (what, the part, the param named, words of the message)
+    ("a web address", {"type": "image_url", "image_url": {"url": "http://10.0.0.1/a.png"}},
+     "messages.0.content.0.image_url.url", "web address"),
+    ("a file address", {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+     "messages.0.content.0.image_url.url", "not a data: URI"),
+    ("not base64", {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}},
+     "messages.0.content.0.image_url.url", "not valid base64"),
+    ("not in base64", {"type": "image_url", "image_url": {"url": "data:image/png,abc"}},
+     "messages.0.content.0.image_url.url", "base64"),
+    ("empty", {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}},
+     "messages.0.content.0.image_url.url", "empty"),
+    ("no image_url", {"type": "image_url"}, "messages.0.content.0.image_url", "needs its"),
+    ("a corrupt PNG", {"type": "image_url",
+                       "image_url": {"url": data_uri(png_bytes(picture())[:60])}},
+     "messages.0.content.0", "messages.0.content.0"),
+    ("not an image", {"type": "image_url", "image_url": {"url": data_uri(b"hello there")}},
+     "messages.0.content.0", "PNG"),
+    ("audio", {"type": "image_url", "image_url": {"url": data_uri(_wav(), "audio/wav")}},
+     "messages.0.content.0", "audio"),
+    ("20,000 x 20,000", {"type": "image_url", "image_url": {"url": data_uri(
+        b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR"
+        + struct.pack(">II", 20000, 20000) + bytes(5))}},
+     "messages.0.content.0", "pixels"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "part", "param", "words"), BAD, ids=[b[0] for b in BAD])
+def test_bad_images_get_400_naming_the_part(
+    server: ServerProcess, what: str, part: Any, param: str, words: str
+) -> None:
+    r = post(server, {"messages": [{"role": "user", "content": [part, text("Describe")]}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_images_outside_user_messages_and_stray_markers_get_400(
+    server: ServerProcess, media: dict[str, Path]
+) -> None:
+    r = post(server, {"messages": [{"role": "system", "content": [image(media["a"])]},
+                                   {"role": "user", "content": "hi"}]})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0"
+    # a marker typed in the text beside an image: as many markers as images, or a 400
+    parts = [image(media["a"]), text(f"what {MARKER}")]
+    r = post(server, {"messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 400 and "marker" in r.json()["error"]["message"], r.text
+    # ... and without images a marker is text like any other
+    assert post(server, {"messages": [{"role": "user", "content": MARKER}],
+                         "max_tokens": 2}).status_code == 200  # fmt: skip
+
+
+def test_without_a_projector_an_image_gets_400_and_parallel_is_refused(
+    media: dict[str, Path],
+) -> None:
+    with ServerProcess("-m", str(media["target"]), *SPEC, "--parallel", "1") as s:
+        r = post(s, {"messages": [{"role": "user", "content": [image(media["a"])]}]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages.0.content.0" and "mmproj" in err["message"], err
+    res = run_cli("serve", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+                  "--parallel", "2", "--port", "0")  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "--parallel 1" in err and "Traceback" not in err, err
