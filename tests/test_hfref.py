@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from specgguf.errors import HubError, QuantNotFoundError, UsageError
 from specgguf.hub.hfref import (
     HfRef,
+    best_sibling,
     looks_like_hf_ref,
     match_quant,
     parse_hf_ref,
@@ -141,3 +142,28 @@ def test_parse_a_reference() -> None:
             parse_hf_ref(bad)
     with pytest.raises(UsageError, match="names quant Q8_0 and another quant, F16"):
         parse_hf_ref("org/m:Q8_0", quant="F16")
+
+
+@pytest.mark.parametrize(
+    ("files", "model", "chosen"),
+    [
+        # the quant nearest the model's in bits: 8 against 4 before 16 against 4
+        (["m-Q4_K_M.gguf", "mmproj-m-F16.gguf", "mmproj-m-Q8_0.gguf"], "m-Q4_K_M.gguf",
+         "mmproj-m-Q8_0.gguf"),
+        (["m-F16.gguf", "mmproj-m-Q8_0.gguf", "mmproj-m-F16.gguf"], "m-F16.gguf",
+         "mmproj-m-F16.gguf"),
+        # the model's own folder before one above it; never another folder
+        (["mmproj-top-Q4_K_M.gguf", "Q4/mmproj-F16.gguf", "Q4/m-Q4_K_M.gguf"],
+         "Q4/m-Q4_K_M.gguf", "Q4/mmproj-F16.gguf"),
+        (["Q8/mmproj-Q8_0.gguf", "Q4/m-Q4_K_M.gguf"], "Q4/m-Q4_K_M.gguf", None),
+        (["mmproj-top.gguf", "Q4/m-Q4_K_M.gguf"], "Q4/m-Q4_K_M.gguf", "mmproj-top.gguf"),
+        # only .gguf files; none at all; ties to the first listed
+        (["mmproj-notes.txt", "m-Q4_K_M.gguf"], "m-Q4_K_M.gguf", None),
+        (["m-Q4_K_M.gguf"], "m-Q4_K_M.gguf", None),
+        (["mmproj-a-Q8_0.gguf", "mmproj-b-Q8_0.gguf"], "m-Q8_0.gguf", "mmproj-a-Q8_0.gguf"),
+    ],
+)  # fmt: skip
+def test_the_projector_of_a_repository_is_picked_as_llama_cpp_picks_it(
+    files: list[str], model: str, chosen: str | None
+) -> None:
+    assert best_sibling(files, model, "mmproj") == chosen

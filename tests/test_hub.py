@@ -515,14 +515,19 @@ quant = "Q8_0"
 
 
 @pytest.fixture
-def multi(hub: LocalHub, tiny_models: dict[str, Path], split2: list[Path]) -> LocalHub:
-    """Repositories with several quantizations, sidecars, a split in a folder, and two
-    models of the same quant."""
+def multi(
+    hub: LocalHub, tiny_models: dict[str, Path], split2: list[Path], tmp_path: Path
+) -> LocalHub:
+    """Repositories with several quantizations, sidecars (the tiny target's projector), a
+    split in a folder, and two models of the same quant."""
+    from specgguf.gguf.tinymedia import write_mmproj
+
+    write_mmproj(tmp_path / "mmproj.gguf", 64)  # (the tiny target's embedding size)
     hub.add_repo("test/multi-GGUF", {
         "README.md": b"readme",
         "multi-Q8_0.gguf": tiny_models["target"],
         "multi-Q4_K_M.gguf": tiny_models["draft-partial"],
-        "mmproj-multi-Q4_K_M.gguf": b"a projector, not a model",
+        "mmproj-multi-Q4_K_M.gguf": tmp_path / "mmproj.gguf",
         "multi-IQ4_XS.gguf": b"iq4",
         "F16/multi-F16-00001-of-00002.gguf": split2[0],
         "F16/multi-F16-00002-of-00002.gguf": split2[1],
@@ -655,7 +660,18 @@ def test_run_and_bench_pull_hf_references_on_first_use(multi: LocalHub, isolated
     assert models["target"] == str(snap / "multi-Q8_0.gguf")
     assert models["draft"] == str(snap / "multi-Q4_K_M.gguf")
     assert b"test/multi-GGUF:Q8_0: " in ran.stderr and b"from hub" in ran.stderr
-    assert downloaded(multi) == {"multi-Q8_0.gguf", "multi-Q4_K_M.gguf"}
+    # run (and serve) pull the repository's projector beside the target, as llama.cpp does
+    assert models["mmproj"] == str(snap / "mmproj-multi-Q4_K_M.gguf")
+    assert b"test/multi-GGUF:Q8_0's projector: " in ran.stderr
+    assert downloaded(multi) == {"multi-Q8_0.gguf", "multi-Q4_K_M.gguf",
+                                 "mmproj-multi-Q4_K_M.gguf"}  # fmt: skip
+    without = run_cli("run", "-hf", "test/multi-GGUF:Q8_0", "--no-draft", "--no-mmproj",
+                      *gen, env=env(multi))  # fmt: skip
+    assert without.returncode == 0, without.stderr
+    assert json.loads(without.stdout)["models"]["mmproj"] is None
+    both_mm = run_cli("run", "-hf", "test/multi-GGUF", "--mmproj", "x.gguf", "--no-mmproj",
+                      "hi", env=env(multi))  # fmt: skip
+    assert "exclude each other" in one_line_error(both_mm, errors.EXIT_USAGE)
     bench = run_cli("bench", "-hfr", "test/multi-GGUF:Q8_0", "--hf-repo-draft",
                     "test/multi-GGUF:Q4_K_M", "--draft", "1", "-n", "2", "--rounds", "1",
                     "--categories", "chat", "-c", "1024", "--json", env=env(multi))  # fmt: skip

@@ -259,6 +259,11 @@ class ModelOptions:
         "--mmproj), which reads images: `run --image`, the server's image_url parts.",
         to="engine.mmproj",
     )  # fmt: skip
+    no_mmproj: bool = option(
+        False, "--no-mmproj",
+        help="Leave out the projector of an -hf repository (which run and serve pull "
+        "beside the model, as llama.cpp does).",
+    )  # fmt: skip
     no_mmproj_offload: bool = option(
         False, "--no-mmproj-offload",
         help="Run the projector on the CPU (default: on the GPU where the build has one).",
@@ -475,6 +480,7 @@ QuietOpt = Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr
 # The model options that `pull`, `list`, `info` and `check` take alone, as declared above
 # (for mypy, the values' types).
 if TYPE_CHECKING:
+    from specgguf.hub.download import PullResult
     from specgguf.speculative.grammar import GrammarSpec
 
     HfRepoOpt = str | None
@@ -498,16 +504,18 @@ def model_path(name: str, registry: Path | None = None) -> Path:
     return resolve_model(name, registry=load_registry(registry))
 
 
-def _pull_hf(ref: str, say: Callable[[str], None]) -> Path:
-    """The first file of the model ``ref`` names on the hub, pulled when not cached."""
+def _pull_hf(ref: str, say: Callable[[str], None], *, mmproj: bool = False) -> PullResult:
+    """The model ``ref`` names on the hub (``mmproj``: and its projector, where the
+    repository has one), pulled when not cached."""
     import sys
 
     from specgguf.hub.download import resolve_hf
 
-    res = resolve_hf(ref, progress=sys.stderr.isatty(), say=say)
-    if res.source != "cache":
-        say(f"specgguf: {ref}: {res.path} ({res.size / 2**30:.2f} GiB, from {res.source})")
-    return res.path
+    res = resolve_hf(ref, progress=sys.stderr.isatty(), say=say, mmproj=mmproj)
+    for r, what in ((res, ref), (res.mmproj, f"{ref}'s projector")):
+        if r is not None and r.source != "cache":
+            say(f"specgguf: {what}: {r.path} ({r.size / 2**30:.2f} GiB, from {r.source})")
+    return res
 
 
 def is_model_file(name: str) -> bool:
@@ -589,10 +597,13 @@ def engine_config(
     drafting: DraftOptions | None = None,
     *,
     say: Callable[[str], None] = lambda msg: None,
+    media: bool = False,
 ) -> EngineConfig:
     """The engine configuration the options ask for (``drafting`` None: the defaults).
     ``hf_repo``/``hf_repo_draft`` name models on the hub as llama.cpp does
-    (``org/name:QUANT``), pulled on first use. Without a target model, the registry's
+    (``org/name:QUANT``), pulled on first use; for a command that reads ``media``, with
+    the target repository's projector, unless ``--mmproj`` or ``--no-mmproj`` is given
+    (llama.cpp pulls it for llama-server and llama-mtmd-cli). Without a target model, the registry's
     default pair (downloaded on first use). ``spec_type`` is llama.cpp's name for the
     drafter (:func:`spec_type_drafter`). The drafter defaults to auto, or, with a fixed
     ``--draft K``, to the draft model when there is one, else the target's MTP layers
@@ -606,6 +617,7 @@ def engine_config(
 
     Raises:
         UsageError: flags that do not combine (``--drafter model`` without a draft model,
+            --mmproj with --no-mmproj,
             a model given both as a file or alias and as -hf, -md with --no-draft, a
             --spec-type that names another drafter than --drafter, --rpc-draft without a
             draft model, a malformed --rpc or --tensor-split).
@@ -631,15 +643,20 @@ def engine_config(
         raise UsageError("--no-draft and a draft model (-md/-hfd) exclude each other")
     if load.no_draft and drafter is not None and needs(drafter).draft_model:
         raise UsageError(f"--drafter {drafter} needs a draft model, and --no-draft refuses one")
+    if load.no_mmproj and load.mmproj is not None:
+        raise UsageError("--no-mmproj and --mmproj exclude each other: give one")
+    mmproj = None  # the -hf repository's projector
     if load.hf_repo is not None:
         if model is not None:
             raise UsageError("-m/--model and -hf/--hf-repo both name the target: give one")
-        model = str(_pull_hf(load.hf_repo, say))
+        wants = media and load.mmproj is None and not load.no_mmproj
+        pulled = _pull_hf(load.hf_repo, say, mmproj=wants)
+        model, mmproj = str(pulled.path), pulled.mmproj and pulled.mmproj.path
     if load.hf_repo_draft is not None:
         if model_draft is not None:
             raise UsageError("-md/--model-draft and -hfd/--hf-repo-draft both name the draft: "
                              "give one")  # fmt: skip
-        model_draft = str(_pull_hf(load.hf_repo_draft, say))
+        model_draft = str(_pull_hf(load.hf_repo_draft, say).path)
     wants_model = (drafter in (None, AUTO) or needs(drafter).draft_model) and not load.no_draft
     if model is None:
         from specgguf.hub.download import default_pair
@@ -710,7 +727,10 @@ def engine_config(
     spec = SpeculativeConfig(drafter=kind, **config_args(drafting, "speculative"))
     if load.no_check and draft_model is not None and searched is None:
         say("specgguf: warning: --no-check: the draft's vocabulary was not checked")
-    return EngineConfig(target, draft_model, spec, **config_args(load, "engine"))
+    engine = config_args(load, "engine")
+    if mmproj is not None:
+        engine["mmproj"] = mmproj
+    return EngineConfig(target, draft_model, spec, **engine)
 
 
 def _find_draft(

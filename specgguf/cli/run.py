@@ -136,7 +136,7 @@ def run(
     setup_logging(verbose=verbose, quiet=quiet)
     say = stderr_say(quiet)
     spec = o.grammar_spec(json_schema, json_schema_file, grammar, grammar_file)
-    config = o.engine_config(load, drafting, say=say)
+    config = o.engine_config(load, drafting, say=say, media=True)
     if raw and system is not None:
         raise UsageError("--system needs the chat template, and --raw sends the prompt without it")
     if prompt_cache_ro and prompt_cache is None:

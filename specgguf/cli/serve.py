@@ -94,7 +94,7 @@ def serve(
         raise UsageError("--cors-origins '*' lets every web page use the server: give "
                          "--api-key too, or name the origins")  # fmt: skip
     o.cache_config(cache)  # its refusals before anything is downloaded or loaded
-    config = o.engine_config(load, drafting, say=say)
+    config = o.engine_config(load, drafting, say=say, media=True)
     if config.mmproj is not None and (server.parallel or 1) > 1:
         raise UsageError(f"--mmproj: images are read with one request at a time only "
                          f"(not yet beside --parallel {server.parallel}): give --parallel "

@@ -42,6 +42,7 @@ from specgguf.errors import (
 )
 from specgguf.hub.hfref import (
     HfRef,
+    best_sibling,
     looks_like_hf_ref,
     match_quant,
     parse_hf_ref,
@@ -175,6 +176,8 @@ class PullResult:
     paths: list[Path]
     source: str  # "hub", "pypi" or "cache"
     size: int
+    #: the model's projector, where one was asked for and its repository has one
+    mmproj: PullResult | None = None
 
     @property
     def path(self) -> Path:
@@ -625,11 +628,14 @@ def resolve_hf(
     revision: str | None = None,
     progress: bool = True,
     say: Say = lambda msg: None,
+    mmproj: bool = False,
 ) -> PullResult:
     """Pull the model that a llama.cpp-style reference ``org/name[:QUANT]`` names (``quant``
     stands in for a missing tag): its files are found in the repository's file list (see
     :func:`specgguf.hub.hfref.match_quant`), then pulled as :func:`pull` does, every shard
-    of a split model, with the hub's listed SHA-256 as the pin.
+    of a split model, with the hub's listed SHA-256 as the pin. With ``mmproj``, the
+    repository's projector beside the model too (:func:`specgguf.hub.hfref.best_sibling`,
+    as llama.cpp picks it: ``PullResult.mmproj``; offline, where it is cached).
 
     With ``HF_HUB_OFFLINE`` set, or the hub unreachable, the cached snapshot of
     ``revision`` (default main, through ``refs/``) stands in for the file list.
@@ -655,16 +661,29 @@ def resolve_hf(
             entry = _hf_entry(r, names, sha256=shas if len(shas) == len(names) else (),
                               size=sum(listing[n].size for n in names))  # fmt: skip
             res = pull(entry, revision=commit, progress=progress, say=say)
+            side = best_sibling(list(listing), names[0], "mmproj") if mmproj else None
+            if side is not None:
+                lfs = listing[side].lfs
+                side_entry = _hf_entry(HfRef(r.repo, side), [side], size=listing[side].size,
+                                       sha256=(lfs.sha256,) if lfs is not None else ())  # fmt: skip
+                side_res = pull(side_entry, revision=commit, progress=progress, say=say)
+                res = dataclasses.replace(res, mmproj=side_res)
             _write_ref(r.repo, rev, commit)
             return res
     snap = _snapshot_dir(r.repo, rev)
     if snap is None:
         at = f" at revision {revision}" if revision is not None else ""
         raise HubError(f"{reason}, and {r.repo}{at} is not in the cache ({hub_cache_dir()})")
-    names = match_quant(_snapshot_listing(snap), r.tag, repo=r.repo, cached=True)
+    cached = _snapshot_listing(snap)
+    names = match_quant(cached, r.tag, repo=r.repo, cached=True)
     if not offline():
         say(f"specgguf: {reason}; using the cached files")
-    return _from_cache(_hf_entry(r, names), [snap / n for n in names])
+    res = _from_cache(_hf_entry(r, names), [snap / n for n in names])
+    side = best_sibling(cached, names[0], "mmproj") if mmproj else None
+    if side is not None:
+        side_res = _from_cache(_hf_entry(HfRef(r.repo, side), [side]), [snap / side])
+        res = dataclasses.replace(res, mmproj=side_res)
+    return res
 
 
 def _hf_entry(

@@ -184,3 +184,34 @@ def _not_found(msg: str, repo: str, tag: str | None, firsts: list[str]) -> Quant
     if quants:
         msg += f"; available: {', '.join(quants)}"
     return QuantNotFoundError(msg, repo=repo, tag=tag, available=quants)
+
+
+def _quant_bits(path: str) -> int:
+    """The first number of a file's quant tag (4 for ``Q4_K_M``, 16 for ``F16``; 0: none),
+    as llama.cpp's ``extract_quant_bits``."""
+    info = split_info(path)
+    m = re.search(r"\d+", info.tag) if info is not None else None
+    return int(m[0]) if m else 0
+
+
+def best_sibling(files: list[str], model: str, keyword: str) -> str | None:
+    """The sidecar of ``model`` (a path in a repository's file list ``files``) whose path
+    holds ``keyword`` (``mmproj``), as llama.cpp's ``find_best_sibling`` picks it
+    (common/download.cpp): a ``.gguf`` file in the model's folder or a folder above it,
+    the deepest first, then the quant nearest the model's in bits (``mmproj-Q8_0`` beside
+    a ``Q4_K_M`` model before ``mmproj-F16``), ties to the first listed. None: there is
+    none."""
+    model_dirs = model.split("/")[:-1]
+    best: str | None = None
+    best_key = (-1, 0)
+    want = _quant_bits(model)
+    for f in files:
+        if not f.endswith(".gguf") or keyword not in f:
+            continue
+        dirs = f.split("/")[:-1]
+        if dirs != model_dirs[: len(dirs)]:
+            continue
+        key = (len(dirs), -abs(_quant_bits(f) - want))
+        if best is None or key > best_key:
+            best, best_key = f, key
+    return best
