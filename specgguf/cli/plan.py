@@ -33,7 +33,8 @@ def _gib_list(flag: str, text: str | None) -> list[int]:
 _LOAD = (
     Options(o.ModelOptions)
     .only("model", "model_draft", "ctx_size", "ctx_size_draft", "n_gpu_layers",
-          "n_gpu_layers_draft", "rpc", "tensor_split", "rpc_draft", "rpc_timeout", "registry")
+          "n_gpu_layers_draft", "rpc", "tensor_split", "rpc_draft", "rpc_timeout", "registry",
+          "mmproj")
     .changed("model", required=True, help="Target model: a .gguf file or a cached alias.")
 )  # fmt: skip
 
@@ -114,6 +115,7 @@ def plan(
 def _report(result: Any, search: bool) -> dict[str, Any]:
     from specgguf.engine.planning import layer_ranges
     from specgguf.engine.preflight import PROMPT_CACHE
+    from specgguf.llama.memory import PROJECTOR
 
     plan = result.plan
     models = []
@@ -128,8 +130,10 @@ def _report(result: Any, search: bool) -> dict[str, Any]:
             "load_refusal": load_refusal(info),
         })  # fmt: skip
     for m in plan.models:
-        if m.name == PROMPT_CACHE:  # --cache-ram and a recurrent target's checkpoints
-            models.append({"role": "prompt cache", "file": None, "n_layer": 0, "layers": [],
+        # --cache-ram and a recurrent target's checkpoints; --mmproj
+        if m.name in (PROMPT_CACHE, PROJECTOR):
+            file = result.config.mmproj.name if m.name == PROJECTOR else None
+            models.append({"role": m.name, "file": file, "n_layer": 0, "layers": [],
                            "need": {p: s.total for p, s in m.shares.items()},
                            "load_refusal": None})  # fmt: skip
     t = result.config.target
@@ -159,7 +163,7 @@ def _print(report: dict[str, Any]) -> None:
                   f"{report['n_gpu_layers']} (the target's layers on the servers; the rest "
                   "and the draft stay on this machine)", highlight=False)  # fmt: skip
     for m in report["models"]:
-        if m["file"] is None:  # the prompt cache: no layers
+        if not m["layers"]:  # the prompt cache, a projector: no layers
             continue
         con.print(f"{m['role']} {m['file']}: {m['n_layer']} layers + output",
                   highlight=False)  # fmt: skip

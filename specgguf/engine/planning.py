@@ -17,6 +17,7 @@ from specgguf.engine.config import EngineConfig, ModelConfig
 from specgguf.engine.preflight import memory_plan, probe_servers
 from specgguf.errors import UsageError
 from specgguf.gguf.info import ModelInfo, read_model_info
+from specgguf.gguf.projector import check_projector
 from specgguf.llama.memory import LOCAL, MemoryPlan, Place
 from specgguf.llama.rpc import RPC_PROTO_VERSION, RpcDevice, RpcServerInfo, parse_endpoints
 
@@ -77,12 +78,15 @@ def make_plan(
 
     Raises:
         ModelNotFoundError, GGUFFormatError: a model file is missing or unreadable.
+        ModelFileError: a projector (``mmproj``) that is not one, or one for another model.
         RpcServerError: a server that is asked does not answer.
         UsageError: a tensor split longer than a model's device list, sizes that do not
             match the servers.
     """
     target = read_model_info(config.target.path)
     draft = read_model_info(config.draft.path) if config.loads_draft and config.draft else None
+    if config.mmproj is not None:
+        check_projector(config.mmproj, target.embedding_length)
     return _plan(config, target, draft, server_free=server_free, local_free=local_free,
                  gpus=gpus)  # fmt: skip
 

@@ -12,9 +12,11 @@ from specgguf.engine.drafter_map import check_rules, head_of_draft
 from specgguf.errors import BackendError, IncompatibleVocabError, UsageError
 from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article, describe, rolls_back
 from specgguf.gguf.info import ModelInfo, read_model_info
+from specgguf.gguf.projector import check_projector
 from specgguf.gguf.vocab import CompatReport, check_compatibility
 from specgguf.llama.memory import (
     LOCAL,
+    PROJECTOR,
     MemoryPlan,
     ModelMemory,
     ModelPlacement,
@@ -24,6 +26,7 @@ from specgguf.llama.memory import (
     check_plan,
     model_memory,
     place_model,
+    projector_memory,
 )
 from specgguf.llama.rpc import RpcServerInfo, parse_endpoints, probe
 
@@ -162,6 +165,8 @@ def memory_plan(
     cache = prompt_cache_bytes(config, target)
     if cache:
         models.append(ModelPlacement(PROMPT_CACHE, (), {LOCAL: Share(kv_cache=cache)}))
+    if config.mmproj is not None:  # (libmtmd reads it into this machine's memory first)
+        models.append(ModelPlacement(PROJECTOR, (), {LOCAL: projector_memory(config.mmproj)}))
     return MemoryPlan(tuple(places.values()), tuple(models))
 
 
@@ -263,6 +268,8 @@ def preflight(config: EngineConfig) -> Preflight:
     t_info = read_model_info(config.target.path)
     d_info = read_model_info(draft.path) if draft is not None else None
     t_info.require_loadable()
+    if config.mmproj is not None:
+        check_projector(config.mmproj, t_info.embedding_length)
     if t_info.architecture in DRAFT_HEAD_ARCHS:
         arch = t_info.architecture
         raise UsageError(f"{t_info.path.name} is {article(arch)} {arch} draft head, not a "

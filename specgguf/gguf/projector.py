@@ -1,0 +1,35 @@
+"""A multimodal projector file (``mmproj-*.gguf``, llama.cpp's libmtmd) checked from its
+metadata alone, before any weights load: what every command that takes ``--mmproj`` reads
+first (the projector itself: :mod:`specgguf.llama.media`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specgguf.errors import ModelFileError, ModelNotFoundError
+
+
+def check_projector(path: Path, n_embd: int | None) -> None:
+    """Refuse a projector file before any weights load: missing, not a file, not a GGUF
+    projector (architecture ``clip``), or one whose output size is not the text model's
+    ``n_embd`` (``clip.vision.projection_dim``; None: not checked).
+
+    Raises:
+        ModelNotFoundError: no such file (exit 3).
+        ModelFileError: a folder, not a projector, or one for another model (exit 3).
+    """
+    from specgguf.gguf.metadata import GGUFMetadata
+
+    if not path.exists():
+        raise ModelNotFoundError(f"projector file not found: {path}", path=path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: a projector is a .gguf file, not a folder", path=path)
+    with GGUFMetadata.open(path) as meta:
+        arch = meta.get("general.architecture")
+        dim = meta.get("clip.vision.projection_dim")
+    if arch != "clip":
+        raise ModelFileError(f"{path}: not a multimodal projector (its architecture is "
+                             f"{arch!r}, a projector's is 'clip')", path=path)  # fmt: skip
+    if n_embd is not None and dim is not None and int(dim) != n_embd:
+        raise ModelFileError(f"{path}: the projector's rows have {dim} values and the "
+                             f"target's {n_embd}: it is for another model", path=path)  # fmt: skip
