@@ -310,3 +310,59 @@ def test_media_travel_with_their_generation_and_saved_prompts(media: dict[str, P
         eng.load_prompt(saved)
         res = eng.generate(ids, params, media=spans).run()
         assert res.tokens == expected["image"] and res.stats.prompt_cached > spans[0].end
+
+
+# -- the projector's memory: plan counts it ------------------------------------------------
+
+
+def test_plan_counts_the_projector_and_refuses_one_for_another_model(
+    media: dict[str, Path], tmp_path: Path
+) -> None:
+    from specgguf.errors import EXIT_MODEL_FILE
+
+    # A projector of about 25 MB: its file and its compute buffer for one image are counted.
+    mid = tmp_path / "mmproj-mid.gguf"
+    write_mmproj(mid, N_EMBD, image_size=64, patch_size=8, n_embd=256, n_head=4, n_ff=1024,
+                 n_layer=8)  # fmt: skip
+    base = ["plan", "-m", str(media["target"]), "--json"]
+    alone = json.loads(run_cli(*base).stdout)
+    res = run_cli(*base, "--mmproj", str(mid))
+    assert res.returncode == 0, res.stderr.decode()
+    got = json.loads(res.stdout)
+    (proj,) = [m for m in got["models"] if m["role"] == "projector"]
+    need = proj["need"]["this machine"]
+    # (64 / 8)^2 + 1 = 65 rows: 4 * 65 * (4 * 256 + 1024) + 4 * 4 * 65^2 bytes of compute
+    assert need == mid.stat().st_size + 532_480 + 67_600
+    assert got["places"][0]["need"] == alone["places"][0]["need"] + need
+    # 20 MiB free: the target alone fits, with the projector it does not (exit 5)
+    small = ["--local-mem", str(20 / 1024)]
+    assert run_cli(*base, *small).returncode == 0
+    assert run_cli(*base, *small, "--mmproj", str(mid)).returncode == 5
+    # a text model given as the projector: one line, exit 3, before anything is planned
+    bad = run_cli("plan", "-m", str(media["target"]), "--mmproj", str(media["target"]))
+    err = bad.stderr.decode()
+    assert bad.returncode == EXIT_MODEL_FILE and "not a multimodal projector" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_images_that_do_not_fit_are_refused_before_they_are_encoded(
+    media: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request of a thousand small images must not cost a thousand encodes (seconds of
+    arithmetic and their embeddings' memory) before the context's limit refuses it."""
+    from specgguf.engine import Engine
+    from specgguf.errors import ContextOverflowError
+    from specgguf.llama.media import MARKER, Projector
+
+    config, _, pictures = _in_process(media)  # (n_ctx 512: 16 positions an image)
+    encoded = []
+    chunk = Projector._chunk
+
+    def counted(self: Projector, c: Any, name: str) -> Any:
+        encoded.append(name)
+        return chunk(self, c, name)
+
+    monkeypatch.setattr(Projector, "_chunk", counted)
+    with Engine(config) as eng, pytest.raises(ContextOverflowError):
+        eng.media_prompt(eng.render(MARKER * 1000 + PROMPT), [pictures["image"]] * 1000)
+    assert 20 <= len(encoded) < 32  # the images that fit, and none past them

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,16 @@ def test_an_image_in_an_earlier_turn_is_kept_and_its_prompt_reused(
     assert got_other != got
 
 
+def test_a_text_conversation_is_kept_in_the_prompt_cache_across_an_image_request(
+    client: openai.OpenAI, media: dict[str, Path]
+) -> None:
+    long = [{"role": "user", "content": "Tell me about " + "the quick brown fox " * 60}]
+    _, t1 = chat(client, long)
+    chat(client, [{"role": "user", "content": [image(media["a"]), text("Describe")]}])
+    _, t2 = chat(client, long)  # (the text prompt came back from the RAM prompt cache)
+    assert t2["cache_n"] >= t1["prompt_n"] + t1["cache_n"] - 1, (t1, t2)
+
+
 def post(server: ServerProcess, body: Any) -> httpx.Response:
     return httpx.post(f"{server.base_url}/chat/completions", content=json.dumps(body),
                       headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
@@ -194,13 +205,26 @@ def test_images_outside_user_messages_and_stray_markers_get_400(
     r = post(server, {"messages": [{"role": "system", "content": [image(media["a"])]},
                                    {"role": "user", "content": "hi"}]})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.0"
-    # a marker typed in the text beside an image: as many markers as images, or a 400
-    parts = [image(media["a"]), text(f"what {MARKER}")]
-    r = post(server, {"messages": [{"role": "user", "content": parts}]})
-    assert r.status_code == 400 and "marker" in r.json()["error"]["message"], r.text
-    # ... and without images a marker is text like any other
+    # llama.cpp's marker typed anywhere in the conversation is text, images or not: each
+    # request marks its images with a marker of its own (llama.cpp #21955)
+    typed = [{"role": "system", "content": f"Say {MARKER} back"},
+             {"role": "user", "content": [image(media["a"]), text(f"what {MARKER}")]}]  # fmt: skip
+    r = post(server, {"messages": typed, "max_tokens": 2})
+    assert r.status_code == 200, r.text
     assert post(server, {"messages": [{"role": "user", "content": MARKER}],
                          "max_tokens": 2}).status_code == 200  # fmt: skip
+
+
+def test_images_that_do_not_fit_the_context_are_refused_before_they_are_encoded(
+    server: ServerProcess, media: dict[str, Path]
+) -> None:
+    # 16 positions an image, n_ctx 1024: the 64th image fills the context; 2,000 images
+    # would take seconds to encode, and are refused at the first that does not fit.
+    parts = [image(media["a"])] * 2000 + [text("Describe")]
+    t0 = time.monotonic()
+    r = post(server, {"messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert time.monotonic() - t0 < 30
 
 
 def test_without_a_projector_an_image_gets_400_and_parallel_is_refused(
@@ -215,3 +239,8 @@ def test_without_a_projector_an_image_gets_400_and_parallel_is_refused(
                   "--parallel", "2", "--port", "0")  # fmt: skip
     err = res.stderr.decode()
     assert res.returncode == 2 and "--parallel 1" in err and "Traceback" not in err, err
+    # a server whose every image request would be refused does not start
+    res = run_cli("serve", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+                  "--deterministic", "--port", "0", *SPEC)  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "deterministic mode" in err and "Traceback" not in err, err

@@ -96,9 +96,10 @@ def serve(
     o.cache_config(cache)  # its refusals before anything is downloaded or loaded
     config = o.engine_config(load, drafting, say=say, media=True)
     if config.mmproj is not None and (server.parallel or 1) > 1:
-        raise UsageError(f"--mmproj: images are read with one request at a time only "
-                         f"(not yet beside --parallel {server.parallel}): give --parallel "
-                         "1")  # fmt: skip
+        whose = "--mmproj" if load.mmproj is not None else "the -hf repository's projector"
+        raise UsageError(f"{whose} ({config.mmproj.name}): images are read one request at a "
+                         f"time, not yet beside --parallel {server.parallel}: give --parallel "
+                         f"1{'' if load.mmproj is not None else ', or --no-mmproj'}")  # fmt: skip
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(
         config,
@@ -108,7 +109,8 @@ def serve(
     )
     parallel = server.parallel
     if config.mmproj is not None and parallel is None:
-        say("specgguf: one request at a time (--parallel 1): images are read with one")
+        say("specgguf: one request at a time (--parallel 1): images are read one request "
+            "at a time")  # fmt: skip
         parallel = 1
     config, checked = _parallel(config, parallel, say)  # before any weights load
     if cache.cache_ram is None:  # what the memory plan leaves, up to llama-server's default
@@ -139,6 +141,10 @@ def serve(
     try:
         engine = _before_listening(llama_thread.submit(Engine, config, checked=checked))
         with engine:
+            if config.mmproj is not None and (why := engine.media_refusal()):
+                flag = "--mmproj" if load.mmproj is not None else "the projector: --no-mmproj"
+                raise UsageError(f"images with {why} are not supported yet: leave out {flag}, "
+                                 f"or {why}")  # fmt: skip
             if config.speculative.drafter == "auto":
                 # calibrate now, not in the first request
                 say_calibration(engine, say)

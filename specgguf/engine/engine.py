@@ -708,17 +708,31 @@ class Engine:
         constraint = self.constraint(params.grammar) if params.grammar is not None else None
         gen = seq.decoder.generate(ids, params, planner, constraint, media)
         # (a prompt with media is not recalled from the prompt cache: its placeholder
-        # tokens would match another image's; the sequence's own cache is media-aware)
-        if params.cache_prompt and not media:
-            self._recall(seq, ids)
+        # tokens would match another image's; the sequence's own cache is media-aware.
+        # What the sequence holds is kept all the same.)
+        if params.cache_prompt:
+            self._recall(seq, ids, take=not media)
         seq.last_used = time.monotonic()
         return gen
 
+    def media_refusal(self) -> str | None:
+        """Why this engine reads no media yet (None: it does): parallel sequences,
+        deterministic mode, a recurrent or hybrid target, a drafter that reads the target's
+        hidden states."""
+        return ("parallel sequences" if self.n_parallel > 1 else
+                "deterministic mode" if self.config.deterministic else
+                f"a {self.target_model.memory} target" if self.target_model.memory != "attention"
+                else f"the {self.head_kind} drafter" if self.head_kind else None)  # fmt: skip
+
     def media_prompt(
-        self, prepared: PreparedPrompt, media: Sequence[tuple[str, bytes]]
+        self,
+        prepared: PreparedPrompt,
+        media: Sequence[tuple[str, bytes]],
+        *,
+        marker: str | None = None,
     ) -> tuple[list[int], list[MediaSpan]]:
-        """The token ids of a rendered prompt whose text holds a media marker
-        (:data:`specgguf.llama.media.MARKER`) where each of ``media`` goes (``(name,
+        """The token ids of a rendered prompt whose text holds a media marker (``marker``,
+        default :data:`specgguf.llama.media.MARKER`) where each of ``media`` goes (``(name,
         bytes)``: a file's name or a request's part, and its content), and the media's
         embeddings at their positions, for :meth:`generate`'s ``media``: each medium's
         positions hold a placeholder token (the target's BOS) in the ids. The text between
@@ -731,9 +745,13 @@ class Engine:
                 position inside a medium (text must follow it).
             UsageError: not as many markers as media; media with parallel sequences, a
                 recurrent target, deterministic mode, or a drafter that reads the target's
-                hidden states (not supported yet).
+                hidden states (not supported yet: :meth:`media_refusal`).
+            ContextOverflowError: a medium that does not fit the context, found before it
+                is encoded.
         """
         from specgguf.llama.media import MARKER, MediaSpan
+
+        marker = marker or MARKER
 
         if not media:
             return self.prepared_ids(prepared), []
@@ -741,16 +759,12 @@ class Engine:
         if self.projector is None:
             raise MediaError(f"{first}: reading images needs the target's projector file "
                              f"(mmproj)", part=first)  # fmt: skip
-        why = ("parallel sequences" if self.n_parallel > 1 else
-               "deterministic mode" if self.config.deterministic else
-               f"a {self.target_model.memory} target" if self.target_model.memory != "attention"
-               else f"the {self.head_kind} drafter" if self.head_kind else None)  # fmt: skip
-        if why:
+        if why := self.media_refusal():
             raise UsageError(f"media with {why} are not supported yet")
         text = prepared.text
-        cuts = [m.start() for m in re.finditer(re.escape(MARKER), text)]
+        cuts = [m.start() for m in re.finditer(re.escape(marker), text)]
         if len(cuts) != len(media):
-            raise UsageError(f"the prompt has {len(cuts)} media marker(s) {MARKER} for "
+            raise UsageError(f"the prompt has {len(cuts)} media marker(s) {marker} for "
                              f"{len(media)} medium/media")  # fmt: skip
         placeholder = max(0, self.target_model.bos)
         ids: list[int] = []
@@ -763,12 +777,12 @@ class Engine:
                                         add_special=prepared.add_special and i == 0)  # fmt: skip
             if piece.text or piece.add_special:
                 ids += self.prepared_ids(piece)
-            at = cut + len(MARKER)
+            at = cut + len(marker)
             if i == len(media):
                 break
             name, data = media[i]
             key = hashlib.sha256(data).digest()
-            for chunk in self.projector.chunks(data, name):
+            for chunk in self.projector.chunks(data, name, fits=(len(ids), self.n_ctx)):
                 if chunk.embd is None:
                     ids += chunk.tokens or []
                     continue
@@ -796,9 +810,10 @@ class Engine:
         """
         return best_slot(self.slots, free, ids, self.config.cache.slot_similarity)
 
-    def _recall(self, seq: Slot, ids: Sequence[int]) -> None:
+    def _recall(self, seq: Slot, ids: Sequence[int], *, take: bool = True) -> None:
         """Before ``seq`` reads the prompt ``ids``: a saved prompt that shares more with
-        ``ids`` than ``seq`` does is taken out of the prompt cache, what ``seq`` holds goes
+        ``ids`` than ``seq`` does is taken out of the prompt cache (unless not ``take``:
+        a prompt with media), what ``seq`` holds goes
         into it when the prompt keeps less than half of it (llama-server's rule) and the
         cache has room for it, and the saved prompt comes back into ``seq``. A state
         llama.cpp cannot copy or take back is said in the log: the prompt is then read."""
@@ -806,7 +821,7 @@ class Engine:
         if cache is None:
             return
         own, held = seq.cached_prefix(ids), seq.n_cached
-        entry, shared = cache.best(ids)
+        entry, shared = cache.best(ids) if take else (None, 0)
         back = None
         if entry is not None and shared > own:
             try:  # (taken first: saving the sequence may evict it)

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from specgguf.errors import BackendError, MediaError, ModelFileError, ModelNotFoundError
+from specgguf.errors import BackendError, ContextOverflowError, MediaError
+from specgguf.gguf.projector import check_projector
 from specgguf.llama.backend import LlamaModel, MediaSpan, _Native
 
 __all__ = [
@@ -186,32 +187,6 @@ def check_medium(data: bytes, name: str) -> None:
                          f"pixels are read", part=name)  # fmt: skip
 
 
-def check_projector(path: Path, n_embd: int | None) -> None:
-    """Refuse a projector file before any weights load: missing, not a file, not a GGUF
-    projector (architecture ``clip``), or one whose output size is not the text model's
-    ``n_embd`` (``clip.vision.projection_dim``; None: not checked).
-
-    Raises:
-        ModelNotFoundError: no such file (exit 3).
-        ModelFileError: a folder, not a projector, or one for another model (exit 3).
-    """
-    from specgguf.gguf.metadata import GGUFMetadata
-
-    if not path.exists():
-        raise ModelNotFoundError(f"projector file not found: {path}", path=path)
-    if not path.is_file():
-        raise ModelFileError(f"{path}: a projector is a .gguf file, not a folder", path=path)
-    with GGUFMetadata.open(path) as meta:
-        arch = meta.get("general.architecture")
-        dim = meta.get("clip.vision.projection_dim")
-    if arch != "clip":
-        raise ModelFileError(f"{path}: not a multimodal projector (its architecture is "
-                             f"{arch!r}, a projector's is 'clip')", path=path)  # fmt: skip
-    if n_embd is not None and dim is not None and int(dim) != n_embd:
-        raise ModelFileError(f"{path}: the projector's rows have {dim} values and the "
-                             f"target's {n_embd}: it is for another model", path=path)  # fmt: skip
-
-
 def _mtmd() -> Any:
     """llama-cpp-python's libmtmd binding.
 
@@ -271,13 +246,16 @@ class Projector(_Native):
         #: seconds spent encoding media so far
         self.encode_seconds = 0.0
 
-    def chunks(self, data: bytes, name: str) -> list[Chunk]:
+    def chunks(self, data: bytes, name: str, *, fits: tuple[int, int] | None = None) -> list[Chunk]:
         """What one image (its file's bytes) becomes, in order: its embeddings, and any
-        text the projector puts around them.
+        text the projector puts around them. ``fits``: (positions before it, n_ctx): the
+        image is refused before it is encoded where its positions would fill the context.
 
         Raises:
             MediaError: an empty, oversized, unreadable or unsupported medium (``name``
                 names it), or an audio clip for a projector without audio.
+            ContextOverflowError: with ``fits``, the image does not fit (at least that
+                many positions: ``at_least``).
             BackendError: libmtmd failed to encode it.
         """
         check_medium(data, name)
@@ -310,8 +288,13 @@ class Projector(_Native):
             if rc != 0:
                 raise MediaError(f"{name} could not be prepared for the projector "
                                  f"(libmtmd error {rc})", part=name)  # fmt: skip
-            return [self._chunk(m.mtmd_input_chunks_get(chunks, i), name)
-                    for i in range(m.mtmd_input_chunks_size(chunks))]  # fmt: skip
+            items = [m.mtmd_input_chunks_get(chunks, i)
+                     for i in range(m.mtmd_input_chunks_size(chunks))]  # fmt: skip
+            if fits is not None:  # (counted before any arithmetic is spent on it)
+                need = fits[0] + sum(int(m.mtmd_input_chunk_get_n_pos(c)) for c in items)
+                if need >= fits[1]:
+                    raise ContextOverflowError(need, fits[1], at_least=True)
+            return [self._chunk(c, name) for c in items]
         finally:
             m.mtmd_input_chunks_free(chunks)
             m.mtmd_bitmap_free(bitmap)

@@ -9,6 +9,7 @@ its generation (:meth:`~specgguf.server.scheduler.Job.cancel`).
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -37,12 +38,16 @@ async def chat_completions(request: Request) -> Response:
     svc = _service(request)
     req = await parse(request, ChatCompletionRequest, svc.settings.max_body_bytes)
     tools = req.tool_set()
-    conversation, media = req.conversation(), req.media()
+    # A marker of this request's own where its images go: a conversation may hold any
+    # text, llama.cpp's default marker included (llama.cpp #21955).
+    marker = f"<__media_{secrets.token_hex(8)}__>"
+    conversation, media = req.conversation(marker), req.media()
     params = await svc.constrained(req, svc.params(req), tools)
     ids, spans = await svc.prompt_ids(
         conversation, "messages",
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, tools=tools, media=media,
+        marker=marker,
     )  # fmt: skip
     if svc.settings.log_text:
         log.debug("chat: messages: %r", conversation)

@@ -204,6 +204,11 @@ class Scheduler:
         #: how many jobs may generate at once
         self.parallel = engine.n_parallel
         self._cond = threading.Condition()
+        #: held while a job of one sequence generates: the projector's work on another
+        #: thread (a request's images) takes it too, so that llama.cpp never computes on
+        #: two threads at once (:meth:`Service.prompt_ids <specgguf.server.service.
+        #: Service.prompt_ids>`), as llama-server encodes images on its one thread
+        self.llama = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
         self._future: Future[None] | None = None
@@ -227,6 +232,12 @@ class Scheduler:
     def running(self) -> int:
         """Jobs generating now (0 to :attr:`parallel`)."""
         return len(self._running)
+
+    def full(self) -> bool:
+        """Whether :meth:`submit` would refuse a job now (:class:`QueueFull`)."""
+        with self._cond:
+            waiting = sum(not j.cancelled for j in self._waiting)
+            return waiting + len(self._running) >= self.max_queue + self.parallel
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` behind the others.
@@ -307,7 +318,8 @@ class Scheduler:
                     return  # closed and drained
                 job = self._waiting.popleft()
                 self._running[0] = job
-            self._run_safely(job)
+            with self.llama:
+                self._run_safely(job)
 
     def _work_batched(self) -> None:
         """The worker of parallel sequences: waiting jobs take free sequences as tasks of

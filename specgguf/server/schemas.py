@@ -264,9 +264,9 @@ class ChatCompletionRequest(_Generation):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
 
-    def conversation(self) -> list[dict[str, Any]]:
+    def conversation(self, marker: str | None = None) -> list[dict[str, Any]]:
         """The messages as the chat template takes them: text content (parts joined by
-        newlines, as llama.cpp's server does; an ``image_url`` part as the media marker
+        newlines, as llama.cpp's server does; an ``image_url`` part as ``marker``, default
         :data:`specgguf.llama.media.MARKER`, its image in :meth:`media`), ``developer`` as
         ``system``; an assistant's
         ``tool_calls`` as OpenAI's objects with their arguments as a JSON object (as vLLM
@@ -280,6 +280,7 @@ class ChatCompletionRequest(_Generation):
         """
         from specgguf.llama.media import MARKER
 
+        marker = marker or MARKER
         out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
             calls = m.tool_calls or []
@@ -309,7 +310,7 @@ class ChatCompletionRequest(_Generation):
                                 f"messages only, not in a {m.role} message",
                                 param=f"messages.{i}.content.{j}",
                             )  # fmt: skip
-                        texts.append(MARKER)  # (where media() puts its image)
+                        texts.append(marker)  # (where media() puts its image)
                         continue
                     if part.type != "text":
                         raise unsupported(

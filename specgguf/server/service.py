@@ -165,12 +165,14 @@ class Service:
         continue_final_message: bool | None = None,
         tools: ToolSet | None = None,
         media: Sequence[tuple[str, bytes]] = (),
+        marker: str | None = None,
     ) -> tuple[list[int], list[MediaSpan]]:
         """The prompt's token ids (a conversation with ``tools`` rendered by the chat
         template), checked against the vocabulary and the context, and where the
-        conversation's text holds a media marker for each of ``media`` (``(part name,
-        bytes)``), their embeddings at their positions (:meth:`Engine.media_prompt`;
-        one request's images are read at a time, beside the generations that run).
+        conversation's text holds ``marker`` for each of ``media`` (``(part name,
+        bytes)``), their embeddings at their positions (:meth:`Engine.media_prompt`),
+        encoded between two generations (``Scheduler.llama``), and only when the queue
+        has room.
 
         Raises:
             APIError: a chat template that fails (its message quoted) or does not render
@@ -188,12 +190,15 @@ class Service:
         spans: list[MediaSpan] = []
         try:
             if media:
-                # One request's images at a time: the projector is not shared between
-                # threads. Its arithmetic runs beside the generations, as reading does.
-                async with self._media_lock:
-                    ids, spans = await run_in_threadpool(
-                        lambda: engine.media_prompt(render(), media)
-                    )
+                if self.scheduler.full():  # (before the images' arithmetic is spent)
+                    raise _queue_full(self.scheduler.max_queue)
+
+                def encode() -> tuple[list[int], list[MediaSpan]]:
+                    with self.scheduler.llama:  # (between two generations)
+                        return engine.media_prompt(render(), media, marker=marker)
+
+                async with self._media_lock:  # (one request's images at a time)
+                    ids, spans = await run_in_threadpool(encode)
             else:
                 # Rendering and tokenizing read the model only: safe next to a generation.
                 ids = await run_in_threadpool(
@@ -212,6 +217,8 @@ class Service:
             raise _too_long(e, param) from None
         except MediaError as e:
             raise bad_request(str(e), param=e.part) from None
+        except BackendError as e:  # (the projector's arithmetic failed: not the request's)
+            raise _job_error(e) from None
         except SpecggufError as e:
             raise bad_request(str(e), param=param) from None
         n_vocab = engine.target_model.n_vocab
@@ -333,11 +340,7 @@ class Service:
         try:
             self.scheduler.submit(job)
         except QueueFull:
-            raise APIError(
-                503, f"the server is busy: {_waiting(self.scheduler.max_queue)}; retry "
-                "later", type="server_error", code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER)},
-            ) from None  # fmt: skip
+            raise _queue_full(self.scheduler.max_queue) from None
         except ShuttingDown:
             raise _shutting_down() from None
         return job
@@ -487,6 +490,13 @@ def _waiting(max_queue: int) -> str:
     if max_queue == 0:
         return "a request is generating and none may wait (--max-queue 0)"
     return f"{max_queue} request{'s are' if max_queue > 1 else ' is'} waiting already"
+
+
+def _queue_full(max_queue: int) -> APIError:
+    return APIError(
+        503, f"the server is busy: {_waiting(max_queue)}; retry later", type="server_error",
+        code="queue_full", headers={"Retry-After": str(RETRY_AFTER)},
+    )  # fmt: skip
 
 
 def _too_long(err: ContextOverflowError, param: str) -> APIError:
