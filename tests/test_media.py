@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 import subprocess
 from pathlib import Path
@@ -366,3 +367,25 @@ def test_images_that_do_not_fit_are_refused_before_they_are_encoded(
     with Engine(config) as eng, pytest.raises(ContextOverflowError):
         eng.media_prompt(eng.render(MARKER * 1000 + PROMPT), [pictures["image"]] * 1000)
     assert 20 <= len(encoded) < 32  # the images that fit, and none past them
+
+
+def test_info_says_what_a_projector_reads_and_for_which_target(media: dict[str, Path]) -> None:
+    res = run_cli("info", str(media["mmproj"]))
+    assert res.returncode == 0 and res.stderr == b"", res.stderr.decode()
+    out = res.stdout.decode()
+    assert re.search(r"^projector type +mlp", out, re.M), out
+    assert re.search(r"^rows of +64 values", out, re.M), out  # the tiny target's n_embd
+    assert re.search(r"^image / patch size +32 / 8 pixels", out, re.M), out
+    assert "tokenizer" not in out and "loadable" not in out  # (no language model's rows)
+    data = json.loads(run_cli("info", "--json", str(media["mmproj"])).stdout)
+    assert data["projector"]["projection_dim"] == 64 and data["projector"]["vision"] is True
+
+
+def test_images_in_deterministic_mode_are_refused_before_the_weights_load(
+    media: dict[str, Path],
+) -> None:
+    res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+                  "--image", str(media["image"]), "--deterministic", "-v", PROMPT)  # fmt: skip
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "images with deterministic mode" in err, err
+    assert "llama_model_load" not in err and "load_tensors" not in err  # (nothing loaded)

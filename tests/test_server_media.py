@@ -153,6 +153,20 @@ def test_a_text_conversation_is_kept_in_the_prompt_cache_across_an_image_request
     assert t2["cache_n"] >= t1["prompt_n"] + t1["cache_n"] - 1, (t1, t2)
 
 
+def test_base64_as_tools_write_it_and_a_bare_url_string_are_read(
+    client: openai.OpenAI, media: dict[str, Path]
+) -> None:
+    plain = base64.b64encode(media["a"].read_bytes()).decode()
+    wrapped = "\n".join(plain[i : i + 76] for i in range(0, len(plain), 76))  # GNU base64
+    url_safe = base64.urlsafe_b64encode(media["a"].read_bytes()).decode().rstrip("=")
+    want, _ = chat(client, [{"role": "user", "content": [image(media["a"]), text("Describe")]}])
+    for url in (f"data:image/png;base64,{wrapped}", f"data:image/png;base64,{url_safe}"):
+        part = {"type": "image_url", "image_url": {"url": url}}
+        assert chat(client, [{"role": "user", "content": [part, text("Describe")]}])[0] == want
+    bare = {"type": "image_url", "image_url": f"data:image/png;base64,{plain}"}
+    assert chat(client, [{"role": "user", "content": [bare, text("Describe")]}])[0] == want
+
+
 def post(server: ServerProcess, body: Any) -> httpx.Response:
     return httpx.post(f"{server.base_url}/chat/completions", content=json.dumps(body),
                       headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip

@@ -21,6 +21,8 @@ from specgguf.cli.output import (
 from specgguf.gguf.arch import DRAFT_HEAD_ARCHS, article
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from specgguf.gguf.info import ModelInfo
 
 
@@ -43,7 +45,11 @@ def info(
     """
     from specgguf.gguf.info import read_model_info
 
-    info = read_model_info(model_path(model, registry))
+    path = model_path(model, registry)
+    info = read_model_info(path)
+    if info.architecture == "clip":  # a projector (--mmproj): no language model's table
+        _projector(path, json_out)
+        return
     mi = info.as_dict()
     mi["load_refusal"] = load_refusal(info)
     _print_findings(info.findings)
@@ -90,6 +96,38 @@ def info(
         ("loadable", loadable_text(mi["load_refusal"])),
     ]  # fmt: skip
     for k, val in rows:
+        t.add_row(k, val)
+    stdout_console().print(t)
+
+
+def _projector(path: Path, json_out: bool) -> None:
+    """``info`` of a multimodal projector: what it reads and for which target."""
+    from rich.table import Table
+
+    from specgguf.gguf.projector import projector_info
+
+    p = projector_info(path)
+    if json_out:
+        print_json({"path": str(path), "architecture": "clip", "projector": p,
+                    "file_size": path.stat().st_size})  # fmt: skip
+        return
+    reads = [k for k in ("vision", "audio") if p[k]]
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    side, patch = p["image_size"], p["patch_size"]
+    for k, val in [
+        ("file", str(path)),
+        ("name", str(p["name"] or "-")),
+        ("architecture", "clip: a multimodal projector (--mmproj), beside its target"),
+        ("projector type", str(p["projector_type"] or "-")),
+        ("reads", ", ".join("images" if r == "vision" else r for r in reads) or "-"),
+        ("image / patch size", f"{side or '-'} / {patch or '-'} pixels"),
+        ("vision tower", f"{p['block_count'] or '-'} blocks, width {p['embedding_length'] or '-'}"
+                         f", {p['head_count'] or '-'} heads"),
+        ("rows of", f"{p['projection_dim'] or '-'} values (the target's embedding length)"),
+        ("file size", f"{path.stat().st_size:,} bytes ({size(path.stat().st_size)})"),
+    ]:  # fmt: skip
         t.add_row(k, val)
     stdout_console().print(t)
 

@@ -33,3 +33,31 @@ def check_projector(path: Path, n_embd: int | None) -> None:
     if n_embd is not None and dim is not None and int(dim) != n_embd:
         raise ModelFileError(f"{path}: the projector's rows have {dim} values and the "
                              f"target's {n_embd}: it is for another model", path=path)  # fmt: skip
+
+
+def projector_info(path: Path) -> dict[str, object]:
+    """What a projector file says of itself (``specgguf info``): its projector type
+    (``mlp``: LLaVA's), whether it reads images and audio, the vision tower's image and
+    patch sizes, width, blocks and heads, and ``projection_dim``, the size of the rows it
+    gives (the target's ``n_embd`` it is made for); None where the file does not say.
+
+    Raises:
+        GGUFFormatError: not a GGUF file.
+    """
+    from specgguf.gguf.metadata import GGUFMetadata
+
+    keys = {
+        "projector_type": "clip.projector_type",
+        "vision": "clip.has_vision_encoder",
+        "audio": "clip.has_audio_encoder",
+        "image_size": "clip.vision.image_size",
+        "patch_size": "clip.vision.patch_size",
+        "embedding_length": "clip.vision.embedding_length",
+        "block_count": "clip.vision.block_count",
+        "head_count": "clip.vision.attention.head_count",
+        "projection_dim": "clip.vision.projection_dim",
+    }
+    with GGUFMetadata.open(path) as meta:
+        out = {name: meta.get(key) for name, key in keys.items()}
+        out["name"] = meta.get("general.name")
+    return out

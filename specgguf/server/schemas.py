@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specgguf.engine.chat import call_arguments
 from specgguf.engine.drafter_map import drafter_kinds, spec_types
+from specgguf.gguf.arch import article
 from specgguf.server.errors import bad_request, unsupported
 from specgguf.server.tools import ToolSet
 from specgguf.speculative.grammar import GrammarSpec
@@ -65,7 +66,11 @@ class ContentPart(_Strict):
 
     type: str
     text: str | None = None
-    image_url: ImageURL | None = None
+    #: (a bare string too, as some clients send it)
+    image_url: ImageURL | str | None = None
+
+
+_URL_SAFE = str.maketrans("-_", "+/")
 
 
 def image_bytes(url: str, param: str) -> bytes:
@@ -92,11 +97,14 @@ def image_bytes(url: str, param: str) -> bytes:
     if not comma or not head.lower().endswith(";base64"):
         raise bad_request(f"{param}: a data: URI in base64 (data:image/png;base64,...) is "
                           "read", param=param)  # fmt: skip
-    if len(body) > (MAX_BYTES // 3 + 1) * 4 + 4:
+    if len(body) > (MAX_BYTES // 3 + 1) * 4 * 77 // 76 + 8:  # (76-column lines allowed)
         raise bad_request(f"{param}: the image is more than {MAX_BYTES:,} bytes",
                           param=param)  # fmt: skip
+    # base64 as tools write it: wrapped in lines (GNU base64), without its padding, or in
+    # the URL-safe alphabet
+    body = "".join(body.split()).translate(_URL_SAFE)
     try:
-        data = base64.b64decode(body, validate=True)
+        data = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(f"{param}: the data: URI is not valid base64", param=param) from None
     if not data:
@@ -307,7 +315,7 @@ class ChatCompletionRequest(_Generation):
                         if m.role != "user":
                             raise bad_request(
                                 f"messages.{i}.content.{j}: images are read in user "
-                                f"messages only, not in a {m.role} message",
+                                f"messages only, not in {article(m.role)} {m.role} message",
                                 param=f"messages.{i}.content.{j}",
                             )  # fmt: skip
                         texts.append(marker)  # (where media() puts its image)
@@ -352,8 +360,11 @@ class ChatCompletionRequest(_Generation):
                 if part.image_url is None:
                     raise bad_request(f"{param}: an image_url part needs its image_url",
                                       param=param)  # fmt: skip
-                media.append((f"messages.{i}.content.{j}",
-                              image_bytes(part.image_url.url, f"{param}.url")))  # fmt: skip
+                if isinstance(part.image_url, str):
+                    data = image_bytes(part.image_url, param)
+                else:
+                    data = image_bytes(part.image_url.url, f"{param}.url")
+                media.append((f"messages.{i}.content.{j}", data))
         return media
 
     def tool_set(self) -> ToolSet | None:
