@@ -162,6 +162,7 @@ PATHS = st.sampled_from(
         "/models",
         "/health",
         "/v1/health",
+        "/props",
         "/metrics",
         "/v1/chat/completions",
         "/v1/completions",

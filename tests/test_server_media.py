@@ -167,6 +167,21 @@ def test_base64_as_tools_write_it_and_a_bare_url_string_are_read(
     assert chat(client, [{"role": "user", "content": [bare, text("Describe")]}])[0] == want
 
 
+def says_it_reads_images(server: ServerProcess) -> bool:
+    """What llama-server's web UI reads (``/props``) and its model list says (``capabilities``),
+    each the same."""
+    root = server.base_url.removesuffix("/v1")
+    props = httpx.get(f"{root}/props", timeout=10).json()
+    card = httpx.get(f"{server.base_url}/models", timeout=10).json()["data"][0]
+    assert props["modalities"]["vision"] == ("multimodal" in card["capabilities"]), (props, card)
+    assert props["total_slots"] == 1 and props["default_generation_settings"]["n_ctx"] == 1024
+    return bool(props["modalities"]["vision"])
+
+
+def test_a_client_can_see_that_the_server_reads_images(server: ServerProcess) -> None:
+    assert says_it_reads_images(server)
+
+
 def post(server: ServerProcess, body: Any) -> httpx.Response:
     return httpx.post(f"{server.base_url}/chat/completions", content=json.dumps(body),
                       headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
@@ -249,6 +264,7 @@ def test_without_a_projector_an_image_gets_400_and_parallel_is_refused(
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "messages.0.content.0" and "mmproj" in err["message"], err
+        assert not says_it_reads_images(s)
     res = run_cli("serve", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
                   "--parallel", "2", "--port", "0")  # fmt: skip
     err = res.stderr.decode()

@@ -1,5 +1,6 @@
 """What the server says about itself: the model list (``/v1/models``, OpenAI's "retrieve
-model"), health (``/health``, no API key needed) and Prometheus metrics (``/metrics``).
+model"), llama-server's ``/props``, health (``/health``, no API key needed) and Prometheus
+metrics (``/metrics``).
 The GET endpoints answer HEAD too (uptime checkers)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi.responses import Response
 from specgguf.server.errors import APIError
 from specgguf.server.metrics import Metrics
 from specgguf.server.service import Service
+from specgguf.version import __version__
 
 router = APIRouter()
 
@@ -27,9 +29,12 @@ def _card(svc: Service) -> dict[str, Any]:
         "drafter": d["drafter"], "draft_max": d["draft_max"], "n_ctx": d["n_ctx"],
         "n_ctx_draft": d["n_ctx_draft"], "n_vocab": engine.target_model.n_vocab,
     }  # fmt: skip
+    vision = engine.projector is not None
     return {
         "id": settings.model_id, "object": "model", "created": int(time.time()),
         "owned_by": "specgguf", "aliases": list(settings.model_aliases), "meta": meta,
+        # (llama-server's: what a chat UI offers)
+        "capabilities": ["completion", *(["multimodal"] if vision else [])],
     }  # fmt: skip
 
 
@@ -53,6 +58,23 @@ async def one_model(model: str, request: Request) -> dict[str, Any]:
             type="not_found_error", param="model", code="model_not_found",
         )  # fmt: skip
     return _card(svc)
+
+
+@router.api_route("/props", methods=["GET", "HEAD"])
+async def props(request: Request) -> dict[str, Any]:
+    """llama-server's ``/props``, the fields its web UI and clients read: the model, the
+    sequences (``total_slots``), the context, and ``modalities`` (whether images are
+    read: ``--mmproj``)."""
+    svc: Service = request.app.state.service
+    engine = svc.engine
+    return {
+        "model_alias": svc.settings.model_id,
+        "model_path": str(engine.target_model.path),
+        "total_slots": engine.n_parallel,
+        "default_generation_settings": {"n_ctx": engine.n_ctx},
+        "modalities": {"vision": engine.projector is not None, "audio": False},
+        "build_info": f"specgguf {__version__}",
+    }
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])
