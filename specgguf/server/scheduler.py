@@ -376,8 +376,10 @@ class Scheduler:
 
     def _run(self, job: Job, slot: int | None = None) -> None:
         engine = self.engine
-        if slot is None:
+        if job.media:  # (a server of one sequence: Engine.media_prompt)
             gen = job.begin(lambda: engine.generate(job.prompt, job.params, media=job.media))
+        elif slot is None:
+            gen = job.begin(lambda: engine.generate(job.prompt, job.params))
         else:
             gen = job.begin(lambda: engine.generate(job.prompt, job.params, slot=slot))
         if gen is None:

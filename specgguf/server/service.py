@@ -182,11 +182,6 @@ class Service:
                 projector loaded (its part named).
         """
         engine = self.engine
-        render = functools.partial(
-            engine.render, cast("Sequence[Mapping[str, Any]]", prompt),  # (chat: media's only)
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools.tools if tools else None,
-        )  # fmt: skip
         spans: list[MediaSpan] = []
         try:
             if media:
@@ -194,8 +189,14 @@ class Service:
                     raise _queue_full(self.scheduler.max_queue)
 
                 def encode() -> tuple[list[int], list[MediaSpan]]:
+                    prepared = engine.render(
+                        cast("Sequence[Mapping[str, Any]]", prompt),  # (chat: media's only)
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        tools=tools.tools if tools else None,
+                    )
                     with self.scheduler.llama:  # (between two generations)
-                        return engine.media_prompt(render(), media, marker=marker)
+                        return engine.media_prompt(prepared, media, marker=marker)
 
                 async with self._media_lock:  # (one request's images at a time)
                     ids, spans = await run_in_threadpool(encode)
