@@ -266,9 +266,11 @@ class AutoTuning:
     #: Whether that cost is also read off the clock where the steps are timed
     #: (``check_steps``): a step asked in vain less a step let pass, the larger of the two
     #: counting. The arms' Python alone leaves out the general step an asked step runs
-    #: instead of a lean one and the drafters' catching up on the steps let pass: on the
-    #: tiny generated pair asking cost about 240 us of the arms' Python and auto mode ran
-    #: at 0.92x the target alone, where plan_budget allows 0.97x (2-core EPYC, 2026-12-07).
+    #: instead of a lean one and the drafters' catching up on the steps let pass. On the
+    #: tiny generated pair, asking at about 240 us of the arms' Python, auto mode measured
+    #: 0.927x the target alone with it and 0.906x without (medians of six runs of
+    #: scripts/bench-auto-alone --rounds 48 --cpu-time, 2-core EPYC, 2026-12-07). Was
+    #: the arms' Python alone before that day.
     ask_by_clock: bool = True
     #: Whether the steps that drafted are checked against the steps let pass, by the
     #: clock (``AutoPlanner._time_steps``): where the asked steps' expected tokens, their
