@@ -274,3 +274,80 @@ def test_without_a_projector_an_image_gets_400_and_parallel_is_refused(
                   "--deterministic", "--port", "0", *SPEC)  # fmt: skip
     err = res.stderr.decode()
     assert res.returncode == 2 and "deterministic mode" in err and "Traceback" not in err, err
+
+
+# -- addresses on hosts the operator allowed (--allow-remote-media) -----------------------
+
+
+@pytest.fixture(scope="module")
+def web(media: dict[str, Path]) -> Iterator[str]:
+    """A web server on 127.0.0.1 with the picture (/a.png), a redirect to another host's
+    address of it (/away: localhost, not allowed), and nothing else (404); its root URL."""
+    import http.server
+    import threading
+
+    png = media["a"].read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            port = self.server.server_address[1]
+            if self.path == "/a.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(png)
+            elif self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{port}/a.png")
+                self.end_headers()
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_images_at_addresses_are_fetched_from_allowed_hosts_only(
+    media: dict[str, Path], web: str, client: openai.OpenAI
+) -> None:
+    host = web.removeprefix("http://")
+    want, _ = chat(client, [{"role": "user", "content": [image(media["a"]), text("Describe")]}])
+
+    def part(url: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                            text("Describe")]}  # fmt: skip
+
+    with ServerProcess("-m", str(media["target"]), "--mmproj", str(media["mmproj"]), *SPEC,
+                       "--allow-remote-media", host) as s:  # fmt: skip
+        remote = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        assert chat(remote, [part(f"{web}/a.png")])[0] == want
+        for url, param, words in [
+            (f"{web}/away", "messages.0.content.0", "not allowed"),  # redirected off the host
+            (f"{web}/nothing", "messages.0.content.0", "HTTP 404"),
+            ("http://127.0.0.2:9/a.png", "messages.0.content.0.image_url.url", "web address"),
+        ]:
+            r = post(s, {"messages": [part(url)]})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], err
+
+
+def test_the_allowed_hosts_and_the_size_of_what_is_fetched(web: str) -> None:
+    from specgguf.errors import MediaError
+    from specgguf.server.remote import allowed, fetch_image
+
+    host = web.removeprefix("http://")
+    assert allowed(f"{web}/a.png", [host]) and allowed(f"{web}/a.png", ["127.0.0.1"])
+    assert allowed("https://Images.Example:443/x", ["images.example"])
+    assert not allowed("https://images.example:8443/x", ["images.example:443"])
+    assert not allowed("ftp://images.example/x", ["images.example"])
+    assert not allowed("http://images.example.evil/x", ["images.example"])
+    assert not allowed("http://images.example:notaport/x", ["images.example"])
+    assert fetch_image(f"{web}/a.png", "p", [host], 1 << 20)[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(MediaError, match="more than 10 bytes"):
+        fetch_image(f"{web}/a.png", "p", [host], 10)

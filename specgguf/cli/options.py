@@ -370,6 +370,13 @@ class ServerOptions:
         "machine; * any, with --api-key only) may use the server (CORS); others get 403.",
         to="server.cors_origins", convert=_names,
     )  # fmt: skip
+    allow_remote_media: str | None = option(
+        None, "--allow-remote-media", metavar="HOST[,HOST]",
+        help="Image addresses (http, https) on these hosts (host or host:port) are fetched "
+        "by the server; any other address is refused (a request could make the server "
+        "reach into its own network).",
+        to="server.remote_media", convert=_names,
+    )  # fmt: skip
     # ServerSettings.max_queue's (a test keeps them equal): the server is not imported
     # here, as its import (FastAPI) would slow every command by half a second.
     max_queue: int = option(

@@ -41,7 +41,7 @@ async def chat_completions(request: Request) -> Response:
     # A marker of this request's own where its images go: a conversation may hold any
     # text, llama.cpp's default marker included (llama.cpp #21955).
     marker = f"<__media_{secrets.token_hex(8)}__>"
-    conversation, media = req.conversation(marker), req.media()
+    conversation, media = req.conversation(marker), req.media(svc.settings.remote_media)
     params = await svc.constrained(req, svc.params(req), tools)
     ids, spans = await svc.prompt_ids(
         conversation, "messages",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -73,18 +73,23 @@ class ContentPart(_Strict):
 _URL_SAFE = str.maketrans("-_", "+/")
 
 
-def image_bytes(url: str, param: str) -> bytes:
+def image_bytes(url: str, param: str, remote: Sequence[str] = ()) -> bytes | str:
     """The image of an ``image_url`` part: the bytes of a ``data:`` URI in base64 (any
-    media type: the bytes say the format, checked later). An ``http(s)`` address is refused:
-    fetching an address a request names lets anyone who can reach the server make it send
-    requests into its own network (server-side request forgery).
+    media type: the bytes say the format, checked later), or an ``http(s)`` address on one
+    of the ``remote`` hosts, as it is, to fetch (:func:`specgguf.server.remote.
+    fetch_image`). Any other address is refused: fetching an address a request names lets
+    anyone who can reach the server make it send requests into its own network
+    (server-side request forgery).
 
     Raises:
         APIError: 400 naming ``param``: not a base64 ``data:`` URI, not base64, empty, or
             over :data:`specgguf.llama.media.MAX_BYTES` decoded.
     """
     from specgguf.llama.media import MAX_BYTES
+    from specgguf.server.remote import allowed
 
+    if remote and allowed(url, remote):
+        return url
     head, comma, body = url.partition(",")
     if not head.lower().startswith("data:"):
         what = (
@@ -92,7 +97,8 @@ def image_bytes(url: str, param: str) -> bytes:
         )
         raise bad_request(
             f"{param}: {what}: send the image itself, as data:image/png;base64,... (this "
-            "server fetches no address a request names)", param=param,
+            "server fetches no address a request names but on the hosts "
+            "--allow-remote-media names)", param=param,
         )  # fmt: skip
     if not comma or not head.lower().endswith(";base64"):
         raise bad_request(f"{param}: a data: URI in base64 (data:image/png;base64,...) is "
@@ -342,16 +348,17 @@ class ChatCompletionRequest(_Generation):
             out.append(msg)
         return out
 
-    def media(self) -> list[tuple[str, bytes]]:
+    def media(self, remote: Sequence[str] = ()) -> list[tuple[str, bytes | str]]:
         """The images of the conversation's ``image_url`` parts, in their order, each with
-        the part's name (``messages.I.content.J``); :meth:`conversation` puts a media
+        the part's name (``messages.I.content.J``): bytes, or an address on one of the
+        ``remote`` hosts to fetch (:func:`image_bytes`); :meth:`conversation` puts a media
         marker in the text where each is.
 
         Raises:
             APIError: a part without its ``image_url``, or one that is not an image sent
                 as a base64 ``data:`` URI (:func:`image_bytes`).
         """
-        media = []
+        media: list[tuple[str, bytes | str]] = []
         for i, m in enumerate(self.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
                 if part.type != "image_url":
@@ -361,9 +368,9 @@ class ChatCompletionRequest(_Generation):
                     raise bad_request(f"{param}: an image_url part needs its image_url",
                                       param=param)  # fmt: skip
                 if isinstance(part.image_url, str):
-                    data = image_bytes(part.image_url, param)
+                    data = image_bytes(part.image_url, param, remote)
                 else:
-                    data = image_bytes(part.image_url.url, f"{param}.url")
+                    data = image_bytes(part.image_url.url, f"{param}.url", remote)
                 media.append((f"messages.{i}.content.{j}", data))
         return media
 

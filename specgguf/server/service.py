@@ -78,6 +78,9 @@ class ServerSettings:
             ``localhost`` and this machine's name (``.name``: every name under it).
         cors_origins: origins of web pages that may use the server (CORS; ``*``: any;
             ``localhost``: any page on this machine); empty: none but its own.
+        remote_media: hosts (``host`` or ``host:port``) whose http(s) image addresses
+            the server fetches (``--allow-remote-media``); empty: none, only ``data:``
+            URIs.
     """
 
     model_id: str
@@ -90,6 +93,7 @@ class ServerSettings:
     log_text: bool = False
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    remote_media: tuple[str, ...] = ()
 
 
 def timings(stats: GenerationStats) -> dict[str, Any]:
@@ -164,13 +168,14 @@ class Service:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
         tools: ToolSet | None = None,
-        media: Sequence[tuple[str, bytes]] = (),
+        media: Sequence[tuple[str, bytes | str]] = (),
         marker: str | None = None,
     ) -> tuple[list[int], list[MediaSpan]]:
         """The prompt's token ids (a conversation with ``tools`` rendered by the chat
         template), checked against the vocabulary and the context, and where the
         conversation's text holds ``marker`` for each of ``media`` (``(part name,
-        bytes)``), their embeddings at their positions (:meth:`Engine.media_prompt`),
+        bytes)``, or an address to fetch first on a host ``--allow-remote-media`` names),
+        their embeddings at their positions (:meth:`Engine.media_prompt`),
         encoded between two generations (``Scheduler.llama``), and only when the queue
         has room.
 
@@ -189,6 +194,12 @@ class Service:
                     raise _queue_full(self.scheduler.max_queue)
 
                 def encode() -> tuple[list[int], list[MediaSpan]]:
+                    from specgguf.llama.media import MAX_BYTES
+                    from specgguf.server.remote import fetch_image
+
+                    images = [(name, data if isinstance(data, bytes) else
+                               fetch_image(data, name, self.settings.remote_media, MAX_BYTES))
+                              for name, data in media]  # fmt: skip
                     prepared = engine.render(
                         cast("Sequence[Mapping[str, Any]]", prompt),  # (chat: media's only)
                         add_generation_prompt=add_generation_prompt,
@@ -196,7 +207,7 @@ class Service:
                         tools=tools.tools if tools else None,
                     )
                     with self.scheduler.llama:  # (between two generations)
-                        return engine.media_prompt(prepared, media, marker=marker)
+                        return engine.media_prompt(prepared, images, marker=marker)
 
                 async with self._media_lock:  # (one request's images at a time)
                     ids, spans = await run_in_threadpool(encode)
