@@ -389,3 +389,21 @@ def test_images_in_deterministic_mode_are_refused_before_the_weights_load(
     err = res.stderr.decode()
     assert res.returncode == 2 and "images with deterministic mode" in err, err
     assert "llama_model_load" not in err and "load_tensors" not in err  # (nothing loaded)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_a_projector_offloaded_counts_on_the_gpu_too(media: dict[str, Path], offload: bool) -> None:
+    from specgguf.engine import EngineConfig, ModelConfig
+    from specgguf.engine.preflight import memory_plan
+    from specgguf.gguf.info import read_model_info
+    from specgguf.llama.memory import LOCAL, PROJECTOR, Place, projector_memory
+
+    config = EngineConfig(ModelConfig(media["target"], n_ctx=512), mmproj=media["mmproj"],
+                          mmproj_offload=offload)  # fmt: skip
+    gpu = Place("CUDA0", "gpu", 8 << 30)
+    plan = memory_plan(config, read_model_info(media["target"]), None, 512, 512, servers={},
+                       local_free=16 << 30, gpus=[gpu])  # fmt: skip
+    (proj,) = [m for m in plan.models if m.name == PROJECTOR]
+    share = projector_memory(media["mmproj"])
+    assert proj.shares[LOCAL] == share  # (read through this machine's memory either way)
+    assert proj.shares.get("CUDA0") == (share if offload else None)

@@ -351,3 +351,33 @@ def test_the_allowed_hosts_and_the_size_of_what_is_fetched(web: str) -> None:
     assert fetch_image(f"{web}/a.png", "p", [host], 1 << 20)[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(MediaError, match="more than 10 bytes"):
         fetch_image(f"{web}/a.png", "p", [host], 10)
+
+
+def test_a_server_that_read_images_keeps_its_other_prompts_at_shutdown(
+    media: dict[str, Path], tmp_path: Path
+) -> None:
+    # --cache-dir: what the sequences hold goes to files at shutdown; the one holding an
+    # image is left out (not kept in files yet), and the text prompts are written.
+    folder = tmp_path / "prompts"
+    s = ServerProcess("-m", str(media["target"]), "--mmproj", str(media["mmproj"]), *SPEC,
+                      "--cache-dir", str(folder))  # fmt: skip
+    with s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        chat(client, [{"role": "user", "content": "Tell me about " + "the quick fox " * 40}])
+        chat(client, [{"role": "user", "content": [image(media["a"]), text("Describe")]}])
+        assert s.stop() == 0, "".join(s.stderr_lines)
+    err = "".join(s.stderr_lines)
+    assert "1 prompt(s) saved" in err and "Traceback" not in err, err
+
+
+def test_a_projector_closed_encodes_no_more(media: dict[str, Path]) -> None:
+    from specgguf.errors import BackendError
+    from specgguf.llama.backend import LlamaModel
+    from specgguf.llama.media import Projector
+
+    with LlamaModel(media["target"]) as model:
+        p = Projector(media["mmproj"], model, n_threads=1)
+        assert p.chunks(media["a"].read_bytes(), "a")
+        p.close()  # (the server's shutdown, while a request's thread may still encode)
+        with pytest.raises(BackendError, match="closed"):
+            p.chunks(media["a"].read_bytes(), "a")

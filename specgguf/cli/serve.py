@@ -95,11 +95,24 @@ def serve(
                          "--api-key too, or name the origins")  # fmt: skip
     o.cache_config(cache)  # its refusals before anything is downloaded or loaded
     config = o.engine_config(load, drafting, say=say, media=True)
+    # A projector asked for (--mmproj) where no image could be read is refused; one the -hf
+    # repository brought is left out, said on stderr: the text model serves as before.
+    pulled = load.mmproj is None and config.mmproj is not None
+
+    def no_images(why: str) -> None:
+        assert config.mmproj is not None
+        if not pulled:
+            raise UsageError(f"--mmproj {config.mmproj.name}: images with {why} are not "
+                             "supported yet (leave out --mmproj to serve text)")  # fmt: skip
+        say(f"specgguf: note: images with {why} are not supported yet: the projector "
+            f"{config.mmproj.name} of the -hf repository is left out")  # fmt: skip
+
     if config.mmproj is not None and (server.parallel or 1) > 1:
-        whose = "--mmproj" if load.mmproj is not None else "the -hf repository's projector"
-        raise UsageError(f"{whose} ({config.mmproj.name}): images are read one request at a "
-                         f"time, not yet beside --parallel {server.parallel}: give --parallel "
-                         f"1{'' if load.mmproj is not None else ', or --no-mmproj'}")  # fmt: skip
+        no_images(f"--parallel {server.parallel} (one request at a time: --parallel 1)")
+        config = dataclasses.replace(config, mmproj=None)
+    if config.mmproj is not None and config.deterministic:
+        no_images("deterministic mode")
+        config = dataclasses.replace(config, mmproj=None)
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(
         config,
@@ -109,8 +122,9 @@ def serve(
     )
     parallel = server.parallel
     if config.mmproj is not None and parallel is None:
+        hint = " (--no-mmproj: text alone, several at once)" if pulled else ""
         say("specgguf: one request at a time (--parallel 1): images are read one request "
-            "at a time")  # fmt: skip
+            f"at a time{hint}")  # fmt: skip
         parallel = 1
     config, checked = _parallel(config, parallel, say)  # before any weights load
     if cache.cache_ram is None:  # what the memory plan leaves, up to llama-server's default
@@ -142,9 +156,8 @@ def serve(
         engine = _before_listening(llama_thread.submit(Engine, config, checked=checked))
         with engine:
             if config.mmproj is not None and (why := engine.media_refusal()):
-                flag = "--mmproj" if load.mmproj is not None else "the projector: --no-mmproj"
-                raise UsageError(f"images with {why} are not supported yet: leave out {flag}, "
-                                 f"or {why}")  # fmt: skip
+                no_images(why)
+                engine.drop_projector()
             if config.speculative.drafter == "auto":
                 # calibrate now, not in the first request
                 say_calibration(engine, say)

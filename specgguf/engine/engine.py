@@ -724,6 +724,35 @@ class Engine:
                 f"a {self.target_model.memory} target" if self.target_model.memory != "attention"
                 else f"the {self.head_kind} drafter" if self.head_kind else None)  # fmt: skip
 
+    def drop_projector(self) -> None:
+        """Free the projector (``--mmproj``): the engine reads no media from here on."""
+        if self.projector is not None:
+            self.projector.close()
+            self.projector = None
+
+    def check_media(self, media: Sequence[tuple[str, bytes]]) -> None:
+        """Refuse ``media`` (``(name, bytes)``) before anything is decoded: no projector
+        loaded, a setup that reads none (:meth:`media_refusal`), a medium that is empty,
+        too large, of another format or too many pixels by its header
+        (:func:`specgguf.llama.media.check_medium`).
+
+        Raises:
+            MediaError: naming the medium.
+            UsageError: a setup that reads no media yet.
+        """
+        from specgguf.llama.media import check_medium
+
+        if not media:
+            return
+        first = media[0][0]
+        if self.projector is None:
+            raise MediaError(f"{first}: reading images needs the target's projector file "
+                             f"(mmproj)", part=first)  # fmt: skip
+        if why := self.media_refusal():
+            raise UsageError(f"media with {why} are not supported yet")
+        for name, data in media:
+            check_medium(data, name)
+
     def media_prompt(
         self,
         prepared: PreparedPrompt,
@@ -755,12 +784,8 @@ class Engine:
 
         if not media:
             return self.prepared_ids(prepared), []
-        first = media[0][0]
-        if self.projector is None:
-            raise MediaError(f"{first}: reading images needs the target's projector file "
-                             f"(mmproj)", part=first)  # fmt: skip
-        if why := self.media_refusal():
-            raise UsageError(f"media with {why} are not supported yet")
+        self.check_media(media)
+        assert self.projector is not None
         text = prepared.text
         cuts = [m.start() for m in re.finditer(re.escape(marker), text)]
         if len(cuts) != len(media):
@@ -875,6 +900,8 @@ class Engine:
             return 0
         written = cache.files_written  # (a state larger than the memory goes straight there)
         for seq in self.slots:
+            if seq is self.own and self.target_ctx.holds_media:
+                continue  # (a prompt with images is not kept in files yet)
             if seq.n_cached and cache.has_room(seq.state_bytes()):
                 try:
                     cache.put(seq.save())

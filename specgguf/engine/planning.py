@@ -85,8 +85,6 @@ def make_plan(
     """
     target = read_model_info(config.target.path)
     draft = read_model_info(config.draft.path) if config.loads_draft and config.draft else None
-    if config.mmproj is not None:
-        check_projector(config.mmproj, target.embedding_length)
     return _plan(config, target, draft, server_free=server_free, local_free=local_free,
                  gpus=gpus)  # fmt: skip
 
@@ -100,6 +98,8 @@ def _plan(
     local_free: int | None,
     gpus: Sequence[Place] | None,
 ) -> PlacementPlan:
+    if config.mmproj is not None:
+        check_projector(config.mmproj, target.embedding_length)
     if server_free:
         servers = stand_in_servers(config.rpc_servers, server_free)
     else:

@@ -165,8 +165,13 @@ def memory_plan(
     cache = prompt_cache_bytes(config, target)
     if cache:
         models.append(ModelPlacement(PROMPT_CACHE, (), {LOCAL: Share(kv_cache=cache)}))
-    if config.mmproj is not None:  # (libmtmd reads it into this machine's memory first)
-        models.append(ModelPlacement(PROJECTOR, (), {LOCAL: projector_memory(config.mmproj)}))
+    if config.mmproj is not None:  # (libmtmd reads it through this machine's memory)
+        share = projector_memory(config.mmproj)
+        shares = {LOCAL: share}
+        if config.mmproj_offload and gpus:  # (clip.cpp's weights on the first GPU)
+            places.setdefault(gpus[0].name, gpus[0])
+            shares[gpus[0].name] = share
+        models.append(ModelPlacement(PROJECTOR, (), shares))
     return MemoryPlan(tuple(places.values()), tuple(models))
 
 

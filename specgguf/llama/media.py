@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,9 @@ class Projector(_Native):
                  use_gpu: bool = True) -> None:  # fmt: skip
         self.path = Path(path)
         self._ctx: Any = None
+        # held while an image is encoded, and by close(): the server encodes a request's
+        # images on another thread than the one that closes the engine at shutdown
+        self._lock = threading.Lock()
         self._m = m = _mtmd()
         params = m.mtmd_context_params_default()
         params.use_gpu = use_gpu
@@ -256,9 +260,15 @@ class Projector(_Native):
                 names it), or an audio clip for a projector without audio.
             ContextOverflowError: with ``fits``, the image does not fit (at least that
                 many positions: ``at_least``).
-            BackendError: libmtmd failed to encode it.
+            BackendError: libmtmd failed to encode it, or the projector was closed.
         """
         check_medium(data, name)
+        with self._lock:
+            if self._ctx is None:
+                raise BackendError(f"the projector {self.path.name} is closed")
+            return self._chunks(data, name, fits)
+
+    def _chunks(self, data: bytes, name: str, fits: tuple[int, int] | None) -> list[Chunk]:
         m, ctx = self._m, self._ctx
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         opt = m.mtmd_helper_init_opt_default()
@@ -322,6 +332,7 @@ class Projector(_Native):
         return self._ctx is not None
 
     def _free(self) -> None:
-        if self._ctx is not None:
-            self._m.mtmd_free(self._ctx)
-            self._ctx = None
+        with self._lock:  # (after an encode that runs: see __init__)
+            if self._ctx is not None:
+                self._m.mtmd_free(self._ctx)
+                self._ctx = None

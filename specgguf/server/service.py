@@ -193,13 +193,19 @@ class Service:
                 if self.scheduler.full():  # (before the images' arithmetic is spent)
                     raise _queue_full(self.scheduler.max_queue)
 
-                def encode() -> tuple[list[int], list[MediaSpan]]:
+                def fetch() -> list[tuple[str, bytes]]:
+                    """The images (those at addresses fetched), checked: what can be
+                    refused is, before a generation is waited for."""
                     from specgguf.llama.media import MAX_BYTES
                     from specgguf.server.remote import fetch_image
 
                     images = [(name, data if isinstance(data, bytes) else
                                fetch_image(data, name, self.settings.remote_media, MAX_BYTES))
                               for name, data in media]  # fmt: skip
+                    engine.check_media(images)
+                    return images
+
+                def encode(images: list[tuple[str, bytes]]) -> tuple[list[int], list[MediaSpan]]:
                     prepared = engine.render(
                         cast("Sequence[Mapping[str, Any]]", prompt),  # (chat: media's only)
                         add_generation_prompt=add_generation_prompt,
@@ -209,8 +215,9 @@ class Service:
                     with self.scheduler.llama:  # (between two generations)
                         return engine.media_prompt(prepared, images, marker=marker)
 
+                images = await run_in_threadpool(fetch)
                 async with self._media_lock:  # (one request's images at a time)
-                    ids, spans = await run_in_threadpool(encode)
+                    ids, spans = await run_in_threadpool(encode, images)
             else:
                 # Rendering and tokenizing read the model only: safe next to a generation.
                 ids = await run_in_threadpool(
