@@ -42,7 +42,7 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
                          newurl: str) -> Any:  # fmt: skip
         if not allowed(newurl, self.hosts):
             raise urllib.error.HTTPError(newurl, code, f"redirected to {newurl}, a host not "
-                                         "allowed (--allow-remote-media)", headers, fp)  # fmt: skip
+                                         "allowed", headers, fp)  # fmt: skip
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -57,8 +57,7 @@ def fetch_image(url: str, part: str, hosts: Sequence[str], limit: int) -> bytes:
     """
     if not allowed(url, hosts):
         raise MediaError(f"{part}: {url} is not on a host the server fetches images "
-                         "from (--allow-remote-media): send the image as a data: URI",
-                         part=part)  # fmt: skip
+                         "from: send the image as a data: URI", part=part)  # fmt: skip
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _Redirects(hosts))
     try:
         with opener.open(urllib.request.Request(url, method="GET"), timeout=TIMEOUT) as r:

@@ -97,8 +97,8 @@ def image_bytes(url: str, param: str, remote: Sequence[str] = ()) -> bytes | str
         )
         raise bad_request(
             f"{param}: {what}: send the image itself, as data:image/png;base64,... (this "
-            "server fetches no address a request names but on the hosts "
-            "--allow-remote-media names)", param=param,
+            "server fetches no address a request names but on the hosts it was told)",
+            param=param,
         )  # fmt: skip
     if not comma or not head.lower().endswith(";base64"):
         raise bad_request(f"{param}: a data: URI in base64 (data:image/png;base64,...) is "
