@@ -21,21 +21,12 @@ from specgguf.gguf.tinymedia import picture, png_bytes, write_mmproj, write_png
 from specgguf.llama.media import MARKER
 
 from .helpers import ServerProcess, run_cli
+from .test_server import _loopback_only  # noqa: F401 (clients talk to 127.0.0.1 directly)
 
 N_EMBD = 64  # the tiny target's (specgguf/gguf/tiny.py)
 #: Drafting on, with a drafter that drafts on the tiny pair (tests/test_media.py)
 SPEC = ["--drafter", "ngram", "--draft", "4", "-t", "1", "-c", "1024"]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _loopback_only() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
-                    "all_proxy"):  # fmt: skip
-            mp.delenv(var, raising=False)
-        mp.setenv("NO_PROXY", "127.0.0.1,localhost")
-        yield
 
 
 @pytest.fixture(scope="module")
