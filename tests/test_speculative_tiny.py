@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from specgguf.errors import ContextOverflowError
 from specgguf.llama.backend import LlamaModel
 from specgguf.speculative.loop import GenerationParams
 from specgguf.speculative.sampling import SamplerParams
@@ -49,6 +51,42 @@ def test_target_alone_through_the_decoder_equals_the_plain_loop(
             res = e.generate(p, GenerationParams(n_predict=48, sampler=GREEDY)).run()
             assert res.tokens == baseline[p]
             assert res.stats.drafted == 0 and res.stats.steps >= len(res.tokens)
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_lone_evaluation_decodes_as_eval_does(
+    tiny_models: dict[str, Path], parallel: int
+) -> None:
+    """``eval_lone`` (the target alone's step) gives the logits, positions and timing of
+    ``eval`` of one token, to the end of the context; with parallel sequences, in the
+    sequence it is called on (the other one's cache holds other tokens)."""
+    with (
+        LlamaModel(tiny_models["target"]) as model,
+        model.new_context(n_ctx=48, n_parallel=parallel) as a,
+        model.new_context(n_ctx=48, n_parallel=parallel) as b,
+    ):
+        other = None
+        if parallel > 1:  # sequence 1 of each, sequence 0 holding other text
+            a.eval([9, 10], logits="none")
+            b.eval([20, 21], logits="none")
+            other, a, b = b, a.sequence(1), b.sequence(1)
+        a.eval([5, 6, 7], logits="none")
+        b.eval([5, 6, 7], logits="none")
+        t, steps = 8, 0
+        while a.n_past < a.n_ctx:
+            want = a.eval([t], logits="all")[0].copy()
+            if other is not None:  # (the batch last decoded for the other sequence)
+                other.eval([3], logits="none")
+            s0 = b.eval_seconds
+            got = b.eval_lone(t)
+            assert got.shape == (model.n_vocab,) and got.dtype == np.float32
+            np.testing.assert_array_equal(got, want)
+            assert (b.n_past, b.eval_seconds > s0) == (a.n_past, True)
+            t, steps = int(want.argmax()), steps + 1
+        assert steps == 45
+        with pytest.raises(ContextOverflowError):
+            b.eval_lone(t)
+        assert b.n_past == b.n_ctx
 
 
 @pytest.mark.parametrize("draft", ["draft-identical", "draft-partial", "draft-pad128"])

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, NoReturn, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -946,6 +946,46 @@ class LlamaContext(_Native):
         finally:
             self.eval_seconds += time.perf_counter() - t0
 
+    def eval_lone(self, token: int) -> npt.NDArray[np.float32]:
+        """:meth:`eval` of one token, its logits returned: a read-only ``float32[n_vocab]``
+        view of llama.cpp's output buffer, valid until the next evaluation. The target
+        alone's step calls it once a token; it decodes as :meth:`eval` does, without
+        eval's general case where nothing calls for it (a tree left, rows kept from a
+        verification, deterministic mode's batches, hidden states read), whose Python
+        costs a few per cent of a fast target's step (docs/performance.md).
+
+        Raises:
+            ContextOverflowError: no position is left in the KV cache.
+            BackendError: llama_decode failed.
+        """
+        if self._tree is not None or self._pending or self._rows_per_decode or self._hidden:
+            row: npt.NDArray[np.float32] = self.eval([token], logits="all")[0]
+            return row
+        n_past = self.n_past
+        if n_past >= self.n_ctx:
+            raise ContextOverflowError(
+                n_past + 1, self.n_ctx, prompt=False, model=self.model.path.name
+            )
+        t0 = time.perf_counter()
+        self._step_at = -1
+        if self.n_parallel > 1:  # the batch is shared by the sequences
+            self._batch.seq_id[0][0] = self._seq
+        self._tok[0] = token
+        self._pos[0] = n_past
+        self._out[0] = 1
+        self._batch.n_tokens = 1
+        try:
+            rc = self._lc.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                self._decode_failed(1, rc)
+            self._held[n_past] = token
+            self.n_past = n_past + 1
+            self._room = 0
+            row = self._logits(0, 1)[0]
+            return row
+        finally:
+            self.eval_seconds += time.perf_counter() - t0
+
     def _logits(self, first: int, n_out: int) -> npt.NDArray[np.float32]:
         """Output rows ``first`` to ``first + n_out`` of the latest decode: a read-only
         view of llama.cpp's logits buffer, valid until the next decode. The buffer's view
@@ -1102,16 +1142,7 @@ class LlamaContext(_Native):
         self._batch.n_tokens = rows
         rc = self._lc.llama_decode(self._ctx, self._batch)
         if rc != 0:
-            # On failure llama.cpp restores the cache (or keeps processed ubatches):
-            # remove anything past what we know is committed (a recurrent state cannot
-            # be cut there: the sequence is read again).
-            # Processed micro-batches may be cached past what the snapshots cover: a
-            # recurrent state is read again.
-            self._truncate(self.n_past, reread=self.recurrent)
-            raise BackendError(
-                f"llama_decode failed with code {rc} on {self.model.path.name} "
-                f"({m} tokens at position {self.n_past})"
-            )
+            self._decode_failed(m, rc)
         if m == 1:
             self._held[self.n_past] = chunk[0]
         else:
@@ -1123,6 +1154,21 @@ class LlamaContext(_Native):
         if pad:
             self._truncate(self.n_past)
         return m - skip if outputs == "all" else int(outputs == "last")
+
+    def _decode_failed(self, m: int, rc: int = -1) -> NoReturn:
+        """After a failed ``llama_decode`` of ``m`` tokens at ``n_past`` (code ``rc``):
+        llama.cpp restores the cache or keeps the micro-batches it processed, so anything
+        past what is committed is removed (a recurrent state, which a cut cannot shorten
+        and whose snapshots may not reach there, is read again).
+
+        Raises:
+            BackendError: always.
+        """
+        self._truncate(self.n_past, reread=self.recurrent)
+        raise BackendError(
+            f"llama_decode failed with code {rc} on {self.model.path.name} "
+            f"({m} tokens at position {self.n_past})"
+        )
 
     def _eval_rows(self, tokens: Sequence[int], all_rows: bool) -> npt.NDArray[np.float32]:
         """``eval`` in decode calls of 2 to ``rows_per_decode`` rows, sizes as even as

@@ -127,7 +127,9 @@ class GenerationStats:
         self.tree_steps += tree
         self.last_draft = drafted
         self.last_drafter = drafter
-        row = self.by_drafter.setdefault(drafter, DrafterStats())
+        row = self.by_drafter.get(drafter)
+        if row is None:  # (setdefault would build a DrafterStats at every step)
+            row = self.by_drafter[drafter] = DrafterStats()
         row.steps += 1
         row.drafted += drafted
         row.accepted += kept
