@@ -778,18 +778,21 @@ def test_every_huggingface_hub_error_is_mapped_by_its_meaning(
 def test_serve_leaves_out_a_pulled_projector_where_it_could_read_no_image(
     multi: LocalHub, isolated_env: Path
 ) -> None:
-    # -hf pulls the repository's projector; --parallel 2 reads no image (yet): the server
-    # says so and serves text, as it did before projectors were pulled. Asked for with
-    # --mmproj, the same is refused.
+    # -hf pulls the repository's projector: parallel sequences read images with it;
+    # deterministic mode reads none (yet): the server says so and serves text, as it did
+    # before projectors were pulled. Asked for with --mmproj, the same is refused.
     import httpx
 
     args = ["-hf", "test/multi-GGUF:Q8_0", "--no-draft", "-c", "512", "-t", "1"]
     with ServerProcess(*args, "--parallel", "2", env=env(multi)) as s:
         props = httpx.get(s.url + "/props", timeout=10).json()
+        assert props["modalities"]["vision"] is True and props["total_slots"] == 2
+    with ServerProcess(*args, "--parallel", "2", "--deterministic", env=env(multi)) as s:
+        props = httpx.get(s.url + "/props", timeout=10).json()
         assert props["modalities"]["vision"] is False and props["total_slots"] == 2
     err = "".join(s.stderr_lines)
     assert "the projector mmproj-multi-Q4_K_M.gguf of the -hf repository is left out" in err
     snap = isolated_env / "hf" / "hub" / "models--test--multi-GGUF" / "snapshots" / COMMIT
-    refused = run_cli("serve", *args, "--parallel", "2", "--mmproj",
+    refused = run_cli("serve", *args, "--deterministic", "--mmproj",
                       str(snap / "mmproj-multi-Q4_K_M.gguf"), env=env(multi))  # fmt: skip
-    assert "--parallel 1" in one_line_error(refused, errors.EXIT_USAGE)
+    assert "deterministic mode" in one_line_error(refused, errors.EXIT_USAGE)

@@ -396,3 +396,36 @@ def test_a_draft_rows_share_beside_others_is_of_this_sequences_share() -> None:
     (2 x 0.44125) = 1.51841."""
     assert row_share(Timings(dict(XEON)), 2) == pytest.approx(0.355)
     assert row_share(Timings(dict(XEON), others=OTHERS), 2) == pytest.approx(1.51841, abs=1e-5)
+
+
+def test_a_decode_of_its_own_waits_until_the_batch_it_follows_is_read() -> None:
+    # A task's medium is decoded in a llama_decode of its own, which would overwrite the
+    # logits of the batch the other tasks have not read yet: the batcher makes it once
+    # every task it resumed has read its logits, and the task goes on after it.
+    h = Harness(3)
+    order: list[str] = []
+
+    def task(i: int, call: Callable[[], object] | None) -> Callable[[], None]:
+        def run() -> None:
+            h.views[i].eval([1 + i, 2], logits="all")  # (the three in one batch)
+            order.append(f"read {i}")
+            if call is not None:
+                try:
+                    h.batcher.call_alone(h.views[i].ctx, call)  # type: ignore[arg-type]
+                    order.append(f"after {i}")
+                except ValueError as e:
+                    order.append(f"{i} failed: {e}")
+
+        return run
+
+    def fail() -> None:
+        raise ValueError("no")
+
+    h.batcher.add(0, task(0, lambda: order.append("decode 0")))
+    h.batcher.add(1, task(1, fail))
+    h.batcher.add(2, task(2, None))
+    h.run()
+    assert order == ["read 0", "read 1", "read 2", "decode 0", "after 0", "1 failed: no"]
+    # From outside a task: at once.
+    h.batcher.call_alone(h.views[0].ctx, lambda: order.append("now"))  # type: ignore[arg-type]
+    assert order[-1] == "now"

@@ -107,9 +107,6 @@ def serve(
         say(f"specgguf: note: images with {why} are not supported yet: the projector "
             f"{config.mmproj.name} of the -hf repository is left out")  # fmt: skip
 
-    if config.mmproj is not None and (server.parallel or 1) > 1:
-        no_images(f"--parallel {server.parallel} (one request at a time: --parallel 1)")
-        config = dataclasses.replace(config, mmproj=None)
     if config.mmproj is not None and config.deterministic:
         no_images("deterministic mode")
         config = dataclasses.replace(config, mmproj=None)
@@ -120,13 +117,7 @@ def serve(
         draft=config.draft and dataclasses.replace(config.draft, huge_pages=True),
         cache=o.cache_config(cache),
     )
-    parallel = server.parallel
-    if config.mmproj is not None and parallel is None:
-        hint = " (--no-mmproj: text alone, several at once)" if pulled else ""
-        say("specgguf: one request at a time (--parallel 1): images are read one request "
-            f"at a time{hint}")  # fmt: skip
-        parallel = 1
-    config, checked = _parallel(config, parallel, say)  # before any weights load
+    config, checked = _parallel(config, server.parallel, say)  # before any weights load
     if cache.cache_ram is None:  # what the memory plan leaves, up to llama-server's default
         from specgguf.engine.preflight import memory_left
 

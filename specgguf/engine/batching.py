@@ -39,6 +39,7 @@ rollbacks and reads need no lock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -67,6 +68,8 @@ class _Request:
     tokens: Sequence[int]
     want: Want
     done: int = 0
+    #: instead of an evaluation: a decode of its own (:meth:`Batcher.call_alone`)
+    call: Callable[[], object] | None = None
 
     @property
     def outputs(self) -> bool:
@@ -142,6 +145,17 @@ class Batcher:
             task.alone = self._alone(ctx)
         return self.hub.switch(_Request(task, ctx, list(tokens), want))
 
+    def call_alone(self, ctx: LlamaContext, call: Callable[[], object]) -> None:
+        """Run ``call`` (a decode of ``ctx``'s of its own: a medium's embeddings) where the
+        batcher decodes evaluations alone, between two batches, when called from a task
+        (a decode in a task would overwrite the logits of the batch the other tasks have
+        not read yet); at once from elsewhere. Raises what ``call`` raises."""
+        task = self._tasks.get(greenlet.getcurrent())
+        if task is None:
+            call()
+            return
+        self.hub.switch(_Request(task, ctx, [], "none", call=call))
+
     def others(self, task: Task) -> tuple[int, ...]:
         """The slots (sequence ids) of the other active tasks that share the target's
         batches, rising; none for a task decoded alone (the module)."""
@@ -192,7 +206,7 @@ class Batcher:
         did not fit) wait for the next batch."""
         batched: list[_Request] = []
         for r in requests:
-            if self._alone(r.ctx):
+            if r.call is not None or self._alone(r.ctx):
                 self._serve(r)
             else:
                 batched.append(r)
@@ -280,9 +294,12 @@ class Batcher:
         return pads
 
     def _serve(self, r: _Request) -> None:
-        """Decode ``r`` alone (its sequence's own ``eval``); its logits copied, as the
-        next request's decode reuses llama.cpp's buffer before the task reads them."""
+        """Decode ``r`` alone (its sequence's own ``eval``, or its call); its logits copied,
+        as the next request's decode reuses llama.cpp's buffer before the task reads them."""
         try:
+            if r.call is not None:
+                self._ready.append((r.task, r.call(), False))
+                return
             self._ready.append((r.task, np.array(r.ctx.eval(r.tokens, logits=r.want)), False))
         except Exception as e:
             self._ready.append((r.task, e, True))
@@ -354,10 +371,16 @@ class BatchedSequence:
         self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
     ) -> None:
         """The sequence's prompt, read through the batcher (in pieces beside the other
-        sequences' steps), with the sequence's checkpoints between pieces (media: refused
-        by the context, not read through the batcher yet)."""
-        self.ctx.prompt(tokens, lambda t: self.eval(t, logits="none"), exact=exact,
-                        media=media)  # fmt: skip
+        sequences' steps), with the sequence's checkpoints between pieces; its media each
+        decoded alone between two batches."""
+        read = self.eval
+        if not media:
+            self.ctx.prompt(tokens, lambda t: read(t, logits="none"), exact=exact)
+            return
+        batcher = self._batcher()
+        alone = None if batcher is None else functools.partial(batcher.call_alone, self.ctx)
+        self.ctx.prompt(tokens, lambda t: read(t, logits="none"), exact=exact, media=media,
+                        alone=alone)  # fmt: skip
 
     def scratch(self) -> AbstractContextManager[None]:
         return self.ctx.scratch()

@@ -681,7 +681,7 @@ class Engine:
         compiled here, cached per grammar).
 
         ``media``: the images of a prompt made by :meth:`media_prompt`, read at their
-        positions (the engine's own sequence only).
+        positions.
 
         With ``params.cache_prompt`` (the default) and a prompt cache
         (``CacheConfig.ram``/``disk``), the sequence's state may be saved into the cache and
@@ -701,8 +701,6 @@ class Engine:
         params = dataclasses.replace(params, deterministic=det)
         planner = self.planner(params, slot)
         ids = self.prompt_ids(prompt)
-        if media and slot is not None:
-            raise UsageError("media with parallel sequences are not supported yet")
         seq = self.own if slot is None else self.slots[slot]
         seq.target.set_rows_per_decode(self.deterministic_rows if det else None)
         constraint = self.constraint(params.grammar) if params.grammar is not None else None
@@ -716,11 +714,9 @@ class Engine:
         return gen
 
     def media_refusal(self) -> str | None:
-        """Why this engine reads no media yet (None: it does): parallel sequences,
-        deterministic mode, a recurrent or hybrid target, a drafter that reads the target's
-        hidden states."""
-        return ("parallel sequences" if self.n_parallel > 1 else
-                "deterministic mode" if self.config.deterministic else
+        """Why this engine reads no media yet (None: it does): deterministic mode, a
+        recurrent or hybrid target, a drafter that reads the target's hidden states."""
+        return ("deterministic mode" if self.config.deterministic else
                 f"a {self.target_model.memory} target" if self.target_model.memory != "attention"
                 else f"the {self.head_kind} drafter" if self.head_kind else None)  # fmt: skip
 
@@ -772,9 +768,9 @@ class Engine:
             MediaError: no projector loaded, a medium that cannot be read (see
                 :meth:`specgguf.llama.media.Projector.chunks`), or the prompt's last
                 position inside a medium (text must follow it).
-            UsageError: not as many markers as media; media with parallel sequences, a
-                recurrent target, deterministic mode, or a drafter that reads the target's
-                hidden states (not supported yet: :meth:`media_refusal`).
+            UsageError: not as many markers as media; media with a recurrent target,
+                deterministic mode, or a drafter that reads the target's hidden states (not
+                supported yet: :meth:`media_refusal`).
             ContextOverflowError: a medium that does not fit the context, found before it
                 is encoded.
         """
@@ -854,7 +850,7 @@ class Engine:
             except (SpecggufError, OSError) as e:
                 log.warning("prompt cache: %s; the prompt is read instead", e)
         # (a sequence holding images is not kept: the cache matches prompts by tokens)
-        media = seq is self.own and self.target_ctx.holds_media
+        media = seq.ctx.holds_media
         if held and own < held / 2 and not media and cache.has_room(seq.state_bytes()):
             try:
                 cache.put(seq.save())
@@ -900,7 +896,7 @@ class Engine:
             return 0
         written = cache.files_written  # (a state larger than the memory goes straight there)
         for seq in self.slots:
-            if seq is self.own and self.target_ctx.holds_media:
+            if seq.ctx.holds_media:
                 continue  # (a prompt with images is not kept in files yet)
             if seq.n_cached and cache.has_room(seq.state_bytes()):
                 try:

@@ -1552,9 +1552,13 @@ class LlamaContext(_Native):
         *,
         exact: bool = False,
         media: Sequence[object] = (),
+        alone: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         """Append a prompt's ``tokens`` (no logits) with ``evaluate`` (default
-        ``eval(tokens, logits="none")``; a parallel sequence passes its batcher's). A
+        ``eval(tokens, logits="none")``; a parallel sequence passes its batcher's), and
+        ``media``'s embeddings at their positions, each read by a decode of its own that
+        ``alone`` makes (called with the read; default: at once; a parallel sequence's
+        batcher makes it between its batches, whose logits it would overwrite). A
         recurrent state with ``n_checkpoints`` keeps a checkpoint after them,
         :data:`CHECKPOINT_TAIL` positions before their end, and at every multiple of
         :data:`CHECKPOINT_STEP` positions on the way. ``exact``: deterministic mode reads
@@ -1572,7 +1576,7 @@ class LlamaContext(_Native):
         read = evaluate or (lambda t: self.eval(t, logits="none"))
         here = [m for m in _spans(media) if m.end > start and m.start < end]
         if here:
-            self._prompt_with_media(tokens, here, read)
+            self._prompt_with_media(tokens, here, read, alone)
             return
         unit = self._exact_unit
         cuts = [end]
@@ -1614,20 +1618,26 @@ class LlamaContext(_Native):
         return n
 
     def _prompt_with_media(
-        self, tokens: Sequence[int], media: list[MediaSpan], read: Callable[[Sequence[int]], object]
+        self,
+        tokens: Sequence[int],
+        media: list[MediaSpan],
+        read: Callable[[Sequence[int]], object],
+        alone: Callable[[Callable[[], None]], None] | None,
     ) -> None:
         """:meth:`prompt` of ``tokens`` whose positions hold ``media``: the text between
-        them read as tokens, each medium as its embeddings.
+        them read as tokens, each medium as its embeddings (through ``alone``, see
+        :meth:`prompt`).
 
         Raises:
             BackendError: a medium not wholly inside the prompt, a recurrent state (its
-                checkpoints are not taken here), a batched sequence, or a decode failure.
+                checkpoints are not taken here), a token tree's or scratch sequence, or a
+                decode failure.
         """
         start = self.n_past
         end = start + len(tokens)
-        if self.n_checkpoints or self.n_parallel > 1 or self._seq != self._home:
+        if self.n_checkpoints or self._seq != self._home:
             raise BackendError(f"{self.model.path.name}: media are read only by a sequence "
-                               f"of its own with a KV cache")  # fmt: skip
+                               f"with a KV cache, outside a token tree")  # fmt: skip
         at = start
         for m in media:
             if m.start < at or m.end > end:
@@ -1635,7 +1645,11 @@ class LlamaContext(_Native):
                                    f"the prompt read ({start}-{end})")  # fmt: skip
             if m.start > at:
                 read(tokens[at - start : m.start - start])
-            self._read_media(m, tokens[m.start - start : m.end - start])
+            medium = functools.partial(self._read_media, m, tokens[m.start - start : m.end - start])
+            if alone is None:
+                medium()
+            else:
+                alone(medium)
             at = m.end
         if end > at:
             read(tokens[at - start :])
@@ -1652,10 +1666,10 @@ class LlamaContext(_Native):
         if self.n_past + n > self.n_ctx:
             raise ContextOverflowError(self.n_past + n, self.n_ctx, prompt=True,
                                        model=self.model.path.name)  # fmt: skip
-        lc = self._lc
-        if self._media_batch is None:
-            self._media_batch = lc.llama_batch_init(self.n_batch, width, 1)
-        b = self._media_batch
+        lc, owner = self._lc, self.base  # (the sequences' one batch, freed with the context)
+        if owner._media_batch is None:
+            owner._media_batch = lc.llama_batch_init(self.n_batch, width, 1)
+        b = owner._media_batch
         emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, width))
         pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
         np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
@@ -1869,6 +1883,7 @@ class LlamaContext(_Native):
         view._rows_per_decode = None
         view._checkpoints = []
         view._exact_to = 0
+        view._media = {}  # (its media batch is this context's: see _read_media)
         return view
 
     def decode_many(

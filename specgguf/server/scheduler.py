@@ -27,7 +27,7 @@ import functools
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from time import monotonic, sleep
 from typing import TYPE_CHECKING, Literal
@@ -204,11 +204,12 @@ class Scheduler:
         #: how many jobs may generate at once
         self.parallel = engine.n_parallel
         self._cond = threading.Condition()
-        #: held while a job of one sequence generates: the projector's work on another
-        #: thread (a request's images) takes it too, so that llama.cpp never computes on
-        #: two threads at once (:meth:`Service.prompt_ids <specgguf.server.service.
-        #: Service.prompt_ids>`), as llama-server encodes images on its one thread
+        #: held while a job of one sequence generates, or a step of parallel sequences
+        #: runs: the projector's work on another thread (a request's images) takes it
+        #: too, through :meth:`turn`, so that llama.cpp never computes on two threads at
+        #: once, as llama-server encodes images on its one thread
         self.llama = threading.Lock()
+        self._turns_wanted = 0  # threads waiting in turn(): the worker lets them go first
         self._closed = False
         self._thread: threading.Thread | None = None
         self._future: Future[None] | None = None
@@ -217,6 +218,23 @@ class Scheduler:
         else:
             self._thread = threading.Thread(target=self._work, name="specgguf-engine", daemon=True)
             self._thread.start()
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold :attr:`llama` between two generations of one sequence, or two steps of
+        parallel sequences (the worker waits for this turn before it takes the lock
+        again: a lock alone would be taken back by the worker at once, step after step).
+        For llama.cpp's work on another thread (:meth:`Service.prompt_ids
+        <specgguf.server.service.Service.prompt_ids>`: a request's images)."""
+        with self._cond:
+            self._turns_wanted += 1
+        try:
+            with self.llama:
+                yield
+        finally:
+            with self._cond:
+                self._turns_wanted -= 1
+                self._cond.notify_all()
 
     @property
     def waiting(self) -> int:
@@ -312,7 +330,7 @@ class Scheduler:
             return
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while (not self._waiting or self._turns_wanted) and not self._closed:
                     self._cond.wait()
                 if not self._waiting:
                     return  # closed and drained
@@ -332,7 +350,9 @@ class Scheduler:
             batcher, failed = None, e
         while True:
             with self._cond:
-                while not self._waiting and not (batcher and batcher.active) and not self._closed:
+                while (
+                    (not self._waiting and not (batcher and batcher.active)) or self._turns_wanted
+                ) and not self._closed:
                     self._cond.wait()
                 if not self._waiting and not (batcher and batcher.active):
                     return  # closed and drained
@@ -349,7 +369,8 @@ class Scheduler:
             if batcher is None:
                 continue
             try:
-                batcher.step()
+                with self.llama:
+                    batcher.step()
             except Exception as e:  # a bug: every running job learns of it, none hangs
                 log.exception("the engine's batched worker failed")
                 with self._cond:
@@ -376,8 +397,10 @@ class Scheduler:
 
     def _run(self, job: Job, slot: int | None = None) -> None:
         engine = self.engine
-        if job.media:  # (a server of one sequence: Engine.media_prompt)
-            gen = job.begin(lambda: engine.generate(job.prompt, job.params, media=job.media))
+        if job.media:  # (Engine.media_prompt's)
+            gen = job.begin(
+                lambda: engine.generate(job.prompt, job.params, slot=slot, media=job.media)
+            )
         elif slot is None:
             gen = job.begin(lambda: engine.generate(job.prompt, job.params))
         else:

@@ -176,7 +176,7 @@ class Service:
         conversation's text holds ``marker`` for each of ``media`` (``(part name,
         bytes)``, or an address to fetch first on a host ``--allow-remote-media`` names),
         their embeddings at their positions (:meth:`Engine.media_prompt`),
-        encoded between two generations (``Scheduler.llama``), and only when the queue
+        encoded between two generations or steps (``Scheduler.turn``), and only when the queue
         has room.
 
         Raises:
@@ -212,7 +212,7 @@ class Service:
                         continue_final_message=continue_final_message,
                         tools=tools.tools if tools else None,
                     )
-                    with self.scheduler.llama:  # (between two generations)
+                    with self.scheduler.turn():  # (between two generations or steps)
                         return engine.media_prompt(prepared, images, marker=marker)
 
                 images = await run_in_threadpool(fetch)
