@@ -407,3 +407,40 @@ def test_a_projector_offloaded_counts_on_the_gpu_too(media: dict[str, Path], off
     share = projector_memory(media["mmproj"])
     assert proj.shares[LOCAL] == share  # (read through this machine's memory either way)
     assert proj.shares.get("CUDA0") == (share if offload else None)
+
+
+def test_a_medium_whose_read_fails_midway_leaves_none_of_its_rows(media: dict[str, Path]) -> None:
+    # The image's 16 rows in batches of 8: the second decode fails. The first 8 rows must
+    # leave the cache with it, or a later prompt with the same placeholder tokens there
+    # would keep them as if they were those tokens' rows.
+    from specgguf.engine import Engine
+    from specgguf.errors import BackendError
+    from specgguf.llama.media import MARKER
+
+    config, params, pictures = _in_process(media)
+    config = dataclasses.replace(config, target=dataclasses.replace(config.target, n_batch=8))
+    with Engine(config) as eng:
+        ids, spans = eng.media_prompt(eng.render(MARKER + PROMPT), [pictures["image"]])
+        start = spans[0].start
+        probe = [*ids[: start + 8], *eng.prepared_ids(eng.render(PROMPT))]
+        fresh = eng.generate(probe, params).run()
+        eng.target_ctx.reuse([])
+        lc = eng.target_ctx._lc
+        decode, media_decodes = lc.llama_decode, [0]
+
+        def fail_the_second(ctx: Any, batch: Any) -> int:
+            if batch.embd:
+                media_decodes[0] += 1
+                if media_decodes[0] == 2:
+                    return 1
+            return int(decode(ctx, batch))
+
+        lc.llama_decode = fail_the_second
+        try:
+            with pytest.raises(BackendError, match="reading a medium"):
+                eng.generate(ids, params, media=spans).run()
+        finally:
+            lc.llama_decode = decode
+        assert media_decodes[0] == 2 and eng.target_ctx.n_past == start
+        again = eng.generate(probe, params).run()
+        assert again.stats.prompt_cached <= start and again.tokens == fresh.tokens

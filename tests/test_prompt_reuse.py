@@ -268,9 +268,44 @@ def test_a_draft_model_under_auto_mode_reads_the_prompt_only_when_it_drafts() ->
 class _Slot:
     held: list[int]
     last_used: float
+    #: positions from which it holds an image (its tokens are placeholders: 0)
+    image_at: int | None = None
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        return common_prefix(np.asarray(self.held, np.int32), tokens)
+    @property
+    def holds_media(self) -> bool:
+        return self.image_at is not None
+
+    @property
+    def media_end(self) -> int:
+        return 0 if self.image_at is None else self.image_at + 4  # (4 rows)
+
+    def cached_prefix(self, tokens: Sequence[int], media: Sequence[object] = ()) -> int:
+        n = common_prefix(np.asarray(self.held, np.int32), tokens)
+        if self.image_at is not None and media != ["same image"]:
+            n = min(n, self.image_at)  # (another image, or none, at its position)
+        return n
+
+
+def test_a_slot_holding_an_image_is_not_given_to_a_prompt_that_drops_it() -> None:
+    # Two conversations, each with an image after a shared template prefix (1, 2): the
+    # second goes to a slot of its own, not over the first's image (which the prompt cache
+    # does not keep), even by a prefix above the similarity; its own image's next turn
+    # goes back to it.
+    image_a = _Slot([1, 2, 0, 0, 0, 0, 5], 3.0, image_at=2)
+    slots = [image_a, _Slot([], 0.0), _Slot([9], 1.0)]
+    other = [1, 2, 0, 0, 0, 0, 6]
+    assert best_slot(slots, [0, 1, 2], other, 0.1, ["other image"]) == 1  # type: ignore[arg-type]
+    assert best_slot(slots, [0, 2], other, 0.1, ["other image"]) == 2  # type: ignore[arg-type]
+    # by age, a slot holding images comes last
+    older = [_Slot([1, 2, 0, 0], 0.5, image_at=2), _Slot([9], 1.0)]
+    assert best_slot(older, [0, 1], [7], 0.1) == 1  # type: ignore[arg-type]
+    assert best_slot(slots, [0], other, 0.1, ["other image"]) == 0  # type: ignore[arg-type]
+    again = [1, 2, 0, 0, 0, 0, 5, 8]
+    assert best_slot(slots, [0, 1, 2], again, 0.1, ["same image"]) == 0  # type: ignore[arg-type]
+    # a later turn of its conversation takes it, however little of the rest it keeps
+    image_a.held += [10, 11, 12, 13, 14, 15, 16, 17]
+    later = [*again[:7], 99]
+    assert best_slot(slots, [0, 1, 2], later, 0.1, ["same image"]) == 0  # type: ignore[arg-type]
 
 
 def test_a_prompt_goes_to_the_slot_sharing_most_of_it_else_the_least_recently_used() -> None:

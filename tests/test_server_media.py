@@ -42,6 +42,7 @@ def media(
         "mmproj": folder / "mmproj.gguf",
         "a": write_png(folder / "a.png", picture()),
         "b": write_png(folder / "b.png", picture(flip=True)),
+        "c": write_png(folder / "c.png", picture()[::-1].copy()),  # (in one test only)
     }
 
 
@@ -149,6 +150,21 @@ def test_image_requests_at_once_each_get_what_they_get_alone(
     assert most >= 2  # (one at a time would never show two running)
 
 
+def test_two_image_conversations_in_turn_each_keep_their_image(
+    client: openai.OpenAI, media: dict[str, Path]
+) -> None:
+    # Their prompts share the template's beginning, above llama-server's slot similarity:
+    # each still keeps a sequence of its own (the prompt cache keeps no images, so one
+    # taken over would be read again at every turn).
+    ask = {name: [{"role": "user", "content": [image(media[name]), text("What is in it?")]}]
+           for name in ("a", "b")}  # fmt: skip
+    for name in ("a", "b", "a", "b"):
+        chat(client, ask[name], n=4)
+    for name in ("a", "b"):
+        _, t = chat(client, ask[name], n=4)
+        assert t["prompt_n"] == 1 and t["cache_n"] > 16, (name, t)  # (its last token read)
+
+
 def test_an_image_in_an_earlier_turn_is_kept_and_its_prompt_reused(
     client: openai.OpenAI, media: dict[str, Path]
 ) -> None:
@@ -159,12 +175,12 @@ def test_an_image_in_an_earlier_turn_is_kept_and_its_prompt_reused(
     got, t2 = chat(client, later)
     # The first turn, image included, is read again from the cache: only the new turns are.
     assert t2["cache_n"] >= t1["prompt_n"] + t1["cache_n"] - 1, (t1, t2)
-    # The same conversation with the other image in the first turn: read again from the
-    # image on (the tokens before it kept: its placeholders are the same tokens), and the
-    # answer is another.
-    other = [{**first[0], "content": [image(media["b"]), text("Describe")]}, *later[1:]]
+    # The same conversation with an image no other request sent in the first turn: read
+    # from the image on (its placeholders are the same tokens as the first image's, whose
+    # rows are not reused), and the answer is another.
+    other = [{**first[0], "content": [image(media["c"]), text("Describe")]}, *later[1:]]
     got_other, t3 = chat(client, other)
-    assert 0 < t3["cache_n"] < 16 < t3["prompt_n"], t3  # (the image's 16 rows read again)
+    assert t3["cache_n"] < 16 < t3["prompt_n"], t3  # (the image's 16 rows read again)
     assert got_other != got
 
 

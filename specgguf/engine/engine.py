@@ -709,7 +709,7 @@ class Engine:
         # tokens would match another image's; the sequence's own cache is media-aware.
         # What the sequence holds is kept all the same.)
         if params.cache_prompt:
-            self._recall(seq, ids, take=not media)
+            self._recall(seq, ids, media)
         seq.last_used = time.monotonic()
         return gen
 
@@ -821,28 +821,31 @@ class Engine:
         """Sequences that generate at once (``serve --parallel``; 1: one at a time)."""
         return self.config.n_parallel
 
-    def pick_slot(self, ids: Sequence[int], free: Sequence[int]) -> int:
-        """Which of the ``free`` slots a prompt of token ``ids`` should go to: the one
-        sharing the longest prefix with it, else the least recently used
+    def pick_slot(
+        self, ids: Sequence[int], free: Sequence[int], media: Sequence[MediaSpan] = ()
+    ) -> int:
+        """Which of the ``free`` slots a prompt of token ``ids`` (and ``media``, from
+        :meth:`media_prompt`) should go to: the one sharing the longest prefix with it,
+        images compared by content, else the least recently used
         (:func:`specgguf.engine.slots.best_slot`, ``CacheConfig.slot_similarity``).
 
         Raises:
             ValueError: no slot is free.
         """
-        return best_slot(self.slots, free, ids, self.config.cache.slot_similarity)
+        return best_slot(self.slots, free, ids, self.config.cache.slot_similarity, media)
 
-    def _recall(self, seq: Slot, ids: Sequence[int], *, take: bool = True) -> None:
-        """Before ``seq`` reads the prompt ``ids``: a saved prompt that shares more with
-        ``ids`` than ``seq`` does is taken out of the prompt cache (unless not ``take``:
-        a prompt with media), what ``seq`` holds goes
+    def _recall(self, seq: Slot, ids: Sequence[int], media: Sequence[MediaSpan] = ()) -> None:
+        """Before ``seq`` reads the prompt ``ids`` (with ``media``): a saved prompt that
+        shares more with ``ids`` than ``seq`` does is taken out of the prompt cache (not
+        for a prompt with media), what ``seq`` holds goes
         into it when the prompt keeps less than half of it (llama-server's rule) and the
         cache has room for it, and the saved prompt comes back into ``seq``. A state
         llama.cpp cannot copy or take back is said in the log: the prompt is then read."""
         cache = self.prompt_cache
         if cache is None:
             return
-        own, held = seq.cached_prefix(ids), seq.n_cached
-        entry, shared = cache.best(ids) if take else (None, 0)
+        own, held = seq.cached_prefix(ids, media), seq.n_cached
+        entry, shared = cache.best(ids) if not media else (None, 0)
         back = None
         if entry is not None and shared > own:
             try:  # (taken first: saving the sequence may evict it)
@@ -850,8 +853,7 @@ class Engine:
             except (SpecggufError, OSError) as e:
                 log.warning("prompt cache: %s; the prompt is read instead", e)
         # (a sequence holding images is not kept: the cache matches prompts by tokens)
-        media = seq.ctx.holds_media
-        if held and own < held / 2 and not media and cache.has_room(seq.state_bytes()):
+        if held and own < held / 2 and not seq.holds_media and cache.has_room(seq.state_bytes()):
             try:
                 cache.put(seq.save())
             except SpecggufError as e:

@@ -113,9 +113,22 @@ class Slot:
         """Positions the target's sequence holds."""
         return self.ctx.n_past
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` the target's sequence holds."""
-        return self.ctx.cached_prefix(tokens)
+    @property
+    def holds_media(self) -> bool:
+        """Whether the target's sequence holds a medium's rows (not kept in the prompt
+        cache: it matches prompts by their tokens)."""
+        return self.ctx.holds_media
+
+    @property
+    def media_end(self) -> int:
+        """The position after the last medium's rows the target's sequence holds (0:
+        none)."""
+        return self.ctx.media_end
+
+    def cached_prefix(self, tokens: Sequence[int], media: Sequence[object] = ()) -> int:
+        """How many leading ``tokens`` the target's sequence holds (up to the first medium
+        it and the prompt's ``media`` do not share: :meth:`LlamaContext.cached_prefix`)."""
+        return self.ctx.cached_prefix(tokens, media)
 
     def state_bytes(self) -> int:
         """What :meth:`save` would copy of the target's and the draft model's states, in
@@ -177,13 +190,21 @@ class Slot:
 
 
 def best_slot(
-    slots: Sequence[Slot], free: Sequence[int], tokens: Sequence[int], similarity: float
+    slots: Sequence[Slot],
+    free: Sequence[int],
+    tokens: Sequence[int],
+    similarity: float,
+    media: Sequence[object] = (),
 ) -> int:
-    """The free slot a prompt of ``tokens`` should go to, as llama-server chooses
-    (``get_available_slot``, tools/server/server-context.cpp): the one whose cache shares
-    the longest prefix with it, when that is more than ``similarity`` of the prompt
+    """The free slot a prompt of ``tokens`` (with ``media`` at their positions) should go
+    to, as llama-server chooses (``get_available_slot``, tools/server/server-context.cpp):
+    the one whose cache shares the longest prefix with it (up to the first medium they do
+    not share), when that is more than ``similarity`` of the prompt
     (``--slot-prompt-similarity``; 0: never by prefix); else the least recently used
-    (ties: the lowest index, whose batches cost llama.cpp fewest micro-batches).
+    (ties: the lowest index, whose batches cost llama.cpp fewest micro-batches). Unlike
+    llama-server, a slot holding images that the prompt would drop is not taken by
+    prefix, and is the last taken by age: the prompt cache does not keep images, so they
+    would be read again at their conversation's next turn.
 
     Raises:
         ValueError: no slot is free.
@@ -191,8 +212,8 @@ def best_slot(
     if not free:
         raise ValueError("no free slot")
     if similarity > 0 and tokens:
-        shared = {i: slots[i].cached_prefix(tokens) for i in free}
+        shared = {i: slots[i].cached_prefix(tokens, media) for i in free}
         best = max(free, key=lambda i: (shared[i], -slots[i].last_used, -i))
-        if shared[best] / len(tokens) > similarity:
+        if shared[best] / len(tokens) > similarity and shared[best] >= slots[best].media_end:
             return best
-    return min(free, key=lambda i: (slots[i].last_used, i))
+    return min(free, key=lambda i: (slots[i].holds_media, slots[i].last_used, i))

@@ -1443,14 +1443,18 @@ class LlamaContext(_Native):
 
     # -- what the sequence holds across generations -------------------------------------
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
+    def cached_prefix(self, tokens: Sequence[int], media: Sequence[object] = ()) -> int:
         """How many leading ``tokens`` the sequence's cache holds (the longest common
-        prefix of its tokens and ``tokens``), whether or not it can be cut there."""
+        prefix of its tokens and ``tokens``), whether or not it can be cut there; where
+        the cache or the prompt holds media (``media``: the prompt's
+        :class:`~specgguf.llama.media.MediaSpan`\\ s), only up to the first medium they
+        do not share (the placeholder tokens are the same whatever the image)."""
         n = min(self.n_past, len(tokens))
         if n == 0:
             return 0
         differ = np.flatnonzero(self._held[:n] != np.asarray(tokens[:n], np.int32))
-        return int(differ[0]) if len(differ) else n
+        n = int(differ[0]) if len(differ) else n
+        return self._media_prefix(n, _spans(media)) if media or self._media else n
 
     def reuse(
         self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
@@ -1474,7 +1478,7 @@ class LlamaContext(_Native):
         """
         if self._tree is not None:
             self._drop_tree(self._tree[1])
-        n = self._media_prefix(self.cached_prefix(tokens), _spans(media))
+        n = self.cached_prefix(tokens, media)
         if exact:
             n = min(n, self._exact_to)
             n -= n % self._exact_unit
@@ -1600,6 +1604,11 @@ class LlamaContext(_Native):
             self._exact_to = min(self._exact_to, start)
 
     @property
+    def media_end(self) -> int:
+        """The position after the last medium's rows the cache holds (0: none)."""
+        return max((m.end for m in self._media.values()), default=0)
+
+    @property
     def holds_media(self) -> bool:
         """Whether some of the cached positions hold a medium's rows (their tokens are
         placeholders)."""
@@ -1687,7 +1696,9 @@ class LlamaContext(_Native):
                 b.n_tokens = rows
                 rc = lc.llama_decode(self._ctx, b)
                 if rc != 0:
-                    self._truncate(self.n_past)
+                    # the medium's rows decoded so far go too: the cache holds no medium
+                    # there, and a prompt with the same placeholders would keep them
+                    self._truncate(span.start)
                     raise BackendError(f"llama_decode failed with code {rc} on "
                                        f"{self.model.path.name} reading a medium")  # fmt: skip
                 self._held[self.n_past : self.n_past + rows] = placeholders[at : at + rows]

@@ -90,8 +90,8 @@ class Job:
     Create it on the event loop that will read its events (:meth:`events`). ``cancel`` may
     be called from any thread. Without ``pieces`` (a non-streaming request) the job reports
     only its end: no event per speculative step for the event loop to wake for. ``media``:
-    what the target reads at some of the prompt's positions (images: a server of one
-    sequence, as :meth:`Engine.media_prompt` allows).
+    what the target reads at some of the prompt's positions (images, from
+    :meth:`Engine.media_prompt`).
     """
 
     def __init__(
@@ -362,7 +362,7 @@ class Scheduler:
                         job.emit(Event("error", error=failed))
                         continue
                     # the free sequence whose cache shares most of the prompt
-                    slot = self.engine.pick_slot(job.prompt, free)
+                    slot = self.engine.pick_slot(job.prompt, free, job.media)
                     free.remove(slot)
                     self._running[slot] = job
                     batcher.add(slot, functools.partial(self._run_safely, job, slot, free))
