@@ -964,6 +964,71 @@ def test_scheduler_runs_jobs_in_arrival_order_and_bounds_the_queue() -> None:
     assert order == [1, 2]
 
 
+def test_a_request_reading_images_holds_a_place_and_takes_its_turn_before_the_next_job() -> None:
+    """A request whose images wait for their turn at llama.cpp (``Scheduler.turn``) holds
+    a place in the queue (``reserve``): counted as waiting, refused like a job when the
+    queue is full; its turn comes when the running job ends, before the next job."""
+    import asyncio
+
+    from specgguf.server.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+    from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
+
+    from .fakes import FakeContext, FakeVocab, one_hot_rule
+
+    gate = threading.Event()
+    order: list[str] = []
+
+    class Engine:
+        n_parallel = 1
+        decoder = SpeculativeDecoder(
+            FakeContext(one_hot_rule(lambda p: p[-1] % 30 + 1, 32), 32),
+            FakeVocab(32),  # type: ignore[arg-type]
+        )
+
+        def generate(self, ids: list[int], params: GenerationParams) -> Any:
+            gate.wait(10)
+            order.append(f"job {ids[0]}")
+            return self.decoder.generate(ids, params)
+
+    async def main() -> None:
+        sched = Scheduler(Engine(), max_queue=1)  # type: ignore[arg-type]
+        first = Job([1], GenerationParams(n_predict=3))
+        sched.submit(first)  # runs, held at the gate
+        while not sched.running:
+            await asyncio.sleep(0.01)
+        with sched.reserve():
+            assert sched.waiting == 1 and sched.full()
+            with pytest.raises(QueueFull):
+                sched.submit(Job([8], GenerationParams(n_predict=3)))
+            with pytest.raises(QueueFull), sched.reserve():
+                pass
+        assert sched.waiting == 0 and not sched.full()
+        took = threading.Event()
+
+        def encode() -> None:
+            with sched.turn():
+                order.append("turn")
+                took.set()
+
+        t = threading.Thread(target=encode)
+        t.start()
+        await asyncio.sleep(0.2)
+        assert not took.is_set()  # (the running job holds llama.cpp)
+        second = Job([2], GenerationParams(n_predict=3))
+        sched.submit(second)
+        gate.set()
+        for j in (first, second):
+            assert [e async for e in j.events()][-1].kind == "done"
+        t.join(10)
+        sched.close()
+        assert sched.join(10)
+        with pytest.raises(ShuttingDown), sched.turn():  # (its work would be for nothing)
+            order.append("turn after close")
+
+    asyncio.run(main())
+    assert order == ["job 1", "turn", "job 2"]
+
+
 def test_a_job_without_pieces_reports_only_its_end() -> None:
     """A non-streaming request's job sends the event loop no per-step text (nobody reads
     it); its result still has all the text, as a streamed job's pieces do."""

@@ -387,8 +387,7 @@ class ServerOptions:
     parallel: int | None = option(
         None, "-np", "--parallel", min=1,
         help="Requests generated at once, every one's draft verified in one target batch; "
-        "each has a context of -c tokens (default: 4 where the memory plan allows, else 1; "
-        "1 with a projector, --mmproj).",
+        "each has a context of -c tokens (default: 4 where the memory plan allows, else 1).",
     )  # fmt: skip
 
 

@@ -210,6 +210,7 @@ class Scheduler:
         #: once, as llama-server encodes images on its one thread
         self.llama = threading.Lock()
         self._turns_wanted = 0  # threads waiting in turn(): the worker lets them go first
+        self._reserved = 0  # requests holding a place while their images are read (reserve)
         self._closed = False
         self._thread: threading.Thread | None = None
         self._future: Future[None] | None = None
@@ -225,21 +226,64 @@ class Scheduler:
         parallel sequences (the worker waits for this turn before it takes the lock
         again: a lock alone would be taken back by the worker at once, step after step).
         For llama.cpp's work on another thread (:meth:`Service.prompt_ids
-        <specgguf.server.service.Service.prompt_ids>`: a request's images)."""
+        <specgguf.server.service.Service.prompt_ids>`: a request's images).
+
+        Raises:
+            ShuttingDown: the scheduler was closed (before or while waiting): the work
+                would be for a job it will not take.
+        """
         with self._cond:
+            if self._closed:
+                raise ShuttingDown()
             self._turns_wanted += 1
         try:
             with self.llama:
+                if self._closed:
+                    raise ShuttingDown()
                 yield
         finally:
             with self._cond:
                 self._turns_wanted -= 1
                 self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def reserve(self) -> Iterator[None]:
+        """Hold a place in the queue while a request gets ready to be submitted (its
+        images read, which waits for :meth:`turn`): counted as waiting, and by
+        :meth:`full` and :meth:`submit`'s limit, so that requests cannot pile up before
+        the queue where ``max_queue`` cannot see them.
+
+        Raises:
+            QueueFull: ``max_queue`` jobs (and places) are waiting already.
+            ShuttingDown: the scheduler was closed.
+        """
+        with self._cond:
+            if self._closed:
+                raise ShuttingDown()
+            if self._taken() >= self.max_queue + self.parallel:
+                raise QueueFull()
+            self._reserved += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._reserved -= 1
+
+    def _taken(self) -> int:
+        """Places taken: jobs waiting (cancelled ones not counted) and running, places
+        held (:meth:`reserve`). Call it holding ``_cond``."""
+        return sum(not j.cancelled for j in self._waiting) + len(self._running) + self._reserved
+
+    @property
+    def closed(self) -> bool:
+        """Whether the scheduler takes no more jobs (the server stops)."""
+        return self._closed
+
     @property
     def waiting(self) -> int:
-        """Jobs in the queue, not yet started (cancelled ones not counted)."""
-        return sum(not job.cancelled for job in list(self._waiting))
+        """Jobs in the queue, not yet started (cancelled ones not counted), and requests
+        holding a place while their images are read (:meth:`reserve`)."""
+        return sum(not job.cancelled for job in list(self._waiting)) + self._reserved
 
     @property
     def busy(self) -> bool:
@@ -254,8 +298,7 @@ class Scheduler:
     def full(self) -> bool:
         """Whether :meth:`submit` would refuse a job now (:class:`QueueFull`)."""
         with self._cond:
-            waiting = sum(not j.cancelled for j in self._waiting)
-            return waiting + len(self._running) >= self.max_queue + self.parallel
+            return self._taken() >= self.max_queue + self.parallel
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` behind the others.
@@ -268,8 +311,8 @@ class Scheduler:
             if self._closed:
                 raise ShuttingDown()
             self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
-            # `parallel` jobs run, up to max_queue wait their turn.
-            if len(self._waiting) + len(self._running) >= self.max_queue + self.parallel:
+            # `parallel` jobs run, up to max_queue wait their turn (places held included).
+            if self._taken() >= self.max_queue + self.parallel:
                 raise QueueFull()
             self._waiting.append(job)
             self._cond.notify()

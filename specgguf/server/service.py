@@ -190,8 +190,6 @@ class Service:
         spans: list[MediaSpan] = []
         try:
             if media:
-                if self.scheduler.full():  # (before the images' arithmetic is spent)
-                    raise _queue_full(self.scheduler.max_queue)
 
                 def fetch() -> list[tuple[str, bytes]]:
                     """The images (those at addresses fetched), checked: what can be
@@ -215,9 +213,12 @@ class Service:
                     with self.scheduler.turn():  # (between two generations or steps)
                         return engine.media_prompt(prepared, images, marker=marker)
 
-                images = await run_in_threadpool(fetch)
-                async with self._media_lock:  # (one request's images at a time)
-                    ids, spans = await run_in_threadpool(encode, images)
+                # A place in the queue first (before the images' arithmetic is spent, and
+                # so that requests waiting for their turn to encode count as waiting).
+                with self.scheduler.reserve():
+                    images = await run_in_threadpool(fetch)
+                    async with self._media_lock:  # (one request's images at a time)
+                        ids, spans = await run_in_threadpool(encode, images)
             else:
                 # Rendering and tokenizing read the model only: safe next to a generation.
                 ids = await run_in_threadpool(
@@ -230,7 +231,13 @@ class Service:
         except ToolsTemplateError as e:
             where = "tools" if e.part == "tools" else param
             raise bad_request(str(e), param=where, code="chat_template_error") from None
+        except QueueFull:
+            raise _queue_full(self.scheduler.max_queue) from None
+        except ShuttingDown:
+            raise _shutting_down() from None
         except (ChatTemplateError, ChatInputError) as e:
+            if self.scheduler.closed:  # (the template's worker stopped with the server)
+                raise _shutting_down() from None
             raise bad_request(str(e), param=param, code="chat_template_error") from None
         except ContextOverflowError as e:  # found before tokenizing: a lower bound
             raise _too_long(e, param) from None
@@ -239,6 +246,8 @@ class Service:
         except BackendError as e:  # (the projector's arithmetic failed: not the request's)
             raise _job_error(e) from None
         except SpecggufError as e:
+            if self.scheduler.closed:  # (the template's worker stopped with the server)
+                raise _shutting_down() from None
             raise bad_request(str(e), param=param) from None
         n_vocab = engine.target_model.n_vocab
         if not isinstance(prompt, str) and not media and any(not 0 <= t < n_vocab for t in ids):
