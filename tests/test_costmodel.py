@@ -1094,3 +1094,44 @@ def test_a_shared_steps_costs_follow_what_changes_between_steps() -> None:
     assert t3.curve(2) == 2.0
     t3.verify = {1: 1.0, 3: 5.0}
     assert t3.curve(2) == 3.0
+
+
+def test_a_timings_remembered_values_follow_every_change_of_its_fields() -> None:
+    """verify_time and what depth adds are kept between two changes of the fields (auto
+    mode's arms ask for the same sizes many times a step): after any change, each must be
+    what a fresh Timings with the same fields gives."""
+    rng = np.random.default_rng(3)
+    t = Timings({1: 0.010, 2: 0.012, 5: 0.020, 17: 0.050}, depth=64)
+
+    def others() -> None:
+        ids = rng.choice(6, int(rng.integers(0, 4)), replace=False)
+        t.share_batch(tuple(int(s) for s in ids if s), solo=False)
+
+    def curve() -> None:
+        t.verify = {n: v * float(rng.uniform(0.5, 2.0)) for n, v in t.verify.items()}
+
+    def observed() -> None:
+        n, cached = int(rng.integers(1, 6)), int(rng.integers(0, 500))
+        t.observe_verify(n, float(rng.uniform(0.005, 0.05)), cached)
+
+    changes = [
+        lambda: setattr(t, "scale_single", float(rng.uniform(0.5, 2.0))),
+        lambda: setattr(t, "scale_batch", float(rng.uniform(0.5, 2.0))),
+        lambda: setattr(t, "position_row", float(rng.uniform(0.0, 1e-4))),
+        lambda: setattr(t, "position_single", float(rng.uniform(0.0, 1e-4))),
+        lambda: setattr(t, "depth", int(rng.integers(0, 400))),
+        lambda: setattr(t, "lone_max", None if rng.random() < 0.5 else int(rng.integers(0, 400))),
+        lambda: setattr(t, "n_ubatch", int(rng.integers(1, 9))),
+        others,
+        curve,
+        observed,
+    ]
+    for _ in range(300):
+        changes[int(rng.integers(len(changes)))]()
+        fresh = dataclasses.replace(t)
+        for _ask in range(6):
+            # (few sizes and depths: the same ones asked again after a change)
+            n, cached = int(rng.integers(1, 6)), int(rng.choice([0, 100, 300, 700]))
+            assert t.verify_time(n, cached) == fresh.verify_time(n, cached)
+            assert t.batch_time(n, cached) == fresh.batch_time(n, cached)
+            assert row_share(t, n, cached) == row_share(fresh, n, cached)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specgguf.speculative.draft import Draft
-from specgguf.speculative.drafters import SuffixDrafter
+from specgguf.speculative.drafters import SuffixDrafter, compiled, match_length
 from specgguf.speculative.loop import GenerationParams, SpeculativeDecoder
 from specgguf.speculative.planner import FixedPlanner
 from specgguf.speculative.sampling import SamplerParams
@@ -361,3 +361,59 @@ def test_the_suffix_index_agrees_with_a_plain_reference() -> None:
                     occ.append(j)
                     del occ[: -d.max_occurrences]
         assert d.index_table() == index
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_drafts_equal_the_pure_python_ones(
+    seed: int, lookup_impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """_lookup.c's chains, trees and match lengths against suffix.py's and ngram.py's
+    pure-Python references, on random texts over few tokens (many occurrences, ties,
+    separators between generations), each drafter asked the same thing in turn."""
+    if lookup_impl == "python":
+        pytest.skip("compares both implementations: once is enough")
+    module = compiled.lookup
+    assert module is not None
+    rng = np.random.default_rng(seed)
+    for _trial in range(12):
+        settings = {
+            "max_occurrences": int(rng.integers(1, 20)),
+            "min_share": float(rng.choice([0.0, 0.3, 0.5, 0.7])),
+        }
+        monkeypatch.setattr(compiled, "lookup", None)
+        pure = SuffixDrafter(**settings)
+        monkeypatch.setattr(compiled, "lookup", module)
+        fast = SuffixDrafter(**settings)
+        for _gen in range(int(rng.integers(1, 4))):
+            text = [int(t) for t in rng.integers(0, int(rng.integers(2, 9)), rng.integers(1, 160))]
+            end = 1
+            while end <= len(text):
+                h, k = text[:end], int(rng.integers(0, 20))
+                p_min = float(rng.choice([0.0, 0.4, 0.6]))
+                a, b = (d.propose(h, k, GREEDY, RNG, p_min=p_min) for d in (pure, fast))
+                assert (a.tokens, a.probs, a.match) == (b.tokens, b.probs, b.match)
+                nodes, leaves = int(rng.integers(0, 20)), int(rng.integers(0, 5))
+                min_prob = float(rng.choice([0.0, 0.05, 0.2, 0.5]))
+                shift = int(rng.integers(0, 17))
+                wanted = None if rng.random() < 0.5 else (lambda m, s=shift: (7 * m + s) % 17)
+                branch = int(rng.integers(0, 5))
+                a, b = (
+                    d.propose_tree(
+                        h, nodes, leaves, min_prob=min_prob, wanted=wanted, branch=branch
+                    )
+                    for d in (pure, fast)
+                )
+                assert (a.tokens, a.parents, a.probs, a.match) == (
+                    b.tokens, b.parents, b.probs, b.match)  # fmt: skip
+                end += int(rng.integers(1, 6))
+            for d in (pure, fast):
+                d.finish(text)
+        for _ in range(50):
+            text = [int(t) for t in rng.integers(0, 3, rng.integers(1, 80))]
+            end = int(rng.integers(0, len(text) + 1))
+            after = int(rng.integers(0, end + 1))
+            n, stop = int(rng.integers(0, 4)), rng.choice([None, 0, 1])
+            stop = None if stop is None else int(stop)
+            assert module.match_length(text, after, end, n, stop) == match_length(
+                text, after, end, n, stop
+            )

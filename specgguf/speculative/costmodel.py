@@ -135,6 +135,10 @@ def _micro_batches(rows: tuple[tuple[int, int], ...], n_ubatch: int) -> tuple[in
     return tuple(out)
 
 
+#: the most values :class:`Timings` keeps between two changes of its fields
+_MEMO_MAX = 4096
+
+
 @dataclasses.dataclass(slots=True)
 class Timings:
     """Seconds per evaluation: ``verify[n]`` for a target batch of n tokens (n = 1 is a
@@ -238,6 +242,24 @@ class Timings:
     _curve: dict[int, float] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    #: :meth:`verify_time` and :meth:`_at_depth` by (n, cached) for the fields as they
+    #: are: setting any field empties both (auto mode's arms ask for the same few sizes
+    #: at the same depth many times a step, between two verifications that set a scale)
+    _memo_verify: dict[tuple[int, int], float] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _memo_depth: dict[tuple[int, int], float] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name[0] != "_":
+            try:
+                self._memo_verify.clear()
+                self._memo_depth.clear()
+            except AttributeError:  # (a field set by __init__ before the memos)
+                pass
 
     @property
     def sharing(self) -> int:
@@ -285,6 +307,11 @@ class Timings:
     def _at_depth(self, n: int, cached: int) -> float:
         """The calibrated curve at n rows, plus what attention to the positions cached past
         the calibration's ``depth`` adds."""
+        key = (n, cached)
+        if (t := self._memo_depth.get(key)) is not None:
+            return t
+        if len(self._memo_depth) > _MEMO_MAX:
+            self._memo_depth.clear()
         deeper = max(0, cached - self.depth)
         # A lone row attends to the positions one row of a batch does, and llama.cpp's
         # split-KV path only makes that cheaper: its slope is at most a batch row's. Its
@@ -294,7 +321,8 @@ class Timings:
         # looked free and auto ran at 0.83x of the target alone on Spec-Bench's rag.
         single = min(self.position_single, self.position_row)
         per = single if n == 1 else n * self.position_row
-        return self.curve(n) + deeper * per
+        t = self._memo_depth[key] = self.curve(n) + deeper * per
+        return t
 
     def _batch_at_depth(self, n: int, cached: int) -> float:
         """T(n): the target batch of :attr:`others` and this sequence's ``n`` rows, summed
@@ -337,11 +365,18 @@ class Timings:
         (:meth:`padded`) costs two rows. With :attr:`others`, this sequence's share of a
         batch (see the class; at least a thousandth of a lone row: a flat stretch of the
         measured curve is noise, not free rows)."""
+        key = (n, cached)
+        if (t := self._memo_verify.get(key)) is not None:
+            return t
+        if len(self._memo_verify) > _MEMO_MAX:
+            self._memo_verify.clear()
         if self.others:
-            return max(self._share(n, cached), 0.001 * self.curve(1)) * self.scale_batch
-        if n == 1 and self.padded(cached):
-            n = 2
-        return self._at_depth(n, cached) * (self.scale_single if n == 1 else self.scale_batch)
+            t = max(self._share(n, cached), 0.001 * self.curve(1)) * self.scale_batch
+        else:
+            m = 2 if n == 1 and self.padded(cached) else n
+            t = self._at_depth(m, cached) * (self.scale_single if m == 1 else self.scale_batch)
+        self._memo_verify[key] = t
+        return t
 
     def rollback_time(self, n: int, a: float, cached: int = 0) -> float:
         """The expected seconds checkpoint and replay (:attr:`replay`) adds to a
@@ -452,12 +487,21 @@ def best_k(
     (:meth:`Timings.expected_verify_time`). C(K) includes what dropping the rejected
     drafts costs (:meth:`Timings.rollback_time`)."""
     td = timings.draft if draft_cost is None else draft_cost
-    best, rate = 0, 1.0 / timings.verify_time(1, cached)
+    verify_time = timings.verify_time
+    best, rate = 0, 1.0 / verify_time(1, cached)
+    if timings.replay is None and not (greedy and timings.chunk_rows):
+        # (the usual case, without the general one's calls: no rollback's cost, and one
+        # verification of every row)
+        for k in range(max(1, k_min), max(0, k_max) + 1):
+            r = expected_tokens(a, k) / (k * td + verify_time(k + 1, cached))
+            if r > rate:
+                best, rate = k, r
+        return best, rate
     for k in range(max(1, k_min), max(0, k_max) + 1):
         if greedy:
             verify = timings.expected_verify_time(k + 1, a, cached)
         else:
-            verify = timings.verify_time(k + 1, cached)
+            verify = verify_time(k + 1, cached)
         verify += timings.rollback_time(k + 1, a, cached)
         r = expected_tokens(a, k) / (k * td + verify)
         if r > rate:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
@@ -89,6 +90,15 @@ class Acceptance:
         rejection or not."""
         self.successes += accepted
         self.trials += accepted + rejected
+
+
+def tick_all(estimates: Iterable[Acceptance]) -> None:
+    """:meth:`Acceptance.tick` of each of ``estimates``, the same arithmetic without a
+    call each (an arm fades a dozen of them at every step)."""
+    for acc in estimates:
+        f = acc.fade
+        acc.successes *= f
+        acc.trials *= f
 
 
 def upper(a: float, trials: float, prior_trials: float) -> float:

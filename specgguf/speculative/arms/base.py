@@ -12,12 +12,13 @@ the verification teaches the arm that drafted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
-from specgguf.speculative.costmodel import Timings, best_k
+from specgguf.speculative.costmodel import Timings, best_k, row_share
 from specgguf.speculative.draft import Draft, Drafter
 from specgguf.speculative.estimates import Acceptance
 from specgguf.speculative.sampling import SamplerParams
@@ -55,6 +56,12 @@ class Step:
     def threshold(self) -> float:
         """The rate (tokens/s) an offer must beat: the target alone's times the margin."""
         return self.base_rate * self.tuning.margin
+
+    @functools.cached_property
+    def explore_share(self) -> float:
+        """:func:`~specgguf.speculative.costmodel.row_share` of ``tuning.explore_k`` rows
+        at this step's depth (each lookup arm reads it: computed once a step)."""
+        return row_share(self.timings, self.tuning.explore_k, self.cached)
 
     def admits(self, rate: float, sticky: bool) -> bool:
         """Whether an offer at ``rate`` is worth taking: above :attr:`threshold`, or for an

@@ -8,10 +8,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from specgguf.speculative.arms.base import Offer, Step, StepPlan
-from specgguf.speculative.costmodel import Timings, best_k, best_tree, row_share
+from specgguf.speculative.costmodel import Timings, best_k, best_tree
 from specgguf.speculative.draft import Draft, Drafter, TreeDrafter
 from specgguf.speculative.drafters.ngram import LONG_MATCH
-from specgguf.speculative.estimates import Acceptance, lower
+from specgguf.speculative.estimates import Acceptance, lower, tick_all
 from specgguf.speculative.tree import depths, first_branch
 from specgguf.speculative.tuning import AUTO_TUNING, AutoTuning
 
@@ -86,8 +86,7 @@ class LookupArm:
         self._proposal: tuple[list[int], int] | None = None
 
     def tick(self) -> None:
-        for acc in self.rates.values():
-            acc.tick()
+        tick_all(self.rates.values())
 
     def offer(self, step: Step) -> Offer | None:
         self._check_shadow(step.history)
@@ -136,8 +135,7 @@ class LookupArm:
         t = self.tuning
         if t.lookup_z_row <= 0.0:
             return t.lookup_z
-        share = row_share(step.timings, t.explore_k, step.cached)
-        return t.lookup_z * min(1.0, share / t.lookup_z_row)
+        return t.lookup_z * min(1.0, step.explore_share / t.lookup_z_row)
 
     def estimate(
         self, bucket: int, confidence: float, *, long_copy: bool, z: float | None = None

@@ -627,13 +627,432 @@ static PyTypeObject SuffixTableType = {
     .tp_getset = suffix_getset,
 };
 
+/* ---------------------------------------------------------------- drafting from the
+ * suffix index's occurrences: SuffixDrafter.propose and propose_tree (suffix.py, their
+ * pure-Python references, which tests/test_suffix.py compares with these), and
+ * match_length (ngram.py).
+ *
+ * Why C: at each step of auto mode these follow up to max_occurrences earlier positions
+ * token by token, grouping them by the token that comes next (a dictionary per node in
+ * Python: about 40 us a step for a tree of 4 nodes, a third of auto mode's planning on a
+ * tiny target). Here it is about a microsecond. */
+
+/* The token at position i of a list or tuple (or any sequence), Python's negative indexes
+ * included; -1 with an exception set where there is none or it is not an int. */
+static int token_at(PyObject *seq, Py_ssize_t i, int64_t *out) {
+    PyObject *item;
+    int owned = 0;
+    if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
+        Py_ssize_t size = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
+        if (i < 0) i += size;
+        if (i < 0 || i >= size) {
+            PyErr_SetString(PyExc_IndexError, "token index out of range");
+            return -1;
+        }
+        item = PyList_CheckExact(seq) ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i);
+        if (!PyLong_CheckExact(item)) {
+            Py_INCREF(item);
+            owned = 1;
+        }
+    } else {
+        item = PySequence_GetItem(seq, i);
+        if (item == NULL) return -1;
+        owned = 1;
+    }
+    long v = PyLong_AsLong(item);
+    if (owned) Py_DECREF(item);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* LONG_MATCH of ngram.py: the longest match match_length measures */
+#define LONG_MATCH 32
+
+static PyObject *lookup_match_length(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *text, *stop_obj = Py_None;
+    Py_ssize_t after, end, n;
+    if (!PyArg_ParseTuple(args, "Onnn|O", &text, &after, &end, &n, &stop_obj)) return NULL;
+    int has_stop = stop_obj != Py_None;
+    int64_t stop = 0;
+    if (has_stop) {
+        long v = PyLong_AsLong(stop_obj);
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        stop = v;
+    }
+    Py_ssize_t m = n;
+    while (m < LONG_MATCH && after - 1 - m >= 0) {
+        int64_t t, u;
+        if (token_at(text, after - 1 - m, &t) < 0) return NULL;
+        if (has_stop && t == stop) break;
+        if (token_at(text, end - 1 - m, &u) < 0) return NULL;
+        if (t != u) break;
+        m += 1;
+    }
+    return PyLong_FromSsize_t(m);
+}
+
+/* The positions of occ as int64 (Python ints), into a new array; NULL on error. */
+static int64_t *read_positions(PyObject *occ, Py_ssize_t *n_out) {
+    PyObject *fast = PySequence_Fast(occ, "occurrences must be a sequence of ints");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int64_t *pos = malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    if (pos == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            free(pos);
+            return NULL;
+        }
+        pos[i] = v;
+    }
+    Py_DECREF(fast);
+    *n_out = n;
+    return pos;
+}
+
+/* The occurrences pos[0:n] grouped by the token at pos + depth (those at or past end, or
+ * on a separator, left out): the groups' tokens and sizes in the order first seen, and
+ * each occurrence's group (-1: left out) in group_of. Returns the number of groups, -1 on
+ * error. tokens, sizes and group_of hold n items each. */
+static Py_ssize_t group_next(PyObject *corpus, Py_ssize_t end, int64_t sep, const int64_t *pos,
+                             Py_ssize_t n, Py_ssize_t depth, int64_t *tokens, Py_ssize_t *sizes,
+                             Py_ssize_t *group_of) {
+    Py_ssize_t n_groups = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        group_of[i] = -1;
+        if (pos[i] + depth >= end) continue;
+        int64_t t;
+        if (token_at(corpus, pos[i] + depth, &t) < 0) return -1;
+        if (t == sep) continue;
+        Py_ssize_t g = 0;
+        while (g < n_groups && tokens[g] != t) g++;
+        if (g == n_groups) {
+            tokens[g] = t;
+            sizes[g] = 0;
+            n_groups++;
+        }
+        sizes[g]++;
+        group_of[i] = g;
+    }
+    return n_groups;
+}
+
+static PyObject *float_list(const double *v, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyFloat_FromDouble(v[i]);
+        if (x == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
+static PyObject *int_list(const int64_t *v, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLongLong(v[i]);
+        if (x == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
+static PyObject *lookup_suffix_chain(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *corpus, *occ_obj;
+    Py_ssize_t end, k;
+    double share_min;
+    long long sep;
+    if (!PyArg_ParseTuple(args, "OnOndL", &corpus, &end, &occ_obj, &k, &share_min, &sep))
+        return NULL;
+    Py_ssize_t n;
+    int64_t *pos = read_positions(occ_obj, &n);
+    if (pos == NULL) return NULL;
+    Py_ssize_t cap = n > 0 ? n : 1, kk = k > 0 ? k : 0;
+    int64_t *gtok = malloc((size_t)cap * sizeof(int64_t));
+    Py_ssize_t *gsize = malloc((size_t)cap * sizeof(Py_ssize_t));
+    Py_ssize_t *group_of = malloc((size_t)cap * sizeof(Py_ssize_t));
+    int64_t *tokens = malloc((size_t)(kk > 0 ? kk : 1) * sizeof(int64_t));
+    double *probs = malloc((size_t)(kk > 0 ? kk : 1) * sizeof(double));
+    PyObject *result = NULL;
+    if (!gtok || !gsize || !group_of || !tokens || !probs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t len = 0;
+    double confidence = 1.0;
+    while (n > 0 && len < kk) {
+        Py_ssize_t ng = group_next(corpus, end, sep, pos, n, len, gtok, gsize, group_of);
+        if (ng < 0) goto done;
+        if (ng == 0) break;
+        /* the most occurrences, ties to the larger token (suffix.py's max) */
+        Py_ssize_t best = 0;
+        for (Py_ssize_t g = 1; g < ng; g++)
+            if (gsize[g] > gsize[best] || (gsize[g] == gsize[best] && gtok[g] > gtok[best]))
+                best = g;
+        double share = (double)gsize[best] / (double)n;
+        if (share <= share_min && len > 0) break;
+        confidence *= share;
+        tokens[len] = gtok[best];
+        probs[len] = confidence;
+        len++;
+        Py_ssize_t kept = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (group_of[i] == best) pos[kept++] = pos[i];
+        n = kept;
+    }
+    PyObject *t = int_list(tokens, len), *p = t ? float_list(probs, len) : NULL;
+    if (t && p) result = Py_BuildValue("NN", t, p);
+    else {
+        Py_XDECREF(t);
+        Py_XDECREF(p);
+    }
+done:
+    free(pos);
+    free(gtok);
+    free(gsize);
+    free(group_of);
+    free(tokens);
+    free(probs);
+    return result;
+}
+
+/* A candidate node of suffix_tree: (-probability, order) is heapq's order in suffix.py */
+typedef struct {
+    double neg;
+    Py_ssize_t order, parent, depth;
+    int64_t token;
+    Py_ssize_t off, n; /* its occurrences: arena[off:off + n] */
+} Candidate;
+
+static int cand_before(const Candidate *a, const Candidate *b) {
+    return a->neg < b->neg || (a->neg == b->neg && a->order < b->order);
+}
+
+typedef struct {
+    PyObject *corpus;
+    Py_ssize_t end;
+    int64_t sep;
+    double min_prob;
+    int64_t *arena; /* every candidate's occurrences */
+    Py_ssize_t arena_len, arena_cap;
+    Candidate *heap;
+    Py_ssize_t heap_len, heap_cap;
+    Py_ssize_t order;
+    int64_t *gtok;
+    Py_ssize_t *gsize, *group_of, *rank, gcap;
+} Tree;
+
+static int tree_push(Tree *tr, Candidate c) {
+    if (tr->heap_len == tr->heap_cap) {
+        Py_ssize_t cap = tr->heap_cap ? tr->heap_cap * 2 : 64;
+        Candidate *h = realloc(tr->heap, (size_t)cap * sizeof(Candidate));
+        if (h == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        tr->heap = h;
+        tr->heap_cap = cap;
+    }
+    Py_ssize_t i = tr->heap_len++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!cand_before(&c, &tr->heap[up])) break;
+        tr->heap[i] = tr->heap[up];
+        i = up;
+    }
+    tr->heap[i] = c;
+    return 0;
+}
+
+static Candidate tree_pop(Tree *tr) {
+    Candidate top = tr->heap[0], last = tr->heap[--tr->heap_len];
+    Py_ssize_t i = 0, n = tr->heap_len;
+    for (;;) {
+        Py_ssize_t l = 2 * i + 1, r = l + 1, m = i;
+        const Candidate *best = &last;
+        if (l < n && cand_before(&tr->heap[l], best)) m = l, best = &tr->heap[l];
+        if (r < n && cand_before(&tr->heap[r], best)) m = r;
+        if (m == i) break;
+        tr->heap[i] = tr->heap[m];
+        i = m;
+    }
+    if (n > 0) tr->heap[i] = last;
+    return top;
+}
+
+/* suffix.py's expand: the candidates that continue node `parent` (its occurrences
+ * arena[off:off + n], at `depth`), the largest groups first (ties: the larger token) where
+ * there are several. */
+static int tree_expand(Tree *tr, Py_ssize_t parent, Py_ssize_t depth, double prob,
+                       Py_ssize_t off, Py_ssize_t n) {
+    if (n > tr->gcap) {
+        Py_ssize_t cap = n;
+        int64_t *gt = realloc(tr->gtok, (size_t)cap * sizeof(int64_t));
+        if (gt) tr->gtok = gt;
+        Py_ssize_t *gs = realloc(tr->gsize, (size_t)cap * sizeof(Py_ssize_t));
+        if (gs) tr->gsize = gs;
+        Py_ssize_t *go = realloc(tr->group_of, (size_t)cap * sizeof(Py_ssize_t));
+        if (go) tr->group_of = go;
+        Py_ssize_t *rk = realloc(tr->rank, (size_t)cap * sizeof(Py_ssize_t));
+        if (rk) tr->rank = rk;
+        if (!gt || !gs || !go || !rk) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        tr->gcap = cap;
+    }
+    /* the groups share out the node's n occurrences: room for n more */
+    if (tr->arena_len + n > tr->arena_cap) {
+        Py_ssize_t cap = (tr->arena_len + n) * 2;
+        int64_t *a = realloc(tr->arena, (size_t)cap * sizeof(int64_t));
+        if (a == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        tr->arena = a;
+        tr->arena_cap = cap;
+    }
+    Py_ssize_t ng = group_next(tr->corpus, tr->end, tr->sep, tr->arena + off, n, depth, tr->gtok,
+                               tr->gsize, tr->group_of);
+    if (ng < 0) return -1;
+    /* the groups' order: as first seen for one, else by size, then the larger token */
+    for (Py_ssize_t g = 0; g < ng; g++) tr->rank[g] = g;
+    if (ng > 1) {
+        for (Py_ssize_t a = 1; a < ng; a++) {
+            Py_ssize_t g = tr->rank[a], b = a;
+            while (b > 0) {
+                Py_ssize_t h = tr->rank[b - 1];
+                int after = tr->gsize[h] < tr->gsize[g] ||
+                            (tr->gsize[h] == tr->gsize[g] && tr->gtok[h] < tr->gtok[g]);
+                if (!after) break;
+                tr->rank[b] = h;
+                b--;
+            }
+            tr->rank[b] = g;
+        }
+    }
+    for (Py_ssize_t r = 0; r < ng; r++) {
+        Py_ssize_t g = tr->rank[r];
+        double p = prob * (double)tr->gsize[g] / (double)n;
+        if (!(p >= tr->min_prob)) continue;
+        Py_ssize_t start = tr->arena_len;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (tr->group_of[i] == g) tr->arena[tr->arena_len++] = tr->arena[off + i];
+        Candidate c = {-p, tr->order++, parent, depth + 1, tr->gtok[g], start, tr->gsize[g]};
+        if (tree_push(tr, c) < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *lookup_suffix_tree(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *corpus, *occ_obj;
+    Py_ssize_t end, max_nodes, max_leaves, enough, branch;
+    double min_prob;
+    long long sep;
+    if (!PyArg_ParseTuple(args, "OnOnndnnL", &corpus, &end, &occ_obj, &max_nodes, &max_leaves,
+                          &min_prob, &enough, &branch, &sep))
+        return NULL;
+    Py_ssize_t n_occ;
+    int64_t *occ = read_positions(occ_obj, &n_occ);
+    if (occ == NULL) return NULL;
+    Tree tr = {corpus, end, sep, min_prob, NULL, 0, 0, NULL, 0, 0, 0, NULL, NULL, NULL, NULL, 0};
+    Py_ssize_t cap = max_nodes > 0 ? max_nodes : 1;
+    int64_t *tokens = malloc((size_t)cap * sizeof(int64_t));
+    int64_t *parents = malloc((size_t)cap * sizeof(int64_t));
+    double *probs = malloc((size_t)cap * sizeof(double));
+    char *has_child = calloc((size_t)cap, 1);
+    PyObject *result = NULL;
+    Py_ssize_t len = 0, n_leaves = 0, first = -1, first_len = 0;
+    if (!tokens || !parents || !probs || !has_child) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (n_occ > 0 && max_nodes > 0 && max_leaves > 0) {
+        tr.arena = malloc((size_t)(2 * n_occ) * sizeof(int64_t));
+        if (tr.arena == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(tr.arena, occ, (size_t)n_occ * sizeof(int64_t));
+        tr.arena_len = n_occ;
+        tr.arena_cap = 2 * n_occ;
+        if (tree_expand(&tr, -1, 0, 1.0, 0, n_occ) < 0) goto done;
+    }
+    while (tr.heap_len > 0 && len < max_nodes) {
+        Candidate c = tree_pop(&tr);
+        int opens = c.parent < 0 ? len > 0 : has_child[c.parent];
+        if (opens && n_leaves >= max_leaves) continue; /* a new leaf beside others: no room */
+        n_leaves += opens || len == 0;
+        if (c.parent >= 0) has_child[c.parent] = 1;
+        tokens[len] = c.token;
+        parents[len] = c.parent;
+        probs[len] = -c.neg;
+        len++;
+        if (c.parent == first) {
+            first = len - 1;
+            first_len++;
+        }
+        if (len >= enough && first_len >= branch) break;
+        if (tree_expand(&tr, len - 1, c.depth, -c.neg, c.off, c.n) < 0) goto done;
+    }
+    PyObject *t = int_list(tokens, len), *pa = t ? int_list(parents, len) : NULL;
+    PyObject *p = pa ? float_list(probs, len) : NULL;
+    if (t && pa && p) result = Py_BuildValue("NNN", t, pa, p);
+    else {
+        Py_XDECREF(t);
+        Py_XDECREF(pa);
+        Py_XDECREF(p);
+    }
+done:
+    free(occ);
+    free(tokens);
+    free(parents);
+    free(probs);
+    free(has_child);
+    free(tr.arena);
+    free(tr.heap);
+    free(tr.gtok);
+    free(tr.gsize);
+    free(tr.group_of);
+    free(tr.rank);
+    return result;
+}
+
+static PyMethodDef lookup_functions[] = {
+    {"match_length", lookup_match_length, METH_VARARGS,
+     "match_length(text, after, end, n, stop=None) -> int: ngram.py's match_length."},
+    {"suffix_chain", lookup_suffix_chain, METH_VARARGS,
+     "suffix_chain(corpus, end, occ, k, share_min, separator) -> (tokens, probs): "
+     "SuffixDrafter.propose's chain from the occurrences occ."},
+    {"suffix_tree", lookup_suffix_tree, METH_VARARGS,
+     "suffix_tree(corpus, end, occ, max_nodes, max_leaves, min_prob, enough, branch, "
+     "separator) -> (tokens, parents, probs): SuffixDrafter.propose_tree's tree from the "
+     "occurrences occ, stopped at `enough` nodes once its first branch has `branch`."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef lookup_module = {
     PyModuleDef_HEAD_INIT,
     "_lookup",
     "The lookup drafters' n-gram and suffix indexes, compiled (ngram.py and suffix.py hold "
     "their pure-Python references).",
     -1,
-    NULL,
+    lookup_functions,
     NULL,
     NULL,
     NULL,

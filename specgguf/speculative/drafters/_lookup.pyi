@@ -2,6 +2,31 @@ from collections.abc import Sequence
 
 MAX_LENGTH: int
 
+def match_length(
+    text: Sequence[int], after: int, end: int, n: int, stop: int | None = None, /
+) -> int: ...
+def suffix_chain(
+    corpus: Sequence[int],
+    end: int,
+    occ: Sequence[int],
+    k: int,
+    share_min: float,
+    separator: int,
+    /,
+) -> tuple[list[int], list[float]]: ...
+def suffix_tree(
+    corpus: Sequence[int],
+    end: int,
+    occ: Sequence[int],
+    max_nodes: int,
+    max_leaves: int,
+    min_prob: float,
+    enough: int,
+    branch: int,
+    separator: int,
+    /,
+) -> tuple[list[int], list[int], list[float]]: ...
+
 class NgramTable:
     nbytes: int
     length: int

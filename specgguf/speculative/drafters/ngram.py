@@ -190,7 +190,8 @@ class NgramDrafter(Drafter):
         j: int | None = None
         if hit := self._latest(history, size):
             n, j, seen, run = hit
-            match = match_length(history, j, size, n)
+            measure = self._lookup.match_length if self._lookup is not None else match_length
+            match = measure(history, j, size, n)
             share = run / seen
         if match < RESUME_MATCH and self._copy is not None:
             long_at, at, src = self._copy

@@ -73,10 +73,12 @@ class SuffixDrafter(Drafter):
         # hash of an n-gram -> the corpus positions right after its latest occurrences (a
         # hash collision only ever costs a worse draft, never a wrong output)
         self._index: dict[int, list[int]] = {}
-        # the same index compiled (compiled.py), which then stands for the one above
+        # the same index compiled (compiled.py), which then stands for the one above, and
+        # its drafting from the index's occurrences (chosen once, as the index)
+        self._lookup = compiled.lookup
         self._table: SuffixTable | None = (
-            compiled.lookup.SuffixTable(self.LENGTHS, max_occurrences, self.SEPARATOR)
-            if compiled.lookup
+            self._lookup.SuffixTable(self.LENGTHS, max_occurrences, self.SEPARATOR)
+            if self._lookup
             else None
         )
         self._indexed = 0  # n-grams ending before this corpus position are indexed
@@ -234,10 +236,11 @@ class SuffixDrafter(Drafter):
         self._sync(history)
         c, end = self._corpus, len(self._corpus)
         n_max = min(len(history), LONG_MATCH)
-        if self._table is not None:
+        if self._table is not None and self._lookup is not None:
             if hit := self._table.match(c, end, len(history)):
                 n, occ = hit
-                return occ, min(n_max, match_length(c, occ[-1], end, n, self.SEPARATOR))
+                m = self._lookup.match_length(c, occ[-1], end, n, self.SEPARATOR)
+                return occ, min(n_max, m)
             return [], 0
         for n in reversed(self.LENGTHS):
             if n <= len(history):
@@ -263,11 +266,15 @@ class SuffixDrafter(Drafter):
         t0 = time.perf_counter()
         occ, match = self._match(history)
         c, end = self._corpus, len(self._corpus)
+        share_min = max(self.min_share, p_min)
+        sep = self.SEPARATOR
+        if self._lookup is not None:
+            chain = self._lookup.suffix_chain(c, end, occ, k, share_min, sep)
+            self.seconds += time.perf_counter() - t0
+            return Draft(chain[0], probs=chain[1], match=match)
         tokens: list[int] = []
         probs: list[float] = []
         confidence = 1.0
-        share_min = max(self.min_share, p_min)
-        sep = self.SEPARATOR
         while occ and len(tokens) < k:
             # the occurrences by the token they continue with: the majority's are the
             # next position's occurrences
@@ -325,6 +332,13 @@ class SuffixDrafter(Drafter):
         t0 = time.perf_counter()
         occ, match = self._match(history)
         c, end = self._corpus, len(self._corpus)
+        enough = max_nodes if wanted is None else min(max_nodes, wanted(match))
+        if self._lookup is not None:
+            tree = self._lookup.suffix_tree(
+                c, end, occ, max_nodes, max_leaves, min_prob, enough, branch, self.SEPARATOR
+            )
+            self.seconds += time.perf_counter() - t0
+            return Draft(tree[0], parents=tree[1], probs=tree[2], match=match)
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[float] = []
@@ -353,7 +367,6 @@ class SuffixDrafter(Drafter):
                     heapq.heappush(heap, (-p, order, parent, depth + 1, t, g))
                     order += 1
 
-        enough = max_nodes if wanted is None else min(max_nodes, wanted(match))
         # the first branch's last node (-1: the root) and its length
         first, first_len = -1, 0
         if occ and max_nodes > 0 and max_leaves > 0:
