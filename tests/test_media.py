@@ -179,7 +179,7 @@ def test_every_drafter_gives_the_targets_own_output_after_an_image(
         (["--image", "{huge}"], "20,000 x 20,000 pixels"),
         (["--image", "{image}", "--image", "{image}", "one <__media__> marker"],
          "1 <__media__> marker(s) for 2 --image"),
-        (["--image", "{image}", "--raw", "text first <__media__>"], "must not end with an image"),
+        (["--image", "{image}", "--raw", "text first <__media__>"], "must not end with a medium"),
         (["--image", "/dev/zero"], "more than 67,108,864 bytes"),
         (["--image", "{folder}"], "Is a directory"),
         (["--image", "{wav}"], "is audio"),
@@ -387,7 +387,7 @@ def test_images_in_deterministic_mode_are_refused_before_the_weights_load(
     res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
                   "--image", str(media["image"]), "--deterministic", "-v", PROMPT)  # fmt: skip
     err = res.stderr.decode()
-    assert res.returncode == 2 and "images with deterministic mode" in err, err
+    assert res.returncode == 2 and "media with deterministic mode" in err, err
     assert "llama_model_load" not in err and "load_tensors" not in err  # (nothing loaded)
 
 

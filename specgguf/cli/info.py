@@ -125,9 +125,16 @@ def _projector(path: Path, json_out: bool) -> None:
         ("image / patch size", f"{side or '-'} / {patch or '-'} pixels"),
         ("vision tower", f"{p['block_count'] or '-'} blocks, width {p['embedding_length'] or '-'}"
                          f", {p['head_count'] or '-'} heads"),
+        ("audio encoder", f"{p['audio_mel_bins'] or '-'} mel bands, {p['audio_block_count'] or '-'}"
+                          f" blocks, width {p['audio_embedding_length'] or '-'}, "
+                          f"{p['audio_head_count'] or '-'} heads"),
         ("rows of", f"{p['projection_dim'] or '-'} values (the target's embedding length)"),
         ("file size", f"{path.stat().st_size:,} bytes ({size(path.stat().st_size)})"),
     ]:  # fmt: skip
+        if k in ("image / patch size", "vision tower") and not p["vision"]:
+            continue
+        if k == "audio encoder" and not p["audio"]:
+            continue
         t.add_row(k, val)
     stdout_console().print(t)
 

@@ -256,7 +256,8 @@ class ModelOptions:
     mmproj: Path | None = option(
         None, "-mm", "--mmproj", metavar="FILE",
         help="The target's multimodal projector (an mmproj-*.gguf file, as llama.cpp's "
-        "--mmproj), which reads images: `run --image`, the server's image_url parts.",
+        "--mmproj), which reads images or audio: `run --image/--audio`, the server's image_url "
+        "and input_audio parts.",
         to="engine.mmproj",
     )  # fmt: skip
     no_mmproj: bool = option(

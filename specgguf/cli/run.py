@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -82,6 +82,15 @@ def run(
             "where the prompt has the marker <__media__>, else before it.",
         ),
     ] = None,
+    audio: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--audio",
+            metavar="FILE",
+            help="An audio clip (WAV, MP3, FLAC) the target reads with --mmproj (repeatable, "
+            "as llama-mtmd-cli's), after every --image.",
+        ),
+    ] = None,
     prompt_cache: Annotated[
         Path | None,
         typer.Option(
@@ -148,15 +157,15 @@ def run(
             raise UsageError("give the prompt as an argument or with -p/--prompt, not both")
         prompt = prompt_opt
     text = read_prompt(prompt, file)
-    media = read_media(image or [], text, has_projector=config.mmproj is not None)
+    media = read_media(image or [], text, projector=config.mmproj, audio=audio or [])
     if media and prompt_cache is not None:
-        raise UsageError("--prompt-cache does not keep images yet: leave out one of them")
+        raise UsageError("--prompt-cache does not keep media yet: leave out one of them")
     if media and MARKER not in text:  # one marker before the text for each, as llama-mtmd-cli
         text = MARKER * len(media) + text
     checked = preflight(config)  # before any weights load; the template too
     if media and (config.deterministic or checked.target.memory != "attention"):
         why = "deterministic mode" if config.deterministic else f"a {checked.target.memory} target"
-        raise UsageError(f"images with {why} are not supported yet")
+        raise UsageError(f"media with {why} are not supported yet")
     messages = [{"role": "system", "content": system}] if system is not None else []
     conversation = text if raw else [*messages, {"role": "user", "content": text}]
     render_prompt(checked.target, conversation)  # its faults before any weights load
@@ -208,7 +217,8 @@ def run(
                                                                  "rpc_draft")},
                            "drafter": config.speculative.drafter,
                            "mmproj": str(config.mmproj) if config.mmproj else None},
-                "images": [name for name, _ in media],
+                "images": [str(path) for path in image or []],
+                "audio": [str(path) for path in audio or []],
                 "params": {
                     "draft_max": result.stats.draft_max,
                     "draft_min": config.speculative.draft_min, "n_predict": n_predict,
@@ -235,35 +245,49 @@ def run(
             raise Interrupted()
 
 
-def read_media(paths: list[Path], text: str, *, has_projector: bool) -> list[tuple[str, bytes]]:
-    """The ``--image`` files' names and bytes, checked before any weights load: each a
-    readable file within :data:`specgguf.llama.media.MAX_BYTES` and, for the formats
-    whose header says, :data:`~specgguf.llama.media.MAX_PIXELS`; as many as the prompt's
-    markers where it has any.
+def read_media(
+    images: Sequence[Path], text: str, *, projector: Path | None, audio: Sequence[Path] = ()
+) -> list[tuple[str, bytes]]:
+    """The ``--image`` files' and then the ``--audio`` files' names and bytes, checked
+    before any weights load: each a readable file within
+    :data:`specgguf.llama.media.MAX_BYTES` that the ``projector`` file says it reads (by
+    its metadata), within :data:`~specgguf.llama.media.MAX_PIXELS` for the image formats
+    whose header says, and :data:`~specgguf.llama.audio.MAX_SECONDS` for a clip; as many
+    as the prompt's markers where it has any.
 
     Raises:
-        MediaError: a missing, unreadable, empty or oversized image, or images without
-            --mmproj.
-        UsageError: markers in the prompt that do not match the images in number.
+        MediaError: a missing, unreadable, empty or oversized medium, one of a kind the
+            projector does not read, or media without --mmproj.
+        UsageError: markers in the prompt that do not match the media in number.
+        ModelNotFoundError, ModelFileError: the projector file is missing or not one.
     """
     from specgguf.errors import MediaError, UsageError
+    from specgguf.gguf.projector import check_projector, projector_reads
     from specgguf.llama.media import MARKER, MAX_BYTES, check_medium
 
-    if paths and not has_projector:
-        raise MediaError(f"--image {paths[0]}: reading images needs the target's projector "
-                         f"file: give it with --mmproj", part=str(paths[0]))  # fmt: skip
+    given = [("--image", path) for path in images] + [("--audio", path) for path in audio]
+    if not given:
+        return []
+    if projector is None:
+        flag, path = given[0]
+        what = "images" if flag == "--image" else "audio"
+        raise MediaError(f"{flag} {path}: reading {what} needs the target's projector "
+                         f"file: give it with --mmproj", part=str(path))  # fmt: skip
+    check_projector(projector, None)
+    vision, hears = projector_reads(projector)
     out = []
-    for path in paths:
+    for flag, path in given:
         try:
             with open(path, "rb") as f:  # (at most one byte past the limit: /dev/zero ends)
                 data = f.read(MAX_BYTES + 1)
         except OSError as e:
-            raise MediaError(f"--image {path}: {e.strerror or e}", part=str(path)) from None
-        check_medium(data, str(path))
+            raise MediaError(f"{flag} {path}: {e.strerror or e}", part=str(path)) from None
+        check_medium(data, str(path), vision=vision, audio=hears)
         out.append((str(path), data))
     markers = text.count(MARKER)
-    if out and markers and markers != len(out):
-        raise UsageError(f"the prompt has {markers} {MARKER} marker(s) for {len(out)} --image")
+    if markers and markers != len(out):
+        raise UsageError(f"the prompt has {markers} {MARKER} marker(s) for {len(out)} "
+                         f"--image/--audio")  # fmt: skip
     return out
 
 

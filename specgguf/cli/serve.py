@@ -102,9 +102,9 @@ def serve(
     def no_images(why: str) -> None:
         assert config.mmproj is not None
         if not pulled:
-            raise UsageError(f"--mmproj {config.mmproj.name}: images with {why} are not "
+            raise UsageError(f"--mmproj {config.mmproj.name}: media with {why} are not "
                              "supported yet (leave out --mmproj to serve text)")  # fmt: skip
-        say(f"specgguf: note: images with {why} are not supported yet: the projector "
+        say(f"specgguf: note: media with {why} are not supported yet: the projector "
             f"{config.mmproj.name} of the -hf repository is left out")  # fmt: skip
 
     if config.mmproj is not None and config.deterministic:

@@ -303,7 +303,7 @@ class EngineConfig:
             context of the target's (and the draft's) ``n_ctx`` in one llama.cpp context
             (:mod:`specgguf.engine.batching`); 1: one at a time.
         cache: what is kept of prompts between generations (:class:`CacheConfig`).
-        mmproj: the target's multimodal projector file (``--mmproj``), which reads images
+        mmproj: the target's multimodal projector file (``--mmproj``), which reads images or audio
             into the target's embeddings (:mod:`specgguf.llama.media`); None: text only.
         mmproj_offload: run the projector on the GPU where the build can
             (``--mmproj-offload``, llama.cpp's default).

@@ -729,8 +729,8 @@ class Engine:
     def check_media(self, media: Sequence[tuple[str, bytes]]) -> None:
         """Refuse ``media`` (``(name, bytes)``) before anything is decoded: no projector
         loaded, a setup that reads none (:meth:`media_refusal`), a medium that is empty,
-        too large, of another format or too many pixels by its header
-        (:func:`specgguf.llama.media.check_medium`).
+        too large, of another format, too many pixels or too long by its header, or of a
+        kind the projector does not read (:func:`specgguf.llama.media.check_medium`).
 
         Raises:
             MediaError: naming the medium.
@@ -742,12 +742,12 @@ class Engine:
             return
         first = media[0][0]
         if self.projector is None:
-            raise MediaError(f"{first}: reading images needs the target's projector file "
-                             f"(mmproj)", part=first)  # fmt: skip
+            raise MediaError(f"{first}: reading images or audio needs the target's projector "
+                             f"file (mmproj)", part=first)  # fmt: skip
         if why := self.media_refusal():
             raise UsageError(f"media with {why} are not supported yet")
         for name, data in media:
-            check_medium(data, name)
+            check_medium(data, name, vision=self.projector.vision, audio=self.projector.audio)
 
     def media_prompt(
         self,
@@ -810,8 +810,8 @@ class Engine:
                 spans.append(MediaSpan(len(ids), chunk.embd, key, chunk.non_causal))
                 ids += [placeholder] * len(chunk.embd)
         if spans and spans[-1].end >= len(ids):
-            raise MediaError(f"{media[-1][0]} ends the prompt: a prompt must not end with an "
-                             f"image; put text after its marker", part=media[-1][0])  # fmt: skip
+            raise MediaError(f"{media[-1][0]} ends the prompt: a prompt must not end with a "
+                             f"medium; put text after its marker", part=media[-1][0])  # fmt: skip
         return ids, spans
 
     # -- what the sequences hold ------------------------------------------------------

@@ -212,7 +212,8 @@ def load_findings(meta: GGUFMetadata, vocab: Sequence[Finding] = ()) -> list[Fin
     if arch == "clip":
         out.add(
             "error", "architecture",
-            "a multimodal projector (clip): it reads images for a language model, and is not one",
+            "a multimodal projector (clip): it reads images or audio for a language model, and is "
+            "not one",
         )  # fmt: skip
         return [*out, *vocab]
     hparams_ok = _check_hparams(meta, arch, out)

@@ -12,7 +12,8 @@ from specgguf.errors import ModelFileError, ModelNotFoundError
 def check_projector(path: Path, n_embd: int | None) -> None:
     """Refuse a projector file before any weights load: missing, not a file, not a GGUF
     projector (architecture ``clip``), or one whose output size is not the text model's
-    ``n_embd`` (``clip.vision.projection_dim``; None: not checked).
+    ``n_embd`` (``clip.vision.projection_dim``, or ``clip.audio.projection_dim`` for an
+    audio projector; None: not checked).
 
     Raises:
         ModelNotFoundError: no such file (exit 3).
@@ -26,7 +27,7 @@ def check_projector(path: Path, n_embd: int | None) -> None:
         raise ModelFileError(f"{path}: a projector is a .gguf file, not a folder", path=path)
     with GGUFMetadata.open(path) as meta:
         arch = meta.get("general.architecture")
-        dim = meta.get("clip.vision.projection_dim")
+        dim = meta.get("clip.vision.projection_dim") or meta.get("clip.audio.projection_dim")
     if arch != "clip":
         raise ModelFileError(f"{path}: not a multimodal projector (its architecture is "
                              f"{arch!r}, a projector's is 'clip')", path=path)  # fmt: skip
@@ -37,9 +38,11 @@ def check_projector(path: Path, n_embd: int | None) -> None:
 
 def projector_info(path: Path) -> dict[str, object]:
     """What a projector file says of itself (``specgguf info``): its projector type
-    (``mlp``: LLaVA's), whether it reads images and audio, the vision tower's image and
-    patch sizes, width, blocks and heads, and ``projection_dim``, the size of the rows it
-    gives (the target's ``n_embd`` it is made for); None where the file does not say.
+    (``mlp``: LLaVA's; ``ultravox``: an audio one), whether it reads images and audio,
+    the vision tower's image and patch sizes, width, blocks and heads, the audio encoder's
+    mel bands, width, blocks and heads (``audio_*``), and ``projection_dim``, the size of
+    the rows it gives (the target's ``n_embd`` it is made for); None where the file does
+    not say.
 
     Raises:
         GGUFFormatError: not a GGUF file.
@@ -55,9 +58,26 @@ def projector_info(path: Path) -> dict[str, object]:
         "embedding_length": "clip.vision.embedding_length",
         "block_count": "clip.vision.block_count",
         "head_count": "clip.vision.attention.head_count",
-        "projection_dim": "clip.vision.projection_dim",
+        "audio_mel_bins": "clip.audio.num_mel_bins",
+        "audio_embedding_length": "clip.audio.embedding_length",
+        "audio_block_count": "clip.audio.block_count",
+        "audio_head_count": "clip.audio.attention.head_count",
     }
     with GGUFMetadata.open(path) as meta:
         out = {name: meta.get(key) for name, key in keys.items()}
+        out["projection_dim"] = meta.get("clip.vision.projection_dim") or meta.get(
+            "clip.audio.projection_dim"
+        )
         out["name"] = meta.get("general.name")
     return out
+
+
+def projector_reads(path: Path) -> tuple[bool, bool]:
+    """Whether a projector file reads images and whether it reads audio, by its metadata
+    (``clip.has_vision_encoder``, ``clip.has_audio_encoder``).
+
+    Raises:
+        GGUFFormatError: not a GGUF file.
+    """
+    p = projector_info(path)
+    return bool(p["vision"]), bool(p["audio"])

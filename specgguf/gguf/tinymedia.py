@@ -1,5 +1,6 @@
-"""Tiny generated media fixtures: a multimodal projector ("mmproj") GGUF that llama.cpp's
-libmtmd loads beside a tiny text model (:mod:`specgguf.gguf.tiny`), and tiny images.
+"""Tiny generated media fixtures: multimodal projector ("mmproj") GGUFs that llama.cpp's
+libmtmd loads beside a tiny text model (:mod:`specgguf.gguf.tiny`), for images and for
+audio (:func:`write_audio_mmproj`), and tiny images and audio clips.
 
 The projector is LLaVA's (``clip.projector_type = "mlp"``, libmtmd's
 tools/mtmd/models/llava.cpp): a vision transformer over ``image_size``² RGB images cut into
@@ -129,6 +130,133 @@ def write_mmproj(
     w.write_tensors_to_file()
     w.close()
     return n_patches
+
+
+def write_audio_mmproj(
+    path: Path,
+    n_embd_text: int,
+    *,
+    n_mel: int = 16,
+    n_embd: int = 32,
+    n_head: int = 2,
+    n_ff: int = 64,
+    n_layer: int = 1,
+    stack: int = 20,
+    hidden: int = 64,
+    seed: int = 8765,
+    dtype: type[np.floating] = np.float32,
+) -> int:
+    """Write a tiny Ultravox audio projector to ``path`` (``clip.projector_type =
+    "ultravox"``, libmtmd's tools/mtmd/models/whisper-enc.cpp) whose output embeddings have
+    ``n_embd_text`` values; returns the embeddings a 30-second chunk of audio becomes.
+
+    The encoder is Whisper's: two 1-D convolutions over ``n_mel`` mel bands (the second
+    of stride 2: 3,000 frames of a 30 s chunk become 1,500 positions), learned positions,
+    ``n_layer`` transformer blocks; then Ultravox's projector stacks ``stack`` positions
+    into one row (an RMS norm, a SwiGLU of ``hidden`` values, an RMS norm, a linear layer
+    into the text model's size). What llama.cpp requires of it (tools/mtmd/clip.cpp): the
+    convolutions' biases shaped (n, 1), no bias on the attention's keys, and a ``stack``
+    that divides 1,500 (libmtmd counts a chunk's rows as 3,000 / stack / 2, rounded down,
+    and the graph makes 1,500 / stack, rounded up). Seeded random weights, as
+    :func:`write_mmproj`'s: another clip gives other embeddings. ``dtype`` as there.
+
+    Raises:
+        ValueError: ``stack`` not dividing 1,500, or an embedding size the heads do not
+            divide.
+    """
+    n_pos = 1500
+    if n_pos % stack or n_embd % n_head:
+        raise ValueError(f"need stack dividing {n_pos} and n_embd % n_head == 0, got "
+                         f"{stack}, {n_embd}, {n_head}")  # fmt: skip
+    rng = np.random.default_rng(seed)
+
+    def normal(shape: tuple[int, ...], scale: float) -> npt.NDArray[Any]:
+        return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+    def ones(n: int) -> npt.NDArray[np.float32]:
+        return np.ones(n, np.float32)
+
+    def zeros(*shape: int) -> npt.NDArray[np.float32]:
+        return np.zeros(shape, np.float32)
+
+    d, ds = n_embd, n_embd * stack
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_name("tiny audio mmproj")
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if dtype == np.float32
+                        else gguf.LlamaFileType.MOSTLY_F16))  # fmt: skip
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_clip_projector_type("ultravox")
+    w.add_uint32("clip.audio.embedding_length", d)
+    w.add_uint32("clip.audio.feed_forward_length", n_ff)
+    w.add_uint32("clip.audio.block_count", n_layer)
+    w.add_uint32("clip.audio.attention.head_count", n_head)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    w.add_uint32("clip.audio.projection_dim", n_embd_text)
+    w.add_uint32("clip.audio.num_mel_bins", n_mel)
+    w.add_uint32("clip.audio.projector.stack_factor", stack)
+    tensors: list[tuple[str, npt.NDArray[Any]]] = [
+        # numpy shapes are (out, in): a 1-D convolution's (out, in, kernel)
+        ("a.conv1d.1.weight", normal((d, n_mel, 3), (3 * n_mel) ** -0.5)),
+        ("a.conv1d.1.bias", zeros(d, 1)),
+        ("a.conv1d.2.weight", normal((d, d, 3), (3 * d) ** -0.5)),
+        ("a.conv1d.2.bias", zeros(d, 1)),
+        ("a.position_embd.weight", normal((n_pos, d), 0.1).astype(np.float32)),
+        ("a.post_ln.weight", ones(d)),
+        ("a.post_ln.bias", zeros(d)),
+    ]
+    for i in range(n_layer):
+        p = f"a.blk.{i}"
+        tensors += [(f"{p}.{t}.weight", normal((d, d), d**-0.5))
+                    for t in ("attn_q", "attn_k", "attn_v", "attn_out")]  # fmt: skip
+        tensors += [(f"{p}.{t}.bias", zeros(d)) for t in ("attn_q", "attn_v", "attn_out")]
+        tensors += [
+            (f"{p}.ln1.weight", ones(d)),
+            (f"{p}.ln1.bias", zeros(d)),
+            (f"{p}.ln2.weight", ones(d)),
+            (f"{p}.ln2.bias", zeros(d)),
+            (f"{p}.ffn_up.weight", normal((n_ff, d), d**-0.5)),
+            (f"{p}.ffn_up.bias", zeros(n_ff)),
+            (f"{p}.ffn_down.weight", normal((d, n_ff), n_ff**-0.5)),
+            (f"{p}.ffn_down.bias", zeros(d)),
+        ]
+    tensors += [
+        ("mm.a.norm_pre.weight", ones(ds)),
+        ("mm.a.mlp.1.weight", normal((2 * hidden, ds), ds**-0.5)),
+        ("mm.a.norm_mid.weight", ones(hidden)),
+        ("mm.a.mlp.2.weight", normal((n_embd_text, hidden), hidden**-0.5)),
+    ]
+    for name, arr in tensors:
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return n_pos // stack
+
+
+def tone(freq: float, seconds: float = 1.0, *, rate: int = 16000) -> npt.NDArray[np.int16]:
+    """A sine tone, int16[seconds * rate] samples at a quarter of full scale and more."""
+    t = np.arange(int(seconds * rate)) / rate
+    return (12000 * np.sin(2 * np.pi * freq * t)).astype(np.int16)
+
+
+def wav_bytes(samples: npt.NDArray[np.int16], *, rate: int = 16000, channels: int = 1) -> bytes:
+    """A PCM WAV file (16-bit) of ``samples`` (int16[n * channels], interleaved)."""
+    data = samples.astype("<i2").tobytes()
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * 2 * channels, 2 * channels, 16)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def silent_mp3(frames: int) -> bytes:
+    """An MP3 stream of ``frames`` silent MPEG-1 Layer III frames at 128 kbit/s and 44.1
+    kHz (1,152 samples each: 26 ms): headers and all-zero side information, which decoders
+    read as silence. What an encoder would make here, without one."""
+    header = bytes((0xFF, 0xFB, 0x90, 0xC4))  # (mono: channel mode 3 in the last byte)
+    length = 144 * 128000 // 44100  # 417 bytes, no padding
+    return (header + bytes(length - 4)) * frames
 
 
 def picture(size: int = 32, *, flip: bool = False) -> npt.NDArray[np.uint8]:

@@ -1,18 +1,19 @@
-"""Images for a multimodal target: a projector file (``--mmproj``) read by llama.cpp's
-libmtmd through llama-cpp-python's binding (``llama_cpp.mtmd_cpp``), which turns an image
-into the embeddings the target reads in its place (tools/mtmd/mtmd.h).
+"""Images and audio for a multimodal target: a projector file (``--mmproj``) read by
+llama.cpp's libmtmd through llama-cpp-python's binding (``llama_cpp.mtmd_cpp``), which
+turns an image or an audio clip into the embeddings the target reads in its place
+(tools/mtmd/mtmd.h).
 
 A prompt with media is text with a marker (:data:`MARKER`, libmtmd's default) where each
 medium goes. :meth:`Projector.chunks` turns one medium into what the target reads there:
-the image's embeddings (float32 rows of the target's ``n_embd``), and any text the
-projector puts around them (begin/end-of-image tokens on some models; none on LLaVA's).
-The embeddings take positions in the target's KV cache as tokens do
-(:meth:`specgguf.llama.backend.LlamaContext.prompt` with :class:`MediaSpan`\\ s); the
-text of the generation holds a placeholder token at each of those positions, which the
-drafters read as text.
+its embeddings (float32 rows of the target's ``n_embd``; a clip's in chunks of 30 s, as
+Whisper's encoder reads them), and any text the projector puts around them (begin/end
+tokens on some models; none on LLaVA's). The embeddings take positions in the target's KV
+cache as tokens do (:meth:`specgguf.llama.backend.LlamaContext.prompt` with
+:class:`MediaSpan`\\ s); the text of the generation holds a placeholder token at each of
+those positions, which the drafters read as text.
 
-Not yet: audio, and projectors whose positions are not one a row (M-RoPE: Qwen2-VL and
-later), which :meth:`Projector.chunks` refuses by name.
+Not yet: projectors whose positions are not one a row (M-RoPE: Qwen2-VL and later), which
+:meth:`Projector.chunks` refuses by name.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ import numpy.typing as npt
 
 from specgguf.errors import BackendError, ContextOverflowError, MediaError
 from specgguf.gguf.projector import check_projector
+from specgguf.llama.audio import (
+    AUDIO_FORMATS,
+    MAX_SECONDS,
+    AudioHeaderError,
+    audio_format,
+    audio_seconds,
+)
 from specgguf.llama.backend import LlamaModel, MediaSpan, _Native
 
 __all__ = [
@@ -73,7 +81,7 @@ class Chunk:
 
 def image_format(data: bytes) -> str | None:
     """The image format of ``data`` by its first bytes: one of :data:`FORMATS`, ``audio``
-    (WAV, MP3, FLAC, Ogg), or None for anything else."""
+    (:func:`~specgguf.llama.audio.audio_format`'s), or None for anything else."""
     if data[:8] == b"\x89PNG\r\n\x1a\n":
         return "PNG"
     if data[:3] == b"\xff\xd8\xff":
@@ -84,11 +92,7 @@ def image_format(data: bytes) -> str | None:
         return "BMP"
     if data[:2] in (b"P5", b"P6") and data[2:3].isspace():
         return "PNM"
-    if (
-        (data[:4] == b"RIFF" and data[8:12] == b"WAVE")
-        or data[:4] in (b"fLaC", b"OggS")
-        or (data[:3] == b"ID3" or data[:2] in (b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"))
-    ):
+    if audio_format(data) is not None:
         return "audio"
     return None
 
@@ -157,10 +161,14 @@ def image_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def check_medium(data: bytes, name: str) -> None:
-    """Refuse a medium before anything decodes it: empty, over :data:`MAX_BYTES`, audio,
-    not one of the image :data:`FORMATS`, a header that does not say its size, or more
-    than :data:`MAX_PIXELS`.
+def check_medium(data: bytes, name: str, *, vision: bool = True, audio: bool = False) -> None:
+    """Refuse a medium before anything decodes it: empty, over :data:`MAX_BYTES`, neither
+    an image of the :data:`FORMATS` nor audio of the
+    :data:`~specgguf.llama.audio.AUDIO_FORMATS`, an image whose header does not say its
+    size or that has more than :data:`MAX_PIXELS`, a clip whose header does not say its
+    length or that is longer than :data:`~specgguf.llama.audio.MAX_SECONDS`; an image
+    where the projector reads none (``vision``), a clip where it reads no audio
+    (``audio``).
 
     Raises:
         MediaError: naming ``name`` and what is wrong.
@@ -172,10 +180,15 @@ def check_medium(data: bytes, name: str) -> None:
                          part=name)  # fmt: skip
     kind = image_format(data)
     if kind == "audio":
-        raise MediaError(f"{name} is audio: not supported yet (images only)", part=name)
+        _check_clip(data, name, audio=audio)
+        return
     if kind is None:
-        raise MediaError(f"{name} is not an image of a format read here "
-                         f"({', '.join(FORMATS)})", part=name)  # fmt: skip
+        read = [*FORMATS, *AUDIO_FORMATS] if audio else list(FORMATS)
+        what = "an image or audio" if audio else "an image"
+        raise MediaError(f"{name} is not {what} of a format read here ({', '.join(read)})",
+                         part=name)  # fmt: skip
+    if not vision:
+        raise MediaError(f"{name} is an image, and the projector reads audio only", part=name)
     size = image_size(data)
     if size is None:
         raise MediaError(f"{name} could not be read as an image: its {kind} header is "
@@ -186,6 +199,24 @@ def check_medium(data: bytes, name: str) -> None:
     if w * h > MAX_PIXELS:
         raise MediaError(f"{name} is {w:,} x {h:,} pixels: at most {MAX_PIXELS:,} "
                          f"pixels are read", part=name)  # fmt: skip
+
+
+def _check_clip(data: bytes, name: str, *, audio: bool) -> None:
+    """:func:`check_medium` for an audio clip."""
+    kind = audio_format(data)
+    if not audio:
+        raise MediaError(f"{name} is audio ({kind}), and the projector reads images only",
+                         part=name)  # fmt: skip
+    if kind not in AUDIO_FORMATS:
+        raise MediaError(f"{name} is {kind} audio: not read here ({', '.join(AUDIO_FORMATS)})",
+                         part=name)  # fmt: skip
+    try:
+        seconds = audio_seconds(data)
+    except AudioHeaderError as e:
+        raise MediaError(f"{name} could not be read as {kind} audio: {e}", part=name) from None
+    if seconds > MAX_SECONDS:
+        raise MediaError(f"{name} is more than {seconds:,.0f} s long: at most "
+                         f"{MAX_SECONDS:,.0f} s of audio are read", part=name)  # fmt: skip
 
 
 def _mtmd() -> Any:
@@ -262,7 +293,7 @@ class Projector(_Native):
                 many positions: ``at_least``).
             BackendError: libmtmd failed to encode it, or the projector was closed.
         """
-        check_medium(data, name)
+        check_medium(data, name, vision=self.vision, audio=self.audio)
         with self._lock:
             if self._ctx is None:
                 raise BackendError(f"the projector {self.path.name} is closed")
@@ -283,13 +314,16 @@ class Projector(_Native):
                 m.mtmd_bitmap_free(bitmap)
             raise MediaError(f"{name} is a video: not supported", part=name)
         if not bitmap:
-            raise MediaError(f"{name} could not be read as an image (a corrupt, truncated "
+            what = "audio" if image_format(data) == "audio" else "an image"
+            raise MediaError(f"{name} could not be read as {what} (a corrupt, truncated "
                              f"or unknown format)", part=name)  # fmt: skip
         chunks = m.mtmd_input_chunks_init()
         try:
-            if m.mtmd_bitmap_is_audio(bitmap):  # (refused by check_medium already)
-                raise MediaError(f"{name} is audio: not supported yet", part=name)
-            if not self.vision:
+            # (both refused by check_medium already, by the file's first bytes)
+            if m.mtmd_bitmap_is_audio(bitmap) and not self.audio:
+                raise MediaError(f"{name} is audio, and {self.path.name} reads no audio",
+                                 part=name)  # fmt: skip
+            if not m.mtmd_bitmap_is_audio(bitmap) and not self.vision:
                 raise MediaError(f"{name} is an image, and {self.path.name} reads no images",
                                  part=name)  # fmt: skip
             text = m.mtmd_input_text(MARKER.encode(), len(MARKER.encode()), False, True)

@@ -300,29 +300,39 @@ PROJECTOR = "projector"
 
 def projector_memory(path: Path) -> Share:
     """What a multimodal projector (``--mmproj``) takes in this machine's memory (bytes):
-    its file, which libmtmd reads whole, and a compute buffer for one image: its tokens'
-    rows (n_tok (4 n_embd + n_ff) float32) and one layer's attention scores (n_head
-    n_tok² float32), from the vision tower's metadata. A LLaVA-1.5-shaped projector
-    (ViT-L/14 at 336 x 336, 581 MiB in float16) estimated at 39 MiB of compute took 582
-    MiB once loaded and 18 MiB more after an encode (2-core EPYC, 2026-12-07).
+    its file, which libmtmd reads whole, and a compute buffer for one image or one 30 s
+    chunk of audio, whichever is larger: its positions' rows (n_tok (4 n_embd + n_ff)
+    float32) and one layer's attention scores (n_head n_tok² float32), from the vision
+    tower's or the audio encoder's metadata; a chunk of audio is 1,500 positions
+    (Whisper's encoder), after a convolution over its 3,000 frames of mel bands. A
+    LLaVA-1.5-shaped projector (ViT-L/14 at 336 x 336, 581 MiB in float16) estimated at 39
+    MiB of compute took 582 MiB once loaded and 18 MiB more after an encode (2-core EPYC,
+    2026-12-07).
 
     Raises:
         GGUFFormatError: the file is not a GGUF file.
     """
     from specgguf.gguf.metadata import GGUFMetadata
 
+    def buffer(n_tok: int, n_embd: int, n_ff: int, n_head: int) -> int:
+        return 4 * n_tok * (4 * n_embd + n_ff) + 4 * n_head * n_tok * n_tok
+
     with GGUFMetadata.open(path) as meta:
 
         def key(name: str) -> int:
-            value = meta.get(f"clip.vision.{name}")
+            value = meta.get(f"clip.{name}")
             return int(value) if isinstance(value, int) and value > 0 else 0
 
-        side, patch = key("image_size"), key("patch_size")
-        n_embd, n_ff, n_head = (
-            key("embedding_length"),
-            key("feed_forward_length"),
-            key("attention.head_count"),
-        )
-    n_tok = (side // patch) ** 2 + 1 if side and patch else 0
-    compute = 4 * n_tok * (4 * n_embd + n_ff) + 4 * n_head * n_tok * n_tok
+        side, patch = key("vision.image_size"), key("vision.patch_size")
+        n_tok = (side // patch) ** 2 + 1 if side and patch else 0
+        v = "vision."
+        compute = buffer(n_tok, key(v + "embedding_length"), key(v + "feed_forward_length"),
+                         key(v + "attention.head_count"))  # fmt: skip
+        if meta.get("clip.has_audio_encoder"):
+            a = "audio."
+            n_embd, n_mel = key(a + "embedding_length"), key(a + "num_mel_bins")
+            conv = 4 * 3000 * (n_mel + n_embd)
+            heard = conv + buffer(1500, n_embd, key(a + "feed_forward_length"),
+                                  key(a + "attention.head_count"))  # fmt: skip
+            compute = max(compute, heard)
     return Share(weights=path.stat().st_size, compute=compute)

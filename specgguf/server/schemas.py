@@ -59,15 +59,34 @@ class ImageURL(_Strict):
     detail: str | None = None
 
 
+class InputAudio(_Strict):
+    """An ``input_audio`` part's clip: ``data`` in base64, its ``format`` one of
+    :data:`AUDIO_PART_FORMATS` (OpenAI's are wav and mp3; the bytes say the format, as an
+    image's do)."""
+
+    data: str
+    format: str
+
+
+#: The ``format`` values an ``input_audio`` part may give: what libmtmd decodes.
+AUDIO_PART_FORMATS = ("wav", "mp3", "flac")
+
+
 class ContentPart(_Strict):
-    """A part of a message's content: ``{"type": "text", "text": ...}``, or
-    ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` where the
-    server has the target's projector (``--mmproj``)."""
+    """A part of a message's content: ``{"type": "text", "text": ...}``, or where the server
+    has the target's projector (``--mmproj``) ``{"type": "image_url", "image_url": {"url":
+    "data:image/png;base64,..."}}`` and ``{"type": "input_audio", "input_audio": {"data":
+    "<base64>", "format": "wav"}}``."""
 
     type: str
     text: str | None = None
     #: (a bare string too, as some clients send it)
     image_url: ImageURL | str | None = None
+    input_audio: InputAudio | None = None
+
+
+#: The content parts that are media: each becomes a marker in the text
+MEDIA_PARTS = ("image_url", "input_audio")
 
 
 _URL_SAFE = str.maketrans("-_", "+/")
@@ -106,19 +125,50 @@ def image_bytes(url: str, param: str, remote: Sequence[str] = ()) -> bytes | str
     if len(body) > (MAX_BYTES // 3 + 1) * 4 * 77 // 76 + 8:  # (76-column lines allowed)
         raise bad_request(f"{param}: the image is more than {MAX_BYTES:,} bytes",
                           param=param)  # fmt: skip
-    # base64 as tools write it: wrapped in lines (GNU base64), without its padding, or in
-    # the URL-safe alphabet
+    return _base64_bytes(body, param, "the image", "the data: URI")
+
+
+def _base64_bytes(body: str, param: str, what: str, carrier: str) -> bytes:
+    """``body`` decoded from base64 as tools write it: wrapped in lines (GNU base64),
+    without its padding, or in the URL-safe alphabet.
+
+    Raises:
+        APIError: 400 naming ``param``: not base64 (``carrier`` is what holds it), empty,
+            or over :data:`specgguf.llama.media.MAX_BYTES` (``what`` is the medium).
+    """
+    from specgguf.llama.media import MAX_BYTES
+
     body = "".join(body.split()).translate(_URL_SAFE)
     try:
         data = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
     except (binascii.Error, ValueError):
-        raise bad_request(f"{param}: the data: URI is not valid base64", param=param) from None
+        raise bad_request(f"{param}: {carrier} is not valid base64", param=param) from None
     if not data:
-        raise bad_request(f"{param}: the image is empty", param=param)
+        raise bad_request(f"{param}: {what} is empty", param=param)
     if len(data) > MAX_BYTES:
-        raise bad_request(f"{param}: the image is more than {MAX_BYTES:,} bytes",
+        raise bad_request(f"{param}: {what} is more than {MAX_BYTES:,} bytes",
                           param=param)  # fmt: skip
     return data
+
+
+def audio_bytes(part: InputAudio, param: str) -> bytes:
+    """The clip of an ``input_audio`` part (``param`` names it): its ``data`` decoded from
+    base64 (as :func:`image_bytes` reads a data: URI's), with a ``format`` of
+    :data:`AUDIO_PART_FORMATS`.
+
+    Raises:
+        APIError: 400 naming the field: another format, data that is not base64, empty,
+            or over :data:`specgguf.llama.media.MAX_BYTES` decoded.
+    """
+    from specgguf.llama.media import MAX_BYTES
+
+    if part.format.lower() not in AUDIO_PART_FORMATS:
+        raise bad_request(f"{param}.format: {part.format!r} is not read: one of "
+                          f"{', '.join(AUDIO_PART_FORMATS)}", param=f"{param}.format")  # fmt: skip
+    if len(part.data) > (MAX_BYTES // 3 + 1) * 4 * 77 // 76 + 8:  # (76-column lines allowed)
+        raise bad_request(f"{param}.data: the audio is more than {MAX_BYTES:,} bytes",
+                          param=f"{param}.data")  # fmt: skip
+    return _base64_bytes(part.data, f"{param}.data", "the audio", "the data")
 
 
 class FunctionCall(_Strict):
@@ -280,8 +330,9 @@ class ChatCompletionRequest(_Generation):
 
     def conversation(self, marker: str | None = None) -> list[dict[str, Any]]:
         """The messages as the chat template takes them: text content (parts joined by
-        newlines, as llama.cpp's server does; an ``image_url`` part as ``marker``, default
-        :data:`specgguf.llama.media.MARKER`, its image in :meth:`media`), ``developer`` as
+        newlines, as llama.cpp's server does; an ``image_url`` or ``input_audio`` part as
+        ``marker``, default :data:`specgguf.llama.media.MARKER`, its medium in
+        :meth:`media`), ``developer`` as
         ``system``; an assistant's
         ``tool_calls`` as OpenAI's objects with their arguments as a JSON object (as vLLM
         gives them to templates, which write them with ``tojson``), its content None when
@@ -289,7 +340,7 @@ class ChatCompletionRequest(_Generation):
 
         Raises:
             APIError: a message without text content (an assistant's may have tool calls
-                instead), with a part neither text nor an image, an image outside a user
+                instead), with a part neither text nor a medium, a medium outside a user
                 message, tool calls on another role, arguments that are not a JSON object.
         """
         from specgguf.llama.media import MARKER
@@ -317,14 +368,15 @@ class ChatCompletionRequest(_Generation):
             else:
                 texts = []
                 for j, part in enumerate(m.content):
-                    if part.type == "image_url":
+                    if part.type in MEDIA_PARTS:
                         if m.role != "user":
+                            what = "images" if part.type == "image_url" else "audio clips"
                             raise bad_request(
-                                f"messages.{i}.content.{j}: images are read in user "
+                                f"messages.{i}.content.{j}: {what} are read in user "
                                 f"messages only, not in {article(m.role)} {m.role} message",
                                 param=f"messages.{i}.content.{j}",
                             )  # fmt: skip
-                        texts.append(marker)  # (where media() puts its image)
+                        texts.append(marker)  # (where media() puts its medium)
                         continue
                     if part.type != "text":
                         raise unsupported(
@@ -349,18 +401,27 @@ class ChatCompletionRequest(_Generation):
         return out
 
     def media(self, remote: Sequence[str] = ()) -> list[tuple[str, bytes | str]]:
-        """The images of the conversation's ``image_url`` parts, in their order, each with
-        the part's name (``messages.I.content.J``): bytes, or an address on one of the
-        ``remote`` hosts to fetch (:func:`image_bytes`); :meth:`conversation` puts a media
-        marker in the text where each is.
+        """The media of the conversation's ``image_url`` and ``input_audio`` parts, in
+        their order, each with the part's name (``messages.I.content.J``): bytes, or an
+        image's address on one of the ``remote`` hosts to fetch (:func:`image_bytes`);
+        :meth:`conversation` puts a media marker in the text where each is.
 
         Raises:
-            APIError: a part without its ``image_url``, or one that is not an image sent
-                as a base64 ``data:`` URI (:func:`image_bytes`).
+            APIError: a part without its ``image_url`` or ``input_audio``, an image that
+                is not sent as a base64 ``data:`` URI (:func:`image_bytes`), a clip that
+                is not base64 or not of a format read (:func:`audio_bytes`).
         """
         media: list[tuple[str, bytes | str]] = []
         for i, m in enumerate(self.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type == "input_audio":
+                    param = f"messages.{i}.content.{j}.input_audio"
+                    if part.input_audio is None:
+                        raise bad_request(f"{param}: an input_audio part needs its "
+                                          f"input_audio", param=param)  # fmt: skip
+                    media.append((f"messages.{i}.content.{j}",
+                                  audio_bytes(part.input_audio, param)))  # fmt: skip
+                    continue
                 if part.type != "image_url":
                     continue
                 param = f"messages.{i}.content.{j}.image_url"

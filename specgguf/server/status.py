@@ -63,16 +63,17 @@ async def one_model(model: str, request: Request) -> dict[str, Any]:
 @router.api_route("/props", methods=["GET", "HEAD"])
 async def props(request: Request) -> dict[str, Any]:
     """llama-server's ``/props``, the fields its web UI and clients read: the model, the
-    sequences (``total_slots``), the context, and ``modalities`` (whether images are
-    read: ``--mmproj``)."""
+    sequences (``total_slots``), the context, and ``modalities`` (whether images and audio
+    are read: ``--mmproj``)."""
     svc: Service = request.app.state.service
     engine = svc.engine
+    proj = engine.projector
     return {
         "model_alias": svc.settings.model_id,
         "model_path": str(engine.target_model.path),
         "total_slots": engine.n_parallel,
         "default_generation_settings": {"n_ctx": engine.n_ctx},
-        "modalities": {"vision": engine.projector is not None, "audio": False},
+        "modalities": {"vision": bool(proj and proj.vision), "audio": bool(proj and proj.audio)},
         "build_info": f"specgguf {__version__}",
     }
 
