@@ -554,9 +554,12 @@ def multi(
 def test_hf_reference_pulls_the_files_llama_cpp_would(
     multi: LocalHub, isolated_env: Path, ref: str, files: list[str]
 ) -> None:
-    res = run_cli("pull", "-hf", ref, "--json", env=env(multi))
+    # (the model's files alone: its repository's projector comes with it unless left out,
+    # see test_pull_brings_the_repositorys_projector_beside_the_model)
+    res = run_cli("pull", "-hf", ref, "--json", "--no-mmproj", env=env(multi))
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)["models"][0]
+    assert got["mmproj"] is None
     repo = ref.split(":")[0]
     snap = isolated_env / "hf" / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots"
     assert got["files"] == [str(snap / COMMIT / f) for f in files]
@@ -565,9 +568,39 @@ def test_hf_reference_pulls_the_files_llama_cpp_would(
     served = multi.state.repos[repo].files
     assert [Path(p).read_bytes() for p in got["files"]] == [served[f] for f in files]
     # The positional form is the same reference, now from the cache.
-    again = run_cli("pull", ref, "--json", env=env(multi))
+    again = run_cli("pull", ref, "--json", "--no-mmproj", env=env(multi))
     assert json.loads(again.stdout)["models"][0]["source"] == "cache"
     assert downloaded(multi) == set(files)
+
+
+def test_pull_brings_the_repositorys_projector_beside_the_model(
+    multi: LocalHub, isolated_env: Path
+) -> None:
+    # As `run -hf` and `serve -hf` pull it (and llama.cpp's -hf): the projector nearest the
+    # model's quant, so that a later run offline reads images with it.
+    res = run_cli("pull", "-hf", "test/multi-GGUF:Q8_0", "--json", env=env(multi))
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)["models"][0]
+    snap = isolated_env / "hf" / "hub" / "models--test--multi-GGUF" / "snapshots" / COMMIT
+    assert got["mmproj"] == {"path": str(snap / "mmproj-multi-Q4_K_M.gguf"),
+                             "size": len(multi.state.repos["test/multi-GGUF"].files[
+                                 "mmproj-multi-Q4_K_M.gguf"]), "source": "hub"}  # fmt: skip
+    assert downloaded(multi) == {"multi-Q8_0.gguf", "mmproj-multi-Q4_K_M.gguf"}
+    assert Path(got["mmproj"]["path"]).read_bytes() == multi.state.repos[
+        "test/multi-GGUF"].files["mmproj-multi-Q4_K_M.gguf"]  # fmt: skip
+    # offline, from the cache; the text output gives it a line of its own
+    off = run_cli("pull", "-hf", "test/multi-GGUF:Q8_0", env={**env(multi), "HF_HUB_OFFLINE": "1"})
+    assert off.returncode == 0, off.stderr
+    lines = off.stdout.decode().splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["test/multi-GGUF:Q8_0",
+                                                        "test/multi-GGUF:Q8_0 mmproj"]  # fmt: skip
+    assert lines[1].split("\t")[1] == got["mmproj"]["path"] and lines[1].endswith("cache")
+    # a draft (-hfd) comes without it
+    draft = run_cli("pull", "-hfd", "test/multi-GGUF:Q4_K_M", "--json", env=env(multi))
+    assert draft.returncode == 0, draft.stderr
+    assert json.loads(draft.stdout)["models"][0]["mmproj"] is None
+    assert downloaded(multi) == {"multi-Q8_0.gguf", "mmproj-multi-Q4_K_M.gguf",
+                                 "multi-Q4_K_M.gguf"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -621,7 +654,9 @@ def test_hf_reference_resolves_offline_from_the_cache(
     offline = {"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "1"}
     again = run_cli("pull", "-hf", "test/multi-GGUF:Q8_0", "--json", env=offline)
     assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["models"][0] == {**data["models"][0], "source": "cache"}
+    first = data["models"][0]  # (its projector came with it: from the cache too)
+    assert json.loads(again.stdout)["models"][0] == {
+        **first, "source": "cache", "mmproj": {**first["mmproj"], "source": "cache"}}  # fmt: skip
     unreachable = run_cli("pull", "-hf", "test/multi-GGUF:Q8_0", "--json",
                           env={"HF_ENDPOINT": dead_endpoint(), "HF_HUB_OFFLINE": "0"})  # fmt: skip
     assert unreachable.returncode == 0, unreachable.stderr

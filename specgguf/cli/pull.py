@@ -32,12 +32,22 @@ def pull(
     revision: Annotated[
         str | None, typer.Option("--revision", help="A branch, tag or commit of the repo.")
     ] = None,
+    no_mmproj: Annotated[
+        bool,
+        typer.Option(
+            "--no-mmproj",
+            help="Leave out the projector of a hub repository (pulled beside its model, as "
+            "run -hf and serve -hf pull it).",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No progress on stderr.")] = False,
     registry: RegistryOpt = None,
 ) -> None:
     """Download models or a pair from the Hugging Face hub into its standard cache.
 
+    A model named as org/name[:QUANT] comes with its repository's multimodal projector
+    (mmproj), where it has one, picked as llama.cpp picks it (not for -hfd's draft).
     Two models, or a pair, are checked for vocabulary compatibility afterwards.
     Exit codes: 6 hub error or not found, 7 access refused (gated/private), 5 not enough
     disk, 8 integrity check failed, 4 the pulled pair is incompatible.
@@ -59,7 +69,8 @@ def pull(
             wanted.append(("hf", name))
         else:
             wanted.append(("alias", reg.model(name).alias))
-    wanted += [("hf", ref) for ref in (hf_repo, hf_repo_draft) if ref is not None]
+    wanted += [("hf", hf_repo)] if hf_repo is not None else []
+    wanted += [("hf-draft", hf_repo_draft)] if hf_repo_draft is not None else []
     if not wanted:
         raise UsageError("nothing to pull: give model aliases, a pair, or -hf org/name[:QUANT]")
 
@@ -67,8 +78,10 @@ def pull(
     progress = not quiet and sys.stderr.isatty()
     results: list[PullResult] = []
     for kind, name in wanted:
-        if kind == "hf":
-            res = resolve_hf(name, quant=quant, revision=revision, progress=progress, say=say)
+        if kind in ("hf", "hf-draft"):
+            side = kind == "hf" and not no_mmproj
+            res = resolve_hf(name, quant=quant, revision=revision, progress=progress, say=say,
+                             mmproj=side)  # fmt: skip
         else:
             res = hub_pull(reg.model(name), quant=quant, revision=revision, progress=progress,
                            say=say)  # fmt: skip
@@ -80,7 +93,10 @@ def pull(
         print_json({
             "models": [
                 {"alias": r.entry.alias, "repo": r.entry.repo, "path": str(r.path),
-                 "files": [str(p) for p in r.paths], "size": r.size, "source": r.source}
+                 "files": [str(p) for p in r.paths], "size": r.size, "source": r.source,
+                 "mmproj": None if r.mmproj is None else {
+                     "path": str(r.mmproj.path), "size": r.mmproj.size,
+                     "source": r.mmproj.source}}
                 for r in results
             ],
             "check": report.as_dict() if report else None,
@@ -88,6 +104,9 @@ def pull(
     else:
         for r in results:
             sys.stdout.write(f"{r.entry.alias}\t{r.path}\t{size(r.size)}\t{r.source}\n")
+            if (m := r.mmproj) is not None:  # (its projector: a line of its own)
+                sys.stdout.write(f"{r.entry.alias} mmproj\t{m.path}\t{size(m.size)}\t"
+                                 f"{m.source}\n")  # fmt: skip
         if report is not None:
             sys.stdout.write(report.verdict() + "\n")
     if report is not None and not report.compatible:
