@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 
-from specgguf.errors import MediaError
+from specgguf.errors import BackendError, MediaError
 from specgguf.gguf.tinymedia import (
     picture,
     silent_mp3,
@@ -70,6 +71,14 @@ def media(
 # -- a clip's length from its header: read before anything decodes it -------------------
 
 
+def _wav_fmt(code: int, channels: int, rate: int, align: int, *, bits: int = 16,
+             byte_rate: int = 32000, data: bytes = bytes(64)) -> bytes:  # fmt: skip
+    """A WAV file with the fmt chunk's fields as given, then ``data``."""
+    fmt = struct.pack("<HHIIHH", code, channels, rate, byte_rate, align, bits)
+    body = b"WAVEfmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(data))
+    return b"RIFF" + struct.pack("<I", len(body + data)) + body + data
+
+
 #: The header of an 8 x 8 PNG (what a check reads of it)
 PNG_8 = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + struct.pack(">II", 8, 8) + bytes(5)
 
@@ -108,15 +117,23 @@ def test_a_clips_length_is_read_from_its_header() -> None:
         (wav_bytes(tone(440))[:-100], "truncated"),
         (b"RIFF" + struct.pack("<I", 4) + b"WAVE", "no fmt chunk"),
         (b"RIFF\x00\x00\x00\x00WAVEdata" + struct.pack("<I", 0), "before its fmt chunk"),
-        (b"RIFF\x00\x00\x00\x00WAVEfmt " + struct.pack("<I", 16) + bytes(16), "0 channel"),
+        (b"RIFF\x00\x00\x00\x00WAVEfmt " + struct.pack("<I", 16) + bytes(16), "format tag 0x0000"),
+        (_wav_fmt(1, 0, 16000, 0), "0 channel(s)"),
         (_flac(16000, 0), "does not say"),
         (b"fLaC" + bytes(10), "STREAMINFO"),
         (b"ID3\x04\x00\x00\x00\x00\x00\x00" + bytes(300), "no MPEG audio frame"),
         (b"\x89PNG\r\n\x1a\n", "not audio"),
+        # (reviewed: each of these passed a first version, and libmtmd then decoded
+        # hours of samples or aborted the process)
+        (_wav_fmt(2, 1, 16000, 4), "encoding (format tag 0x0002) is not read"),  # ADPCM
+        (_wav_fmt(1, 2, 16000, 2), "2 channel(s) of 16 bits at 16000 Hz, in frames of 2"),
+        (_wav_fmt(1, 1, 16000, 2) + b"fmt " + struct.pack("<I", 16) + bytes(16), "two fmt chunks"),
+        (bytes((0xFF, 0xE3, 0x08, 0xC0)) + bytes(68), "free-format"),
+        (silent_mp3(2) + (bytes((0xFF, 0xE3, 0x08, 0xC0)) + bytes(20)) * 10, "free-format"),
     ],
 )
-def test_a_header_that_does_not_say_a_length_is_refused(data: bytes, words: str) -> None:
-    with pytest.raises(AudioHeaderError, match=words):
+def test_a_header_that_does_not_say_a_length_or_lies_is_refused(data: bytes, words: str) -> None:
+    with pytest.raises(AudioHeaderError, match=re.escape(words)):
         audio_seconds(data)
 
 
@@ -131,6 +148,19 @@ def test_clips_are_refused_before_anything_decodes_them() -> None:
     lying[40:44] = struct.pack("<I", 2_000_000_000)
     with pytest.raises(MediaError, match=r"lie\.wav could not be read as WAV audio: truncated"):
         check_medium(bytes(lying), "lie.wav", audio=True)
+    # The length is the data's frames at the sample rate, whatever the header says of its
+    # bytes a second (libmtmd reads the frames: a first version read the byte rate, and 1 MB
+    # said to be 2 us at 1 Hz made libmtmd allocate 64 GB and abort the server).
+    lies = _wav_fmt(1, 1, 1, 1, bits=8, byte_rate=0xFFFFFFFF, data=bytes(1_000_000))
+    with pytest.raises(MediaError, match=r"is 1,000,000\.0 s long: at most 600 s"):
+        check_medium(lies, "lies.wav", audio=True)
+    # an MP3 whose Xing header says 500,000 frames: decoders size their output by it
+    first = bytearray(silent_mp3(1))
+    first[21:33] = b"Xing" + (1).to_bytes(4, "big") + (500_000).to_bytes(4, "big")
+    with pytest.raises(MediaError, match="is more than 600 s long"):
+        check_medium(bytes(first) + silent_mp3(40), "xing.mp3", audio=True)
+    with pytest.raises(MediaError, match="holds no audio"):
+        check_medium(_wav_fmt(1, 1, 16000, 2, data=b""), "none.wav", audio=True)
     with pytest.raises(MediaError, match="is Ogg audio: not read here"):
         check_medium(b"OggS" + bytes(64), "a.ogg", audio=True)
     with pytest.raises(MediaError, match="reads images only"):
@@ -162,11 +192,22 @@ def test_the_audio_projector_turns_a_clip_into_embeddings(media: dict[str, Path]
                 if c.embd is not None] == [(75, N_EMBD)] * 2  # fmt: skip
         (mp3,) = p.chunks(media["mp3"].read_bytes(), "quiet.mp3")
         assert mp3.embd is not None and mp3.embd.shape == (75, N_EMBD)
-        # an encoding miniaudio does not decode (the WAV format tag 0x1234)
+        # an encoding other than those whose length the header says (the WAV format tag
+        # 0x1234), refused before libmtmd reads it
         strange = bytearray(media["a440"].read_bytes())
         strange[20:22] = struct.pack("<H", 0x1234)
-        with pytest.raises(MediaError, match=r"strange\.wav could not be read as audio"):
+        with pytest.raises(MediaError, match=r"strange\.wav could not be read as WAV audio"):
             p.chunks(bytes(strange), "strange.wav")
+        # a server that stops ends a long clip's encoding at its next chunk of 30 s
+        asked: list[int] = []
+
+        def stop() -> bool:
+            asked.append(1)
+            return len(asked) > 1
+
+        with pytest.raises(BackendError, match=r"the encoding of long\.wav was stopped"):
+            p.chunks(media["long"].read_bytes(), "long.wav", stop=stop)
+        assert len(asked) == 2  # (asked before each chunk: the second is not encoded)
         with pytest.raises(
             MediaError, match=r"a\.png is an image, and the projector reads audio only"
         ):
@@ -261,7 +302,7 @@ def test_info_describes_an_audio_projector(media: dict[str, Path]) -> None:
     assert "ultravox" in out and "audio encoder" in out and "16 mel bands, 1 blocks" in out
     assert "vision tower" not in out
     said = json.loads(run_cli("info", "--json", str(media["mmproj"])).stdout)["projector"]
-    assert said["audio"] and not said["vision"] and said["projection_dim"] == N_EMBD
+    assert said["audio"] is True and said["vision"] is False and said["projection_dim"] == N_EMBD
 
 
 # -- the server's input_audio parts -------------------------------------------------------
@@ -359,6 +400,19 @@ def _b64(data: bytes) -> str:
 BAD: list[tuple[str, Any, str, str]] = [
     # (what, the part, the param named, words of the message)
     ("no input_audio", {"type": "input_audio"}, "messages.0.content.0.input_audio", "needs its"),
+    # (reviewed: each of these was "messages.0.content: Input should be a valid string (and
+    # 1 more)", pydantic's two errors of the content's union)
+    ("input_audio a string", {"type": "input_audio", "input_audio": "AAAA"},
+     "messages.0.content.0.input_audio", "an object with the clip"),
+    ("no format", {"type": "input_audio", "input_audio": {"data": "AAAA"}},
+     "messages.0.content.0.input_audio.format", "a string: one of wav, mp3, flac"),
+    ("a format not a string", {"type": "input_audio", "input_audio": {"data": "AAAA",
+                                                                      "format": 123}},
+     "messages.0.content.0.input_audio.format", "a string"),
+    ("no data", {"type": "input_audio", "input_audio": {"format": "wav"}},
+     "messages.0.content.0.input_audio.data", "the clip in base64, a string"),
+    ("image_url {}", {"type": "image_url", "image_url": {}},
+     "messages.0.content.0.image_url.url", "an image_url part's url, a string"),
     ("another format", {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "ogg"}},
      "messages.0.content.0.input_audio.format", "'ogg' is not read: one of wav, mp3, flac"),
     ("not base64", {"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}},

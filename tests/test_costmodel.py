@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -1135,3 +1136,10 @@ def test_a_timings_remembered_values_follow_every_change_of_its_fields() -> None
             assert t.verify_time(n, cached) == fresh.verify_time(n, cached)
             assert t.batch_time(n, cached) == fresh.batch_time(n, cached)
             assert row_share(t, n, cached) == row_share(fresh, n, cached)
+    # a shallow copy keeps values of its own (reviewed: it shared the memo, and read the
+    # original's values after either changed)
+    c = copy.copy(t)
+    c.scale_batch = t.scale_batch * 3
+    assert (
+        t.verify_time(2, 100) != c.verify_time(2, 100) == dataclasses.replace(c).verify_time(2, 100)
+    )

@@ -417,3 +417,37 @@ def test_the_compiled_drafts_equal_the_pure_python_ones(
             assert module.match_length(text, after, end, n, stop) == match_length(
                 text, after, end, n, stop
             )
+
+
+def test_a_compiled_module_older_than_the_code_is_not_used() -> None:
+    # (an editable install whose _lookup was built before suffix_tree existed)
+    import types
+
+    module = compiled.load()
+    assert module is None or compiled.usable(module)
+    old = types.SimpleNamespace(NgramTable=object, SuffixTable=object, MAX_LENGTH=64)
+    assert not compiled.usable(old)  # type: ignore[arg-type]
+
+
+def test_the_compiled_drafting_takes_any_length_and_an_occurrence_list_that_changes(
+    lookup_impl: str,
+) -> None:
+    if lookup_impl == "python":
+        pytest.skip("the compiled functions only")
+    module = compiled.lookup
+    assert module is not None
+    text = list(range(1000)) * 3
+    # k and max_nodes far past what any buffer could be sized by: the draft is what
+    # follows the occurrences (from position 0: the rest of the text)
+    assert module.suffix_chain(text, len(text), [0, 1000], 2**61, 0.0, -1)[0] == text
+    assert module.suffix_tree(text, len(text), [0, 1000], 2**61, 4, 0.0, 2**61, 0, -1)[0] == text
+    occ: list[object] = []
+
+    class Clears:  # an item whose conversion empties the list being read
+        def __index__(self) -> int:
+            occ.clear()
+            return 0
+
+    occ += [Clears(), 1, 2]
+    with pytest.raises(IndexError, match="changed while they were read"):
+        module.suffix_chain([1, 2, 3, 4], 4, occ, 3, 0.0, -1)

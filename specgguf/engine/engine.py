@@ -755,6 +755,7 @@ class Engine:
         media: Sequence[tuple[str, bytes]],
         *,
         marker: str | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[list[int], list[MediaSpan]]:
         """The token ids of a rendered prompt whose text holds a media marker (``marker``,
         default :data:`specgguf.llama.media.MARKER`) where each of ``media`` goes (``(name,
@@ -762,7 +763,8 @@ class Engine:
         embeddings at their positions, for :meth:`generate`'s ``media``: each medium's
         positions hold a placeholder token (the target's BOS) in the ids. The text between
         the markers is tokenized as :meth:`prepared_ids` does, as libmtmd tokenizes the
-        pieces (``mtmd_tokenize``).
+        pieces (``mtmd_tokenize``). ``stop``: asked before each chunk of a medium is
+        encoded (:meth:`specgguf.llama.media.Projector.chunks`).
 
         Raises:
             MediaError: no projector loaded, a medium that cannot be read (see
@@ -803,7 +805,8 @@ class Engine:
                 break
             name, data = media[i]
             key = hashlib.sha256(data).digest()
-            for chunk in self.projector.chunks(data, name, fits=(len(ids), self.n_ctx)):
+            for chunk in self.projector.chunks(data, name, fits=(len(ids), self.n_ctx),
+                                               stop=stop):  # fmt: skip
                 if chunk.embd is None:
                     ids += chunk.tokens or []
                     continue

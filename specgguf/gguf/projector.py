@@ -69,6 +69,7 @@ def projector_info(path: Path) -> dict[str, object]:
             "clip.audio.projection_dim"
         )
         out["name"] = meta.get("general.name")
+    out["vision"], out["audio"] = bool(out["vision"]), bool(out["audio"])
     return out
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,9 +215,13 @@ def _check_clip(data: bytes, name: str, *, audio: bool) -> None:
         seconds = audio_seconds(data)
     except AudioHeaderError as e:
         raise MediaError(f"{name} could not be read as {kind} audio: {e}", part=name) from None
+    if seconds <= 0:
+        raise MediaError(f"{name} holds no audio: its header says 0 samples", part=name)
     if seconds > MAX_SECONDS:
-        raise MediaError(f"{name} is more than {seconds:,.0f} s long: at most "
-                         f"{MAX_SECONDS:,.0f} s of audio are read", part=name)  # fmt: skip
+        # (an MP3's frames are counted until they pass the limit)
+        long = f"more than {MAX_SECONDS:,.0f}" if kind == "MP3" else f"{seconds:,.1f}"
+        raise MediaError(f"{name} is {long} s long: at most {MAX_SECONDS:,.0f} s of audio "
+                         f"are read", part=name)  # fmt: skip
 
 
 def _mtmd() -> Any:
@@ -281,25 +286,41 @@ class Projector(_Native):
         #: seconds spent encoding media so far
         self.encode_seconds = 0.0
 
-    def chunks(self, data: bytes, name: str, *, fits: tuple[int, int] | None = None) -> list[Chunk]:
-        """What one image (its file's bytes) becomes, in order: its embeddings, and any
-        text the projector puts around them. ``fits``: (positions before it, n_ctx): the
-        image is refused before it is encoded where its positions would fill the context.
+    def chunks(
+        self,
+        data: bytes,
+        name: str,
+        *,
+        fits: tuple[int, int] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[Chunk]:
+        """What one medium (its file's bytes: an image or an audio clip) becomes, in order:
+        its embeddings (a clip's in chunks of 30 s), and any text the projector puts around
+        them. ``fits``: (positions before it, n_ctx): the medium is refused before it is
+        encoded where its positions would fill the context. ``stop``: asked before each
+        chunk is encoded; True ends the encoding (a server shutting down).
 
         Raises:
             MediaError: an empty, oversized, unreadable or unsupported medium (``name``
                 names it), or an audio clip for a projector without audio.
             ContextOverflowError: with ``fits``, the image does not fit (at least that
                 many positions: ``at_least``).
-            BackendError: libmtmd failed to encode it, or the projector was closed.
+            BackendError: libmtmd failed to encode it, the projector was closed, or
+                ``stop`` said to stop.
         """
         check_medium(data, name, vision=self.vision, audio=self.audio)
         with self._lock:
             if self._ctx is None:
                 raise BackendError(f"the projector {self.path.name} is closed")
-            return self._chunks(data, name, fits)
+            return self._chunks(data, name, fits, stop)
 
-    def _chunks(self, data: bytes, name: str, fits: tuple[int, int] | None) -> list[Chunk]:
+    def _chunks(
+        self,
+        data: bytes,
+        name: str,
+        fits: tuple[int, int] | None,
+        stop: Callable[[], bool] | None,
+    ) -> list[Chunk]:
         m, ctx = self._m, self._ctx
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         opt = m.mtmd_helper_init_opt_default()
@@ -338,7 +359,12 @@ class Projector(_Native):
                 need = fits[0] + sum(int(m.mtmd_input_chunk_get_n_pos(c)) for c in items)
                 if need >= fits[1]:
                     raise ContextOverflowError(need, fits[1], at_least=True)
-            return [self._chunk(c, name) for c in items]
+            out = []
+            for c in items:  # (a long clip is many chunks of 30 s: seconds each, real size)
+                if stop is not None and stop():
+                    raise BackendError(f"the encoding of {name} was stopped")
+                out.append(self._chunk(c, name))
+            return out
         finally:
             m.mtmd_input_chunks_free(chunks)
             m.mtmd_bitmap_free(bitmap)

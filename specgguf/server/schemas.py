@@ -51,23 +51,6 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class ImageURL(_Strict):
-    """An ``image_url`` part's image: a ``data:`` URI with the image in base64 (a web
-    address is refused: :func:`image_bytes`); ``detail`` is taken and not used."""
-
-    url: str
-    detail: str | None = None
-
-
-class InputAudio(_Strict):
-    """An ``input_audio`` part's clip: ``data`` in base64, its ``format`` one of
-    :data:`AUDIO_PART_FORMATS` (OpenAI's are wav and mp3; the bytes say the format, as an
-    image's do)."""
-
-    data: str
-    format: str
-
-
 #: The ``format`` values an ``input_audio`` part may give: what libmtmd decodes.
 AUDIO_PART_FORMATS = ("wav", "mp3", "flac")
 
@@ -80,9 +63,12 @@ class ContentPart(_Strict):
 
     type: str
     text: str | None = None
-    #: (a bare string too, as some clients send it)
-    image_url: ImageURL | str | None = None
-    input_audio: InputAudio | None = None
+    #: ``{"url": ..., "detail": ...}``, or a bare string as some clients send it (``detail``
+    #: is taken and not used); read by :meth:`ChatRequest.media`, which names a field
+    #: that is wrong (a model here would answer a union's two errors about the content)
+    image_url: Any = None
+    #: ``{"data": <base64>, "format": ...}`` (:func:`audio_bytes`)
+    input_audio: Any = None
 
 
 #: The content parts that are media: each becomes a marker in the text
@@ -151,24 +137,35 @@ def _base64_bytes(body: str, param: str, what: str, carrier: str) -> bytes:
     return data
 
 
-def audio_bytes(part: InputAudio, param: str) -> bytes:
-    """The clip of an ``input_audio`` part (``param`` names it): its ``data`` decoded from
-    base64 (as :func:`image_bytes` reads a data: URI's), with a ``format`` of
-    :data:`AUDIO_PART_FORMATS`.
+def audio_bytes(part: Any, param: str) -> bytes:
+    """The clip of an ``input_audio`` part's object (``param`` names it): its ``data``
+    decoded from base64 (as :func:`image_bytes` reads a data: URI's), with a ``format`` of
+    :data:`AUDIO_PART_FORMATS` (OpenAI's are wav and mp3; the bytes say the format, as an
+    image's do).
 
     Raises:
-        APIError: 400 naming the field: another format, data that is not base64, empty,
-            or over :data:`specgguf.llama.media.MAX_BYTES` decoded.
+        APIError: 400 naming the field: not an object, a field missing or not a string,
+            another format, data that is not base64, empty, or over
+            :data:`specgguf.llama.media.MAX_BYTES` decoded.
     """
     from specgguf.llama.media import MAX_BYTES
 
-    if part.format.lower() not in AUDIO_PART_FORMATS:
-        raise bad_request(f"{param}.format: {part.format!r} is not read: one of "
+    if not isinstance(part, dict):
+        raise bad_request(f"{param}: an object with the clip in base64 (data) and its format",
+                          param=param)  # fmt: skip
+    fmt, data = part.get("format"), part.get("data")
+    if not isinstance(fmt, str):
+        raise bad_request(f"{param}.format: the clip's format, a string: one of "
                           f"{', '.join(AUDIO_PART_FORMATS)}", param=f"{param}.format")  # fmt: skip
-    if len(part.data) > (MAX_BYTES // 3 + 1) * 4 * 77 // 76 + 8:  # (76-column lines allowed)
+    if fmt.lower() not in AUDIO_PART_FORMATS:
+        raise bad_request(f"{param}.format: {fmt!r} is not read: one of "
+                          f"{', '.join(AUDIO_PART_FORMATS)}", param=f"{param}.format")  # fmt: skip
+    if not isinstance(data, str):
+        raise bad_request(f"{param}.data: the clip in base64, a string", param=f"{param}.data")
+    if len(data) > (MAX_BYTES // 3 + 1) * 4 * 77 // 76 + 8:  # (76-column lines allowed)
         raise bad_request(f"{param}.data: the audio is more than {MAX_BYTES:,} bytes",
                           param=f"{param}.data")  # fmt: skip
-    return _base64_bytes(part.data, f"{param}.data", "the audio", "the data")
+    return _base64_bytes(data, f"{param}.data", "the audio", "the data")
 
 
 class FunctionCall(_Strict):
@@ -431,7 +428,12 @@ class ChatCompletionRequest(_Generation):
                 if isinstance(part.image_url, str):
                     data = image_bytes(part.image_url, param, remote)
                 else:
-                    data = image_bytes(part.image_url.url, f"{param}.url", remote)
+                    url = part.image_url.get("url") if isinstance(part.image_url, dict) else None
+                    if not isinstance(url, str):
+                        raise bad_request(f"{param}.url: an image_url part's url, a string (a "
+                                          f"data: URI: data:image/png;base64,...)",
+                                          param=f"{param}.url")  # fmt: skip
+                    data = image_bytes(url, f"{param}.url", remote)
                 media.append((f"messages.{i}.content.{j}", data))
         return media
 

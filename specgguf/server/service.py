@@ -211,7 +211,9 @@ class Service:
                         tools=tools.tools if tools else None,
                     )
                     with self.scheduler.turn():  # (between two generations or steps)
-                        return engine.media_prompt(prepared, images, marker=marker)
+                        # (a server that stops ends a long clip's encoding at its next chunk)
+                        closed = lambda: self.scheduler.closed  # noqa: E731
+                        return engine.media_prompt(prepared, images, marker=marker, stop=closed)
 
                 # A place in the queue first (before the images' arithmetic is spent, and
                 # so that requests waiting for their turn to encode count as waiting).
@@ -244,6 +246,8 @@ class Service:
         except MediaError as e:
             raise bad_request(str(e), param=e.part) from None
         except BackendError as e:  # (the projector's arithmetic failed: not the request's)
+            if self.scheduler.closed:  # (or was stopped with the server)
+                raise _shutting_down() from None
             raise _job_error(e) from None
         except SpecggufError as e:
             if self.scheduler.closed:  # (the template's worker stopped with the server)

@@ -252,6 +252,11 @@ class Timings:
         default_factory=dict, init=False, repr=False, compare=False
     )
 
+    def __copy__(self) -> Timings:
+        # (a copy shares no memo with this one: a change to either would leave the other
+        # reading the values of the one that asked last)
+        return dataclasses.replace(self)
+
     def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
         if name[0] != "_":

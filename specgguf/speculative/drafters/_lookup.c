@@ -704,7 +704,17 @@ static int64_t *read_positions(PyObject *occ, Py_ssize_t *n_out) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        /* (an item's __index__ may run any code, the list's own changes included) */
+        if (i >= PySequence_Fast_GET_SIZE(fast)) {
+            Py_DECREF(fast);
+            free(pos);
+            PyErr_SetString(PyExc_IndexError, "the occurrences changed while they were read");
+            return NULL;
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        Py_INCREF(item);
+        long v = PyLong_AsLong(item);
+        Py_DECREF(item);
         if (v == -1 && PyErr_Occurred()) {
             Py_DECREF(fast);
             free(pos);
@@ -742,6 +752,27 @@ static Py_ssize_t group_next(PyObject *corpus, Py_ssize_t end, int64_t sep, cons
         group_of[i] = g;
     }
     return n_groups;
+}
+
+/* Room for one more item in each of the out arrays (tokens, and probs and parents where
+ * not NULL), doubled as they fill: a draft's length is not bounded by the k asked for (any
+ * int) but by what follows the occurrences. */
+static int grow(Py_ssize_t len, Py_ssize_t *cap, int64_t **tokens, double **probs,
+                int64_t **parents) {
+    if (len < *cap) return 0;
+    Py_ssize_t want = *cap ? *cap * 2 : 64;
+    int64_t *t = realloc(*tokens, (size_t)want * sizeof(int64_t));
+    if (t) *tokens = t;
+    double *p = realloc(*probs, (size_t)want * sizeof(double));
+    if (p) *probs = p;
+    int64_t *q = parents ? realloc(*parents, (size_t)want * sizeof(int64_t)) : NULL;
+    if (q) *parents = q;
+    if (!t || !p || (parents && !q)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *cap = want;
+    return 0;
 }
 
 static PyObject *float_list(const double *v, Py_ssize_t n) {
@@ -782,14 +813,14 @@ static PyObject *lookup_suffix_chain(PyObject *Py_UNUSED(module), PyObject *args
     Py_ssize_t n;
     int64_t *pos = read_positions(occ_obj, &n);
     if (pos == NULL) return NULL;
-    Py_ssize_t cap = n > 0 ? n : 1, kk = k > 0 ? k : 0;
+    Py_ssize_t cap = n > 0 ? n : 1, kk = k > 0 ? k : 0, out_cap = 0;
     int64_t *gtok = malloc((size_t)cap * sizeof(int64_t));
     Py_ssize_t *gsize = malloc((size_t)cap * sizeof(Py_ssize_t));
     Py_ssize_t *group_of = malloc((size_t)cap * sizeof(Py_ssize_t));
-    int64_t *tokens = malloc((size_t)(kk > 0 ? kk : 1) * sizeof(int64_t));
-    double *probs = malloc((size_t)(kk > 0 ? kk : 1) * sizeof(double));
+    int64_t *tokens = NULL;
+    double *probs = NULL;
     PyObject *result = NULL;
-    if (!gtok || !gsize || !group_of || !tokens || !probs) {
+    if (!gtok || !gsize || !group_of) {
         PyErr_NoMemory();
         goto done;
     }
@@ -806,6 +837,7 @@ static PyObject *lookup_suffix_chain(PyObject *Py_UNUSED(module), PyObject *args
                 best = g;
         double share = (double)gsize[best] / (double)n;
         if (share <= share_min && len > 0) break;
+        if (grow(len, &out_cap, &tokens, &probs, NULL) < 0) goto done;
         confidence *= share;
         tokens[len] = gtok[best];
         probs[len] = confidence;
@@ -971,17 +1003,12 @@ static PyObject *lookup_suffix_tree(PyObject *Py_UNUSED(module), PyObject *args)
     int64_t *occ = read_positions(occ_obj, &n_occ);
     if (occ == NULL) return NULL;
     Tree tr = {corpus, end, sep, min_prob, NULL, 0, 0, NULL, 0, 0, 0, NULL, NULL, NULL, NULL, 0};
-    Py_ssize_t cap = max_nodes > 0 ? max_nodes : 1;
-    int64_t *tokens = malloc((size_t)cap * sizeof(int64_t));
-    int64_t *parents = malloc((size_t)cap * sizeof(int64_t));
-    double *probs = malloc((size_t)cap * sizeof(double));
-    char *has_child = calloc((size_t)cap, 1);
+    Py_ssize_t cap = 0;
+    int64_t *tokens = NULL, *parents = NULL;
+    double *probs = NULL;
+    char *has_child = NULL;
     PyObject *result = NULL;
     Py_ssize_t len = 0, n_leaves = 0, first = -1, first_len = 0;
-    if (!tokens || !parents || !probs || !has_child) {
-        PyErr_NoMemory();
-        goto done;
-    }
     if (n_occ > 0 && max_nodes > 0 && max_leaves > 0) {
         tr.arena = malloc((size_t)(2 * n_occ) * sizeof(int64_t));
         if (tr.arena == NULL) {
@@ -997,6 +1024,17 @@ static PyObject *lookup_suffix_tree(PyObject *Py_UNUSED(module), PyObject *args)
         Candidate c = tree_pop(&tr);
         int opens = c.parent < 0 ? len > 0 : has_child[c.parent];
         if (opens && n_leaves >= max_leaves) continue; /* a new leaf beside others: no room */
+        if (len == cap) {
+            Py_ssize_t was = cap;
+            if (grow(len, &cap, &tokens, &probs, &parents) < 0) goto done;
+            char *h = realloc(has_child, (size_t)cap);
+            if (h == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            memset(h + was, 0, (size_t)(cap - was));
+            has_child = h;
+        }
         n_leaves += opens || len == 0;
         if (c.parent >= 0) has_child[c.parent] = 1;
         tokens[len] = c.token;

@@ -15,15 +15,26 @@ def wanted_pure() -> bool:
     return os.environ.get("SPECGGUF_PURE_PYTHON", "") not in ("", "0")
 
 
+#: What the drafters call of the compiled module: a build older than this code (an
+#: editable install not built again) lacks some, and is not used.
+NAMES = ("NgramTable", "SuffixTable", "MAX_LENGTH", "match_length", "suffix_chain", "suffix_tree")
+
+
+def usable(module: ModuleType) -> bool:
+    """Whether ``module`` has everything the drafters call (:data:`NAMES`)."""
+    return all(hasattr(module, name) for name in NAMES)
+
+
 def load() -> ModuleType | None:
-    """The compiled module, or None where it was not built or is not wanted."""
+    """The compiled module, or None where it was not built, is older than this code, or is
+    not wanted."""
     if wanted_pure():
         return None
     try:
         from specgguf.speculative.drafters import _lookup
     except ImportError:
         return None
-    return _lookup
+    return _lookup if usable(_lookup) else None
 
 
 #: What the drafters made from now on use (tests set it to None for the reference).
