@@ -212,8 +212,8 @@ class Service:
                     )
                     with self.scheduler.turn():  # (between two generations or steps)
                         # (a server that stops ends a long clip's encoding at its next chunk)
-                        closed = lambda: self.scheduler.closed  # noqa: E731
-                        return engine.media_prompt(prepared, images, marker=marker, stop=closed)
+                        return engine.media_prompt(prepared, images, marker=marker,
+                                                   stop=lambda: self.scheduler.closed)  # fmt: skip
 
                 # A place in the queue first (before the images' arithmetic is spent, and
                 # so that requests waiting for their turn to encode count as waiting).
