@@ -179,6 +179,16 @@ def test_clips_are_refused_before_anything_decodes_them() -> None:
     before = b"\xff\xf1\x00\xc0" + bytes(9) + b"Xing\0\0\0\x01" + (100_000).to_bytes(4, "big")
     with pytest.raises(MediaError, match="is more than 600 s long"):
         check_medium(before + bytes(11) + l3 * 20, "xing.mp3", audio=True)
+    # ... or in the frame after one that gives no samples (its main data said to begin in
+    # a reservoir it has not got): dr_mp3 reads the tag where its first samples came from
+    # (a third review's find: 528 bytes decoded to 1,830 s)
+    kind = b"\xff\xf3\x24\xc0"  # MPEG-2 layer III, 16 kbit/s, 24 kHz, mono: 48 bytes
+    empty = kind + b"\xff" + bytes(43)
+    tagged = kind + bytes(9) + b"Xing\0\0\0\x01" + (75_000).to_bytes(4, "big") + bytes(23)
+    assert audio_seconds(empty + tagged + (kind + bytes(44)) * 9) == 75_000 * 1152 / 24000
+    # (text in trailing ID3v1 tags is no tag of dr_mp3's)
+    id3v1 = b"TAG" + b"Info\x01\x01\x01\x01\x7f\x7f\x7f\x7f" + bytes(113)
+    assert audio_seconds(silent_mp3(40) + id3v1) == audio_seconds(silent_mp3(40))
     # an MP3 whose Xing header says 500,000 frames: decoders size their output by it
     first = bytearray(silent_mp3(1))
     first[21:33] = b"Xing" + (1).to_bytes(4, "big") + (500_000).to_bytes(4, "big")

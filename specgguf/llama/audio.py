@@ -13,8 +13,8 @@ any ID3v2 tags first), then dr_mp3 (which finds frames anywhere in the bytes) on
 clip. So a clip is read here in that order too, and each of the first two is taken only
 where its header is one that decoder certainly accepts (else another decoder would read
 the same bytes): a WAV of a plain encoding and sizes, a FLAC whose metadata blocks all fit
-the file. An MP3's length is bounded by every frame header its bytes hold, and by what a
-Xing/Info header where dr_mp3 looks for one says.
+the file. An MP3's length is bounded by every frame header its bytes hold, and by what any
+Xing/Info tag in it says.
 """
 
 from __future__ import annotations
@@ -242,8 +242,13 @@ def _mp3_seconds(data: bytes, limit: float) -> float:
     frame of its samples (minimp3 looks for frames anywhere, and may find them inside what
     another reader took for a frame), at the lowest sample rate of the headers up to the
     one it starts at (dr_mp3 gives every frame's samples at the first frame's rate); or
-    what a Xing/Info header says where dr_mp3 reads one, if more. Counted until it passes
-    ``limit``."""
+    what a Xing/Info tag anywhere in the stream says, if more. Counted until it passes
+    ``limit``.
+
+    The rate is the first frame's that minimp3 starts at: where that frame and the ones of
+    its kind after it give no samples, dr_mp3 may take its rate from a later frame, at
+    most 6 times lower (48 kHz against 8): what is decoded is then at most 6 times the
+    bound."""
     start = _after_id3(data)
     samples, rate, first = 0, 0, None
     for found in _HEADER.finditer(data, start):
@@ -258,13 +263,20 @@ def _mp3_seconds(data: bytes, limit: float) -> float:
             return samples / rate
     if first is None:
         raise AudioHeaderError("no MPEG audio frame was found in it")
-    # dr_mp3 reads a Xing/Info tag after the side information of the bytes its first
-    # decode started at (the stream's start, or a frame's): 4 bytes of header, 2 of CRC
-    # or none, 9, 17 or 32 of side information
+    # dr_mp3 reads a Xing/Info tag after the side information of the bytes of its first
+    # decode that gave samples: the stream's start, a frame's, or what follows frames that
+    # gave none (a reviewer's find). Any tag in the stream counts, its trailing ID3v1 and
+    # APE tags (text) left out.
+    end = len(data)
+    if data[end - 128 : end - 125] == b"TAG":
+        end -= 128
+    if data[end - 32 : end - 24] == b"APETAGEX":
+        end -= int.from_bytes(data[end - 20 : end - 16], "little") + 32
     said = 0
-    for base in {0, start, first}:
-        for off in (13, 15, 21, 23, 36, 38):
-            tag = data[base + off : base + off + 12]
-            if tag[:4] in (b"Xing", b"Info") and tag[7] & 1:
-                said = max(said, int.from_bytes(tag[8:12], "big"))
+    for tag in (b"Xing", b"Info"):
+        at = data.find(tag, start, end)
+        while at >= 0:
+            if at + 12 <= len(data) and data[at + 7] & 1:
+                said = max(said, int.from_bytes(data[at + 8 : at + 12], "big"))
+            at = data.find(tag, at + 4, end)
     return max(samples, said * 1152) / rate
