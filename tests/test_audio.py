@@ -8,6 +8,7 @@ parts through the official `openai` package."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -243,6 +244,23 @@ def test_the_audio_projector_turns_a_clip_into_embeddings(media: dict[str, Path]
         with pytest.raises(BackendError, match=r"the encoding of long\.wav was stopped"):
             p.chunks(media["long"].read_bytes(), "long.wav", stop=stop)
         assert len(asked) == 2  # (asked before each chunk: the second is not encoded)
+        # each chunk in a turn of its own (the server's, between two steps of the others):
+        # the stop asked inside it, the chunk encoded before it ends
+        log: list[str] = []
+
+        @contextlib.contextmanager
+        def turn() -> Iterator[None]:
+            log.append("in")
+            yield
+            log.append("out")
+
+        def stop_logged() -> bool:
+            log.append("stop?")
+            return False
+
+        long = p.chunks(media["long"].read_bytes(), "long.wav", stop=stop_logged, turn=turn)
+        assert sum(c.embd is not None for c in long) == 2
+        assert log == ["in", "stop?", "out"] * len(long)
         with pytest.raises(
             MediaError, match=r"a\.png is an image, and the projector reads audio only"
         ):

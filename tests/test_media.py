@@ -32,24 +32,30 @@ PROMPT = "Describe"
 def media(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """The tiny target, its projector, two pictures and a corrupt one."""
+    """The tiny target, its projector, two pictures and a corrupt one; a Qwen2-VL
+    projector (for a target with M-RoPE)."""
     folder = tmp_path_factory.mktemp("media")
     write_mmproj(folder / "mmproj.gguf", N_EMBD)
+    write_mmproj(folder / "mmproj-qwen2vl.gguf", N_EMBD, patch_size=4,
+                 projector="qwen2vl_merger")  # fmt: skip
     (folder / "broken.png").write_bytes(png_bytes(picture())[:60])
     return {
         "target": tiny_models["target"],
         "draft": tiny_models["draft-partial"],
         "mmproj": folder / "mmproj.gguf",
+        "mmproj-qwen2vl": folder / "mmproj-qwen2vl.gguf",
         "image": write_png(folder / "a.png", picture()),
         "other": write_png(folder / "b.png", picture(flip=True)),
         "broken": folder / "broken.png",
     }
 
 
-def _run(media: dict[str, Path], *args: str, image: str = "image", n: int = 16) -> dict:
+def _run(
+    media: dict[str, Path], *args: str, image: str = "image", n: int = 16, prompt: str = PROMPT
+) -> dict:
     res = run_cli("run", "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
                   "--image", str(media[image]), "--temp", "0", "-n", str(n), "--ignore-eos",
-                  "-t", "1", "--json", *args, PROMPT)  # fmt: skip
+                  "-t", "1", "--json", *args, prompt)  # fmt: skip
     assert res.returncode == 0, res.stderr.decode()
     return json.loads(res.stdout)
 
@@ -232,16 +238,19 @@ def test_a_prompt_with_the_marker_and_no_image_is_text(media: dict[str, Path]) -
     assert res.returncode == 0, res.stderr.decode()
 
 
-def _in_process(media: dict[str, Path]) -> tuple[Any, Any, dict[str, tuple[str, bytes]]]:
-    """An engine configuration of the tiny target and its projector (the target alone),
-    greedy parameters of 12 tokens, and the two pictures by name."""
+def _in_process(
+    media: dict[str, Path], target: Path | None = None, mmproj: str = "mmproj"
+) -> tuple[Any, Any, dict[str, tuple[str, bytes]]]:
+    """An engine configuration of the tiny target (or ``target``) and its projector (or
+    ``media[mmproj]``) (the target alone), greedy parameters of 12 tokens, and the two
+    pictures by name."""
     from specgguf.engine import EngineConfig, ModelConfig, SpeculativeConfig
     from specgguf.speculative.loop import GenerationParams
     from specgguf.speculative.sampling import SamplerParams
 
-    config = EngineConfig(ModelConfig(media["target"], n_ctx=512, n_threads=1),
+    config = EngineConfig(ModelConfig(target or media["target"], n_ctx=512, n_threads=1),
                           speculative=SpeculativeConfig(drafter="none"),
-                          mmproj=media["mmproj"])  # fmt: skip
+                          mmproj=media[mmproj])  # fmt: skip
     params = GenerationParams(n_predict=12, sampler=SamplerParams(temperature=0), drafter="none",
                               ignore_eos=True)  # fmt: skip
     return config, params, {k: ("picture", media[k].read_bytes()) for k in ("image", "other")}
@@ -444,3 +453,246 @@ def test_a_medium_whose_read_fails_midway_leaves_none_of_its_rows(media: dict[st
         assert media_decodes[0] == 2 and eng.target_ctx.n_past == start
         again = eng.generate(probe, params).run()
         assert again.stats.prompt_cached <= start and again.tokens == fresh.tokens
+
+
+# -- drafters that read the target's hidden states ------------------------------------
+
+#: (fixture of the target, fixture of the head's file or None: the target's own MTP
+#: blocks, the drafter)
+HEADS = {
+    "mtp": ("mtp-heads", None, "mtp"),  # Hunyuan V3's two chained MTP blocks
+    "eagle3": ("target", "eagle3", "eagle3"),
+    "dflash": ("target", "dflash", "dflash"),
+    "assistant": ("gemma4", "gemma4-assistant", "assistant"),  # Gemma 4's MTP assistant
+    # Qwen3.5's shape: a hybrid target with M-RoPE, its MTP block, a DFlash draft for it
+    "mtp-hybrid": ("mtp", None, "mtp"),
+    "dflash-mrope": ("hybrid", "dflash-mrope", "dflash"),
+}
+
+
+def spans_start(eng: Any, prompt: Any) -> int:
+    return int(prompt(eng, "image", "Describe")[1][0].start)
+
+
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_a_head_drafts_after_media_from_the_hidden_states_that_saw_them(
+    media: dict[str, Path], tiny_models: dict[str, Path], kind: str
+) -> None:
+    """MTP blocks, EAGLE-3, DFlash and Gemma 4's assistant read the target's hidden states
+    at a medium's positions (placeholder tokens, states that saw the image), and the head's
+    cache is kept across generations only up to a medium that changed (the placeholders
+    are the same tokens whatever the image). Each generation gives the target alone's
+    tokens, fresh: the same image with other text after it, another image, the first
+    again, text alone."""
+    from specgguf.engine import Engine, ModelConfig, SpeculativeConfig
+    from specgguf.llama.media import MARKER
+
+    target, head, drafter = HEADS[kind]
+    mmproj = "mmproj-qwen2vl" if target in ("mtp", "hybrid") else "mmproj"  # (M-RoPE)
+    config, params, pictures = _in_process(media, tiny_models[target], mmproj)
+    params = dataclasses.replace(params, n_predict=24)
+    spec = SpeculativeConfig(drafter=drafter, draft_max=4, draft_min=0)
+    drafting = dataclasses.replace(
+        config, speculative=spec,
+        draft=ModelConfig(tiny_models[head], n_ctx=512, n_threads=1) if head else None,
+    )  # fmt: skip
+    # (other text right after the same image: a head that keeps one position less than
+    # it holds would cut inside the image; another image: the head's first row there reads
+    # the hidden state of the position before it, which the target computes again)
+    turns = [("image", "Describe"), ("image", "Name it"), ("other", "Describe"),
+             ("image", "Describe"), (None, "Describe")]  # fmt: skip
+
+    def prompt(eng: Engine, which: str | None, text: str) -> tuple[list[int], list]:
+        if which is None:
+            return eng.prepared_ids(eng.render(text)), []
+        return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
+
+    expected = []
+    for which, text in turns:
+        with Engine(config) as eng:
+            ids, spans = prompt(eng, which, text)
+            expected.append(eng.generate(ids, dataclasses.replace(params, drafter="none"),
+                                         media=spans).run().tokens)  # fmt: skip
+    # (the tiny Gemma 4 gives the same tokens whatever the image)
+    assert expected[0] != expected[2] or kind == "assistant"
+    with Engine(drafting) as eng:
+        ids, spans = prompt(eng, "image", "Describe")
+        ctx = eng.target_ctx
+        ctx.prompt(ids, media=spans)
+        rows = ctx.hidden_rows(spans[0].start, spans[0].end)  # (none there before)
+        assert rows.shape[0] == len(spans[0].embd) and np.isfinite(rows).all()
+        ctx.reuse([])
+        drafted, cached = 0, []
+        for (which, text), want in zip(turns, expected, strict=True):
+            ids, spans = prompt(eng, which, text)
+            res = eng.generate(ids, dataclasses.replace(params, drafter=drafter),
+                               media=spans).run()  # fmt: skip
+            assert res.tokens == want, (kind, which, text)
+            drafted += res.stats.drafted
+            cached.append(res.stats.prompt_cached)
+        assert drafted > 0
+        # the text before the image is kept (but its last position, for the head's row)
+        assert 0 < cached[2] < spans_start(eng, prompt) and cached[3] == cached[2]
+
+
+# -- recurrent and hybrid targets, M-RoPE ---------------------------------------------
+
+#: a Mamba-2 target with LLaVA's projector; a hybrid of Gated DeltaNet and attention
+#: layers with M-RoPE (Qwen3.5's) and Qwen2-VL's text model (attention, M-RoPE), both
+#: with Qwen2-VL's projector; the draft model for each
+RECURRENT = {"recurrent": ("draft-partial", "mmproj"),
+             "hybrid": ("hybrid-draft", "mmproj-qwen2vl"),
+             "qwen2vl": ("draft-partial", "mmproj-qwen2vl")}  # fmt: skip
+
+
+@pytest.mark.parametrize("target", sorted(RECURRENT))
+def test_a_recurrent_or_m_rope_target_reads_an_image_as_llama_mtmd_cli_does(
+    media: dict[str, Path], tiny_models: dict[str, Path], tools: Path, target: str
+) -> None:
+    """A Mamba-2 target reads the image's rows into its recurrent state; an M-RoPE target
+    (the hybrid) places them on positions of their own (a 4 x 4 grid of rows on 4
+    positions), and the text after goes on from there: `run --image` gives
+    llama-mtmd-cli's bytes with text before the image and after it, and each drafter the
+    target alone's tokens."""
+    from specgguf.llama.backend import LlamaModel
+
+    draft, mmproj = RECURRENT[target]
+    at = {**media, "target": tiny_models[target], "draft": tiny_models[draft],
+          "mmproj": media[mmproj]}  # fmt: skip
+    prompt = f"Look at this: <__media__> {PROMPT}"
+    ours = _run(at, "--drafter", "none", prompt=prompt)
+    assert _run(at, "--drafter", "none", prompt=prompt, image="other")["tokens"] != ours["tokens"]
+    cli = tools / "llama-mtmd-cli"
+    if cli.is_file():
+        oracle = subprocess.run(
+            [str(cli), "-m", str(at["target"]), "--mmproj", str(at["mmproj"]),
+             "--image", str(media["image"]), "-p", prompt, "--temp", "0", "-n", "16", "-t",
+             "1", "-c", "512", "--ignore-eos"],
+            capture_output=True, timeout=300, check=True,
+        )  # fmt: skip
+        with LlamaModel(at["target"], vocab_only=True) as vocab:
+            text = vocab.detokenize(ours["tokens"])
+        assert oracle.stdout.strip(b"\n") == text.strip(b"\n"), (oracle.stdout, text)
+    elif os.environ.get("SPECGGUF_REQUIRE_LLAMA_TOOLS") == "1":
+        pytest.fail("llama-mtmd-cli is not built (scripts/bench-llama-cpp --build-only)")
+    alone = _run(at, "--drafter", "none", prompt=prompt, n=32)
+    for drafter in ("ngram", "suffix", "model"):
+        draft = ["-md", str(at["draft"])] if drafter == "model" else ["--no-draft"]
+        got = _run(at, "--drafter", drafter, "--draft", "4", *draft, prompt=prompt, n=32)
+        assert got["tokens"] == alone["tokens"], drafter
+        assert drafter != "model" or got["stats"]["drafted"] > 0
+    # (the suffix drafter's token trees, on an attention target: its branches at the
+    # positions after the image's)
+    if target == "qwen2vl":
+        again = prompt + ": the quick brown fox jumps over the lazy dog" * 3
+        got = _run(at, "--drafter", "suffix", "--draft", "4", "--draft-tree", "4", "--no-draft",
+                   prompt=again, n=128)  # fmt: skip
+        assert got["tokens"] == _run(at, "--drafter", "none", prompt=again, n=128)["tokens"]
+        assert got["stats"]["tree_steps"] > 0 and got["stats"]["accepted"] > 0
+
+
+def test_an_m_rope_images_rows_take_the_positions_libmtmd_gives_them(
+    media: dict[str, Path], tiny_models: dict[str, Path]
+) -> None:
+    """The tiny Qwen2-VL projector's image is 16 rows in a 4 x 4 grid: with M-RoPE they
+    take 4 positions, all at the image's first in time, row and column in the other two
+    sections (libmtmd's mtmd_image_tokens_get_decoder_pos); a second image starts where
+    the first's positions end, not its rows. (LLaVA's projector beside an M-RoPE target
+    gives one position a row, in libmtmd too.)"""
+    from specgguf.engine import Engine
+    from specgguf.llama.media import MARKER
+
+    config, _, pictures = _in_process(media, tiny_models["hybrid"], "mmproj-qwen2vl")
+    with Engine(config) as eng:
+        _, spans = eng.media_prompt(eng.render(f"a{MARKER}b{MARKER}c"),
+                                      [pictures["image"], pictures["other"]])  # fmt: skip
+    first, second = spans
+    assert (len(first.embd), first.n_pos, first.shift) == (16, 4, 12)
+    p = first.start
+    assert first.pos is not None and second.pos is not None
+    assert (first.pos[0] == p).all() and first.pos[3].tolist() == [0] * 16
+    assert first.pos[1].tolist() == [p + i // 4 for i in range(16)]  # rows
+    assert first.pos[2].tolist() == [p + i % 4 for i in range(16)]  # columns
+    # the text between takes one position a token, from the first image's last + 1
+    assert (second.pos[0] == second.start - 12).all()
+
+
+@pytest.mark.parametrize("target", ["hybrid", "recurrent"])
+def test_a_recurrent_state_keeps_a_checkpoint_after_an_image_and_reads_it_again(
+    media: dict[str, Path], tiny_models: dict[str, Path], target: str
+) -> None:
+    """A recurrent state cannot be cut anywhere: a prompt that shares the image goes on
+    from the checkpoint after it; another image from before it; and a rollback past the
+    snapshots decodes the kept positions again, the image's as rows, not placeholders
+    (on the M-RoPE hybrid, at the image's positions)."""
+    from specgguf.engine import Engine
+    from specgguf.llama.media import MARKER
+
+    config, params, pictures = _in_process(media, tiny_models[target], RECURRENT[target][1])
+
+    def prompt(eng: Engine, which: str, text: str) -> tuple[list[int], list]:
+        return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
+
+    turns = [("image", "Describe"), ("image", "Name it"), ("other", "Describe")]
+    expected = []
+    for which, text in turns:
+        with Engine(config) as eng:
+            ids, spans = prompt(eng, which, text)
+            expected.append(eng.generate(ids, params, media=spans).run().tokens)
+    assert expected[0] != expected[2]
+    with Engine(config) as eng:
+        cached = []
+        for (which, text), want in zip(turns, expected, strict=True):
+            ids, spans = prompt(eng, which, text)
+            res = eng.generate(ids, params, media=spans).run()
+            assert res.tokens == want, (which, text)
+            cached.append(res.stats.prompt_cached)
+        start, end = spans[0].start, spans[0].end
+        assert cached[1] >= end and cached[2] <= start, (cached, start, end)
+        # past the snapshots: cleared and decoded again, the image as its rows
+        ctx = eng.target_ctx
+        ids, spans = prompt(eng, "image", "Describe")
+        ctx.reuse([])
+        ctx.prompt(ids[:-1], media=spans)
+        ctx.rollback(end + 1)
+        assert ctx.n_past == end + 1 and ctx.holds_media
+        again = ctx.eval(ids[end + 1 : end + 2]).copy()
+        ctx.reuse([])
+        ctx.prompt(ids[: end + 1], media=spans)
+        fresh = ctx.eval(ids[end + 1 : end + 2]).copy()
+        np.testing.assert_array_equal(again, fresh)
+        ctx.reuse([])  # (what reading the placeholders as text gives: not that)
+        ctx.eval(ids[: end + 1], logits="none")
+        assert not np.array_equal(ctx.eval(ids[end + 1 : end + 2]), fresh)
+
+
+def test_an_image_right_after_rows_a_rollback_kept_undecoded_follows_them(
+    media: dict[str, Path], tiny_models: dict[str, Path]
+) -> None:
+    """A Mamba-2 target rolls back by checkpoint and replay: the rows a verification kept
+    are decoded with the next evaluation. An image read first after such a cut goes after
+    them (reviewed: it was decoded at positions past the cache's end, and failed)."""
+    from specgguf.engine import Engine, SpeculativeConfig
+    from specgguf.llama.backend import MediaSpan
+
+    config, _, pictures = _in_process(media, tiny_models["recurrent"])
+    config = dataclasses.replace(config, speculative=SpeculativeConfig(drafter="ngram",
+                                                                       draft_max=4))  # fmt: skip
+    with Engine(config) as eng:
+        ctx = eng.target_ctx
+        (span,) = eng.media_prompt(eng.render("<__media__> hi"), [pictures["image"]])[1]
+        text = eng.tokenize(" the quick brown fox jumps over the lazy dog", add_special=False)
+        pre, verified, after = text[:8], text[8:12], text[12:16]
+        image = MediaSpan(len(pre) + 2, span.embd, span.key, span.non_causal)
+        ids = [*pre, *verified[:2], *[0] * len(span.embd), *after]
+        ctx.reuse([])
+        ctx.eval(pre, logits="none")
+        ctx.eval(verified, logits="all")  # a verification, two of its rows kept
+        ctx.rollback(len(pre) + 2)
+        assert ctx.replays and ctx.rollback_room is not None
+        kept = ctx.reuse(ids, media=[image])
+        ctx.prompt(ids[kept:-1], media=[image])
+        got = ctx.eval(ids[-1:]).copy()
+        ctx.reuse([])
+        ctx.prompt(ids[:-1], media=[image])
+        np.testing.assert_array_equal(got, ctx.eval(ids[-1:]))

@@ -34,6 +34,15 @@ class HiddenTarget(FakeContext):
         return np.array([[p, self.kv[p], 1.0] for p in range(start, end)], np.float32)
 
     forgotten = 0
+    #: the media it holds: first position -> content key
+    media: dict[int, bytes] = {}  # noqa: RUF012 (replaced, never changed in place)
+
+    @property
+    def holds_media(self) -> bool:
+        return bool(self.media)
+
+    def media_keys(self) -> dict[int, bytes]:
+        return {p: k for p, k in self.media.items() if p < self.n_past}
 
     def forget_hidden(self, before: int) -> None:
         self.forgotten = max(self.forgotten, before)
@@ -119,6 +128,40 @@ def test_the_heads_cache_ends_at_the_committed_text_after_a_step() -> None:
     assert draft.tokens == [6, 7, 1, 2]
     # the draft's rows and the last history token's (not yet evaluated by the target) go
     assert head.n_past == 4 and drafter.cached_tokens([1, 2, 3, 4, 5]) == 4
+
+
+def test_the_heads_cache_is_kept_only_up_to_a_medium_the_target_now_reads_otherwise() -> None:
+    # A medium's positions hold placeholder tokens whatever the image: the head's rows
+    # there read the target's hidden states of the image it held, so a prompt whose
+    # image differs is read again by the head from that image's first position.
+    rule = np.array([one_hot_rule(walk, 8)([t]) for t in range(8)], np.float32)
+    target = HiddenTarget(one_hot_rule(walk, 8), 8)
+    head = FakeHead(rule)
+    drafter = MtpDrafter(head, target, 8)
+    prompt = [1, 2, 0, 0, 0, 3, 4]  # an image's three placeholders at 2..4
+    target.media = {2: b"cat"}
+    target.eval(prompt[:-1], logits="none")
+    drafter.prefill(prompt)
+    assert head.n_past == 6 and drafter.cached_tokens(prompt) == 6
+    # the same image: all kept; another image: kept up to it; none now: the same
+    assert drafter.cached_tokens(prompt) == 6
+    target.media = {2: b"dog"}
+    assert drafter.cached_tokens(prompt) == 2
+    target.media = {}
+    assert drafter.cached_tokens(prompt) == 2
+    # read again: the rows from position 2 on, with the new image's hidden states (the
+    # target reads the new image from the position before it, as a hidden-state target's
+    # reuse cuts there: the head's first row again reads the state after position 1)
+    target.media = {2: b"dog"}
+    target.rollback(1)
+    target.eval(prompt[1:-1], logits="none")
+    head.rows.clear()
+    drafter.prefill(prompt)
+    assert [r[0] for r in head.rows] == [2, 3, 4, 5]
+    assert drafter.cached_tokens(prompt) == 6
+    # an image where the head read text placeholders before (none recorded there)
+    target.media = {2: b"dog", 5: b"cat"}
+    assert drafter.cached_tokens(prompt) == 5
 
 
 def test_greedy_mtp_drafting_stops_below_p_min() -> None:

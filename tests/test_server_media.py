@@ -428,3 +428,26 @@ def test_a_projector_closed_encodes_no_more(media: dict[str, Path]) -> None:
         p.close()  # (the server's shutdown, while a request's thread may still encode)
         with pytest.raises(BackendError, match="closed"):
             p.chunks(media["a"].read_bytes(), "a")
+
+
+def test_m_rope_image_requests_at_once_each_get_what_they_get_alone(
+    tiny_models: dict[str, Path], media: dict[str, Path], tmp_path: Path
+) -> None:
+    """A target with M-RoPE (Qwen2-VL's text model, Qwen2-VL's projector: an image's 16
+    rows on 4 positions) on the server's parallel sequences: the sequences' positions
+    in one batch are their own, each request answered as `run` answers it alone."""
+    qwen = {**media, "target": tiny_models["qwen2vl"], "mmproj": tmp_path / "mmproj.gguf"}
+    write_mmproj(qwen["mmproj"], N_EMBD, patch_size=4, projector="qwen2vl_merger")
+    asks = [([image(media["a"]), text("Describe")], (f"{MARKER}\nDescribe", "a")),
+            ([text("Compare"), image(media["b"]), image(media["a"])],
+             (f"Compare\n{MARKER}\n{MARKER}", "b", "a")),
+            ([text("Tell me about the quick fox")], ("Tell me about the quick fox",))]  # fmt: skip
+    n = 400
+    want = [run_text(qwen, *args, n=n) for _, args in asks]
+    with ServerProcess("-m", str(qwen["target"]), "--mmproj", str(qwen["mmproj"]), *SPEC) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(len(asks)) as pool:
+            runs = [pool.submit(chat, client, [{"role": "user", "content": c}], n=n)
+                    for c, _ in asks]  # fmt: skip
+            got = [r.result()[0] for r in runs]
+    assert got == want

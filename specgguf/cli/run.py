@@ -163,9 +163,8 @@ def run(
     if media and MARKER not in text:  # one marker before the text for each, as llama-mtmd-cli
         text = MARKER * len(media) + text
     checked = preflight(config)  # before any weights load; the template too
-    if media and (config.deterministic or checked.target.memory != "attention"):
-        why = "deterministic mode" if config.deterministic else f"a {checked.target.memory} target"
-        raise UsageError(f"media with {why} are not supported yet")
+    if media and config.deterministic:
+        raise UsageError("media with deterministic mode are not supported yet")
     messages = [{"role": "system", "content": system}] if system is not None else []
     conversation = text if raw else [*messages, {"role": "user", "content": text}]
     render_prompt(checked.target, conversation)  # its faults before any weights load

@@ -714,11 +714,8 @@ class Engine:
         return gen
 
     def media_refusal(self) -> str | None:
-        """Why this engine reads no media yet (None: it does): deterministic mode, a
-        recurrent or hybrid target, a drafter that reads the target's hidden states."""
-        return ("deterministic mode" if self.config.deterministic else
-                f"a {self.target_model.memory} target" if self.target_model.memory != "attention"
-                else f"the {self.head_kind} drafter" if self.head_kind else None)  # fmt: skip
+        """Why this engine reads no media yet (None: it does): deterministic mode."""
+        return "deterministic mode" if self.config.deterministic else None
 
     def drop_projector(self) -> None:
         """Free the projector (``--mmproj``): the engine reads no media from here on."""
@@ -756,6 +753,7 @@ class Engine:
         *,
         marker: str | None = None,
         stop: Callable[[], bool] | None = None,
+        turn: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
     ) -> tuple[list[int], list[MediaSpan]]:
         """The token ids of a rendered prompt whose text holds a media marker (``marker``,
         default :data:`specgguf.llama.media.MARKER`) where each of ``media`` goes (``(name,
@@ -764,14 +762,14 @@ class Engine:
         positions hold a placeholder token (the target's BOS) in the ids. The text between
         the markers is tokenized as :meth:`prepared_ids` does, as libmtmd tokenizes the
         pieces (``mtmd_tokenize``). ``stop``: asked before each chunk of a medium is
-        encoded (:meth:`specgguf.llama.media.Projector.chunks`).
+        encoded, and ``turn`` makes the context each is encoded in
+        (:meth:`specgguf.llama.media.Projector.chunks`).
 
         Raises:
             MediaError: no projector loaded, a medium that cannot be read (see
                 :meth:`specgguf.llama.media.Projector.chunks`), or the prompt's last
                 position inside a medium (text must follow it).
-            UsageError: not as many markers as media; media with a recurrent target,
-                deterministic mode, or a drafter that reads the target's hidden states (not
+            UsageError: not as many markers as media; media in deterministic mode (not
                 supported yet: :meth:`media_refusal`).
             ContextOverflowError: a medium that does not fit the context, found before it
                 is encoded.
@@ -793,6 +791,7 @@ class Engine:
         ids: list[int] = []
         spans: list[MediaSpan] = []
         at = 0
+        shift = 0  # rows less positions so far (M-RoPE: an image's rows share positions)
         for i, cut in enumerate([*cuts, len(text)]):
             literal = tuple((max(a, at) - at, min(b, cut) - at) for a, b in prepared.literal
                             if a < cut and b > at)  # fmt: skip
@@ -806,11 +805,14 @@ class Engine:
             name, data = media[i]
             key = hashlib.sha256(data).digest()
             for chunk in self.projector.chunks(data, name, fits=(len(ids), self.n_ctx),
-                                               stop=stop):  # fmt: skip
+                                               stop=stop, turn=turn):  # fmt: skip
                 if chunk.embd is None:
                     ids += chunk.tokens or []
                     continue
-                spans.append(MediaSpan(len(ids), chunk.embd, key, chunk.non_causal))
+                pos = chunk.positions(len(ids) - shift)
+                spans.append(MediaSpan(len(ids), chunk.embd, key, chunk.non_causal, pos,
+                                       chunk.n_pos))  # fmt: skip
+                shift += spans[-1].shift
                 ids += [placeholder] * len(chunk.embd)
         if spans and spans[-1].end >= len(ids):
             raise MediaError(f"{media[-1][0]} ends the prompt: a prompt must not end with a "

@@ -7,7 +7,8 @@ llama.cpp loads such a file in milliseconds and generates from it, so every test
 exercises the real loading and decoding code. Three architectures (``TinySpec.architecture``):
 
 - ``llama``: a transformer (2 layers, n_embd 64); any other name not below gets its
-  tensors and keys too (files for metadata-only tests);
+  tensors and keys too (files for metadata-only tests; ``qwen2vl``, Qwen2-VL's text
+  model, with M-RoPE's sections besides, which llama.cpp loads and runs);
 - ``qwen35``: Qwen3.5's hybrid of gated delta-net (linear attention, recurrent state) and
   gated full-attention layers, every ``full_attention_interval``-th layer attention,
   optionally with MTP (NextN) blocks after the trunk (``nextn_layers``);
@@ -770,11 +771,12 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
     if spec.architecture != "mamba2":
         writer.add_rope_freq_base(10000.0)
         writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
-    if spec.architecture == "qwen35":
-        # Interleaved M-RoPE: sections of the rotated pairs (a text position is the same
+    if spec.architecture in ("qwen35", "qwen2vl"):
+        # (Interleaved) M-RoPE: sections of the rotated pairs (a text position is the same
         # in each); they add up to half the rotated dimensions, as in the real models.
         half = spec.n_embd // spec.n_head // 2
         writer.add_rope_dimension_sections([(half + 2) // 3, (half + 1) // 3, half // 3, 0])
+    if spec.architecture == "qwen35":
         writer.add_full_attention_interval(spec.full_attention_interval)
         if spec.nextn_layers:
             writer.add_nextn_predict_layers(spec.nextn_layers)
@@ -1005,6 +1007,8 @@ def fixture_specs() -> dict[str, TinySpec]:
             seed=81,
             mrope=True,
         ),
+        # Qwen2-VL's (and Qwen2.5-VL's) text model: the target's, with M-RoPE.
+        "qwen2vl": dataclasses.replace(target, name="tiny qwen2vl", architecture="qwen2vl"),
         # Gemma 4: a dense target of a sliding-window and a full-attention layer, and its
         # MTP assistant (two blocks reading those layers' cache, half its width).
         "gemma4": dataclasses.replace(

@@ -48,6 +48,7 @@ def write_mmproj(
     n_layer: int = 2,
     seed: int = 4321,
     dtype: type[np.floating] = np.float32,
+    projector: str = "mlp",
 ) -> int:
     """Write a tiny LLaVA projector to ``path`` whose output embeddings have
     ``n_embd_text`` values (the text model's ``embedding_length``); returns the embeddings
@@ -55,11 +56,20 @@ def write_mmproj(
     matrices' type (float32, or float16 as ``mmproj-*-f16.gguf`` files have them; biases
     and norms stay float32): float16 halves a large projector's file.
 
+    ``projector="qwen2vl_merger"``: Qwen2-VL's instead (libmtmd's models/qwen2vl.cpp): two
+    patch convolutions summed (a video's two frames), no bias and no learned positions
+    (the tower's attention has 2-D rotary positions), and each 2 x 2 patches merged into
+    one embedding by two linear layers: (image_size / patch_size / 2)² embeddings, which
+    a target with M-RoPE places on a grid of positions.
+
     Raises:
-        ValueError: sizes that do not divide (image by patch, embedding by heads), or a
-            feed-forward size equal to the embedding size (see the module).
+        ValueError: sizes that do not divide (image by patch, embedding by heads; Qwen2-VL:
+            patches by 2, head size by 4), or a feed-forward size equal to the embedding
+            size (see the module).
     """
-    if image_size % patch_size or n_embd % n_head or n_ff == n_embd:
+    qwen = projector == "qwen2vl_merger"
+    if (image_size % patch_size or n_embd % n_head or n_ff == n_embd
+            or (qwen and (image_size // patch_size % 2 or n_embd // n_head % 4))):  # fmt: skip
         raise ValueError(
             f"need image_size % patch_size == 0, n_embd % n_head == 0 and n_ff != n_embd, "
             f"got {image_size}, {patch_size}, {n_embd}, {n_head}, {n_ff}"
@@ -83,7 +93,7 @@ def write_mmproj(
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if dtype == np.float32
                         else gguf.LlamaFileType.MOSTLY_F16))  # fmt: skip
     w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type("mlp")  # (gguf-py has no constant for LLaVA's)
+    w.add_clip_projector_type(projector)  # (gguf-py has no constant for LLaVA's)
     w.add_vision_image_size(image_size)
     w.add_vision_patch_size(patch_size)
     w.add_vision_embedding_length(d)
@@ -98,11 +108,16 @@ def write_mmproj(
     tensors: list[tuple[str, npt.NDArray[Any]]] = [
         # numpy shapes are (out, in): a convolution's (out, in, kh, kw)
         ("v.patch_embd.weight", normal((d, 3, ps, ps), (3 * ps * ps) ** -0.5)),
-        ("v.patch_embd.bias", zeros(d)),
-        ("v.position_embd.weight", normal((n_patches, d), 0.1).astype(np.float32)),
-        ("v.pre_ln.weight", ones(d)),
-        ("v.pre_ln.bias", zeros(d)),
     ]
+    if qwen:
+        tensors += [("v.patch_embd.weight.1", normal((d, 3, ps, ps), (3 * ps * ps) ** -0.5))]
+    else:
+        tensors += [
+            ("v.patch_embd.bias", zeros(d)),
+            ("v.position_embd.weight", normal((n_patches, d), 0.1).astype(np.float32)),
+            ("v.pre_ln.weight", ones(d)),
+            ("v.pre_ln.bias", zeros(d)),
+        ]
     for i in range(n_layer):
         p = f"v.blk.{i}"
         for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
@@ -117,8 +132,9 @@ def write_mmproj(
             (f"{p}.ffn_down.weight", normal((d, n_ff), n_ff**-0.5)),
             (f"{p}.ffn_down.bias", zeros(d)),
         ]
+    d_in = 4 * d if qwen else d  # (Qwen2-VL's merger reads 2 x 2 patches side by side)
     tensors += [
-        ("mm.0.weight", normal((n_embd_text, d), d**-0.5)),
+        ("mm.0.weight", normal((n_embd_text, d_in), d_in**-0.5)),
         ("mm.0.bias", zeros(n_embd_text)),
         ("mm.2.weight", normal((n_embd_text, n_embd_text), n_embd_text**-0.5)),
         ("mm.2.bias", zeros(n_embd_text)),
@@ -129,7 +145,7 @@ def write_mmproj(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return n_patches
+    return n_patches // 4 if qwen else n_patches
 
 
 def write_audio_mmproj(

@@ -107,23 +107,51 @@ def default_threads() -> int:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MediaSpan:
-    """A medium's embeddings at positions ``start`` to ``start + len(embd)`` of a
-    sequence: ``embd`` float32[n, n_embd]; ``key`` its content's hash (a cached prompt is
-    reused past a medium only where the same content is there); ``non_causal``: its rows
-    attend to each other both ways (decoded in one micro-batch)."""
+    """A medium's embeddings at rows ``start`` to ``start + len(embd)`` of a sequence:
+    ``embd`` float32[n, n_embd]; ``key`` its content's hash (a cached prompt is reused
+    past a medium only where the same content is there); ``non_causal``: its rows attend
+    to each other both ways (decoded in one micro-batch).
+
+    ``pos``: for a target with M-RoPE (Qwen2-VL and later), each row's four position
+    components, section by section (int32[4, n]: time, height, width, unused, as
+    libmtmd's ``mtmd_helper_decode_image_chunk`` gives them), and ``n_pos`` the positions
+    the medium takes: an image's rows share positions, so that a row ``i`` after the
+    media of a sequence is at position ``i`` less their :attr:`shift` summed. None and 0:
+    one position a row."""
 
     start: int
     embd: npt.NDArray[np.float32]
     key: bytes
     non_causal: bool = False
+    pos: npt.NDArray[np.int32] | None = None
+    n_pos: int = 0
 
     @property
     def end(self) -> int:
         return self.start + len(self.embd)
 
+    @property
+    def shift(self) -> int:
+        """How many fewer positions than rows the medium takes."""
+        return len(self.embd) - self.n_pos if self.n_pos else 0
+
     def same(self, other: MediaSpan) -> bool:
         """The same medium at the same positions."""
         return (self.start, self.end, self.key) == (other.start, other.end, other.key)
+
+
+def _text_runs(start: int, end: int, media: Sequence[MediaSpan]) -> Iterator[tuple[int, int]]:
+    """Positions ``start .. end - 1`` in order, as runs: ``(at, stop)`` of text, and
+    ``(-1 - i, stop)`` for ``media[i]`` (in position order, each inside, ending at
+    ``stop``)."""
+    at = start
+    for i, m in enumerate(media):
+        if m.start > at:
+            yield at, m.start
+        yield -1 - i, m.end
+        at = m.end
+    if end > at:
+        yield at, end
 
 
 def _spans(media: Sequence[object]) -> list[MediaSpan]:
@@ -813,8 +841,9 @@ class LlamaContext(_Native):
         self._seq = 0  # the sequence eval() writes: 1 inside scratch()
         self._home = 0  # the sequence of the committed text (see sequence())
         #: the media the cache holds (see :meth:`reuse`), by their first position
-        self._media: dict[int, MediaSpan] = {}
+        self._media = {}
         self._media_batch: Any = None
+        self._media_pos: Any = None
         # the token at each cached position, to decode again past the snapshots
         self._held = np.zeros(self.n_ctx_allocated, np.int32)
         self._hidden = hidden or bool(layer_inputs)
@@ -971,7 +1000,7 @@ class LlamaContext(_Native):
         if self.n_parallel > 1:  # the batch is shared by the sequences
             self._batch.seq_id[0][0] = self._seq
         self._tok[0] = token
-        self._pos[0] = n_past
+        self._pos[0] = n_past - self._shift
         self._out[0] = 1
         self._batch.n_tokens = 1
         try:
@@ -1047,7 +1076,7 @@ class LlamaContext(_Native):
         if not lc.llama_state_seq_set_data_ext(self._ctx, self._step_buf, self._step_len,
                                                self._home, _STATE_PARTIAL):  # fmt: skip
             return False
-        if not lc.llama_memory_seq_rm(self._mem, self._home, at, -1):
+        if not lc.llama_memory_seq_rm(self._mem, self._home, at - self._shift, -1):
             return False
         self._cut_hidden(at)
         self.n_past, self._pending = n_keep, n_keep - at
@@ -1115,13 +1144,14 @@ class LlamaContext(_Native):
                 seq_id[i][0] = self._seq
         if rows == 1:  # (a step of the target alone: numpy's slicing costs more)
             self._tok[0] = chunk[0]
-            self._pos[0] = self.n_past
+            self._pos[0] = self.n_past - self._shift
             self._out[0] = outputs != "none" and not skip
         elif rows <= _FEW_ROWS:  # a step's rows: through ctypes, cheaper than numpy here
             self._ctok[:m] = chunk
             if pad:
                 self._ctok[m] = chunk[-1]
-            self._cpos[:rows] = range(self.n_past, self.n_past + rows)
+            p = self.n_past - self._shift
+            self._cpos[:rows] = range(p, p + rows)
             flags = [0] * skip + [int(outputs == "all")] * (rows - skip)
             if outputs == "last":
                 flags[m - 1] = 1
@@ -1132,7 +1162,7 @@ class LlamaContext(_Native):
             self._tok[:m] = chunk
             if pad:
                 self._tok[m] = chunk[-1]
-            np.add(self._iota[:rows], self.n_past, out=self._pos[:rows])
+            np.add(self._iota[:rows], self.n_past - self._shift, out=self._pos[:rows])
             self._out[:rows] = 1 if outputs == "all" else 0
             self._out[:skip] = 0
             if outputs == "last":
@@ -1264,7 +1294,7 @@ class LlamaContext(_Native):
                 lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
             self._tok[0] = root
             self._tok[1:rows] = tokens
-            self._pos[:rows] = np.asarray(depth, np.int32) + self.n_past
+            self._pos[:rows] = np.asarray(depth, np.int32) + (self.n_past - self._shift)
             self._out[:rows] = 1
             for i, ids in enumerate(seqs):
                 self._nseq[i] = len(ids)
@@ -1304,7 +1334,8 @@ class LlamaContext(_Native):
             # The cells of a leaf's sequence past the root are its branch, one per position:
             # those up to the last accepted node are the path.
             s = leaf_of[path[-1] + 1]
-            self._lc.llama_memory_seq_cp(self._mem, s, 0, start + 1, start + 1 + len(path))
+            p = start - self._shift
+            self._lc.llama_memory_seq_cp(self._mem, s, 0, p + 1, p + 1 + len(path))
         self._drop_tree(n_seq, keep_root=True)
         kept = [nodes[0], *(nodes[i + 1] for i in path)]  # the root, then the branch
         self._held[start : start + len(kept)] = kept
@@ -1316,7 +1347,7 @@ class LlamaContext(_Native):
         for s in range(1, n_seq + 1):
             self._lc.llama_memory_seq_rm(self._mem, s, -1, -1)
         if not keep_root:
-            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)
+            self._lc.llama_memory_seq_rm(self._mem, 0, self.n_past - self._shift, -1)
         self._tree = None
 
     @property
@@ -1406,8 +1437,9 @@ class LlamaContext(_Native):
         """Cut sequence 0 to ``n_keep`` positions: by llama.cpp's ``seq_rm`` where the
         memory allows it, else (or with ``reread``) by clearing it and decoding its tokens
         again."""
-        if self._media:
-            self._media = {p: m for p, m in self._media.items() if m.end <= n_keep}
+        media = self._media
+        if media:
+            self._media = {p: m for p, m in media.items() if m.end <= n_keep}
         self._forget_past(n_keep)
         # (a cut chunk is copied: a view would keep the dropped rows' memory)
         self._cut_hidden(n_keep)
@@ -1427,7 +1459,7 @@ class LlamaContext(_Native):
         if n_keep > 0 and (reread or (room is not None and depth > room)):
             ok = False  # beyond the snapshots: llama.cpp could restore a stale one
         else:
-            ok = bool(self._lc.llama_memory_seq_rm(self._mem, self._home, n_keep, -1))
+            ok = bool(self._lc.llama_memory_seq_rm(self._mem, self._home, n_keep - self._shift, -1))
         self._room = 0
         if ok:
             self.n_past = n_keep
@@ -1435,11 +1467,18 @@ class LlamaContext(_Native):
         log.debug("%s: rolling back %d positions past the recurrent state's snapshots: "
                   "decoding %d tokens again", self.model.path.name, depth, n_keep)  # fmt: skip
         kept = self._held[:n_keep].tolist()
+        spans = sorted(self._media.values(), key=lambda m: m.start)
         self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
         self.n_past = 0
         self._hidden_rows = []
-        for start in range(0, n_keep, self.n_batch):
-            self._decode(kept[start : start + self.n_batch], outputs="none")
+        self._media = {}
+        # (a medium's positions hold placeholder tokens: its rows are read again as rows)
+        for at, end in _text_runs(0, n_keep, spans):
+            if at < 0:
+                self._read_media(spans[-at - 1], kept[spans[-at - 1].start : end])
+                continue
+            for start in range(at, end, self.n_batch):
+                self._decode(kept[start : min(end, start + self.n_batch)], outputs="none")
 
     # -- what the sequence holds across generations -------------------------------------
 
@@ -1490,7 +1529,7 @@ class LlamaContext(_Native):
                     n = 0
             else:
                 pos_min = int(self._lc.llama_memory_seq_pos_min(self._mem, self._home))
-                if pos_min > max(0, n - self.model.n_swa):
+                if pos_min > max(0, n - self._shift_at(n) - self.model.n_swa):
                     n = 0
         t0 = time.perf_counter()
         try:
@@ -1536,7 +1575,8 @@ class LlamaContext(_Native):
         """Go back to ``checkpoint``: its recurrent state, and the KV cache cut there."""
         n = checkpoint.n
         restored = self._set_state(checkpoint.data, partial=True)
-        if not restored or not self._lc.llama_memory_seq_rm(self._mem, self._home, n, -1):
+        if not restored or not self._lc.llama_memory_seq_rm(self._mem, self._home,
+                                                            n - self._shift_at(n), -1):  # fmt: skip
             self._lc.llama_memory_seq_rm(self._mem, self._home, -1, -1)
             self.n_past = 0
             self._hidden_rows = []
@@ -1548,6 +1588,8 @@ class LlamaContext(_Native):
         self._cut_hidden(n)
         self._step_at, self._pending = -1, 0
         self._forget_past(n)
+        if self._media:
+            self._media = {p: m for p, m in self._media.items() if m.end <= n}
 
     def prompt(
         self,
@@ -1614,16 +1656,43 @@ class LlamaContext(_Native):
         placeholders)."""
         return bool(self._media)
 
+    @property
+    def _media(self) -> dict[int, MediaSpan]:
+        """The media the cache holds, by first row."""
+        return self._media_held
+
+    @_media.setter
+    def _media(self, media: dict[int, MediaSpan]) -> None:
+        self._media_held = media
+        #: rows less positions over the media held (M-RoPE): row n_past is at position
+        #: n_past - _shift (every held medium ends before n_past)
+        self._shift = sum(m.shift for m in media.values()) if media else 0
+
+    def _shift_at(self, n: int) -> int:
+        """Rows less positions over the held media that end by row ``n``."""
+        return sum(m.shift for m in self._media.values() if m.end <= n)
+
+    def media_keys(self) -> dict[int, bytes]:
+        """The media the cache holds: each medium's (or 30 s chunk's) first position and
+        its content's key (:attr:`MediaSpan.key`)."""
+        return {p: m.key for p, m in self._media.items()}
+
     def _media_prefix(self, n: int, media: list[MediaSpan]) -> int:
         """``n`` cached positions cut before the first medium that the cache and the
         prompt to read do not share (other content, or only one of them has one there):
-        the placeholder tokens are the same whatever the image."""
+        the placeholder tokens are the same whatever the image; never inside a medium. A
+        context that keeps hidden states cuts one position earlier, so that it computes
+        the hidden state a head reads before that medium again."""
         plan = {m.start: m for m in media}
-        for m in [*self._media.values(), *media]:
+        spans = sorted([*self._media.values(), *media], key=lambda m: m.start, reverse=True)
+        for m in spans:
             if m.start < n:
                 held, wanted = self._media.get(m.start), plan.get(m.start)
-                if held is None or wanted is None or not held.same(wanted):
-                    n = m.start
+                if held is None or wanted is None or not held.same(wanted) or n < m.end:
+                    # (not a medium's part either; a head's first row there reads the
+                    # hidden state after the position before: computed again, as a head's
+                    # reuse_limit has it for text)
+                    n = max(0, m.start - 1) if self._hidden else m.start
         return n
 
     def _prompt_with_media(
@@ -1644,30 +1713,31 @@ class LlamaContext(_Native):
         """
         start = self.n_past
         end = start + len(tokens)
-        if self.n_checkpoints or self._seq != self._home:
+        if self._seq != self._home:
             raise BackendError(f"{self.model.path.name}: media are read only by a sequence "
-                               f"with a KV cache, outside a token tree")  # fmt: skip
-        at = start
+                               f"outside a token tree")  # fmt: skip
         for m in media:
-            if m.start < at or m.end > end:
+            if m.start < start or m.end > end:
                 raise BackendError(f"a medium at positions {m.start}-{m.end} is not inside "
                                    f"the prompt read ({start}-{end})")  # fmt: skip
-            if m.start > at:
-                read(tokens[at - start : m.start - start])
-            medium = functools.partial(self._read_media, m, tokens[m.start - start : m.end - start])
+        for at, stop in _text_runs(start, end, media):
+            if at >= 0:  # text: as any prompt's, a recurrent state's checkpoints included
+                self.prompt(tokens[at - start : stop - start], read)
+                continue
+            m = media[-at - 1]
+            medium = functools.partial(self._read_media, m, tokens[m.start - start : stop - start])
             if alone is None:
                 medium()
             else:
                 alone(medium)
-            at = m.end
-        if end > at:
-            read(tokens[at - start :])
+            self.checkpoint()  # (a recurrent state: a prompt that shares the medium goes on)
         self._exact_to = min(self._exact_to, start)
 
     def _read_media(self, span: MediaSpan, placeholders: Sequence[int]) -> None:
         """Decode a medium's embeddings at its positions (no logits), in batches of
         ``n_batch`` rows, a non-causal one in one micro-batch with causal attention off
         (as libmtmd's ``mtmd_helper_decode_image_chunk``)."""
+        self._flush()  # (rows kept by a rollback and not decoded yet come before it)
         n, width = len(span.embd), span.embd.shape[1]
         if span.non_causal and n > self.n_ubatch:
             raise BackendError(f"an image of {n} rows attends both ways and needs them in "
@@ -1678,36 +1748,57 @@ class LlamaContext(_Native):
         lc, owner = self._lc, self.base  # (the sequences' one batch, freed with the context)
         if owner._media_batch is None:
             owner._media_batch = lc.llama_batch_init(self.n_batch, width, 1)
+            # (M-RoPE: four positions a row, section by section; llama_batch_init
+            # allocates one, so the batch points at this array while such a medium is read)
+            owner._media_pos = (ctypes.c_int32 * (4 * self.n_batch))()
         b = owner._media_batch
         emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, width))
-        pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        # (the address, not the field: a field read is a view of the batch's memory)
+        own_pos = ctypes.cast(b.pos, ctypes.c_void_p).value or 0
+        if span.pos is not None:
+            b.pos = ctypes.cast(owner._media_pos, ctypes.POINTER(ctypes.c_int32))
+        pos = np.ctypeslib.as_array(
+            b.pos, shape=(self.n_batch * (4 if span.pos is not None else 1),)
+        )
         np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
         np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))[:] = 0
         t0 = time.perf_counter()
+        rc = 0
         if span.non_causal:
             lc.llama_set_causal_attn(self._ctx, False)
         try:
             for at in range(0, n, self.n_batch):
                 rows = min(self.n_batch, n - at)
                 emb[:rows] = span.embd[at : at + rows]
-                pos[:rows] = np.arange(self.n_past, self.n_past + rows, dtype=np.int32)
+                if span.pos is not None:
+                    pos[: 4 * rows] = span.pos[:, at : at + rows].reshape(-1)
+                else:
+                    p = self.n_past - self._shift
+                    pos[:rows] = np.arange(p, p + rows, dtype=np.int32)
                 for i in range(rows):
                     b.seq_id[i][0] = self._seq
                 b.n_tokens = rows
                 rc = lc.llama_decode(self._ctx, b)
                 if rc != 0:
-                    # the medium's rows decoded so far go too: the cache holds no medium
-                    # there, and a prompt with the same placeholders would keep them
-                    self._truncate(span.start)
-                    raise BackendError(f"llama_decode failed with code {rc} on "
-                                       f"{self.model.path.name} reading a medium")  # fmt: skip
+                    break
                 self._held[self.n_past : self.n_past + rows] = placeholders[at : at + rows]
+                if self._hidden:  # (a head reads them: the hidden states that saw the medium)
+                    self._hidden_rows.append((self.n_past, self._read_hidden(rows)))
                 self.n_past += rows
         finally:
+            b.pos = ctypes.cast(own_pos, ctypes.POINTER(ctypes.c_int32))
             if span.non_causal:
                 lc.llama_set_causal_attn(self._ctx, True)
             self.eval_seconds += time.perf_counter() - t0
-        self._media[span.start] = span
+            self._room = 0  # (a recurrent state: no snapshot is of text positions here)
+        if rc != 0:
+            # the medium's rows decoded so far go too (the cache holds no medium there,
+            # and a prompt with the same placeholders would keep them), with causal
+            # attention back: a recurrent state decodes the rows it keeps again
+            self._truncate(span.start)
+            raise BackendError(f"llama_decode failed with code {rc} on "
+                               f"{self.model.path.name} reading a medium")  # fmt: skip
+        self._media = {**self._media, span.start: span}
 
     def checkpoint(self) -> None:
         """Keep a :class:`Checkpoint` of the recurrent state at ``n_past`` (one there
@@ -1940,7 +2031,8 @@ class LlamaContext(_Native):
         for (ctx, tokens, want), n_out in zip(parts, outs, strict=True):
             m = len(tokens)
             toks.extend(tokens)  # (not +=: with an array of tokens numpy would add them)
-            pos.extend(range(ctx.n_past, ctx.n_past + m))
+            p = ctx.n_past - ctx._shift
+            pos.extend(range(p, p + m))
             flags.extend([int(want == "all")] * m)
             if n_out and want == "last":
                 flags[-1] = 1

@@ -12,12 +12,14 @@ cache as tokens do (:meth:`specgguf.llama.backend.LlamaContext.prompt` with
 :class:`MediaSpan`\\ s); the text of the generation holds a placeholder token at each of
 those positions, which the drafters read as text.
 
-Not yet: projectors whose positions are not one a row (M-RoPE: Qwen2-VL and later), which
-:meth:`Projector.chunks` refuses by name.
+A target with M-RoPE (Qwen2-VL and later, Qwen3.5) places an image's rows on positions
+of their own, fewer than its rows (:class:`Chunk`'s ``pos``, as libmtmd's helpers place
+them); the text after it goes on from the image's last position.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import struct
@@ -73,11 +75,25 @@ _NO_FFMPEG = b"/nonexistent/specgguf-no-ffmpeg"
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """What a medium becomes: text token ids (``tokens``), or embeddings (``embd``
-    float32[n, n_embd], ``non_causal``)."""
+    float32[n, n_embd], ``non_causal``). For a target with M-RoPE, ``n_pos`` is the
+    positions the embeddings take and ``pos`` each row's four position components where
+    the medium starts at position p (int32[4, n], section by section): ``pos[0] + p *
+    pos[1]`` (libmtmd's ``mtmd_image_tokens_get_decoder_pos``: some components do not
+    move with p)."""
 
     tokens: list[int] | None = None
     embd: npt.NDArray[np.float32] | None = None
     non_causal: bool = False
+    n_pos: int = 0
+    pos: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None
+
+    def positions(self, p: int) -> npt.NDArray[np.int32] | None:
+        """The rows' positions where the medium starts at position ``p`` (int32[4, n]),
+        or None: one a row from ``p``."""
+        if self.pos is None:
+            return None
+        at, moves = self.pos
+        return (at + p * moves).astype(np.int32)
 
 
 def image_format(data: bytes) -> str | None:
@@ -293,12 +309,15 @@ class Projector(_Native):
         *,
         fits: tuple[int, int] | None = None,
         stop: Callable[[], bool] | None = None,
+        turn: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
     ) -> list[Chunk]:
         """What one medium (its file's bytes: an image or an audio clip) becomes, in order:
         its embeddings (a clip's in chunks of 30 s), and any text the projector puts around
-        them. ``fits``: (positions before it, n_ctx): the medium is refused before it is
-        encoded where its positions would fill the context. ``stop``: asked before each
-        chunk is encoded; True ends the encoding (a server shutting down).
+        them. ``fits``: (rows before it, n_ctx): the medium is refused before it is
+        encoded where its rows would fill the context. ``stop``: asked before each
+        chunk is encoded; True ends the encoding (a server shutting down). ``turn``: each
+        chunk is encoded inside a context it makes (the server's turn between two steps of
+        the sequences that generate: they go on between a long clip's chunks).
 
         Raises:
             MediaError: an empty, oversized, unreadable or unsupported medium (``name``
@@ -312,7 +331,7 @@ class Projector(_Native):
         with self._lock:
             if self._ctx is None:
                 raise BackendError(f"the projector {self.path.name} is closed")
-            return self._chunks(data, name, fits, stop)
+            return self._chunks(data, name, fits, stop, turn or contextlib.nullcontext)
 
     def _chunks(
         self,
@@ -320,6 +339,7 @@ class Projector(_Native):
         name: str,
         fits: tuple[int, int] | None,
         stop: Callable[[], bool] | None,
+        turn: Callable[[], contextlib.AbstractContextManager[object]],
     ) -> list[Chunk]:
         m, ctx = self._m, self._ctx
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -355,15 +375,16 @@ class Projector(_Native):
                                  f"(libmtmd error {rc})", part=name)  # fmt: skip
             items = [m.mtmd_input_chunks_get(chunks, i)
                      for i in range(m.mtmd_input_chunks_size(chunks))]  # fmt: skip
-            if fits is not None:  # (counted before any arithmetic is spent on it)
-                need = fits[0] + sum(int(m.mtmd_input_chunk_get_n_pos(c)) for c in items)
+            if fits is not None:  # (counted before any arithmetic is spent on it: KV rows)
+                need = fits[0] + sum(int(m.mtmd_input_chunk_get_n_tokens(c)) for c in items)
                 if need >= fits[1]:
                     raise ContextOverflowError(need, fits[1], at_least=True)
             out = []
             for c in items:  # (a long clip is many chunks of 30 s: seconds each, real size)
-                if stop is not None and stop():
-                    raise BackendError(f"the encoding of {name} was stopped")
-                out.append(self._chunk(c, name))
+                with turn():
+                    if stop is not None and stop():
+                        raise BackendError(f"the encoding of {name} was stopped")
+                    out.append(self._chunk(c, name))
             return out
         finally:
             m.mtmd_input_chunks_free(chunks)
@@ -377,16 +398,45 @@ class Projector(_Native):
             ptr = m.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
             return Chunk(tokens=[int(ptr[i]) for i in range(n.value)])
         n_tokens = int(m.mtmd_input_chunk_get_n_tokens(chunk))
-        if int(m.mtmd_input_chunk_get_n_pos(chunk)) != n_tokens or m.mtmd_decode_use_mrope(ctx):
-            raise MediaError(f"{self.path.name} places an image's rows on positions of its "
-                             f"own (M-RoPE): not supported yet", part=name)  # fmt: skip
+        n_pos = int(m.mtmd_input_chunk_get_n_pos(chunk))
+        pos = None
+        if m.mtmd_decode_use_mrope(ctx):
+            pos = self._positions(chunk, kind, n_tokens)
+        elif n_pos != n_tokens:
+            raise MediaError(f"{self.path.name} places a medium's {n_tokens} rows on "
+                             f"{n_pos} positions without M-RoPE: not supported",
+                             part=name)  # fmt: skip
         t0 = time.perf_counter()
         if m.mtmd_encode_chunk(ctx, chunk) != 0:
             raise BackendError(f"llama.cpp could not encode {name} with {self.path.name}")
         out = m.mtmd_get_output_embd(ctx)
         embd = np.ctypeslib.as_array(out, shape=(n_tokens, self.n_embd)).copy()
         self.encode_seconds += time.perf_counter() - t0
-        return Chunk(embd=embd, non_causal=bool(m.mtmd_decode_use_non_causal(ctx, chunk)))
+        return Chunk(embd=embd, non_causal=bool(m.mtmd_decode_use_non_causal(ctx, chunk)),
+                     n_pos=n_pos if pos is not None else 0, pos=pos)  # fmt: skip
+
+    def _positions(
+        self, chunk: Any, kind: int, n: int
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """An M-RoPE medium's positions (see :class:`Chunk`): an image's from libmtmd's
+        ``mtmd_image_tokens_get_decoder_pos``, read where it starts at 0 and at 1 (which
+        components move with the start); a clip's one a row in every component, as
+        ``mtmd_helper_decode_image_chunk`` places them."""
+        m = self._m
+        if kind != m.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+            rows = np.arange(n, dtype=np.int32)
+            return np.tile(rows, (4, 1)), np.ones((4, n), np.int32)
+        image = m.mtmd_input_chunk_get_tokens_image(chunk)
+
+        def at(p: int) -> npt.NDArray[np.int32]:
+            out = np.empty((4, n), np.int32)
+            for i in range(n):
+                d = m.mtmd_image_tokens_get_decoder_pos(image, p, i)
+                out[:, i] = (d.t, d.y, d.x, d.z)  # (section order: set_position_mrope_2d)
+            return out
+
+        zero = at(0)
+        return zero, at(1) - zero
 
     def _is_open(self) -> bool:
         return self._ctx is not None

@@ -175,9 +175,10 @@ class Service:
         template), checked against the vocabulary and the context, and where the
         conversation's text holds ``marker`` for each of ``media`` (``(part name,
         bytes)``, or an address to fetch first on a host ``--allow-remote-media`` names),
-        their embeddings at their positions (:meth:`Engine.media_prompt`),
-        encoded between two generations or steps (``Scheduler.turn``), and only when the queue
-        has room.
+        their embeddings at their positions (:meth:`Engine.media_prompt`), encoded
+        between two generations, or each chunk (an image, 30 s of a clip) between two
+        steps of parallel sequences (``Scheduler.turn``), and only when the queue has
+        room.
 
         Raises:
             APIError: a chat template that fails (its message quoted) or does not render
@@ -210,10 +211,17 @@ class Service:
                         continue_final_message=continue_final_message,
                         tools=tools.tools if tools else None,
                     )
-                    with self.scheduler.turn():  # (between two generations or steps)
-                        # (a server that stops ends a long clip's encoding at its next chunk)
+                    # With parallel sequences, each chunk (an image, 30 s of a clip) is
+                    # encoded between two steps, in a turn of its own: the sequences that
+                    # generate go on between them. One sequence at a time: the request's
+                    # media in one turn between two generations (a turn for each would let
+                    # a queued generation run whole between them). A server that stops
+                    # ends the encoding at its next chunk.
+                    each = self.scheduler.turn if self.scheduler.parallel > 1 else None
+                    with contextlib.nullcontext() if each else self.scheduler.turn():
                         return engine.media_prompt(prepared, images, marker=marker,
-                                                   stop=lambda: self.scheduler.closed)  # fmt: skip
+                                                   stop=lambda: self.scheduler.closed,
+                                                   turn=each)  # fmt: skip
 
                 # A place in the queue first (before the images' arithmetic is spent, and
                 # so that requests waiting for their turn to encode count as waiting).

@@ -123,6 +123,8 @@ class DFlashDrafter(MtpDrafter):
         """The draft's context was made to hold ``tokens`` (``row`` is not used: each
         position reads the target's rows of its own)."""
         self._held = list(tokens)
+        self._media = {}
+        self._note_media(0, len(tokens))
         self._synced = 0
         self._row = None
 
@@ -143,6 +145,7 @@ class DFlashDrafter(MtpDrafter):
         if end > keep:
             tokens = list(history[keep:end])
             self.head.eval(tokens, self.target.hidden_rows(keep, end), last=False)
+            self._note_media(keep, end)
             self._held.extend(tokens)
         self._synced = len(self._held)
         self.target.forget_hidden(end)

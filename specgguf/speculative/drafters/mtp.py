@@ -33,7 +33,9 @@ from specgguf.speculative.sampling import Distribution, SamplerParams
 class HiddenStates(Protocol):
     """The target's context as the head reads it: ``n_past`` committed positions and the
     hidden state after each (float32[end - start, n_embd] for positions start..end - 1);
-    ``forget_hidden`` drops the rows before a position, read for good."""
+    ``forget_hidden`` drops the rows before a position, read for good; ``media_keys``: the
+    first position of each medium it holds, and its content's key (``holds_media``: any).
+    A medium's positions hold placeholder tokens, whose hidden states saw the medium."""
 
     @property
     def n_past(self) -> int: ...
@@ -41,6 +43,11 @@ class HiddenStates(Protocol):
     def hidden_rows(self, start: int, end: int) -> npt.NDArray[np.float32]: ...
 
     def forget_hidden(self, before: int) -> None: ...
+
+    @property
+    def holds_media(self) -> bool: ...
+
+    def media_keys(self) -> dict[int, bytes]: ...
 
 
 class Head(Protocol):
@@ -95,6 +102,9 @@ class MtpDrafter(Drafter):
         self.target = target
         self.n_vocab = min(n_vocab_target, head.n_vocab)
         self._held: list[int] = []  # the tokens in the head's cache, by position
+        # the media whose placeholders the head read (their hidden states saw them): their
+        # first positions and content keys, as the target's media_keys gave them
+        self._media: dict[int, bytes] = {}
         # the target's hidden state after the head's last position (position,
         # float32[n_embd]), kept
         # across generations: the next one's first row reads it, and the target may have
@@ -134,8 +144,11 @@ class MtpDrafter(Drafter):
         self, tokens: Sequence[int], row: tuple[int, npt.NDArray[np.float32]] | None
     ) -> None:
         """The head's context was made to hold ``tokens`` (a saved prompt restored into
-        it), and ``row`` is the hidden state kept after its last position."""
+        it), and ``row`` is the hidden state kept after its last position (the target was
+        made to hold the same prompt first: its media are the ones the head read)."""
         self._held = list(tokens)
+        self._media = {}
+        self._note_media(0, len(tokens))
         self._synced = 0
         self._row = row if row is not None and row[0] == len(tokens) - 1 else None
 
@@ -165,6 +178,8 @@ class MtpDrafter(Drafter):
         them: it followed other tokens)."""
         self.head.rollback(n)
         del self._held[n:]
+        if self._media:
+            self._media = {p: k for p, k in self._media.items() if p < n}
         self._synced = min(self._synced, n)
         if self._row is not None and self._row[0] >= n:
             self._row = None
@@ -195,6 +210,15 @@ class MtpDrafter(Drafter):
         limit = min(len(self._held), len(history))
         while n < limit and self._held[n] == history[n]:
             n += 1
+        if self._media or self.target.holds_media:
+            # (a medium's placeholder tokens are the same whatever the image: the head's
+            # rows there and after are the target's hidden states of the one it read)
+            now = self.target.media_keys()
+            for p in sorted({*self._media, *now}):
+                if p >= n:
+                    break
+                if self._media.get(p) != now.get(p):
+                    return p
         return n
 
     def _catch_up(
@@ -219,11 +243,19 @@ class MtpDrafter(Drafter):
         rows = self.head.encode(inputs)
         out = self.head.eval(tokens, rows, last=last)
         self._seed = rows[-1] if last else None
+        self._note_media(keep, stop)
         self._held.extend(tokens)
         self._synced = len(self._held)
         # the next catch-up starts at the head's end: it reads from the state before it
         self.target.forget_hidden(min(end, stop) - 1)
         return out
+
+    def _note_media(self, start: int, end: int) -> None:
+        """Remember the target's media among positions ``start .. end - 1``, which the
+        head has just read."""
+        if self.target.holds_media:
+            self._media.update((p, k) for p, k in self.target.media_keys().items()
+                               if start <= p < end)  # fmt: skip
 
     def propose(
         self,
