@@ -45,6 +45,30 @@ def run_cli(
     )
 
 
+def mtmd_cli(tools: Path, *args: str) -> bytes:
+    """What llama.cpp's ``llama-mtmd-cli`` in ``tools`` prints with ``args``, its newlines
+    around the text stripped; skipped (failed with SPECGGUF_REQUIRE_LLAMA_TOOLS=1) where it
+    is not built. Its generated text goes through llama.cpp's log thread, which a process
+    ending under load can cut short (seen here: nothing printed, exit 0), so it runs again
+    until two runs agree (at most five), and the longest text is kept."""
+    import pytest
+
+    cli = tools / "llama-mtmd-cli"
+    if not cli.is_file():
+        why = "llama-mtmd-cli is not built (scripts/bench-llama-cpp --build-only)"
+        if os.environ.get("SPECGGUF_REQUIRE_LLAMA_TOOLS") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    seen: list[bytes] = []
+    for _ in range(5):
+        out = subprocess.run([str(cli), *args], capture_output=True, timeout=300,
+                             check=True).stdout.strip(b"\n")  # fmt: skip
+        if out and out in seen:
+            return out
+        seen.append(out)
+    return max(seen, key=len)
+
+
 def load_engine(
     target: Path,
     draft: Path | None = None,

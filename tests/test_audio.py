@@ -10,10 +10,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import re
 import struct
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from specgguf.gguf.tinymedia import (
 from specgguf.llama.audio import MAX_SECONDS, AudioHeaderError, audio_format, audio_seconds
 from specgguf.llama.media import MARKER, check_medium
 
-from .helpers import ServerProcess, run_cli
+from .helpers import ServerProcess, mtmd_cli, run_cli
 from .test_server import _loopback_only  # noqa: F401 (clients talk to 127.0.0.1 directly)
 
 N_EMBD = 64  # the tiny target's (specgguf/gguf/tiny.py)
@@ -281,28 +279,19 @@ def _run(media: dict[str, Path], *args: str, clip: str = "a440", n: int = 16) ->
 def test_run_with_audio_generates_what_llama_mtmd_cli_does(
     media: dict[str, Path], tools: Path
 ) -> None:
-    cli = tools / "llama-mtmd-cli"
-    if not cli.is_file():
-        why = "llama-mtmd-cli is not built (scripts/bench-llama-cpp --build-only)"
-        if os.environ.get("SPECGGUF_REQUIRE_LLAMA_TOOLS") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
     from specgguf.llama.backend import LlamaModel
 
     for clip in ("a440", "mp3"):
-        oracle = subprocess.run(
-            [str(cli), "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
-             "--audio", str(media[clip]), "-p", PROMPT, "--temp", "0", "-n", "16", "-t", "1",
-             "-c", "512", "--ignore-eos"],
-            capture_output=True, timeout=300, check=True,
-        )  # fmt: skip
+        oracle = mtmd_cli(tools, "-m", str(media["target"]), "--mmproj", str(media["mmproj"]),
+                          "--audio", str(media[clip]), "-p", PROMPT, "--temp", "0", "-n", "16",
+                          "-t", "1", "-c", "512", "--ignore-eos")  # fmt: skip
         ours = _run(media, "--drafter", "none", clip=clip)
         assert ours["audio"] == [str(media[clip])] and ours["images"] == []
         with LlamaModel(media["target"], vocab_only=True) as vocab:
             text = vocab.detokenize(ours["tokens"])
         assert len(ours["tokens"]) == 16
         # (llama-mtmd-cli prints a newline before the generated text and after it)
-        assert oracle.stdout.strip(b"\n") == text.strip(b"\n"), (clip, oracle.stdout, text)
+        assert oracle == text.strip(b"\n"), (clip, oracle, text)
     # the clip is heard: another tone gives another output
     assert _run(media, "--drafter", "none", clip="a880")["tokens"] != _run(media)["tokens"]
 

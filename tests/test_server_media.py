@@ -451,3 +451,33 @@ def test_m_rope_image_requests_at_once_each_get_what_they_get_alone(
                     for c, _ in asks]  # fmt: skip
             got = [r.result()[0] for r in runs]
     assert got == want
+
+
+def test_a_draft_model_reads_the_images_rows_on_parallel_sequences(
+    tiny_models: dict[str, Path], media: dict[str, Path]
+) -> None:
+    """A draft model as wide as the target (here the target's own weights) reads each
+    request's image rows in its own sequence, beside the others: every answer is `run`'s,
+    and the drafts after the images are accepted (with the placeholders most were not)."""
+    pair = {**media, "draft": tiny_models["draft-identical"]}
+    spec = ["-md", str(pair["draft"]), "--drafter", "model", "--draft", "4", "-t", "1",
+            "-c", "1024"]  # fmt: skip
+    asks = [[image(media["a"]), text("Describe")], [image(media["b"]), text("Describe")],
+            [text("Compare"), image(media["b"]), image(media["a"])]]  # fmt: skip
+    with ServerProcess("-m", str(pair["target"]), "--mmproj", str(pair["mmproj"]), *spec) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(len(asks)) as pool:
+            runs = [pool.submit(chat, client, [{"role": "user", "content": c}], n=64)
+                    for c in asks]  # fmt: skip
+            got = [r.result() for r in runs]
+    prompts = [(f"{MARKER}\nDescribe", "a"), (f"{MARKER}\nDescribe", "b"),
+               (f"Compare\n{MARKER}\n{MARKER}", "b", "a")]  # fmt: skip
+    for (answer, timings), args in zip(got, prompts, strict=True):
+        res = run_cli("run", "-m", str(pair["target"]), "--mmproj", str(pair["mmproj"]),
+                      "--image", str(media[args[1]]), *(["--image", str(media[args[2]])]
+                                                         if len(args) > 2 else []),
+                      "--drafter", "none", "-t", "1", "-c", "1024", "--temp", "0", "-n", "64",
+                      "--ignore-eos", "--json", args[0])  # fmt: skip
+        assert res.returncode == 0, res.stderr.decode()
+        assert answer == json.loads(res.stdout)["text"]
+        assert timings["draft_n"] > 0 and timings["draft_n_accepted"] >= 0.75 * timings["draft_n"]

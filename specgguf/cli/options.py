@@ -265,6 +265,13 @@ class ModelOptions:
         help="Leave out the projector of an -hf repository (which run and serve pull "
         "beside the model, as llama.cpp does).",
     )  # fmt: skip
+    mmproj_draft: Path | None = option(
+        None, "--mmproj-draft", metavar="FILE", panel=SPEC,
+        help="The draft model's own projector, through which it reads the media the target "
+        "reads (default: a draft as wide as the target reads the target's embeddings, "
+        "another the media's placeholder tokens).",
+        to="engine.mmproj_draft",
+    )  # fmt: skip
     no_mmproj_offload: bool = option(
         False, "--no-mmproj-offload",
         help="Run the projector on the CPU (default: on the GPU where the build has one).",

@@ -34,7 +34,7 @@ _LOAD = (
     Options(o.ModelOptions)
     .only("model", "model_draft", "ctx_size", "ctx_size_draft", "n_gpu_layers",
           "n_gpu_layers_draft", "rpc", "tensor_split", "rpc_draft", "rpc_timeout", "registry",
-          "mmproj")
+          "mmproj", "mmproj_draft")
     .changed("model", required=True, help="Target model: a .gguf file or a cached alias.")
 )  # fmt: skip
 
@@ -115,7 +115,7 @@ def plan(
 def _report(result: Any, search: bool) -> dict[str, Any]:
     from specgguf.engine.planning import layer_ranges
     from specgguf.engine.preflight import PROMPT_CACHE
-    from specgguf.llama.memory import PROJECTOR
+    from specgguf.llama.memory import DRAFT_PROJECTOR, PROJECTOR
 
     plan = result.plan
     models = []
@@ -131,8 +131,10 @@ def _report(result: Any, search: bool) -> dict[str, Any]:
         })  # fmt: skip
     for m in plan.models:
         # --cache-ram and a recurrent target's checkpoints; --mmproj
-        if m.name in (PROMPT_CACHE, PROJECTOR):
-            file = result.config.mmproj.name if m.name == PROJECTOR else None
+        if m.name in (PROMPT_CACHE, PROJECTOR, DRAFT_PROJECTOR):
+            path = {PROJECTOR: result.config.mmproj,
+                    DRAFT_PROJECTOR: result.config.mmproj_draft}.get(m.name)  # fmt: skip
+            file = path.name if path is not None else None
             models.append({"role": m.name, "file": file, "n_layer": 0, "layers": [],
                            "need": {p: s.total for p, s in m.shares.items()},
                            "load_refusal": None})  # fmt: skip

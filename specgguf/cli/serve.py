@@ -109,7 +109,7 @@ def serve(
 
     if config.mmproj is not None and config.deterministic:
         no_images("deterministic mode")
-        config = dataclasses.replace(config, mmproj=None)
+        config = dataclasses.replace(config, mmproj=None, mmproj_draft=None)
     # Loaded once and read for every token: huge pages for the weights (specgguf.llama.hugepages).
     config = dataclasses.replace(
         config,

@@ -362,6 +362,9 @@ class BatchedSequence:
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         return self.ctx.cached_prefix(tokens)
 
+    def media_keys(self) -> dict[int, bytes]:
+        return self.ctx.media_keys()
+
     def reuse(
         self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
     ) -> int:

@@ -307,6 +307,10 @@ class EngineConfig:
             into the target's embeddings (:mod:`specgguf.llama.media`); None: text only.
         mmproj_offload: run the projector on the GPU where the build can
             (``--mmproj-offload``, llama.cpp's default).
+        mmproj_draft: the draft model's own projector (``--mmproj-draft``), through which
+            the draft model reads the media at their rows where it gives as many rows as
+            the target's; None: a draft as wide as the target reads the target's rows,
+            another the placeholder tokens.
 
     Raises:
         UsageError: a drafter that needs a draft model without one, a timeout of 0 or less,
@@ -324,6 +328,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     mmproj: Path | None = None
     mmproj_offload: bool = True
+    mmproj_draft: Path | None = None
 
     def __post_init__(self) -> None:
         if self.n_parallel < 1:
@@ -333,6 +338,9 @@ class EngineConfig:
             raise UsageError(f"the {kind} drafter needs a draft model")
         if not self.rpc_timeout > 0:
             raise UsageError(f"the RPC timeout must be more than 0 s, not {self.rpc_timeout}")
+        if self.mmproj_draft is not None and (self.mmproj is None or self.draft is None):
+            raise UsageError("--mmproj-draft is the draft model's projector: it needs the "
+                             "target's (--mmproj) and a draft model (-md)")  # fmt: skip
 
     @property
     def rpc_servers(self) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ from specgguf.speculative.planner import Planner
 from specgguf.speculative.tuning import AUTO_TUNING
 
 if TYPE_CHECKING:
-    from specgguf.llama.media import MediaSpan, Projector
+    from specgguf.llama.media import Chunk, MediaSpan, Projector
 
 log = logging.getLogger("specgguf")
 
@@ -248,6 +248,20 @@ class Engine:
                 self.projector = self._stack.enter_context(Projector(
                     config.mmproj, self.target_model, n_threads=threads,
                     use_gpu=config.mmproj_offload))  # fmt: skip
+            #: the draft model's own projector (``--mmproj-draft``), or None
+            self.draft_projector: Projector | None = None
+            self._said_draft_media = False
+            if config.mmproj_draft is not None and self.draft_ctx is not None:
+                from specgguf.llama.media import Projector
+
+                assert self.draft_model is not None and config.draft is not None
+                threads = config.draft.n_threads or default_threads()
+                self.draft_projector = self._stack.enter_context(Projector(
+                    config.mmproj_draft, self.draft_model, n_threads=threads,
+                    use_gpu=config.mmproj_offload))  # fmt: skip
+            elif config.mmproj_draft is not None:
+                raise UsageError(f"--mmproj-draft {config.mmproj_draft.name}: the "
+                                 f"{spec.drafter} drafter reads no draft model's text")  # fmt: skip
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
             # Said when the batch size (or a recurrent state's snapshots) is what clamps
             # the draft length; a context smaller than the draft length limits each step
@@ -718,10 +732,12 @@ class Engine:
         return "deterministic mode" if self.config.deterministic else None
 
     def drop_projector(self) -> None:
-        """Free the projector (``--mmproj``): the engine reads no media from here on."""
-        if self.projector is not None:
-            self.projector.close()
-            self.projector = None
+        """Free the projectors (``--mmproj``, ``--mmproj-draft``): the engine reads no
+        media from here on."""
+        for p in (self.projector, self.draft_projector):
+            if p is not None:
+                p.close()
+        self.projector = self.draft_projector = None
 
     def check_media(self, media: Sequence[tuple[str, bytes]]) -> None:
         """Refuse ``media`` (``(name, bytes)``) before anything is decoded: no projector
@@ -792,6 +808,7 @@ class Engine:
         spans: list[MediaSpan] = []
         at = 0
         shift = 0  # rows less positions so far (M-RoPE: an image's rows share positions)
+        draft_shift = 0  # the same for the draft model's rows (--mmproj-draft)
         for i, cut in enumerate([*cuts, len(text)]):
             literal = tuple((max(a, at) - at, min(b, cut) - at) for a, b in prepared.literal
                             if a < cut and b > at)  # fmt: skip
@@ -804,20 +821,93 @@ class Engine:
                 break
             name, data = media[i]
             key = hashlib.sha256(data).digest()
-            for chunk in self.projector.chunks(data, name, fits=(len(ids), self.n_ctx),
-                                               stop=stop, turn=turn):  # fmt: skip
+            chunks = self.projector.chunks(data, name, fits=(len(ids), self.n_ctx), stop=stop,
+                                           turn=turn)  # fmt: skip
+            drafts = self._draft_chunks(data, name, chunks, stop, turn)
+            for chunk in chunks:
                 if chunk.embd is None:
                     ids += chunk.tokens or []
                     continue
                 pos = chunk.positions(len(ids) - shift)
-                spans.append(MediaSpan(len(ids), chunk.embd, key, chunk.non_causal, pos,
-                                       chunk.n_pos))  # fmt: skip
-                shift += spans[-1].shift
+                span = MediaSpan(len(ids), chunk.embd, key, chunk.non_causal, pos, chunk.n_pos)
+                if drafts is None:
+                    draft = self._draft_rows(span)
+                else:  # (its own rows, at its own positions)
+                    own = drafts.pop(0)
+                    assert own.embd is not None
+                    grid = own.positions(span.start - draft_shift)
+                    draft = MediaSpan(span.start, own.embd, key, own.non_causal, grid, own.n_pos)
+                    draft_shift += draft.shift
+                spans.append(dataclasses.replace(span, draft=draft))
+                shift += span.shift
                 ids += [placeholder] * len(chunk.embd)
         if spans and spans[-1].end >= len(ids):
             raise MediaError(f"{media[-1][0]} ends the prompt: a prompt must not end with a "
                              f"medium; put text after its marker", part=media[-1][0])  # fmt: skip
         return ids, spans
+
+    def _draft_chunks(
+        self,
+        data: bytes,
+        name: str,
+        chunks: list[Chunk],
+        stop: Callable[[], bool] | None,
+        turn: Callable[[], contextlib.AbstractContextManager[object]] | None,
+    ) -> list[Chunk] | None:
+        """The draft model's embeddings of a medium through its own projector
+        (``--mmproj-draft``), one for each of the target's ``chunks`` of embeddings, of as
+        many rows each; None where there is no such projector, or it does not read this
+        kind of medium or gives other rows (the draft then reads the placeholder tokens,
+        said once in the log).
+
+        Raises:
+            MediaError, BackendError: as :meth:`specgguf.llama.media.Projector.chunks`.
+        """
+        from specgguf.llama.media import image_format
+
+        dp = self.draft_projector
+        if dp is None or self.draft_ctx is None:
+            return None
+        audio = image_format(data) == "audio"
+        if not (dp.audio if audio else dp.vision):
+            self._say_draft_media(f"the draft's projector {dp.path.name} reads no "
+                                  f"{'audio' if audio else 'images'}")  # fmt: skip
+            return None
+        own = [c for c in dp.chunks(data, name, stop=stop, turn=turn) if c.embd is not None]
+        theirs = [c.embd for c in chunks if c.embd is not None]
+        if [len(c.embd) for c in own if c.embd is not None] != [len(e) for e in theirs]:
+            self._say_draft_media(f"the draft's projector {dp.path.name} makes other rows "
+                                  f"of {name} than the target's")  # fmt: skip
+            return None
+        return own
+
+    def _say_draft_media(self, why: str) -> None:
+        """Log once that the draft model reads a medium's placeholder tokens, and why."""
+        if not self._said_draft_media:
+            self._said_draft_media = True
+            log.warning("%s: the draft model reads its placeholder tokens", why)
+
+    def _draft_rows(self, span: MediaSpan) -> MediaSpan | None:
+        """The draft model's rows of a medium (:attr:`MediaSpan.draft`): the target's
+        embeddings where the draft model reads rows of their width, as llama.cpp's
+        draft-simple gives a draft the target's (common/speculative.cpp), at the draft's
+        own positions (M-RoPE's grid where both have it, one a row else); None where its
+        width differs (it then reads the placeholder tokens; llama.cpp gives it zero
+        rows) or no draft model reads the text."""
+        import numpy as np
+
+        from specgguf.llama.media import MediaSpan
+
+        d = self.draft_model
+        if self.draft_ctx is None or d is None or d.n_embd != span.embd.shape[1]:
+            return None
+        rows = MediaSpan(span.start, span.embd, span.key, span.non_causal)
+        if not d.mrope:
+            return rows
+        if span.pos is not None:  # (the same grid: the draft's positions are the target's)
+            return dataclasses.replace(rows, pos=span.pos, n_pos=span.n_pos)
+        at = np.arange(span.start, span.end, dtype=np.int32)  # (every section: as a clip's)
+        return dataclasses.replace(rows, pos=np.tile(at, (4, 1)), n_pos=len(at))
 
     # -- what the sequences hold ------------------------------------------------------
 

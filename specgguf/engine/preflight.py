@@ -15,6 +15,7 @@ from specgguf.gguf.info import ModelInfo, read_model_info
 from specgguf.gguf.projector import check_projector
 from specgguf.gguf.vocab import CompatReport, check_compatibility
 from specgguf.llama.memory import (
+    DRAFT_PROJECTOR,
     LOCAL,
     PROJECTOR,
     MemoryPlan,
@@ -165,13 +166,15 @@ def memory_plan(
     cache = prompt_cache_bytes(config, target)
     if cache:
         models.append(ModelPlacement(PROMPT_CACHE, (), {LOCAL: Share(kv_cache=cache)}))
-    if config.mmproj is not None:  # (libmtmd reads it through this machine's memory)
-        share = projector_memory(config.mmproj)
+    for name, path in ((PROJECTOR, config.mmproj), (DRAFT_PROJECTOR, config.mmproj_draft)):
+        if path is None or (name == DRAFT_PROJECTOR and not config.loads_draft):
+            continue
+        share = projector_memory(path)  # (libmtmd reads it through this machine's memory)
         shares = {LOCAL: share}
         if config.mmproj_offload and gpus:  # (clip.cpp's weights on the first GPU)
             places.setdefault(gpus[0].name, gpus[0])
             shares[gpus[0].name] = share
-        models.append(ModelPlacement(PROJECTOR, (), shares))
+        models.append(ModelPlacement(name, (), shares))
     return MemoryPlan(tuple(places.values()), tuple(models))
 
 
@@ -275,6 +278,8 @@ def preflight(config: EngineConfig) -> Preflight:
     t_info.require_loadable()
     if config.mmproj is not None:
         check_projector(config.mmproj, t_info.embedding_length)
+    if config.mmproj_draft is not None and d_info is not None:
+        check_projector(config.mmproj_draft, d_info.embedding_length, model="draft model")
     if t_info.architecture in DRAFT_HEAD_ARCHS:
         arch = t_info.architecture
         raise UsageError(f"{t_info.path.name} is {article(arch)} {arch} draft head, not a "

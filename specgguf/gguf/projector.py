@@ -9,11 +9,11 @@ from pathlib import Path
 from specgguf.errors import ModelFileError, ModelNotFoundError
 
 
-def check_projector(path: Path, n_embd: int | None) -> None:
+def check_projector(path: Path, n_embd: int | None, *, model: str = "target") -> None:
     """Refuse a projector file before any weights load: missing, not a file, not a GGUF
     projector (architecture ``clip``), or one whose output size is not the text model's
     ``n_embd`` (``clip.vision.projection_dim``, or ``clip.audio.projection_dim`` for an
-    audio projector; None: not checked).
+    audio projector; None: not checked), ``model`` the text model's role in the message.
 
     Raises:
         ModelNotFoundError: no such file (exit 3).
@@ -33,7 +33,7 @@ def check_projector(path: Path, n_embd: int | None) -> None:
                              f"{arch!r}, a projector's is 'clip')", path=path)  # fmt: skip
     if n_embd is not None and dim is not None and int(dim) != n_embd:
         raise ModelFileError(f"{path}: the projector's rows have {dim} values and the "
-                             f"target's {n_embd}: it is for another model", path=path)  # fmt: skip
+                             f"{model}'s {n_embd}: it is for another model", path=path)  # fmt: skip
 
 
 def projector_info(path: Path) -> dict[str, object]:

@@ -117,7 +117,10 @@ class MediaSpan:
     libmtmd's ``mtmd_helper_decode_image_chunk`` gives them), and ``n_pos`` the positions
     the medium takes: an image's rows share positions, so that a row ``i`` after the
     media of a sequence is at position ``i`` less their :attr:`shift` summed. None and 0:
-    one position a row."""
+    one position a row.
+
+    ``draft``: the same medium's rows for the draft model, at the same rows of its
+    sequence (its own positions), or None: the draft reads the placeholder tokens."""
 
     start: int
     embd: npt.NDArray[np.float32]
@@ -125,6 +128,7 @@ class MediaSpan:
     non_causal: bool = False
     pos: npt.NDArray[np.int32] | None = None
     n_pos: int = 0
+    draft: MediaSpan | None = None
 
     @property
     def end(self) -> int:
@@ -138,6 +142,10 @@ class MediaSpan:
     def same(self, other: MediaSpan) -> bool:
         """The same medium at the same positions."""
         return (self.start, self.end, self.key) == (other.start, other.end, other.key)
+
+
+#: llama.cpp's M-RoPE rope types (ggml.h: GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_IMROPE)
+_MROPE_TYPES = (8, 40)
 
 
 def _text_runs(start: int, end: int, media: Sequence[MediaSpan]) -> Iterator[tuple[int, int]]:
@@ -317,6 +325,8 @@ class LlamaModel(_Native):
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(model)
         self.n_layer: int = lc.llama_model_n_layer(model)
         self.n_embd: int = lc.llama_model_n_embd(model)
+        #: whether its positions have M-RoPE's four sections (Qwen2-VL and later)
+        self.mrope: bool = lc.llama_model_rope_type(model) in _MROPE_TYPES
         buf = ctypes.create_string_buffer(64)
         n = lc.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
         #: ``general.architecture`` ("" where the file gives none)

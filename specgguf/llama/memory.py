@@ -294,8 +294,10 @@ def check_plan(plan: MemoryPlan) -> int:
     return plan.need(LOCAL)
 
 
-#: The name of a multimodal projector's share in a memory plan.
+#: The name of a multimodal projector's share in a memory plan (the target's; the draft
+#: model's).
 PROJECTOR = "projector"
+DRAFT_PROJECTOR = "draft projector"
 
 
 def projector_memory(path: Path) -> Share:

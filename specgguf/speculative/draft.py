@@ -116,6 +116,14 @@ class Evaluator(Protocol):
 
     def scratch(self) -> AbstractContextManager[None]: ...
 
+    def prompt(
+        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
+    ) -> None:
+        """Append a prompt's tokens, without logits (a recurrent state keeps checkpoints
+        of itself on the way; ``exact``: read as deterministic mode reads; ``media``: read
+        at their positions instead of the tokens there)."""
+        ...
+
 
 class TargetEvaluator(Evaluator, Protocol):
     """What the loop needs from the target's context: an :class:`Evaluator` that also
@@ -153,14 +161,6 @@ class TargetEvaluator(Evaluator, Protocol):
         the rest after it gives bit-identical logits for; ``media``: what the prompt
         holds at some positions instead of tokens, the same cached only where it is the
         same; see ``backend.LlamaContext``)."""
-        ...
-
-    def prompt(
-        self, tokens: Sequence[int], *, exact: bool = False, media: Sequence[object] = ()
-    ) -> None:
-        """Append a prompt's tokens, without logits (a recurrent state keeps checkpoints
-        of itself on the way; ``exact``: read as deterministic mode reads; ``media``: read
-        at their positions instead of the tokens there)."""
         ...
 
 

@@ -428,6 +428,9 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         gen.stats.constrained = gen.constraint is not None
         planner.reset()
+        for d in planner.drafters:  # (a draft model reads the media it has rows for)
+            if (see := getattr(d, "see_media", None)) is not None:
+                see(gen.media)
         history = run.history
         keep: list[int] = []
         if params.cache_prompt:  # the last token is read with the first verification

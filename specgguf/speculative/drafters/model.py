@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +70,11 @@ class ModelDrafter(Drafter):
     acceptance, never correctness (the target verifies every token). A warning says so
     once.
 
+    A generation's media (:meth:`see_media`) that carry rows for the draft model are read
+    as rows at their positions, where its window starts at the history's beginning; else
+    the draft reads their placeholder tokens. Its cache is kept across generations only
+    up to the first medium it read otherwise than the new prompt has it.
+
     Args:
         ctx: the draft model's context (its own n_ctx, n_batch and threads).
         n_vocab_target: ids at or beyond this are never proposed (a draft vocabulary may
@@ -85,6 +91,10 @@ class ModelDrafter(Drafter):
         self._synced = 0  # a prefix of _held known to equal the history's prefix
         self._owed = 0  # history positions counted as read before they are (defer)
         self._warned = False
+        # the generation's media with rows for the draft, by history position
+        self._rows: dict[int, Any] = {}
+        # the media the cache holds as rows: history position -> content key
+        self._read: dict[int, bytes] = {}
         self.seconds = 0.0
         # seconds per drafted token at the latest proposal that measured it
         self._token_seconds = 0.0
@@ -96,11 +106,45 @@ class ModelDrafter(Drafter):
 
     def follow(self, offset: int, tokens: Sequence[int]) -> None:
         """The draft's context was made to hold ``tokens``, the history from position
-        ``offset`` on (a saved prompt restored into it)."""
+        ``offset`` on (a saved prompt restored into it, with the media it read as rows)."""
         self.offset = offset
         self._held = list(tokens)
+        keys = getattr(self.ctx, "media_keys", None)
+        self._read = {p + offset: k for p, k in keys().items()} if keys is not None else {}
         self._synced = 0
         self._owed = 0
+
+    def see_media(self, media: Sequence[object]) -> None:
+        """The generation's media (``backend.MediaSpan``\\ s): those with rows for the
+        draft model (their ``draft``) are read as rows."""
+        self._rows = {d.start: d for m in media if (d := getattr(m, "draft", None)) is not None}
+
+    def _media_bound(self, n: int) -> int:
+        """``n`` leading positions of the window, cut before the first medium the cache
+        and this generation's media hold differently (or read differently), and never
+        inside one read as rows."""
+        rows = self._rows if self.offset == 0 else {}
+        for p in sorted({*self._read, *rows}):
+            if p - self.offset >= n:
+                break
+            want = rows.get(p)
+            if self._read.get(p) != (want.key if want is not None else None):
+                return max(0, p - self.offset)
+            if want is not None and want.end - self.offset > n:  # (inside it)
+                return p - self.offset
+        return n
+
+    def _read_text(self, history: Sequence[int], start: int, stop: int) -> None:
+        """Read ``history[start:stop]`` into the cache (no logits): the media among them
+        with rows for the draft as their rows."""
+        inside = [m for p, m in self._rows.items() if start <= p and m.end <= stop] if (
+            self.offset == 0) else []  # fmt: skip
+        if inside:
+            self.ctx.prompt(history[start:stop], media=inside)  # (in position order)
+            self._read.update((m.start, m.key) for m in inside)
+        else:
+            self.ctx.eval(history[start:stop], logits="none")
+        self._held.extend(history[start:stop])
 
     def defer(self, history: Sequence[int]) -> None:
         """Read the prompt (all but its last token) at the first draft, not now: until
@@ -127,6 +171,7 @@ class ModelDrafter(Drafter):
         self.offset = len(history) - keep
         self.ctx.rollback(0)
         self._held.clear()
+        self._read = {}
         self._synced = 0
 
     def prefill(self, history: Sequence[int]) -> None:
@@ -138,8 +183,7 @@ class ModelDrafter(Drafter):
         keep = self._rewind(min(self._common_prefix(history), len(history) - 1 - self.offset))
         start = self.offset + keep
         if len(history) - 1 > start:
-            self.ctx.eval(history[start:-1], logits="none")
-            self._held.extend(history[start:-1])
+            self._read_text(history, start, len(history) - 1)
         self._synced = len(history) - 1 - self.offset
         self.seconds += time.perf_counter() - t0
 
@@ -159,6 +203,8 @@ class ModelDrafter(Drafter):
             keep = 0
         self.ctx.rollback(keep)
         del self._held[keep:]
+        if self._read:
+            self._read = {p: k for p, k in self._read.items() if p - self.offset < keep}
         return keep
 
     def cached_tokens(self, history: Sequence[int]) -> int:
@@ -206,17 +252,17 @@ class ModelDrafter(Drafter):
         start = self.offset + keep
         if start < self._owed:  # the deferred prompt: prompt time, as when read ahead
             t_prompt = time.perf_counter()
-            self.ctx.eval(history[start : self._owed], logits="none")
-            self._held.extend(history[start : self._owed])
+            self._read_text(history, start, self._owed)
             start = self._owed
             self.prompt_seconds += time.perf_counter() - t_prompt
         last = start
-        if len(history) - start > _CATCH_UP_SPLIT:
+        if len(history) - start > _CATCH_UP_SPLIT or (
+                self._rows and max(m.end for m in self._rows.values()) > start):  # fmt: skip
             # A long catch-up without logits first (after idle steps): a batcher reads it
             # in pieces beside the other sequences' steps, where a request for logits
             # would go first and hold their verifications up; its last token then alone.
-            self.ctx.eval(history[start:-1], logits="none")
-            self._held.extend(history[start:-1])
+            # (A medium's rows are read so too.)
+            self._read_text(history, start, len(history) - 1)
             last = len(history) - 1
         logits = self.ctx.eval(history[last:], logits="last")
         self._held.extend(history[last:])
@@ -261,4 +307,4 @@ class ModelDrafter(Drafter):
         limit = min(len(self._held), len(history) - self.offset)
         while n < limit and self._held[n] == history[self.offset + n]:
             n += 1
-        return n
+        return self._media_bound(n) if self._read or self._rows else n
