@@ -822,3 +822,68 @@ def test_a_draft_projector_without_its_model_or_for_another_is_refused(
                   "-n", "4", PROMPT)  # fmt: skip
     err = res.stderr.decode()
     assert res.returncode == code and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_ram_prompt_cache_keeps_prompts_with_images_by_their_content(
+    media: dict[str, Path],
+) -> None:
+    """--cache-ram keeps a sequence's prompt with its images when another prompt takes
+    its place; a later prompt with the same image gets it back past the image, one with
+    another image only up to it (the placeholders are the same tokens)."""
+    from specgguf.engine import Engine
+    from specgguf.engine.config import CacheConfig
+    from specgguf.llama.media import MARKER
+
+    config, params, pictures = _in_process(media)
+    cached = dataclasses.replace(config, cache=CacheConfig(ram=64 << 20))
+
+    def prompt(eng: Engine, which: str | None, text: str) -> tuple[list[int], list]:
+        if which is None:
+            return eng.prepared_ids(eng.render(text)), []
+        return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
+
+    turns = [("image", "Describe"), (None, "Tell me about the quick fox, " * 8),
+             ("image", "Describe"), ("other", "Describe")]  # fmt: skip
+    fresh = []
+    for which, text in turns:
+        with Engine(config) as eng:
+            ids, spans = prompt(eng, which, text)
+            fresh.append(eng.generate(ids, params, media=spans).run().tokens)
+    with Engine(cached) as eng:
+        got = []
+        for which, text in turns:
+            ids, spans = prompt(eng, which, text)
+            res = eng.generate(ids, params, media=spans).run()
+            got.append((res.tokens, res.stats.prompt_cached, spans))
+        assert eng.prompt_cache is not None and eng.prompt_cache.restores >= 1
+    assert [t for t, _, _ in got] == fresh
+    (image,) = got[2][2]
+    assert got[2][1] >= image.end  # (back from the cache, the image's rows with it)
+    assert got[3][1] <= image.start  # (another image: up to it)
+
+
+def test_a_draft_window_slid_by_a_long_generation_goes_back_for_the_next_images(
+    media: dict[str, Path], tiny_models: dict[str, Path]
+) -> None:
+    """A draft model's context of 80 positions: a generation past it slides the draft's
+    window; the next prompt, which fits, reads its images as rows again from the start
+    (reviewed: the window stayed slid, and the draft read placeholders from then on)."""
+    from specgguf.engine import Engine, ModelConfig, SpeculativeConfig
+    from specgguf.llama.media import MARKER
+
+    config, params, pictures = _in_process(media)
+    drafting = dataclasses.replace(
+        config, speculative=SpeculativeConfig(drafter="model", draft_max=4),
+        draft=ModelConfig(tiny_models["draft-identical"], n_ctx=80, n_threads=1),
+    )  # fmt: skip
+    params = dataclasses.replace(params, n_predict=36, drafter="model")
+    with Engine(drafting) as eng:
+        for turn, images in enumerate((["image", "other"], ["image", "image"],
+                                       ["image", "other"])):  # fmt: skip
+            ids, spans = eng.media_prompt(eng.render(f"Look at these: {MARKER}{MARKER}Compare"),
+                                          [pictures[w] for w in images])  # fmt: skip
+            assert len(ids) + params.n_predict > 80 > len(ids)
+            res = eng.generate(ids, params, media=spans).run()
+            # (each slides its window near its end: its drafts after that read none)
+            assert turn == 0 or res.stats.accepted >= 0.5 * res.stats.drafted > 0, (
+                images, res.stats)  # fmt: skip

@@ -512,3 +512,25 @@ def test_an_entry_larger_than_memory_and_disk_is_not_counted_as_kept(tmp_path: P
     assert not cache.put(saved([1, 2], size=3000)) and cache.saves == 0
     assert cache.put(saved([3, 4], size=300)) and cache.saves == 1  # to disk
     assert cache.files_written == 1 and len(cache) == 1
+
+
+def test_the_prompt_caches_entries_are_matched_by_their_media_too() -> None:
+    """An image's rows hold placeholder tokens, the same whatever the image: an entry is
+    shared up to the first medium it and the prompt do not share, and a prompt with
+    another image at the same rows does not hold an entry whole."""
+    from specgguf.llama.backend import MediaSpan
+
+    tokens = np.array([1, 2, 3, 0, 0, 0, 0, 5, 6, 7, 8], np.int32)
+    cat = MediaSpan(3, np.zeros((4, 8), np.float32), b"cat")
+    dog = dataclasses.replace(cat, key=b"dog")
+    cache = PromptCache(1 << 20)
+    assert cache.put(SavedPrompt(SequenceState(tokens, b"x" * 10, media=(cat,))))
+    longer = [*tokens.tolist(), 9]
+    assert cache.best(longer, [cat])[1] == 11
+    assert cache.best(longer, [dog])[1] == 3  # (up to the other image)
+    assert cache.best(longer, [])[1] == 3  # (text where it holds an image)
+    # another image at the same rows: a prompt of its own, kept beside the first
+    assert cache.put(SavedPrompt(SequenceState(tokens, b"y" * 10, media=(dog,))))
+    assert len(cache) == 2
+    # the image's rows are counted in its size
+    assert cache.nbytes == 2 * (10 + tokens.nbytes + cat.embd.nbytes)

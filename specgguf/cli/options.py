@@ -745,6 +745,10 @@ def engine_config(
     engine = config_args(load, "engine")
     if mmproj is not None:
         engine["mmproj"] = mmproj
+    if engine.get("mmproj_draft") is not None and draft_model is None and draft_path is not None:
+        say(f"specgguf: note: the {kind} drafter reads no draft model's text: "
+            f"--mmproj-draft {Path(engine['mmproj_draft']).name} is not loaded")  # fmt: skip
+        engine["mmproj_draft"] = None
     return EngineConfig(target, draft_model, spec, **engine)
 
 

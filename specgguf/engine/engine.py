@@ -719,9 +719,6 @@ class Engine:
         seq.target.set_rows_per_decode(self.deterministic_rows if det else None)
         constraint = self.constraint(params.grammar) if params.grammar is not None else None
         gen = seq.decoder.generate(ids, params, planner, constraint, media)
-        # (a prompt with media is not recalled from the prompt cache: its placeholder
-        # tokens would match another image's; the sequence's own cache is media-aware.
-        # What the sequence holds is kept all the same.)
         if params.cache_prompt:
             self._recall(seq, ids, media)
         seq.last_used = time.monotonic()
@@ -837,7 +834,7 @@ class Engine:
                     assert own.embd is not None
                     grid = own.positions(span.start - draft_shift)
                     draft = MediaSpan(span.start, own.embd, key, own.non_causal, grid, own.n_pos)
-                    draft_shift += draft.shift
+                draft_shift += draft.shift if draft is not None else 0
                 spans.append(dataclasses.replace(span, draft=draft))
                 shift += span.shift
                 ids += [placeholder] * len(chunk.embd)
@@ -931,24 +928,23 @@ class Engine:
 
     def _recall(self, seq: Slot, ids: Sequence[int], media: Sequence[MediaSpan] = ()) -> None:
         """Before ``seq`` reads the prompt ``ids`` (with ``media``): a saved prompt that
-        shares more with ``ids`` than ``seq`` does is taken out of the prompt cache (not
-        for a prompt with media), what ``seq`` holds goes
-        into it when the prompt keeps less than half of it (llama-server's rule) and the
-        cache has room for it, and the saved prompt comes back into ``seq``. A state
-        llama.cpp cannot copy or take back is said in the log: the prompt is then read."""
+        shares more with ``ids`` than ``seq`` does (its media compared by content) is
+        taken out of the prompt cache, what ``seq`` holds goes into it when the prompt
+        keeps less than half of it (llama-server's rule) and the cache has room for it,
+        and the saved prompt comes back into ``seq``. A state llama.cpp cannot copy or
+        take back is said in the log: the prompt is then read."""
         cache = self.prompt_cache
         if cache is None:
             return
         own, held = seq.cached_prefix(ids, media), seq.n_cached
-        entry, shared = cache.best(ids) if not media else (None, 0)
+        entry, shared = cache.best(ids, media)
         back = None
         if entry is not None and shared > own:
             try:  # (taken first: saving the sequence may evict it)
                 back = cache.take(entry)
             except (SpecggufError, OSError) as e:
                 log.warning("prompt cache: %s; the prompt is read instead", e)
-        # (a sequence holding images is not kept: the cache matches prompts by tokens)
-        if held and own < held / 2 and not seq.holds_media and cache.has_room(seq.state_bytes()):
+        if held and own < held / 2 and cache.has_room(seq.state_bytes()):
             try:
                 cache.put(seq.save())
             except SpecggufError as e:

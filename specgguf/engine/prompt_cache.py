@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from specgguf.engine.slots import HeadState, SavedPrompt, common_prefix
 from specgguf.errors import SpecggufError, UsageError
-from specgguf.llama.backend import Checkpoint, SequenceState
+from specgguf.llama.backend import Checkpoint, MediaSpan, SequenceState, media_prefix
 
 log = logging.getLogger("specgguf")
 
@@ -267,6 +267,18 @@ class _OnDisk:
     nbytes: int
 
 
+def _shared(
+    entry: SavedPrompt | _OnDisk,
+    tokens: Sequence[int] | npt.NDArray[np.int32],
+    media: Sequence[MediaSpan],
+) -> int:
+    """How many leading rows ``entry`` shares with a prompt of ``tokens`` holding
+    ``media``: its tokens', up to the first medium they do not share (a file holds none)."""
+    n = common_prefix(entry.tokens, tokens)
+    held = entry.target.media if isinstance(entry, SavedPrompt) else ()
+    return media_prefix(n, held, media) if held or media else n
+
+
 class PromptCache:
     """Saved prompts by least recent use, within ``limit`` bytes of host memory; with a
     ``disk`` folder and ``disk_limit`` bytes there, those evicted from memory go to files
@@ -309,14 +321,16 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._memory) + len(self._files)
 
-    def best(self, tokens: Sequence[int]) -> tuple[SavedPrompt | _OnDisk | None, int]:
-        """The entry sharing the longest prefix with ``tokens`` (at least
-        :data:`KEEP_MIN` of its own), and that prefix's length; (None, 0): none."""
+    def best(
+        self, tokens: Sequence[int], media: Sequence[MediaSpan] = ()
+    ) -> tuple[SavedPrompt | _OnDisk | None, int]:
+        """The entry sharing the longest prefix with ``tokens`` and their ``media`` (at
+        least :data:`KEEP_MIN` of its own), and that prefix's length; (None, 0): none."""
         best: SavedPrompt | _OnDisk | None = None
         shared = 0
         entries: list[SavedPrompt | _OnDisk] = [*self._memory, *self._files]
         for entry in entries:
-            n = common_prefix(entry.tokens, tokens)
+            n = _shared(entry, tokens, media)
             if n > shared and n >= KEEP_MIN * len(entry.tokens):
                 best, shared = entry, n
         return best, shared
@@ -356,16 +370,16 @@ class PromptCache:
         """Keep ``saved``, unless an entry holds its tokens whole already; entries whose
         tokens it holds whole go; the least recently used go to disk (or away) until it
         fits. Returns whether it was kept (one larger than the whole cache is not)."""
-        tokens = saved.tokens
+        tokens, media = saved.tokens, saved.target.media
         if not len(tokens):
             return False
         entries: list[SavedPrompt | _OnDisk] = [*self._memory, *self._files]
         for entry in entries:
-            if common_prefix(entry.tokens, tokens) == len(tokens):
+            if _shared(entry, tokens, media) == len(tokens):
                 return False
         self._memory = [e for e in self._memory
-                        if common_prefix(e.tokens, tokens) < len(e.tokens)]  # fmt: skip
-        for f in [f for f in self._files if common_prefix(f.tokens, tokens) == len(f.tokens)]:
+                        if _shared(e, tokens, media) < len(e.tokens)]  # fmt: skip
+        for f in [f for f in self._files if _shared(f, tokens, media) == len(f.tokens)]:
             self._drop_file(f)
         if saved.nbytes > self.limit:
             kept = self._to_disk(saved)
@@ -396,8 +410,8 @@ class PromptCache:
     def _to_disk(self, saved: SavedPrompt) -> bool:
         """``saved`` into a file of the folder, the oldest going beyond its size; whether
         it is there (no folder, a failed write or a file larger than the folder: not)."""
-        if self.disk is None or saved.nbytes > self.disk_limit:
-            return False
+        if self.disk is None or saved.nbytes > self.disk_limit or saved.target.media:
+            return False  # (media are kept in memory only)
         name = hashlib.blake2b(json.dumps(self.ident, sort_keys=True).encode()
                                + saved.tokens.tobytes(), digest_size=16).hexdigest()  # fmt: skip
         path = self.disk / f"{name}{SUFFIX}"

@@ -25,7 +25,7 @@ import os
 import re
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn, Self
@@ -146,6 +146,25 @@ class MediaSpan:
 
 #: llama.cpp's M-RoPE rope types (ggml.h: GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_IMROPE)
 _MROPE_TYPES = (8, 40)
+
+
+def media_prefix(
+    n: int, held: Iterable[MediaSpan], wanted: Iterable[MediaSpan], *, before: bool = False
+) -> int:
+    """``n`` leading rows that a cache holding the media ``held`` shares with a prompt of
+    the media ``wanted`` (whose tokens share ``n`` rows), cut before the first medium they
+    do not share (other content, or only one of them has one there: the placeholder
+    tokens are the same whatever the image), and never inside a medium; ``before``: one
+    row before such a medium (a head's first row there reads the hidden state of the row
+    before, which must be computed again, as a head's ``reuse_limit`` has it for text)."""
+    mine = {m.start: m for m in held}
+    plan = {m.start: m for m in wanted}
+    for m in sorted([*mine.values(), *plan.values()], key=lambda m: m.start, reverse=True):
+        if m.start < n:
+            have, want = mine.get(m.start), plan.get(m.start)
+            if have is None or want is None or not have.same(want) or n < m.end:
+                n = max(0, m.start - 1) if before else m.start
+    return n
 
 
 def _text_runs(start: int, end: int, media: Sequence[MediaSpan]) -> Iterator[tuple[int, int]]:
@@ -642,8 +661,13 @@ class SequenceState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes it holds: the state, its checkpoints and its tokens."""
-        return len(self.data) + sum(len(c.data) for c in self.checkpoints) + self.tokens.nbytes
+        """Bytes it holds: the state, its checkpoints, its tokens and its media's rows
+        (the draft model's too, where they are its own)."""
+        rows = sum(m.embd.nbytes + (m.draft.embd.nbytes if m.draft is not None
+                                    and m.draft.embd is not m.embd else 0)
+                   for m in self.media)  # fmt: skip
+        return (len(self.data) + sum(len(c.data) for c in self.checkpoints)
+                + self.tokens.nbytes + rows)  # fmt: skip
 
 
 class LlamaContext(_Native):
@@ -1688,22 +1712,10 @@ class LlamaContext(_Native):
         return {p: m.key for p, m in self._media.items()}
 
     def _media_prefix(self, n: int, media: list[MediaSpan]) -> int:
-        """``n`` cached positions cut before the first medium that the cache and the
-        prompt to read do not share (other content, or only one of them has one there):
-        the placeholder tokens are the same whatever the image; never inside a medium. A
-        context that keeps hidden states cuts one position earlier, so that it computes
-        the hidden state a head reads before that medium again."""
-        plan = {m.start: m for m in media}
-        spans = sorted([*self._media.values(), *media], key=lambda m: m.start, reverse=True)
-        for m in spans:
-            if m.start < n:
-                held, wanted = self._media.get(m.start), plan.get(m.start)
-                if held is None or wanted is None or not held.same(wanted) or n < m.end:
-                    # (not a medium's part either; a head's first row there reads the
-                    # hidden state after the position before: computed again, as a head's
-                    # reuse_limit has it for text)
-                    n = max(0, m.start - 1) if self._hidden else m.start
-        return n
+        """:func:`media_prefix` of the media the cache holds and ``media``; a context that
+        keeps hidden states cuts one position earlier, so that it computes the hidden
+        state a head reads before that medium again."""
+        return media_prefix(n, self._media.values(), media, before=self._hidden)
 
     def _prompt_with_media(
         self,

@@ -189,9 +189,17 @@ class ModelDrafter(Drafter):
 
     def _realign(self, history: Sequence[int]) -> None:
         """At a generation's first read: another text than the cache's starts its window
-        at its beginning."""
+        at its beginning; so does a prompt with media the draft reads as rows where it
+        fits the context (a window slid in an earlier generation would read their
+        placeholders)."""
         if self.offset > len(history) - 1 or self._common_prefix(history) == 0:
             self.offset = 0
+        elif self.offset and self._rows and len(history) < self.ctx.n_ctx:
+            self.offset = 0
+            self.ctx.rollback(0)
+            self._held.clear()
+            self._read = {}
+            self._synced = 0
 
     def _rewind(self, keep: int) -> int:
         """Cut the cache to its first ``keep`` tokens and return how many it keeps: all
