@@ -37,12 +37,15 @@ def media(
     write_mmproj(folder / "mmproj.gguf", N_EMBD)
     write_mmproj(folder / "mmproj-qwen2vl.gguf", N_EMBD, patch_size=4,
                  projector="qwen2vl_merger")  # fmt: skip
+    write_mmproj(folder / "mmproj-qwen3vl.gguf", N_EMBD, patch_size=4,
+                 projector="qwen3vl_merger", deepstack=(0,))  # fmt: skip
     (folder / "broken.png").write_bytes(png_bytes(picture())[:60])
     return {
         "target": tiny_models["target"],
         "draft": tiny_models["draft-partial"],
         "mmproj": folder / "mmproj.gguf",
         "mmproj-qwen2vl": folder / "mmproj-qwen2vl.gguf",
+        "mmproj-qwen3vl": folder / "mmproj-qwen3vl.gguf",
         "image": write_png(folder / "a.png", picture()),
         "other": write_png(folder / "b.png", picture(flip=True)),
         "broken": folder / "broken.png",
@@ -529,10 +532,12 @@ def test_a_head_drafts_after_media_from_the_hidden_states_that_saw_them(
 
 #: a Mamba-2 target with LLaVA's projector; a hybrid of Gated DeltaNet and attention
 #: layers with M-RoPE (Qwen3.5's) and Qwen2-VL's text model (attention, M-RoPE), both
-#: with Qwen2-VL's projector; the draft model for each
+#: with Qwen2-VL's projector; Qwen3-VL's, whose image rows are twice its width (one
+#: deepstack block's rows beside the merger's); the draft model for each
 RECURRENT = {"recurrent": ("draft-partial", "mmproj"),
              "hybrid": ("hybrid-draft", "mmproj-qwen2vl"),
-             "qwen2vl": ("draft-partial", "mmproj-qwen2vl")}  # fmt: skip
+             "qwen2vl": ("draft-partial", "mmproj-qwen2vl"),
+             "qwen3vl": ("draft-partial", "mmproj-qwen3vl")}  # fmt: skip
 
 
 @pytest.mark.parametrize("target", sorted(RECURRENT))
@@ -540,8 +545,9 @@ def test_a_recurrent_or_m_rope_target_reads_an_image_as_llama_mtmd_cli_does(
     media: dict[str, Path], tiny_models: dict[str, Path], tools: Path, target: str
 ) -> None:
     """A Mamba-2 target reads the image's rows into its recurrent state; an M-RoPE target
-    (the hybrid) places them on positions of their own (a 4 x 4 grid of rows on 4
-    positions), and the text after goes on from there: `run --image` gives
+    (the hybrid, Qwen2-VL's, Qwen3-VL's) places them on positions of their own (a 4 x 4
+    grid of rows on 4 positions), and the text after goes on from there; Qwen3-VL's rows
+    are twice its width (its deepstack rows beside them): `run --image` gives
     llama-mtmd-cli's bytes with text before the image and after it, and each drafter the
     target alone's tokens."""
     from specgguf.llama.backend import LlamaModel

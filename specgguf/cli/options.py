@@ -749,6 +749,12 @@ def engine_config(
         say(f"specgguf: note: the {kind} drafter reads no draft model's text: "
             f"--mmproj-draft {Path(engine['mmproj_draft']).name} is not loaded")  # fmt: skip
         engine["mmproj_draft"] = None
+    if engine.get("mmproj_draft") is not None and (engine.get("mmproj") is None
+                                                   or draft_model is None):  # fmt: skip
+        raise UsageError(
+            "--mmproj-draft is the draft model's projector: it needs the "
+            "target's (--mmproj) and a draft model (-md)"
+        )
     return EngineConfig(target, draft_model, spec, **engine)
 
 

@@ -339,8 +339,8 @@ class EngineConfig:
         if not self.rpc_timeout > 0:
             raise UsageError(f"the RPC timeout must be more than 0 s, not {self.rpc_timeout}")
         if self.mmproj_draft is not None and (self.mmproj is None or self.draft is None):
-            raise UsageError("--mmproj-draft is the draft model's projector: it needs the "
-                             "target's (--mmproj) and a draft model (-md)")  # fmt: skip
+            raise UsageError("the draft model's projector needs the target's projector and "
+                             "a draft model")  # fmt: skip
 
     @property
     def rpc_servers(self) -> tuple[str, ...]:

@@ -260,8 +260,9 @@ class Engine:
                     config.mmproj_draft, self.draft_model, n_threads=threads,
                     use_gpu=config.mmproj_offload))  # fmt: skip
             elif config.mmproj_draft is not None:
-                raise UsageError(f"--mmproj-draft {config.mmproj_draft.name}: the "
-                                 f"{spec.drafter} drafter reads no draft model's text")  # fmt: skip
+                name = config.mmproj_draft.name
+                raise UsageError(f"the draft model's projector {name}: the {spec.drafter} "
+                                 f"drafter reads no draft model's text")  # fmt: skip
             self.decoder = SpeculativeDecoder(self.target_ctx, self.target_model)
             # Said when the batch size (or a recurrent state's snapshots) is what clamps
             # the draft length; a context smaller than the draft length limits each step
@@ -896,7 +897,7 @@ class Engine:
         from specgguf.llama.media import MediaSpan
 
         d = self.draft_model
-        if self.draft_ctx is None or d is None or d.n_embd != span.embd.shape[1]:
+        if self.draft_ctx is None or d is None or d.n_embd_inp != span.embd.shape[1]:
             return None
         rows = MediaSpan(span.start, span.embd, span.key, span.non_causal)
         if not d.mrope:

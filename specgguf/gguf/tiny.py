@@ -238,6 +238,9 @@ class TinySpec:
     #: trunk layers (``block_count`` counts both, as in llama.cpp).
     full_attention_interval: int = 2
     nextn_layers: int = 0
+    #: qwen3vl: how many of its first layers add an image's "deepstack" rows (its input
+    #: rows are then as wide as ``n_embd`` times one more than this)
+    deepstack_layers: int = 0
     #: The recurrent layers' shapes (qwen35 and mamba2): the ``ssm.*`` keys of llama.cpp
     #: (``ssm_dt_rank``: the number of heads, the value heads of qwen35).
     ssm_d_conv: int = 4
@@ -712,7 +715,7 @@ def _tensors(spec: TinySpec, n_vocab: int) -> list[tuple[str, np.ndarray]]:
 
 _ARCHITECTURES = {"qwen35": _qwen35_tensors, "mamba2": _mamba2_tensors,
                   "eagle3": _eagle3_tensors, "dflash": _dflash_tensors,
-                  "hy_v3": _hy_v3_tensors,
+                  "hy_v3": _hy_v3_tensors, "qwen3vl": _hy_v3_tensors,
                   "gemma4": _gemma4_tensors,
                   "gemma4-assistant": _gemma4_assistant_tensors}  # fmt: skip
 
@@ -771,7 +774,7 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
     if spec.architecture != "mamba2":
         writer.add_rope_freq_base(10000.0)
         writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
-    if spec.architecture in ("qwen35", "qwen2vl"):
+    if spec.architecture in ("qwen35", "qwen2vl", "qwen3vl"):
         # (Interleaved) M-RoPE: sections of the rotated pairs (a text position is the same
         # in each); they add up to half the rotated dimensions, as in the real models.
         half = spec.n_embd // spec.n_head // 2
@@ -780,6 +783,8 @@ def _arch_keys(writer: GGUFWriter, spec: TinySpec) -> None:
         writer.add_full_attention_interval(spec.full_attention_interval)
         if spec.nextn_layers:
             writer.add_nextn_predict_layers(spec.nextn_layers)
+    if spec.architecture == "qwen3vl":
+        writer.add_uint32("qwen3vl.n_deepstack_layers", spec.deepstack_layers)
     if spec.architecture == "hy_v3":
         writer.add_nextn_predict_layers(spec.nextn_layers)
         # (read for every layer; its experts' width, which dense blocks do not use)
@@ -1007,8 +1012,12 @@ def fixture_specs() -> dict[str, TinySpec]:
             seed=81,
             mrope=True,
         ),
-        # Qwen2-VL's (and Qwen2.5-VL's) text model: the target's, with M-RoPE.
+        # Qwen2-VL's (and Qwen2.5-VL's) text model: the target's, with M-RoPE; Qwen3-VL's,
+        # with Q/K norms, whose first layer adds an image's deepstack rows.
         "qwen2vl": dataclasses.replace(target, name="tiny qwen2vl", architecture="qwen2vl"),
+        "qwen3vl": dataclasses.replace(
+            target, name="tiny qwen3vl", architecture="qwen3vl", deepstack_layers=1, seed=95
+        ),
         # Gemma 4: a dense target of a sliding-window and a full-attention layer, and its
         # MTP assistant (two blocks reading those layers' cache, half its width).
         "gemma4": dataclasses.replace(

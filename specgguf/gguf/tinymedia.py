@@ -49,6 +49,7 @@ def write_mmproj(
     seed: int = 4321,
     dtype: type[np.floating] = np.float32,
     projector: str = "mlp",
+    deepstack: tuple[int, ...] = (),
 ) -> int:
     """Write a tiny LLaVA projector to ``path`` whose output embeddings have
     ``n_embd_text`` values (the text model's ``embedding_length``); returns the embeddings
@@ -60,14 +61,19 @@ def write_mmproj(
     patch convolutions summed (a video's two frames), no bias and no learned positions
     (the tower's attention has 2-D rotary positions), and each 2 x 2 patches merged into
     one embedding by two linear layers: (image_size / patch_size / 2)² embeddings, which
-    a target with M-RoPE places on a grid of positions.
+    a target with M-RoPE places on a grid of positions. ``"qwen3vl_merger"``: Qwen3-VL's
+    (models/qwen3vl.cpp): a patch bias and learned positions besides, the attention's
+    Q, K and V in one matrix, and ``deepstack``: the blocks whose output, merged and
+    projected, is put beside each embedding (Qwen3-VL's text model adds it to its first
+    layers): each row is then ``n_embd_text`` times one more than there are of them.
 
     Raises:
         ValueError: sizes that do not divide (image by patch, embedding by heads; Qwen2-VL:
             patches by 2, head size by 4), or a feed-forward size equal to the embedding
             size (see the module).
     """
-    qwen = projector == "qwen2vl_merger"
+    qwen3 = projector == "qwen3vl_merger"
+    qwen = qwen3 or projector == "qwen2vl_merger"
     if (image_size % patch_size or n_embd % n_head or n_ff == n_embd
             or (qwen and (image_size // patch_size % 2 or n_embd // n_head % 4))):  # fmt: skip
         raise ValueError(
@@ -111,7 +117,10 @@ def write_mmproj(
     ]
     if qwen:
         tensors += [("v.patch_embd.weight.1", normal((d, 3, ps, ps), (3 * ps * ps) ** -0.5))]
-    else:
+    if qwen3:
+        positions = normal((n_patches, d), 0.1).astype(np.float32)
+        tensors += [("v.patch_embd.bias", zeros(d)), ("v.position_embd.weight", positions)]
+    elif not qwen:
         tensors += [
             ("v.patch_embd.bias", zeros(d)),
             ("v.position_embd.weight", normal((n_patches, d), 0.1).astype(np.float32)),
@@ -120,8 +129,18 @@ def write_mmproj(
         ]
     for i in range(n_layer):
         p = f"v.blk.{i}"
-        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        for t in ("attn_out",) if qwen3 else ("attn_q", "attn_k", "attn_v", "attn_out"):
             tensors += [(f"{p}.{t}.weight", normal((d, d), d**-0.5)), (f"{p}.{t}.bias", zeros(d))]
+        if qwen3:
+            tensors += [(f"{p}.attn_qkv.weight", normal((3 * d, d), d**-0.5)),
+                        (f"{p}.attn_qkv.bias", zeros(3 * d))]  # fmt: skip
+        if i in deepstack:  # (2 x 2 merged patches: 4 d wide)
+            q = f"v.deepstack.{i}"
+            tensors += [(f"{q}.norm.weight", ones(4 * d)), (f"{q}.norm.bias", zeros(4 * d)),
+                        (f"{q}.fc1.weight", normal((4 * d, 4 * d), (4 * d) ** -0.5)),
+                        (f"{q}.fc1.bias", zeros(4 * d)),
+                        (f"{q}.fc2.weight", normal((n_embd_text, 4 * d), (4 * d) ** -0.5)),
+                        (f"{q}.fc2.bias", zeros(n_embd_text))]  # fmt: skip
         tensors += [
             (f"{p}.ln1.weight", ones(d)),
             (f"{p}.ln1.bias", zeros(d)),

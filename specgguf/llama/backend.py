@@ -344,6 +344,9 @@ class LlamaModel(_Native):
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(model)
         self.n_layer: int = lc.llama_model_n_layer(model)
         self.n_embd: int = lc.llama_model_n_embd(model)
+        #: the width of the rows it reads in place of tokens (an image's embeddings):
+        #: n_embd, more with Qwen3-VL's "deepstack" rows beside them (llama_model_n_embd_inp)
+        self.n_embd_inp: int = lc.llama_model_n_embd_inp(model)
         #: whether its positions have M-RoPE's four sections (Qwen2-VL and later)
         self.mrope: bool = lc.llama_model_rope_type(model) in _MROPE_TYPES
         buf = ctypes.create_string_buffer(64)

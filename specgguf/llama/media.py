@@ -5,7 +5,8 @@ turns an image or an audio clip into the embeddings the target reads in its plac
 
 A prompt with media is text with a marker (:data:`MARKER`, libmtmd's default) where each
 medium goes. :meth:`Projector.chunks` turns one medium into what the target reads there:
-its embeddings (float32 rows of the target's ``n_embd``; a clip's in chunks of 30 s, as
+its embeddings (float32 rows of the target's input width, ``n_embd_inp``: its ``n_embd``,
+more with Qwen3-VL's deepstack rows beside them; a clip's in chunks of 30 s, as
 Whisper's encoder reads them), and any text the projector puts around them (begin/end
 tokens on some models; none on LLaVA's). The embeddings take positions in the target's KV
 cache as tokens do (:meth:`specgguf.llama.backend.LlamaContext.prompt` with
@@ -267,8 +268,8 @@ class Projector(_Native):
 
     Args:
         path: the projector GGUF (``mmproj-*.gguf``, architecture ``clip``).
-        model: the loaded text model it feeds (its ``n_embd`` must be the projector's
-            output size: libmtmd refuses another).
+        model: the loaded text model it feeds (its input width ``n_embd_inp`` must be the
+            projector's output size: libmtmd refuses another).
         n_threads: CPU threads of the image encoder.
         use_gpu: offload the encoder where the build can (``--mmproj-offload``).
 
@@ -298,7 +299,9 @@ class Projector(_Native):
             )
         self.vision = bool(m.mtmd_support_vision(self._ctx))
         self.audio = bool(m.mtmd_support_audio(self._ctx))
-        self.n_embd = model.n_embd
+        #: the width of the rows it makes (the model's input rows: libmtmd's
+        #: mtmd_get_output_embd gives ``llama_model_n_embd_inp`` values a row)
+        self.n_embd = model.n_embd_inp
         #: seconds spent encoding media so far
         self.encode_seconds = 0.0
 
