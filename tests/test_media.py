@@ -249,6 +249,37 @@ def _in_process(
     return config, params, {k: ("picture", media[k].read_bytes()) for k in ("image", "other")}
 
 
+#: generations one after another on one engine: other text right after the same image (a
+#: cache kept one position less than it holds would end inside the image), another image,
+#: the first again, text alone
+TURNS = [("image", "Describe"), ("image", "Name it"), ("other", "Describe"),
+         ("image", "Describe"), (None, "Describe")]  # fmt: skip
+
+
+def _look(eng: Any, pictures: dict[str, tuple[str, bytes]], which: str | None,
+          text: str) -> tuple[list[int], list]:  # fmt: skip
+    """The ids and media of "Look at this: <picture ``which``>``text``" (None: ``text``
+    alone)."""
+    from specgguf.llama.media import MARKER
+
+    if which is None:
+        return eng.prepared_ids(eng.render(text)), []
+    return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
+
+
+def _fresh(config: Any, params: Any, pictures: dict[str, tuple[str, bytes]],
+           turns: list[tuple[str | None, str]]) -> list[list[int]]:  # fmt: skip
+    """Each turn's tokens (:func:`_look`) from an engine of its own, with ``params``."""
+    from specgguf.engine import Engine
+
+    out = []
+    for which, text in turns:
+        with Engine(config) as eng:
+            ids, spans = _look(eng, pictures, which, text)
+            out.append(eng.generate(ids, params, media=spans).run().tokens)
+    return out
+
+
 def test_a_cached_prompt_is_reused_only_up_to_a_different_image(media: dict[str, Path]) -> None:
     """The placeholders are the same tokens for every image: the cache must be cut where
     the image's content differs, and kept where it is the same (keyed by its hash)."""
@@ -463,10 +494,6 @@ HEADS = {
 }
 
 
-def spans_start(eng: Any, prompt: Any) -> int:
-    return int(prompt(eng, "image", "Describe")[1][0].start)
-
-
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_a_head_drafts_after_media_from_the_hidden_states_that_saw_them(
     media: dict[str, Path], tiny_models: dict[str, Path], kind: str
@@ -478,7 +505,6 @@ def test_a_head_drafts_after_media_from_the_hidden_states_that_saw_them(
     tokens, fresh: the same image with other text after it, another image, the first
     again, text alone."""
     from specgguf.engine import Engine, ModelConfig, SpeculativeConfig
-    from specgguf.llama.media import MARKER
 
     target, head, drafter = HEADS[kind]
     mmproj = "mmproj-qwen2vl" if target in ("mtp", "hybrid") else "mmproj"  # (M-RoPE)
@@ -489,27 +515,14 @@ def test_a_head_drafts_after_media_from_the_hidden_states_that_saw_them(
         config, speculative=spec,
         draft=ModelConfig(tiny_models[head], n_ctx=512, n_threads=1) if head else None,
     )  # fmt: skip
-    # (other text right after the same image: a head that keeps one position less than
-    # it holds would cut inside the image; another image: the head's first row there reads
-    # the hidden state of the position before it, which the target computes again)
-    turns = [("image", "Describe"), ("image", "Name it"), ("other", "Describe"),
-             ("image", "Describe"), (None, "Describe")]  # fmt: skip
-
-    def prompt(eng: Engine, which: str | None, text: str) -> tuple[list[int], list]:
-        if which is None:
-            return eng.prepared_ids(eng.render(text)), []
-        return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
-
-    expected = []
-    for which, text in turns:
-        with Engine(config) as eng:
-            ids, spans = prompt(eng, which, text)
-            expected.append(eng.generate(ids, dataclasses.replace(params, drafter="none"),
-                                         media=spans).run().tokens)  # fmt: skip
+    # (another image: the head's first row there reads the hidden state of the position
+    # before it, which the target computes again)
+    turns = TURNS
+    expected = _fresh(config, params, pictures, turns)
     # (the tiny Gemma 4 gives the same tokens whatever the image)
     assert expected[0] != expected[2] or kind == "assistant"
     with Engine(drafting) as eng:
-        ids, spans = prompt(eng, "image", "Describe")
+        ids, spans = _look(eng, pictures, "image", "Describe")
         ctx = eng.target_ctx
         ctx.prompt(ids, media=spans)
         rows = ctx.hidden_rows(spans[0].start, spans[0].end)  # (none there before)
@@ -517,7 +530,7 @@ def test_a_head_drafts_after_media_from_the_hidden_states_that_saw_them(
         ctx.reuse([])
         drafted, cached = 0, []
         for (which, text), want in zip(turns, expected, strict=True):
-            ids, spans = prompt(eng, which, text)
+            ids, spans = _look(eng, pictures, which, text)
             res = eng.generate(ids, dataclasses.replace(params, drafter=drafter),
                                media=spans).run()  # fmt: skip
             assert res.tokens == want, (kind, which, text)
@@ -525,7 +538,8 @@ def test_a_head_drafts_after_media_from_the_hidden_states_that_saw_them(
             cached.append(res.stats.prompt_cached)
         assert drafted > 0
         # the text before the image is kept (but its last position, for the head's row)
-        assert 0 < cached[2] < spans_start(eng, prompt) and cached[3] == cached[2]
+        image_at = _look(eng, pictures, "image", "Describe")[1][0].start
+        assert 0 < cached[2] < image_at and cached[3] == cached[2]
 
 
 # -- recurrent and hybrid targets, M-RoPE ---------------------------------------------
@@ -616,24 +630,16 @@ def test_a_recurrent_state_keeps_a_checkpoint_after_an_image_and_reads_it_again(
     snapshots decodes the kept positions again, the image's as rows, not placeholders
     (on the M-RoPE hybrid, at the image's positions)."""
     from specgguf.engine import Engine
-    from specgguf.llama.media import MARKER
 
     config, params, pictures = _in_process(media, tiny_models[target], RECURRENT[target][1])
 
-    def prompt(eng: Engine, which: str, text: str) -> tuple[list[int], list]:
-        return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
-
-    turns = [("image", "Describe"), ("image", "Name it"), ("other", "Describe")]
-    expected = []
-    for which, text in turns:
-        with Engine(config) as eng:
-            ids, spans = prompt(eng, which, text)
-            expected.append(eng.generate(ids, params, media=spans).run().tokens)
+    turns: list[tuple[str | None, str]] = TURNS[:3]
+    expected = _fresh(config, params, pictures, turns)
     assert expected[0] != expected[2]
     with Engine(config) as eng:
         cached = []
         for (which, text), want in zip(turns, expected, strict=True):
-            ids, spans = prompt(eng, which, text)
+            ids, spans = _look(eng, pictures, which, text)
             res = eng.generate(ids, params, media=spans).run()
             assert res.tokens == want, (which, text)
             cached.append(res.stats.prompt_cached)
@@ -641,7 +647,7 @@ def test_a_recurrent_state_keeps_a_checkpoint_after_an_image_and_reads_it_again(
         assert cached[1] >= end and cached[2] <= start, (cached, start, end)
         # past the snapshots: cleared and decoded again, the image as its rows
         ctx = eng.target_ctx
-        ids, spans = prompt(eng, "image", "Describe")
+        ids, spans = _look(eng, pictures, "image", "Describe")
         ctx.reuse([])
         ctx.prompt(ids[:-1], media=spans)
         ctx.rollback(end + 1)
@@ -707,7 +713,6 @@ def test_a_draft_model_of_the_targets_width_reads_the_images_rows(
     otherwise: the same image, another, the first again, text alone, each the target
     alone's tokens, the drafts after an image accepted."""
     from specgguf.engine import Engine, ModelConfig, SpeculativeConfig
-    from specgguf.llama.media import MARKER
 
     draft, mmproj = SAME[target]
     config, params, pictures = _in_process(media, tiny_models[target], mmproj)
@@ -716,25 +721,13 @@ def test_a_draft_model_of_the_targets_width_reads_the_images_rows(
         config, speculative=SpeculativeConfig(drafter="model", draft_max=4),
         draft=ModelConfig(tiny_models[draft], n_ctx=512, n_threads=1),
     )  # fmt: skip
-    turns = [("image", "Describe"), ("image", "Name it"), ("other", "Describe"),
-             ("image", "Describe"), (None, "Describe")]  # fmt: skip
-
-    def prompt(eng: Engine, which: str | None, text: str) -> tuple[list[int], list]:
-        if which is None:
-            return eng.prepared_ids(eng.render(text)), []
-        return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
-
-    expected = []
-    for which, text in turns:
-        with Engine(config) as eng:
-            ids, spans = prompt(eng, which, text)
-            expected.append(eng.generate(ids, dataclasses.replace(params, drafter="none"),
-                                         media=spans).run().tokens)  # fmt: skip
+    turns = TURNS
+    expected = _fresh(config, params, pictures, turns)
     assert expected[0] != expected[2]
     model = dataclasses.replace(params, drafter="model")
     with Engine(drafting) as eng:
         for (which, text), want in zip(turns, expected, strict=True):
-            ids, spans = prompt(eng, which, text)
+            ids, spans = _look(eng, pictures, which, text)
             assert all(s.draft is not None for s in spans)
             res = eng.generate(ids, model, media=spans).run()
             assert res.tokens == want, (which, text)
@@ -743,7 +736,7 @@ def test_a_draft_model_of_the_targets_width_reads_the_images_rows(
             rate = res.stats.accepted / max(1, res.stats.drafted)
             assert which is None or rate >= 0.75, (which, text, res.stats)
         # the placeholders instead of the rows: most drafts after the image rejected
-        ids, spans = prompt(eng, "other", "Describe")
+        ids, spans = _look(eng, pictures, "other", "Describe")
         res = eng.generate(ids, model, media=[dataclasses.replace(s, draft=None)
                                               for s in spans]).run()  # fmt: skip
         assert res.tokens == expected[2]
@@ -838,27 +831,17 @@ def test_the_ram_prompt_cache_keeps_prompts_with_images_by_their_content(
     another image only up to it (the placeholders are the same tokens)."""
     from specgguf.engine import Engine
     from specgguf.engine.config import CacheConfig
-    from specgguf.llama.media import MARKER
 
     config, params, pictures = _in_process(media)
     cached = dataclasses.replace(config, cache=CacheConfig(ram=64 << 20))
 
-    def prompt(eng: Engine, which: str | None, text: str) -> tuple[list[int], list]:
-        if which is None:
-            return eng.prepared_ids(eng.render(text)), []
-        return eng.media_prompt(eng.render(f"Look at this: {MARKER}{text}"), [pictures[which]])
-
     turns = [("image", "Describe"), (None, "Tell me about the quick fox, " * 8),
              ("image", "Describe"), ("other", "Describe")]  # fmt: skip
-    fresh = []
-    for which, text in turns:
-        with Engine(config) as eng:
-            ids, spans = prompt(eng, which, text)
-            fresh.append(eng.generate(ids, params, media=spans).run().tokens)
+    fresh = _fresh(config, params, pictures, turns)
     with Engine(cached) as eng:
         got = []
         for which, text in turns:
-            ids, spans = prompt(eng, which, text)
+            ids, spans = _look(eng, pictures, which, text)
             res = eng.generate(ids, params, media=spans).run()
             got.append((res.tokens, res.stats.prompt_cached, spans))
         assert eng.prompt_cache is not None and eng.prompt_cache.restores >= 1

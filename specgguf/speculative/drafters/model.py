@@ -93,6 +93,7 @@ class ModelDrafter(Drafter):
         self._warned = False
         # the generation's media with rows for the draft, by history position
         self._rows: dict[int, Any] = {}
+        self._rows_end = 0  # (the row after the last of them)
         # the media the cache holds as rows: history position -> content key
         self._read: dict[int, bytes] = {}
         self.seconds = 0.0
@@ -118,6 +119,7 @@ class ModelDrafter(Drafter):
         """The generation's media (``backend.MediaSpan``\\ s): those with rows for the
         draft model (their ``draft``) are read as rows."""
         self._rows = {d.start: d for m in media if (d := getattr(m, "draft", None)) is not None}
+        self._rows_end = max((m.end for m in self._rows.values()), default=0)
 
     def _media_bound(self, n: int) -> int:
         """``n`` leading positions of the window, cut before the first medium the cache
@@ -265,7 +267,7 @@ class ModelDrafter(Drafter):
             self.prompt_seconds += time.perf_counter() - t_prompt
         last = start
         if len(history) - start > _CATCH_UP_SPLIT or (
-                self._rows and max(m.end for m in self._rows.values()) > start):  # fmt: skip
+                self._rows_end > start):  # fmt: skip
             # A long catch-up without logits first (after idle steps): a batcher reads it
             # in pieces beside the other sequences' steps, where a request for logits
             # would go first and hold their verifications up; its last token then alone.
